@@ -1,0 +1,3 @@
+from trio_llm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""The interface every compute backend implements (numpy reference, Vulkan).
+
+A backend is *synchronous* and single-threaded: exactly one task (the backend actor,
+``trio_llm.engine.actor``) calls it, from a worker thread, one call at a time. It owns
+the weights, a KV cache of ``n_seq`` independent sequences (one per server slot) of
+``n_ctx`` positions each, and whatever buffers the forward pass needs.
+
+The KV cache of sequence ``s`` holds valid entries for positions ``[0, pos0)`` when a
+forward pass for ``s`` starts at ``pos0``; the pass writes positions
+``[pos0, pos0 + len(tokens))`` and attends causally over ``[0, pos]`` for each token.
+So truncating a sequence (prompt-cache reuse of a common prefix) needs no call: the
+next pass simply starts at the shorter ``pos0`` and overwrites.
+
+Residency (``release``/``restore``) moves device memory to a host shadow and back;
+``memory()`` reports device bytes by category. The numpy backend has no device: it
+reports host bytes as if they were device bytes and its release/restore only move
+accounting (and drop/rebuild the KV arrays for level "all"), which keeps the server
+and residency logic testable without Vulkan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from enum import Enum
+from typing import Protocol
+
+import attrs
+import numpy as np
+
+from trio_llm.model.config import ModelConfig
+
+
+class Level(str, Enum):
+    """How much a release gives back (``--sleep-mode``)."""
+
+    WEIGHTS = "weights"  # weights only; KV cache and compute buffers stay on the device
+    ALL = "all"  # weights, KV cache (copied to host), compute and scratch buffers
+    UNLOAD = "unload"  # everything, no host shadow: restore reloads from the GGUF file
+
+
+#: categories of device memory, as reported by ``Backend.memory()`` and ``/props``
+MEMORY_CATEGORIES = ("weights", "kv_cache", "compute", "scratch")
+
+
+@attrs.frozen
+class SeqBatch:
+    """One sequence's share of a forward pass."""
+
+    seq_id: int  # 0 .. n_seq-1 (the server's slot id)
+    tokens: np.ndarray  # [n] int32 token ids
+    pos0: int  # position of tokens[0]; 0 <= pos0 and pos0 + n <= n_ctx
+
+
+#: progress callback while loading: (bytes done, bytes total)
+Progress = Callable[[int, int], None]
+
+
+class Backend(Protocol):
+    name: str  # "numpy" or "vulkan"
+    config: ModelConfig
+    n_ctx: int  # positions per sequence
+    n_seq: int  # independent sequences (slots)
+
+    def forward(self, batch: Sequence[SeqBatch]) -> np.ndarray:
+        """Run one forward pass over all entries (continuous batching).
+
+        Returns ``[len(batch), n_vocab]`` float32: the logits of each entry's *last*
+        token. Must only be called while resident.
+        """
+        ...
+
+    def memory(self) -> dict[str, int]:
+        """Device bytes held now, by category (keys: MEMORY_CATEGORIES)."""
+        ...
+
+    def device_info(self) -> dict[str, object]:
+        """Name, type and limits of the device, for the log and ``/props``."""
+        ...
+
+    def release(self, level: Level) -> None:
+        """Give device memory back (see Level). Idempotent; the KV contents survive
+        for WEIGHTS and ALL (copied to host for ALL), not for UNLOAD."""
+        ...
+
+    def restore(self) -> None:
+        """Bring back what ``release`` gave away, so ``forward`` works again."""
+        ...
+
+    def close(self) -> None:
+        """Free everything. Safe in every residency state, and more than once."""
+        ...

@@ -1,0 +1,71 @@
+"""The domain exceptions, all in one place.
+
+Backends map driver errors to these at their boundary; the HTTP edge maps them to
+OpenAI-shaped error bodies and the CLI to one line and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+
+class TrioLLMError(Exception):
+    """Base of every error trio-llm raises on purpose."""
+
+
+class ModelLoadError(TrioLLMError):
+    """A GGUF file cannot be used. The message names the file and the problem."""
+
+    def __init__(self, path: object, problem: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The file is well formed but uses an architecture or tensor type we do not run."""
+
+
+class TokenizerError(TrioLLMError):
+    """The tokenizer section of a model is missing or malformed."""
+
+
+class TemplateError(TrioLLMError):
+    """A chat template failed to render."""
+
+
+class BackendError(TrioLLMError):
+    """The compute backend failed; raised at the backend boundary."""
+
+
+class BackendUnavailable(BackendError):
+    """The requested backend cannot run on this machine (no Vulkan loader or device)."""
+
+
+class DeviceOutOfMemory(BackendError):
+    """The device refused an allocation (VK_ERROR_OUT_OF_DEVICE_MEMORY and friends)."""
+
+
+class DeviceLost(BackendError):
+    """The device was lost (VK_ERROR_DEVICE_LOST); the backend is unusable afterwards."""
+
+
+class ShaderCompileError(BackendError):
+    """glslc failed or is missing."""
+
+
+class ContextOverflow(TrioLLMError):
+    """A prompt (plus the tokens to generate) does not fit the context."""
+
+    def __init__(self, n_tokens: int, n_ctx: int) -> None:
+        self.n_tokens = n_tokens
+        self.n_ctx = n_ctx
+        super().__init__(
+            f"the request needs {n_tokens} tokens but the context holds {n_ctx} per slot"
+        )
+
+
+class InvalidRequest(TrioLLMError):
+    """A request that is well-formed JSON but asks for something invalid."""
+
+
+class ArenaUnavailable(TrioLLMError):
+    """The VRAM arena directory cannot be opened or written."""

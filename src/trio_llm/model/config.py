@@ -1,0 +1,49 @@
+"""ModelConfig: the hyper-parameters a forward pass needs, read once from GGUF metadata.
+
+Shapes follow llama.cpp's names. Weight matrices are stored the ggml way: a tensor
+with ``ne = [n_in, n_out]`` is ``n_out`` rows of ``n_in`` values, each row quantized
+in blocks along ``n_in``; in numpy that is an array of shape ``[n_out, n_in]``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+RopeMode = Literal["normal", "neox"]
+
+#: architectures we run, and the RoPE layout each implies
+ARCH_ROPE: dict[str, RopeMode] = {"llama": "normal", "qwen2": "neox", "qwen3": "neox"}
+
+
+@attrs.frozen
+class ModelConfig:
+    arch: str  # "llama" (also Mistral-style llama), "qwen2", "qwen3"
+    name: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int  # per head; qwen3 has head_dim * n_head != n_embd
+    n_ff: int
+    n_ctx_train: int
+    rope_theta: float
+    rms_eps: float
+    rope_mode: RopeMode  # "normal": adjacent pairs (llama GGUF, Q/K pre-permuted); "neox": half split
+    qk_norm: bool  # qwen3: RMSNorm of each q and k head before RoPE
+    attn_bias: bool  # qwen2: biases on q, k and v projections
+    tied_embeddings: bool  # no output.weight: the head reuses token_embd.weight
+
+    @property
+    def n_gqa(self) -> int:
+        return self.n_head // self.n_head_kv
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head_kv * self.head_dim
