@@ -1,0 +1,220 @@
+"""Token sampling: small pure functions of (logits, parameters, an explicit RNG).
+
+The chain follows llama.cpp's default sampler order (``common_sampler``): logit bias,
+repetition penalties, top-k, top-p, min-p, temperature, then a draw from the
+softmax. Top-p and min-p therefore see the *untempered* distribution, exactly as in
+llama-server, so the same settings keep the same candidates in both programs.
+
+Every random draw comes from the ``np.random.Generator`` the caller passes in: a
+slot seeded with ``seed`` replays the same tokens for the same logits, and tests can
+pin the outcome without touching global state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from trio_llm.errors import InvalidRequest
+
+#: llama.cpp's LLAMA_DEFAULT_SEED: "pick a random seed", like -1
+DEFAULT_SEED = 0xFFFFFFFF
+
+
+def _finite(name: str) -> Any:
+    def check(_inst: object, _attr: attrs.Attribute[Any], value: float) -> None:
+        if not np.isfinite(value):
+            raise InvalidRequest(f"{name} must be a finite number, got {value!r}")
+
+    return check
+
+
+def _in_range(name: str, lo: float, hi: float) -> Any:
+    def check(_inst: object, _attr: attrs.Attribute[Any], value: float) -> None:
+        if not (lo <= value <= hi):
+            raise InvalidRequest(f"{name} must be between {lo} and {hi}, got {value!r}")
+
+    return check
+
+
+def _at_least(name: str, lo: int) -> Any:
+    def check(_inst: object, _attr: attrs.Attribute[Any], value: int) -> None:
+        if value < lo:
+            raise InvalidRequest(f"{name} must be >= {lo}, got {value!r}")
+
+    return check
+
+
+@attrs.frozen
+class SamplingParams:
+    """One request's sampling settings; defaults are llama-server's.
+
+    Construction validates (``InvalidRequest`` on a bad value), so a params object
+    that exists is always usable by ``sample``.
+    """
+
+    temperature: float = attrs.field(default=0.8, validator=_finite("temperature"))
+    top_k: int = 40  # <= 0: keep every token
+    top_p: float = attrs.field(default=0.95, validator=_in_range("top_p", 0.0, 1.0))
+    min_p: float = attrs.field(default=0.05, validator=_in_range("min_p", 0.0, 1.0))
+    repeat_penalty: float = attrs.field(default=1.0, validator=_in_range("repeat_penalty", 0.0, 1e9))
+    repeat_last_n: int = attrs.field(default=64, validator=_at_least("repeat_last_n", -1))
+    presence_penalty: float = attrs.field(default=0.0, validator=_finite("presence_penalty"))
+    frequency_penalty: float = attrs.field(default=0.0, validator=_finite("frequency_penalty"))
+    seed: int = DEFAULT_SEED  # DEFAULT_SEED or negative: a fresh random seed
+    n_probs: int = attrs.field(default=0, validator=_at_least("n_probs", 0))
+    # (token id, bias) pairs added to the logits first; -inf bans a token
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def make_rng(seed: int) -> np.random.Generator:
+    """The generator for one request: deterministic for a fixed seed, fresh otherwise."""
+    if seed < 0 or seed == DEFAULT_SEED:
+        return np.random.default_rng()
+    return np.random.default_rng(seed)
+
+
+def apply_logit_bias(logits: np.ndarray, bias: Iterable[tuple[int, float]]) -> None:
+    """Add each bias to its token's logit, in place; ids outside the vocab are refused."""
+    n_vocab = logits.shape[0]
+    for tok, b in bias:
+        if not 0 <= tok < n_vocab:
+            raise InvalidRequest(f"logit_bias names token {tok}, outside the vocabulary of {n_vocab}")
+        logits[tok] += b
+
+
+def apply_penalties(
+    logits: np.ndarray,
+    recent_tokens: Sequence[int] | np.ndarray,
+    *,
+    repeat_penalty: float,
+    repeat_last_n: int,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+) -> None:
+    """llama.cpp's penalties sampler, in place on ``logits`` [n_vocab].
+
+    For each token seen in the last ``repeat_last_n`` tokens (-1: all of them): a
+    positive logit is divided by ``repeat_penalty`` and a negative one multiplied (so
+    the penalty always lowers the token), then ``count * frequency + presence`` is
+    subtracted.
+    """
+    if repeat_last_n == 0 or (
+        repeat_penalty == 1.0 and presence_penalty == 0.0 and frequency_penalty == 0.0
+    ):
+        return
+    recent = np.asarray(recent_tokens, dtype=np.int64)  # [n_recent]
+    if repeat_last_n > 0:
+        recent = recent[-repeat_last_n:]
+    recent = recent[(recent >= 0) & (recent < logits.shape[0])]
+    if recent.size == 0:
+        return
+    ids, counts = np.unique(recent, return_counts=True)  # [n_distinct], [n_distinct]
+    vals = logits[ids]  # [n_distinct]
+    vals = np.where(vals <= 0, vals * repeat_penalty, vals / repeat_penalty)
+    vals = vals - counts * frequency_penalty - presence_penalty
+    logits[ids] = vals
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - np.max(x))  # [n]
+    return e / e.sum()  # type: ignore[no-any-return]
+
+
+def _top_k(ids: np.ndarray, vals: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keep the k largest logits (k <= 0: all), sorted descending, ties by lower id."""
+    n = vals.shape[0]
+    if 0 < k < n:
+        part = np.argpartition(-vals, k - 1)[:k]  # [k] unordered
+        ids, vals = ids[part], vals[part]
+    order = np.lexsort((ids, -vals))  # [k] descending value, then ascending id
+    return ids[order], vals[order]
+
+
+def _top_p(vals: np.ndarray, p: float) -> int:
+    """How many of the sorted candidates top-p keeps: the shortest prefix whose
+    probability mass reaches ``p`` (at least one)."""
+    if p >= 1.0:
+        return vals.shape[0]
+    cum = np.cumsum(_softmax(vals))  # [n]
+    return int(min(np.searchsorted(cum, p, side="left") + 1, vals.shape[0]))
+
+
+def _min_p(vals: np.ndarray, p: float) -> int:
+    """How many of the sorted candidates have probability >= p * the top one's."""
+    if p <= 0.0:
+        return vals.shape[0]
+    threshold = vals[0] + np.log(p)
+    return max(1, int(np.count_nonzero(vals >= threshold)))
+
+
+def candidates(logits: np.ndarray, params: SamplingParams,
+               recent_tokens: Sequence[int] | np.ndarray = ()) -> tuple[np.ndarray, np.ndarray]:
+    """The candidate set a draw is made from: ``(ids, probs)``, sorted by probability.
+
+    Runs the whole chain except the draw; ``sample`` draws from it. Greedy params give
+    the single arg-max token with probability 1.
+    """
+    x = np.array(logits, dtype=np.float64)  # [n_vocab], a private copy
+    if params.logit_bias:
+        apply_logit_bias(x, params.logit_bias)
+    apply_penalties(
+        x,
+        recent_tokens,
+        repeat_penalty=params.repeat_penalty,
+        repeat_last_n=params.repeat_last_n,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+    )
+    if params.greedy:
+        return np.array([int(np.argmax(x))]), np.array([1.0])
+    ids, vals = _top_k(np.arange(x.shape[0]), x, params.top_k)  # [k], [k]
+    keep = _top_p(vals, params.top_p)
+    ids, vals = ids[:keep], vals[:keep]
+    keep = _min_p(vals, params.min_p)
+    ids, vals = ids[:keep], vals[:keep]
+    return ids, _softmax(vals / params.temperature)
+
+
+def sample(
+    logits: np.ndarray,
+    params: SamplingParams,
+    rng: np.random.Generator,
+    recent_tokens: Sequence[int] | np.ndarray = (),
+) -> int:
+    """One token id from ``logits`` [n_vocab].
+
+    ``recent_tokens`` are the tokens already in the sequence (prompt and generated,
+    oldest first) that the repetition penalties look at. Greedy (temperature <= 0)
+    draws nothing from ``rng``; otherwise exactly one uniform number is drawn.
+    """
+    ids, probs = candidates(logits, params, recent_tokens)
+    if ids.shape[0] == 1:
+        return int(ids[0])
+    cum = np.cumsum(probs)  # [n_cand]
+    u = rng.random() * cum[-1]
+    idx = int(np.searchsorted(cum, u, side="right"))
+    return int(ids[min(idx, ids.shape[0] - 1)])
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float64)  # [n_vocab]
+    m = np.max(x)
+    return x - m - np.log(np.sum(np.exp(x - m)))  # type: ignore[no-any-return]
+
+
+def top_logprobs(logits: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The ``n`` most likely tokens of the raw distribution with their log-probabilities,
+    most likely first (ties by lower id): what ``n_probs`` / ``logprobs`` report."""
+    if n <= 0:
+        return []
+    lp = log_softmax(logits)  # [n_vocab]
+    ids, vals = _top_k(np.arange(lp.shape[0]), lp, n)  # [n], [n]
+    return [(int(i), float(v)) for i, v in zip(ids, vals, strict=True)]
