@@ -69,3 +69,14 @@ class InvalidRequest(TrioLLMError):
 
 class ArenaUnavailable(TrioLLMError):
     """The VRAM arena directory cannot be opened or written."""
+
+
+class ConfigError(TrioLLMError):
+    """A command-line flag or configuration value is out of range or inconsistent."""
+
+
+class ScenarioError(TrioLLMError):
+    """A scenario file is malformed, or a scenario cannot be set up (model, ports, processes).
+
+    The message names the file and the place in it (``phase[1].step[0].server``).
+    """
