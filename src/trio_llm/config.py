@@ -1,0 +1,106 @@
+"""The server's configuration: one frozen record, validated once at the edge.
+
+``trio-llm serve`` turns its flags into a ``ServerConfig``; everything below the
+runtime trusts the values (a slot count is positive, a port fits in 16 bits), so no
+actor re-checks them. Validation failures raise ``ConfigError`` with a message that
+names the flag the user typed, because that is what they can fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+from trio_llm.errors import ConfigError
+
+BackendKind = Literal["auto", "numpy", "vulkan"]
+SleepMode = Literal["unload", "weights", "all"]
+
+BACKEND_KINDS: tuple[str, ...] = ("auto", "numpy", "vulkan")
+SLEEP_MODES: tuple[str, ...] = ("unload", "weights", "all")
+
+#: the largest context we accept; beyond it a typo (an extra zero) is likelier than intent
+MAX_CTX = 1 << 22
+
+
+def _check(ok: bool, flag: str, problem: str) -> None:
+    if not ok:
+        raise ConfigError(f"{flag}: {problem}")
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    """What ``trio-llm serve`` was asked to do. Field names follow llama-server's flags."""
+
+    model: Path | None = None  # -m; None: the embedded demo model (default_model_path())
+    alias: str | None = None  # -a: the model id reported by /v1/models
+    host: str = "127.0.0.1"
+    port: int = 8080
+    ctx_size: int = 4096  # -c: total positions, split evenly over the slots; 0 = from model
+    parallel: int = 1  # -np: slots (sequences decoded together)
+    batch_size: int = 512  # -b: most tokens in one forward pass
+    n_predict: int = -1  # -n: default tokens to predict; -1 = until EOG or context full
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int = -1  # -1: a fresh random seed per request
+    api_key: str | None = None
+    metrics: bool = False
+    warmup: bool = True
+    backend: BackendKind = "auto"
+    n_gpu_layers: int | None = None  # -ngl: accepted for compatibility; see docs/server.md
+    n_cpu_moe: int | None = None  # --n-cpu-moe: accepted for compatibility
+    sleep_mode: SleepMode = "weights"
+    vram_arena: Path | None = None
+    sleep_idle_seconds: float = -1.0  # -1: idle sleep off
+    shutdown_timeout: float = 5.0  # SIGTERM: in-flight work gets this long, then is cancelled
+
+    def __attrs_post_init__(self) -> None:
+        _check(0 < self.port < 65536 or self.port == 0, "--port", f"{self.port} is not a TCP port")
+        _check(bool(self.host), "--host", "empty host")
+        _check(0 <= self.ctx_size <= MAX_CTX, "-c/--ctx-size", f"{self.ctx_size} is not in [0, {MAX_CTX}]")
+        _check(1 <= self.parallel <= 256, "-np/--parallel", f"{self.parallel} is not in [1, 256]")
+        _check(1 <= self.batch_size <= 1 << 16, "-b/--batch-size", f"{self.batch_size} is not in [1, 65536]")
+        _check(self.n_predict >= -1, "-n/--n-predict", "must be -1 (unlimited) or >= 0")
+        _check(0.0 <= self.temp <= 100.0, "--temp", f"{self.temp} is not in [0, 100]")
+        _check(self.top_k >= 0, "--top-k", "must be >= 0 (0 disables it)")
+        _check(0.0 <= self.top_p <= 1.0, "--top-p", f"{self.top_p} is not in [0, 1]")
+        _check(0.0 <= self.min_p <= 1.0, "--min-p", f"{self.min_p} is not in [0, 1]")
+        _check(0.0 < self.repeat_penalty <= 100.0, "--repeat-penalty", "must be in (0, 100]")
+        _check(self.repeat_last_n >= -1, "--repeat-last-n", "must be >= -1")
+        _check(-1 <= self.seed < 1 << 64, "--seed", "must be -1 (random) or a 64-bit unsigned integer")
+        _check(self.backend in BACKEND_KINDS, "--backend", f"{self.backend!r} is not one of {BACKEND_KINDS}")
+        _check(self.sleep_mode in SLEEP_MODES, "--sleep-mode", f"{self.sleep_mode!r} is not one of {SLEEP_MODES}")
+        _check(
+            self.sleep_idle_seconds == -1 or self.sleep_idle_seconds >= 0,
+            "--sleep-idle-seconds",
+            "must be -1 (off) or >= 0",
+        )
+        _check(self.shutdown_timeout >= 0, "shutdown timeout", "must be >= 0")
+        _check(self.api_key is None or bool(self.api_key), "--api-key", "empty key")
+        if self.model is not None:
+            # existence is checked by the loader, which can say what is wrong with the file
+            _check(str(self.model) != "", "-m/--model", "empty path")
+
+    def slot_ctx(self, n_ctx_train: int) -> int:
+        """Positions per slot: ``-c`` split evenly over ``-np``, as llama-server does."""
+        total = self.ctx_size or n_ctx_train
+        return max(1, total // self.parallel)
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The server-wide sampler settings a request starts from (``/props`` shows them)."""
+        return {
+            "temperature": self.temp,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "repeat_penalty": self.repeat_penalty,
+            "repeat_last_n": self.repeat_last_n,
+            "seed": self.seed,
+            "n_predict": self.n_predict,
+        }

@@ -1,0 +1,259 @@
+"""The task queue: which task runs in which slot, and who waits.
+
+Inbox (``_inbox``, finite): ``Post`` from HTTP handlers, ``Cancel`` from handlers
+whose client went away, ``SlotReleased`` from the slots loop when a slot goes idle.
+Outbox (``assign``): ``Assign`` and ``CancelSlot`` messages to the slots loop.
+
+Invariants: a slot runs at most one task; a task is in exactly one of pending,
+deferred or active until it finishes or is cancelled; tasks start in arrival order
+except that a task pinned to a busy slot (``id_slot``) lets later ones pass. The
+outbox never fills: per slot at most one ``Assign`` and two ``CancelSlot`` can be in
+flight (see ``outbox_size``), so this actor never blocks on the slots loop, and the
+slots loop may block briefly on our inbox without a cycle.
+
+The decisions are the pure functions at the top (``select_slot``, ``dispatch``),
+tested without trio; ``TaskQueue`` is the thin async shell around them. Names follow
+llama.cpp's server (``post``, ``defer``, ``start_loop``, ``id_task``, ``id_slot``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+import attrs
+import trio
+
+from trio_llm.server.tasks import ServerTask
+
+# ---------------------------------------------------------------------------
+# messages
+
+
+@attrs.frozen
+class Post:
+    task: ServerTask
+
+
+@attrs.frozen
+class Cancel:
+    id_task: int
+
+
+@attrs.frozen
+class SlotReleased:
+    """A slot went idle; ``cache`` is the token list its KV cache now holds."""
+
+    id_slot: int
+    id_task: int
+    cache: tuple[int, ...]
+
+
+@attrs.frozen
+class Assign:
+    task: ServerTask
+    id_slot: int
+
+
+@attrs.frozen
+class CancelSlot:
+    id_task: int
+    id_slot: int
+
+
+QueueMessage = Post | Cancel | SlotReleased
+SlotsMessage = Assign | CancelSlot
+
+
+def outbox_size(n_slots: int) -> int:
+    """A buffer the outbox can never exceed: per slot one Assign, plus a CancelSlot
+    for the task it finished on its own and one for the task it was just given."""
+    return 3 * n_slots
+
+
+# ---------------------------------------------------------------------------
+# pure state transitions
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@attrs.frozen
+class IdleSlot:
+    cache: tuple[int, ...]  # tokens in the slot's KV cache
+    last_used: int  # a counter value; smaller = released longer ago
+
+
+def select_slot(idle: Mapping[int, IdleSlot], prompt: Sequence[int], want: int = -1) -> int | None:
+    """The idle slot for ``prompt``: ``want`` if given (None while it is busy), else the
+    one sharing the longest prefix with it, the least recently used on a tie (so a
+    cache nobody matches is overwritten before a fresher one)."""
+    if want >= 0:
+        return want if want in idle else None
+    best: tuple[int, int, int] | None = None  # (-prefix, last_used, id_slot)
+    for id_slot, slot in idle.items():
+        key = (-common_prefix(slot.cache, prompt), slot.last_used, id_slot)
+        if best is None or key < best:
+            best = key
+    return None if best is None else best[2]
+
+
+@attrs.define
+class QueueState:
+    """Everything the queue knows. Mutated only by the functions below."""
+
+    idle: dict[int, IdleSlot]
+    pending: deque[ServerTask] = attrs.field(factory=deque)  # posted, not yet looked at
+    deferred: deque[ServerTask] = attrs.field(factory=deque)  # looked at, no slot free
+    active: dict[int, int] = attrs.field(factory=dict)  # id_task -> id_slot
+    clock: int = 0  # counts releases, for least-recently-used order
+    deferrals: int = 0  # tasks that found no free slot when first looked at
+
+    @classmethod
+    def initial(cls, n_slots: int) -> QueueState:
+        return cls(idle={i: IdleSlot((), -i - 1) for i in range(n_slots)})
+
+
+def dispatch(state: QueueState) -> list[Assign]:
+    """Start what can start: every waiting task, oldest first, gets its slot or is
+    deferred. Returns the assignments to send; ``state`` is updated in place."""
+    n_old = len(state.deferred)
+    waiting = list(state.deferred) + list(state.pending)
+    state.deferred.clear()
+    state.pending.clear()
+    out: list[Assign] = []
+    done = 0
+    try:
+        for task in waiting:
+            id_slot = select_slot(state.idle, task.prompt, task.params.id_slot)
+            if id_slot is None:
+                state.deferred.append(task)
+                state.deferrals += done >= n_old  # counted once, when first deferred
+            else:
+                del state.idle[id_slot]
+                state.active[task.id_task] = id_slot
+                out.append(Assign(task, id_slot))
+            done += 1
+    except BaseException:
+        # repair: whatever was not looked at yet is still waiting, in order
+        state.deferred.extend(waiting[done:])
+        raise
+    return out
+
+
+def release(state: QueueState, msg: SlotReleased) -> None:
+    """A slot went idle: it is free again and remembers what its cache holds."""
+    if state.active.get(msg.id_task) == msg.id_slot:
+        del state.active[msg.id_task]
+    state.clock += 1
+    state.idle[msg.id_slot] = IdleSlot(msg.cache, state.clock)
+
+
+def cancel(state: QueueState, id_task: int) -> ServerTask | CancelSlot | None:
+    """Forget a task: a waiting one is removed and returned (its channel must be
+    closed); an active one yields the ``CancelSlot`` to send; a finished one, None."""
+    for q in (state.pending, state.deferred):
+        for task in q:
+            if task.id_task == id_task:
+                q.remove(task)
+                return task
+    id_slot = state.active.pop(id_task, None)
+    return None if id_slot is None else CancelSlot(id_task, id_slot)
+
+
+# ---------------------------------------------------------------------------
+# the actor
+
+
+@attrs.frozen
+class QueueStatistics:
+    n_pending: int
+    n_deferred: int  # llamacpp:requests_deferred
+    n_active: int
+    n_idle_slots: int
+    posted: int
+    cancelled: int
+    deferrals: int  # times a task was looked at and found no free slot
+
+
+@attrs.define(eq=False)
+class TaskQueue:
+    """Run ``start_loop`` in a nursery; HTTP handlers ``post`` and ``cancel``."""
+
+    _state: QueueState
+    _assign: trio.MemorySendChannel[SlotsMessage]
+    _send: trio.MemorySendChannel[QueueMessage] = attrs.field(init=False)
+    _inbox: trio.MemoryReceiveChannel[QueueMessage] = attrs.field(init=False)
+    _ids: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
+    _posted: int = 0
+    _cancelled: int = 0
+
+    @classmethod
+    def create(cls, n_slots: int, assign: trio.MemorySendChannel[SlotsMessage]) -> TaskQueue:
+        return cls(QueueState.initial(n_slots), assign)
+
+    def __attrs_post_init__(self) -> None:
+        self._send, self._inbox = trio.open_memory_channel[QueueMessage](64)
+
+    def new_id_task(self) -> int:
+        return next(self._ids)
+
+    def inbox(self) -> trio.MemorySendChannel[QueueMessage]:
+        """A send side for another actor (the slots loop's releases)."""
+        return self._send.clone()
+
+    async def post(self, task: ServerTask) -> None:
+        """Queue ``task``; its answers come on ``task.results``. Waits only while the
+        inbox is full. If cancelled, the task was not posted."""
+        await self._send.send(Post(task))
+
+    async def cancel(self, id_task: int) -> None:
+        """Stop ``id_task`` wherever it is; harmless if it already finished."""
+        await self._send.send(Cancel(id_task))
+
+    def statistics(self) -> QueueStatistics:
+        s = self._state
+        return QueueStatistics(
+            n_pending=len(s.pending),
+            n_deferred=len(s.deferred),
+            n_active=len(s.active),
+            n_idle_slots=len(s.idle),
+            posted=self._posted,
+            cancelled=self._cancelled,
+            deferrals=s.deferrals,
+        )
+
+    async def start_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            async with self._inbox:
+                async for msg in self._inbox:
+                    self._handle(msg)
+                    for a in dispatch(self._state):
+                        self._assign.send_nowait(a)
+        finally:
+            # waiting handlers learn at once that their task will never run
+            for task in (*self._state.pending, *self._state.deferred):
+                task.results.close()
+
+    def _handle(self, msg: QueueMessage) -> None:
+        if isinstance(msg, Post):
+            self._posted += 1
+            self._state.pending.append(msg.task)
+        elif isinstance(msg, SlotReleased):
+            release(self._state, msg)
+        else:
+            found = cancel(self._state, msg.id_task)
+            if found is None:
+                return
+            self._cancelled += 1
+            if isinstance(found, CancelSlot):
+                self._assign.send_nowait(found)
+            else:
+                found.results.close()

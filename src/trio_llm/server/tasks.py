@@ -1,0 +1,119 @@
+"""The messages between the HTTP edge, the queue and the slots loop.
+
+A ``ServerTask`` is one completion request after parsing: token ids and validated
+parameters, plus the send side of the channel its answers go back on. The HTTP
+handler that posted it owns the receive side; closing it (the client went away) is
+how the slots loop learns, on its next send, that nobody is listening any more. The
+queue's ``cancel`` is the faster path and frees the slot even between sends.
+
+Every message is frozen: once posted, nothing about a task changes except where it
+is, and that belongs to the queue and the slots loop.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+import trio
+
+from trio_llm.engine.sampling import SamplingParams
+
+StopType = Literal["none", "eos", "limit", "word"]
+
+
+@attrs.frozen
+class TaskParams:
+    """What a request asks of generation, after validation at the HTTP edge."""
+
+    n_predict: int = -1  # -1: until an end-of-generation token or the context is full
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    cache_prompt: bool = True  # reuse the slot's KV cache for the common prefix
+    id_slot: int = -1  # -1: any slot (best prefix match); else wait for this one
+    ignore_eos: bool = False
+    stream: bool = False  # send a TaskPartial per token, not only the final result
+
+
+@attrs.frozen
+class ServerTask:
+    id_task: int
+    prompt: tuple[int, ...]
+    params: TaskParams
+    results: trio.MemorySendChannel[TaskResult] = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen
+class TokenProb:
+    """One generated token's log-probability and the most likely alternatives."""
+
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+@attrs.frozen
+class Timings:
+    """llama-server's ``timings`` object: where the time of one request went."""
+
+    prompt_n: int  # prompt tokens evaluated (not counting the cached prefix)
+    prompt_ms: float
+    cache_n: int  # prompt tokens reused from the slot's cache
+    predicted_n: int
+    predicted_ms: float
+
+    def to_json(self) -> dict[str, float | int]:
+        def per_second(n: int, ms: float) -> float:
+            return 1e3 * n / ms if ms > 0 else 0.0
+
+        return {
+            "cache_n": self.cache_n,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
+            "prompt_per_second": per_second(self.prompt_n, self.prompt_ms),
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": (
+                self.predicted_ms / self.predicted_n if self.predicted_n else 0.0
+            ),
+            "predicted_per_second": per_second(self.predicted_n, self.predicted_ms),
+        }
+
+
+@attrs.frozen
+class TaskPartial:
+    """One generated token while streaming; ``text`` may be empty while held back
+    (a possible start of a stop string, or an incomplete UTF-8 character)."""
+
+    id_task: int
+    token: int
+    text: str
+    prob: TokenProb | None
+
+
+@attrs.frozen
+class TaskFinal:
+    id_task: int
+    id_slot: int
+    content: str  # the whole generated text, cut before a stop word
+    tokens: tuple[int, ...]  # generated token ids (an end-of-generation token excluded)
+    stop_type: StopType
+    stopping_word: str
+    n_prompt: int
+    timings: Timings
+    probs: tuple[TokenProb, ...]  # one per generated token when n_probs > 0
+    text_tail: str  # text not yet sent as partials (for streaming clients)
+
+
+@attrs.frozen
+class TaskError:
+    """The task failed in the engine (a backend error); the server goes on."""
+
+    id_task: int
+    message: str
+    code: int = 500
+    type: str = "server_error"
+
+
+TaskResult = TaskPartial | TaskFinal | TaskError
