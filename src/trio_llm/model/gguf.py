@@ -34,6 +34,7 @@ class TensorInfo:
     shape: tuple[int, ...]  # numpy order: (n_out, n_in) for matrices, (n,) for vectors
     raw: np.ndarray  # [n_bytes] uint8, a view of the file's memory map
     n_bytes: int
+    offset: int  # where the bytes start in the file (for readers that bypass the map)
 
     @property
     def n_elements(self) -> int:
@@ -108,9 +109,10 @@ def _open_reader(path: Path) -> gguf.GGUFReader:
     try:
         reader = gguf.GGUFReader(path, "r")
     except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError, MemoryError) as exc:
-        # GGUFReader reads past the end of a truncated header as short arrays and
-        # fails wherever that first bites; all of it means "corrupt or truncated".
-        raise ModelLoadError(path, f"corrupt or truncated GGUF header ({_one_line(exc)})") from None
+        # GGUFReader reads past the end of a truncated file as short arrays and fails
+        # wherever that first bites (a header field, a tensor's reshape); all of it
+        # means "corrupt or truncated".
+        raise ModelLoadError(path, f"corrupt or truncated GGUF file ({_one_line(exc)})") from None
     except OSError as exc:
         raise ModelLoadError(path, f"cannot read: {exc.strerror or exc}") from None
     return reader
@@ -123,6 +125,9 @@ def _one_line(exc: BaseException) -> str:
 
 def _field_value(field: Any) -> Any:
     value = field.contents()
+    if field.types == [gguf.GGUFValueType.FLOAT32]:
+        # float32's shortest decimal, so 1e-5 reads back as 1e-05, not 9.99999974e-06
+        return float(str(np.float32(value)))
     if isinstance(value, np.generic):
         return value.item()
     return value
@@ -141,7 +146,6 @@ def _read_metadata(path: Path, reader: gguf.GGUFReader) -> dict[str, Any]:
 
 
 def _read_tensors(path: Path, reader: gguf.GGUFReader) -> dict[str, TensorInfo]:
-    file_size = int(reader.data.shape[0])
     tensors: dict[str, TensorInfo] = {}
     for rt in reader.tensors:
         ggml_type = T(int(rt.tensor_type))
@@ -152,15 +156,10 @@ def _read_tensors(path: Path, reader: gguf.GGUFReader) -> dict[str, TensorInfo]:
         shape = tuple(int(d) for d in reversed(rt.shape.tolist()))
         n_bytes = int(rt.n_bytes)
         start = int(rt.data_offset)
-        if start + n_bytes > file_size:
-            raise ModelLoadError(
-                path,
-                f"truncated: tensor {rt.name!r} needs bytes {start}..{start + n_bytes} "
-                f"but the file has {file_size}",
-            )
+        # GGUFReader already failed (above, in _open_reader) if these bytes run past the end
         raw = reader.data[start : start + n_bytes]  # [n_bytes] uint8 view of the memmap
         tensors[rt.name] = TensorInfo(
-            name=rt.name, ggml_type=ggml_type, shape=shape, raw=raw, n_bytes=n_bytes
+            name=rt.name, ggml_type=ggml_type, shape=shape, raw=raw, n_bytes=n_bytes, offset=start
         )
     return tensors
 

@@ -1,0 +1,435 @@
+"""``trio-llm make-model``: deterministic synthetic GGUF models of real shapes.
+
+Speed does not depend on weight values, so benchmarks and tests run on files made
+here: random N(0, 0.02) matrices, norms near 1, a real tokenizer section from
+``trio_llm.model.vocab``, and llama.cpp's standard metadata keys, so llama.cpp loads
+the same files.
+
+Every tensor is cut into fixed row chunks, and each chunk draws from its own RNG
+seeded by (seed, tensor name, chunk index): the bytes are the same whether chunks
+are made in this process or in a process pool, in any order. The file is written
+streaming (tensor directory first, then one tensor's bytes at a time) to a temporary
+name and renamed into place, so a reader never sees half a file and an 8B model
+needs memory for one tensor, not for the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import hashlib
+import multiprocessing
+import os
+import sys
+import tempfile
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Literal
+
+import attrs
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import LlamaFileType
+
+from trio_llm.errors import TrioLLMError
+from trio_llm.model.config import ARCH_ROPE, ModelConfig
+from trio_llm.model.gguf import expected_shapes
+from trio_llm.model.quant import quantize, tensor_bytes
+
+WEIGHT_STD = 0.02
+#: values per generation chunk: big enough to amortise numpy's call overhead, small
+#: enough that a chunk's float32 scratch (64 MiB) stays modest in every pool worker
+CHUNK_VALUES = 1 << 24
+#: models with more values than this are made in a process pool
+POOL_THRESHOLD = 1 << 26
+
+VocabStyle = Literal["gpt2", "llama"]
+VocabFamily = Literal["llama3", "chatml", "llama2"]
+
+
+@attrs.frozen
+class Preset:
+    name: str
+    arch: str
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    tied: bool
+    rope_theta: float
+    n_ctx: int
+    vocab_style: VocabStyle
+    vocab_family: VocabFamily
+    rms_eps: float
+    model_name: str
+
+    def config(self) -> ModelConfig:
+        return ModelConfig(
+            arch=self.arch,
+            name=self.model_name,
+            n_vocab=self.n_vocab,
+            n_embd=self.n_embd,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_head_kv=self.n_head_kv,
+            head_dim=self.head_dim,
+            n_ff=self.n_ff,
+            n_ctx_train=self.n_ctx,
+            rope_theta=self.rope_theta,
+            rms_eps=self.rms_eps,
+            rope_mode=ARCH_ROPE[self.arch],
+            qk_norm=self.arch == "qwen3",
+            attn_bias=self.arch == "qwen2",
+            tied_embeddings=self.tied,
+        )
+
+
+def _preset(name: str, arch: str, dims: tuple[int, ...], tied: bool, theta: float, n_ctx: int,
+            vocab: tuple[VocabStyle, VocabFamily], model_name: str) -> Preset:
+    n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff, n_vocab = dims
+    return Preset(
+        name=name, arch=arch, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+        n_head_kv=n_head_kv, head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab, tied=tied,
+        rope_theta=theta, n_ctx=n_ctx, vocab_style=vocab[0], vocab_family=vocab[1],
+        rms_eps=1e-5 if arch == "llama" else 1e-6, model_name=model_name,
+    )
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        _preset("tiny", "llama", (256, 2, 4, 2, 64, 512, 1024), False, 1e4, 4096,
+                ("gpt2", "llama3"), "trio-llm tiny"),
+        _preset("tiny-qwen3", "qwen3", (256, 2, 4, 2, 64, 512, 1024), True, 1e6, 4096,
+                ("gpt2", "chatml"), "trio-llm tiny-qwen3"),
+        _preset("tiny-qwen2", "qwen2", (256, 2, 4, 2, 64, 512, 1024), False, 1e6, 4096,
+                ("gpt2", "chatml"), "trio-llm tiny-qwen2"),
+        _preset("tiny-spm", "llama", (256, 2, 4, 2, 64, 512, 1024), False, 1e4, 4096,
+                ("llama", "llama2"), "trio-llm tiny-spm"),
+        _preset("demo", "llama", (512, 4, 8, 4, 64, 1024, 4096), False, 1e4, 4096,
+                ("gpt2", "llama3"), "trio-llm demo"),
+        _preset("llama-1b", "llama", (2048, 16, 32, 8, 64, 8192, 128256), True, 5e5, 131072,
+                ("gpt2", "llama3"), "synthetic Llama-3.2-1B shape"),
+        _preset("llama-8b", "llama", (4096, 32, 32, 8, 128, 14336, 128256), False, 5e5, 131072,
+                ("gpt2", "llama3"), "synthetic Llama-3.1-8B shape"),
+        _preset("qwen3-0.6b", "qwen3", (1024, 28, 16, 8, 128, 3072, 151936), True, 1e6, 40960,
+                ("gpt2", "chatml"), "synthetic Qwen3-0.6B shape"),
+    ]
+}
+
+#: ``--quant`` names: the type of every matrix, or a llama.cpp mix
+QUANTS: dict[str, T | None] = {
+    "F32": T.F32, "F16": T.F16, "BF16": T.BF16, "Q8_0": T.Q8_0, "Q4_0": T.Q4_0,
+    "Q4_K": T.Q4_K, "Q6_K": T.Q6_K, "Q4_K_M": None,
+}
+
+#: general.file_type for each ``--quant`` (pure K-quants are named by their closest mix)
+FILE_TYPES: dict[str, LlamaFileType] = {
+    "F32": LlamaFileType.ALL_F32, "F16": LlamaFileType.MOSTLY_F16,
+    "BF16": LlamaFileType.MOSTLY_BF16, "Q8_0": LlamaFileType.MOSTLY_Q8_0,
+    "Q4_0": LlamaFileType.MOSTLY_Q4_0, "Q4_K": LlamaFileType.MOSTLY_Q4_K_S,
+    "Q6_K": LlamaFileType.MOSTLY_Q6_K, "Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M,
+}
+
+
+class MakeModelError(TrioLLMError):
+    """Bad make-model arguments (unknown preset or quant, negative seed)."""
+
+
+@attrs.frozen
+class TensorPlan:
+    name: str
+    shape: tuple[int, ...]  # numpy order
+    ggml_type: T
+    kind: Literal["matrix", "norm", "bias"]
+
+    @property
+    def n_bytes(self) -> int:
+        return tensor_bytes(self.ggml_type, self.shape)
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """Row ranges, fixed by the shape alone so the bytes never depend on the pool."""
+        n_rows = self.shape[0] if len(self.shape) > 1 else 1
+        step = max(1, CHUNK_VALUES // self.shape[-1])
+        return [(r, min(r + step, n_rows)) for r in range(0, n_rows, step)]
+
+
+def use_more_bits(i_layer: int, n_layer: int) -> bool:
+    """llama.cpp's Q4_K_M rule for the layers that get Q6_K in attn_v and ffn_down:
+    the first and last eighth, and every third layer in between."""
+    return i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or (i_layer - n_layer // 8) % 3 == 2
+
+
+def _matrix_type(name: str, quant: str, cfg: ModelConfig) -> T:
+    pure = QUANTS[quant]
+    if pure is not None:
+        return pure
+    # Q4_K_M: Q4_K everywhere except the head (or the tied embedding serving as it)
+    # and the attn_v/ffn_down of the use_more_bits layers, which get Q6_K.
+    if name == "output.weight" or (cfg.tied_embeddings and name == "token_embd.weight"):
+        return T.Q6_K
+    if name.startswith("blk.") and name.endswith(("attn_v.weight", "ffn_down.weight")):
+        if use_more_bits(int(name.split(".")[1]), cfg.n_layer):
+            return T.Q6_K
+    return T.Q4_K
+
+
+def plan_tensors(preset: Preset, quant: str) -> list[TensorPlan]:
+    """Every tensor of the file, in file order, with its type."""
+    if quant not in QUANTS:
+        raise MakeModelError(f"unknown quant {quant!r} (choose from {', '.join(QUANTS)})")
+    cfg = preset.config()
+    plans = []
+    for name, shape in expected_shapes(cfg).items():
+        if len(shape) == 2:
+            plans.append(TensorPlan(name, shape, _matrix_type(name, quant, cfg), "matrix"))
+        else:
+            kind: Literal["norm", "bias"] = "bias" if name.endswith(".bias") else "norm"
+            plans.append(TensorPlan(name, shape, T.F32, kind))
+    return plans
+
+
+def _chunk_rng(seed: int, name: str, chunk: int) -> np.random.Generator:
+    name_key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+    return np.random.default_rng(np.random.SeedSequence([seed, name_key, chunk]))
+
+
+def make_chunk(seed: int, plan: TensorPlan, chunk: int, rows: tuple[int, int]) -> np.ndarray:
+    """The encoded bytes of rows ``rows`` of one tensor (a pool work unit)."""
+    rng = _chunk_rng(seed, plan.name, chunk)
+    shape = (rows[1] - rows[0], *plan.shape[1:]) if len(plan.shape) > 1 else plan.shape
+    values = rng.standard_normal(shape, dtype=np.float32)  # [rows, n_in] or [n]
+    values *= np.float32(WEIGHT_STD)
+    if plan.kind == "norm":
+        values += np.float32(1.0)
+    return quantize(values, plan.ggml_type)
+
+
+def _units(plans: list[TensorPlan]) -> Iterator[tuple[int, int, tuple[int, int]]]:
+    for index, plan in enumerate(plans):
+        for chunk, rows in enumerate(plan.chunks()):
+            yield index, chunk, rows
+
+
+def _encoded_tensors(
+    plans: list[TensorPlan], seed: int, workers: int
+) -> Iterator[tuple[int, np.ndarray]]:
+    """Yield (index into plans, bytes) per tensor in file order, made in-process or
+    in a pool.
+
+    The pool keeps a bounded window of chunks in flight, so memory stays at a few
+    chunks per worker however large the model.
+    """
+    units = _units(plans)
+    current = 0
+    parts: list[np.ndarray] = []
+    if workers <= 1:
+        for index, chunk, rows in units:
+            if index != current:
+                yield current, _join(parts)
+                current, parts = index, []
+            parts.append(make_chunk(seed, plans[index], chunk, rows))
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            window: deque[tuple[int, cf.Future[np.ndarray]]] = deque()
+
+            def submit_next() -> None:
+                unit = next(units, None)
+                if unit is not None:
+                    index, chunk, rows = unit
+                    window.append((index, pool.submit(make_chunk, seed, plans[index], chunk, rows)))
+
+            for _ in range(2 * workers):
+                submit_next()
+            while window:
+                index, future = window.popleft()
+                if index != current:
+                    yield current, _join(parts)
+                    current, parts = index, []
+                parts.append(future.result())
+                submit_next()
+    yield current, _join(parts)
+
+
+def _join(parts: list[np.ndarray]) -> np.ndarray:
+    data = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    return data.reshape(-1)  # [n_bytes] uint8
+
+
+def _write_metadata(writer: gguf.GGUFWriter, preset: Preset, quant: str) -> None:
+    from trio_llm.model.vocab import build_vocab
+
+    cfg = preset.config()
+    writer.add_type("model")
+    writer.add_name(cfg.name)
+    writer.add_string("general.basename", preset.name)
+    writer.add_string("general.quantized_by", "trio-llm make-model")
+    writer.add_file_type(int(FILE_TYPES[quant]))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_vocab_size(cfg.n_vocab)
+    writer.add_context_length(cfg.n_ctx_train)
+    writer.add_embedding_length(cfg.n_embd)
+    writer.add_block_count(cfg.n_layer)
+    writer.add_feed_forward_length(cfg.n_ff)
+    writer.add_head_count(cfg.n_head)
+    writer.add_head_count_kv(cfg.n_head_kv)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_eps)
+    build_vocab(preset.vocab_style, cfg.n_vocab, preset.vocab_family).write(writer)
+
+
+def _group(name: str) -> str:
+    return ".".join(name.split(".")[:2]) if name.startswith("blk.") else name.split(".")[0]
+
+
+def make_model(
+    preset: str,
+    quant: str,
+    path: str | os.PathLike[str],
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+    workers: int | None = None,
+) -> Path:
+    """Write the ``preset`` model as ``quant`` to ``path`` atomically; return the path.
+
+    ``workers`` defaults to one process per CPU for models above ``POOL_THRESHOLD``
+    values and to in-process generation below it; the bytes are the same either way.
+    """
+    if preset not in PRESETS:
+        raise MakeModelError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    if seed < 0:
+        raise MakeModelError(f"seed must be >= 0, got {seed}")
+    p = PRESETS[preset]
+    plans = plan_tensors(p, quant)
+    if workers is None:
+        n_values = sum(int(np.prod(t.shape)) for t in plans)
+        workers = (os.cpu_count() or 1) if n_values > POOL_THRESHOLD else 1
+    path = Path(path)
+    writer = gguf.GGUFWriter(path=None, arch=p.arch)
+    _write_metadata(writer, p, quant)
+    for t in plans:
+        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.n_bytes, raw_dtype=t.ggml_type)
+
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        total = sum(t.n_bytes for t in plans)
+        written = 0
+        for index, data in _encoded_tensors(plans, seed, workers):
+            writer.write_tensor_data(data)
+            written += plans[index].n_bytes
+            group = _group(plans[index].name)
+            last_of_group = index + 1 == len(plans) or _group(plans[index + 1].name) != group
+            if progress is not None and last_of_group:
+                progress(f"{group}: {written / 1e6:,.1f} of {total / 1e6:,.1f} MB written")
+        writer.close()
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def generator_version() -> str:
+    """A short hash of the code that decides a synthetic file's bytes.
+
+    Part of the default model's file name, so changing the generator (presets, RNG
+    layout, quantizers, vocabulary) makes a new file instead of reusing a stale one.
+    """
+    from trio_llm.model import gguf as gguf_mod
+    from trio_llm.model import quant, vocab
+
+    h = hashlib.sha256()
+    for module in (sys.modules[__name__], quant, vocab, gguf_mod):
+        if module.__file__ is not None:
+            h.update(Path(module.__file__).read_bytes())
+    h.update(gguf.__version__.encode() if hasattr(gguf, "__version__") else b"")
+    return h.hexdigest()[:12]
+
+
+DEFAULT_PRESET = "demo"
+DEFAULT_QUANT = "Q8_0"
+
+
+def default_model_path() -> Path:
+    """The embedded default model (``demo`` in Q8_0), made on first use in the cache.
+
+    Blocking (it may write a ~10 MB file): call it through ``trio.to_thread.run_sync``
+    from async code. Safe when several processes race: each writes its own temporary
+    file and renames it into place, and every rename installs a complete file.
+    """
+    import platformdirs
+
+    directory = Path(platformdirs.user_cache_dir("trio-llm")) / "models"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{DEFAULT_PRESET}-{DEFAULT_QUANT}-{generator_version()}.gguf"
+    if not path.exists():
+        make_model(DEFAULT_PRESET, DEFAULT_QUANT, path, seed=0)
+    return path
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise MakeModelError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="trio-llm make-model",
+        description="Write a deterministic synthetic GGUF model of a known shape.",
+    )
+    parser.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
+    parser.add_argument("--quant", default="Q8_0", help=f"one of: {', '.join(QUANTS)}")
+    parser.add_argument("-o", "--output", required=True, type=Path, help="GGUF file to write")
+    parser.add_argument("--seed", type=int, default=0, help="RNG seed (>= 0)")
+    parser.add_argument("--workers", type=int, default=None, help="processes (default: per CPU)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        if args.preset not in PRESETS:
+            raise MakeModelError(f"unknown preset {args.preset!r} (choose from {', '.join(PRESETS)})")
+        if args.quant not in QUANTS:
+            raise MakeModelError(f"unknown quant {args.quant!r} (choose from {', '.join(QUANTS)})")
+        if args.seed < 0:
+            raise MakeModelError(f"--seed must be >= 0, got {args.seed}")
+        if args.workers is not None and args.workers < 1:
+            raise MakeModelError(f"--workers must be >= 1, got {args.workers}")
+        if not args.output.parent.is_dir():
+            raise MakeModelError(f"output directory {str(args.output.parent)!r} does not exist")
+        if args.output.is_dir():
+            raise MakeModelError(f"output {str(args.output)!r} is a directory")
+    except MakeModelError as exc:
+        print(f"trio-llm make-model: error: {exc}", file=sys.stderr)
+        return 2
+
+    def report(line: str) -> None:
+        print(f"make-model {args.preset} {args.quant}: {line}", file=sys.stderr, flush=True)
+
+    try:
+        make_model(args.preset, args.quant, args.output, seed=args.seed,
+                   progress=None if args.quiet else report, workers=args.workers)
+    except OSError as exc:
+        print(f"trio-llm make-model: error: {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        report(f"wrote {args.output} ({args.output.stat().st_size:,} bytes)")
+    return 0

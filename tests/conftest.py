@@ -1,0 +1,56 @@
+"""Shared fixtures: synthetic model files, made once per test session.
+
+``model_path(preset, quant)`` writes ``trio-llm make-model``'s output for that preset
+into a session temporary directory the first time a key is asked for and returns the
+cached path after that. The tiny presets take a fraction of a second each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from trio_llm.model.synth import make_model
+
+ModelPathFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> ModelPathFactory:
+    """Factory: ``model_path("tiny", "Q8_0", seed=0) -> Path`` of a synthetic GGUF."""
+    directory = tmp_path_factory.mktemp("models")
+    made: dict[tuple[str, str, int], Path] = {}
+
+    def get(preset: str = "tiny", quant: str = "Q8_0", seed: int = 0) -> Path:
+        key = (preset, quant, seed)
+        if key not in made:
+            made[key] = make_model(preset, quant, directory / f"{preset}-{quant}-s{seed}.gguf", seed=seed)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_path: ModelPathFactory) -> Path:
+    """The ``tiny`` llama preset in Q8_0 (gpt2-style vocab, llama3 chat template)."""
+    return model_path("tiny", "Q8_0")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_model(model_path: ModelPathFactory) -> Path:
+    """``tiny-qwen3`` in Q8_0: QK-norm, neox RoPE, tied embeddings, ChatML."""
+    return model_path("tiny-qwen3", "Q8_0")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_model(model_path: ModelPathFactory) -> Path:
+    """``tiny-qwen2`` in Q8_0: q/k/v biases, neox RoPE, ChatML."""
+    return model_path("tiny-qwen2", "Q8_0")
+
+
+@pytest.fixture(scope="session")
+def tiny_spm_model(model_path: ModelPathFactory) -> Path:
+    """``tiny-spm`` in Q8_0: a SentencePiece (llama2-style) vocabulary."""
+    return model_path("tiny-spm", "Q8_0")
