@@ -1,0 +1,61 @@
+"""Pick and build the compute backend for a loaded model (``--backend``).
+
+"auto" prefers Vulkan and falls back to the numpy reference when this machine has no
+usable Vulkan (no loader, no device): the server then still runs, slowly, and says
+so once in the log instead of refusing to start. An explicit "vulkan" never falls
+back, so a deployment that expects a GPU fails loudly without one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+from trio_llm.engine.backend import Backend, Progress
+from trio_llm.errors import BackendUnavailable, InvalidRequest
+from trio_llm.model.gguf import GGUFModel
+
+log = logging.getLogger(__name__)
+
+BackendKind = Literal["auto", "numpy", "vulkan"]
+BACKEND_KINDS: tuple[str, ...] = ("auto", "numpy", "vulkan")
+
+
+def open_backend(
+    kind: str,
+    model: GGUFModel,
+    *,
+    n_ctx: int,
+    n_seq: int,
+    progress: Progress | None = None,
+) -> Backend:
+    """Build the backend named by ``kind``; raises ``BackendUnavailable`` when an
+    explicit "vulkan" cannot run here and ``InvalidRequest`` for an unknown kind."""
+    if kind not in BACKEND_KINDS:
+        raise InvalidRequest(f"unknown backend {kind!r} (choose from {', '.join(BACKEND_KINDS)})")
+    if kind == "numpy":
+        return _numpy(model, n_ctx=n_ctx, n_seq=n_seq, progress=progress)
+    try:
+        return _vulkan(model, n_ctx=n_ctx, n_seq=n_seq, progress=progress)
+    except BackendUnavailable as exc:
+        if kind == "vulkan":
+            raise
+        log.warning("Vulkan is unavailable (%s); using the numpy reference backend", exc)
+    return _numpy(model, n_ctx=n_ctx, n_seq=n_seq, progress=progress)
+
+
+def _numpy(model: GGUFModel, *, n_ctx: int, n_seq: int, progress: Progress | None) -> Backend:
+    from trio_llm.engine.reference import NumpyBackend
+
+    return NumpyBackend(model, n_ctx=n_ctx, n_seq=n_seq, progress=progress)
+
+
+def _vulkan(model: GGUFModel, *, n_ctx: int, n_seq: int, progress: Progress | None) -> Backend:
+    try:
+        # Imported here so that "numpy" never loads cffi or libvulkan; the vulkan
+        # package itself raises OSError at import when libvulkan.so is missing.
+        from trio_llm.vulkan.backend import VulkanBackend
+    except OSError as exc:
+        raise BackendUnavailable(f"cannot load the Vulkan library: {exc}") from None
+    backend: Backend = VulkanBackend(model, n_ctx=n_ctx, n_seq=n_seq, progress=progress)
+    return backend
