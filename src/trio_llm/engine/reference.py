@@ -189,7 +189,7 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarray
     return out.transpose(2, 0, 1, 3).reshape(n, n_head, hd)  # type: ignore[no-any-return]
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, init=False)
 class NumpyBackend:
     """``trio_llm.engine.backend.Backend`` in numpy, float32 throughout."""
 
@@ -211,7 +211,7 @@ class NumpyBackend:
     def __init__(
         self, model: GGUFModel, *, n_ctx: int, n_seq: int, progress: Progress | None = None
     ) -> None:
-        self.__attrs_init__()  # type: ignore[attr-defined]
+        self.__attrs_init__()
         if n_ctx < 1 or n_seq < 1:
             raise InvalidRequest(f"n_ctx and n_seq must be positive, got {n_ctx} and {n_seq}")
         self.config = model.config
