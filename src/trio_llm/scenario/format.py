@@ -182,6 +182,21 @@ class Scenario:
         return {s.id: s for p in self.phases for s in p.steps if s.id is not None}
 
 
+def parse_count(value: object) -> Count | None:
+    """An integer ≥ 0 or ``'length'``, ``'K*length'``, ``'K*length±C'``; None if neither."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return Count(0, value) if value >= 0 else None
+    if isinstance(value, str):
+        match = _COUNT_RE.match(value)
+        if match:
+            k = int(match.group(1) or 1)
+            c = int(match.group(3) or 0) * (-1 if match.group(2) == "-" else 1)
+            return Count(k, c)
+        if value.strip().isdigit():
+            return Count(0, int(value))
+    return None
+
+
 # --- reading ----------------------------------------------------------------------
 
 
@@ -267,16 +282,9 @@ class _Table:
         value = self.raw(key)
         if value is None:
             return default
-        if isinstance(value, int) and not isinstance(value, bool):
-            if value < 0:
-                self.fail(f"must be zero or more, got {value}", key)
-            return Count(0, value)
-        if isinstance(value, str):
-            match = _COUNT_RE.match(value)
-            if match:
-                k = int(match.group(1) or 1)
-                c = int(match.group(3) or 0) * (-1 if match.group(2) == "-" else 1)
-                return Count(k, c)
+        count = parse_count(value)
+        if count is not None:
+            return count
         self.fail(
             f"expected an integer or 'length', 'K*length', 'K*length+C', got {value!r}", key
         )

@@ -1,0 +1,591 @@
+"""Figures, pass/fail and the three report files of a scenario run.
+
+Everything here is a pure function of a ``Record`` (``analyse``), plus the writers
+of ``report.json``, ``report.md`` and ``timeline.png``. Definitions, as in
+``docs/scenarios.md``:
+
+- *state at t*: what the latest poll of ``/props`` received by t said;
+- *hand-off*: a request sent to an arena server that was cold while another arena
+  server was resident; its latency runs from sending to the first token (to the
+  whole answer for a non-streamed request);
+- *wait*: sending → first token (or answer), for every answered request;
+- *stranded*: a request that should have been answered and got nothing at all
+  (timed out, or still in flight when the run ended).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from trio_llm.scenario import record as rec
+from trio_llm.scenario.record import NOT_RESIDENT, Record, RequestRecord
+
+#: a hand-off starts from one of these (restoring means someone already woke it)
+COLD = ("cold", "releasing", "unloaded")
+STATE_COLOURS = {
+    "resident": "#2e9d4f",
+    "restoring": "#f39c12",
+    "releasing": "#f7dc6f",
+    "cold": "#5d8fc9",
+    "unloaded": "#9aa7b8",
+    "loading": "#d7bde2",
+    "starting": "#e8e8e8",
+    "frozen": "#8e44ad",
+    "unreachable": "#f1948a",
+    "asleep": "#5d8fc9",
+    "down": "#ffffff",
+}
+
+
+@attrs.frozen
+class Check:
+    name: str
+    passed: bool
+    detail: str
+
+
+@attrs.frozen
+class Handoff:
+    request: int
+    server: str
+    from_server: str
+    sent: float
+    latency_s: float | None  # None: never answered
+
+
+@attrs.frozen
+class ServerFigures:
+    name: str
+    requests: int
+    answered: int
+    handoffs: int
+    median_wait_s: float | None
+    max_wait_s: float | None
+    max_device_bytes: int | None
+    cold_device_bytes: int | None  # the least held while cold
+    exits: tuple[str, ...]
+
+
+@attrs.frozen
+class Analysis:
+    checks: tuple[Check, ...]
+    handoffs: tuple[Handoff, ...]
+    servers: tuple[ServerFigures, ...]
+    figures: dict[str, Any]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+
+@attrs.frozen
+class Summary:
+    passed: bool
+    text: str
+
+
+# --- state lookup -----------------------------------------------------------------
+
+
+class _States:
+    """Per-server polls sorted by receipt, to answer "what did we last see at t"."""
+
+    def __init__(self, runs: Iterable[rec.StateRun]) -> None:
+        self._recv: dict[str, list[float]] = {}
+        self._runs: dict[str, list[rec.StateRun]] = {}
+        for run in runs:
+            for _, recv in run.polls:
+                self._recv.setdefault(run.server, []).append(recv)
+                self._runs.setdefault(run.server, []).append(run)
+        for server, times in self._recv.items():
+            order = sorted(range(len(times)), key=times.__getitem__)
+            self._recv[server] = [times[i] for i in order]
+            self._runs[server] = [self._runs[server][i] for i in order]
+
+    def at(self, server: str, t: float) -> rec.StateRun | None:
+        times = self._recv.get(server, [])
+        i = bisect.bisect_right(times, t) - 1
+        return self._runs[server][i] if i >= 0 else None
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _wait(r: RequestRecord) -> float | None:
+    return None if r.answered_at is None or r.outcome != "ok" else r.answered_at - r.sent
+
+
+def _fmt_s(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f} s"
+
+
+def _fmt_mib(value: int | None) -> str:
+    return "–" if value is None else f"{value / 2**20:.1f} MiB"
+
+
+def _few(items: list[str], n: int = 3) -> str:
+    more = f" (+{len(items) - n} more)" if len(items) > n else ""
+    return "; ".join(items[:n]) + more
+
+
+# --- analysis ---------------------------------------------------------------------
+
+
+def find_handoffs(record: Record, states: _States) -> list[Handoff]:
+    arena = {s["name"] for s in record.servers if s.get("arena")}
+    found = []
+    for r in record.requests:
+        if r.server not in arena:
+            continue
+        mine = states.at(r.server, r.sent)
+        if mine is None or mine.state not in COLD:
+            continue
+        holder = next(
+            (
+                other for other in sorted(arena - {r.server})
+                if (run := states.at(other, r.sent)) is not None and run.state == "resident"
+            ),
+            None,
+        )
+        if holder is None:
+            continue
+        latency = None if r.outcome != "ok" or r.answered_at is None else r.answered_at - r.sent
+        found.append(Handoff(r.id, r.server, holder, r.sent, latency))
+    return found
+
+
+def analyse(record: Record) -> Analysis:
+    states = _States(record.runs)
+    handoffs = find_handoffs(record, states)
+    latencies = [h.latency_s for h in handoffs if h.latency_s is not None]
+    requests = record.requests
+    expect = record.expect
+    checks: list[Check] = []
+
+    problems = list(record.notes)
+    if record.interrupted:
+        problems.append("interrupted")
+    checks.append(Check("the run completed", not problems, _few(problems) or "script ran to its end"))
+
+    if expect.all_answered:
+        bad = []
+        for r in requests:
+            if r.expect_ok and r.outcome != "ok":
+                bad.append(f"#{r.id} {r.server}: {r.outcome} ({r.error})")
+            elif not r.expect_ok and r.outcome == "ok":
+                bad.append(f"#{r.id} {r.server}: answered though the step expected a failure")
+            elif r.outcome == "ok" and r.expect_content is not None and r.content != r.expect_content:
+                bad.append(f"#{r.id} {r.server}: content {r.content[:40]!r} ≠ {r.expect_content[:40]!r}")
+        expected_ok = sum(r.expect_ok for r in requests)
+        checks.append(Check(
+            "every request answered as expected", not bad and bool(requests),
+            _few(bad) or f"{expected_ok} answered, {len(requests) - expected_ok} failed as planned",
+        ))
+
+    stranded = [r for r in requests if r.expect_ok and r.outcome in ("timeout", "cancelled", "pending")]
+    checks.append(Check(
+        f"stranded ≤ {expect.stranded}", len(stranded) <= expect.stranded,
+        f"{len(stranded)} stranded" + (": " + _few([f"#{r.id} {r.server}" for r in stranded]) if stranded else ""),
+    ))
+
+    if expect.answers_match_reference:
+        refs = {(x.model_key, x.endpoint, x.prompt, x.n_predict): x for x in record.references}
+        bad, compared = [], 0
+        for r in requests:
+            if r.outcome != "ok":
+                continue
+            ref = refs.get((r.model_key, r.endpoint, r.prompt, r.n_predict))
+            if ref is None or ref.content is None:
+                bad.append(f"#{r.id}: no reference answer ({ref.error if ref else 'not asked'})")
+            elif ref.content != r.content:
+                bad.append(f"#{r.id} {r.server}: {r.content[:30]!r} ≠ reference {ref.content[:30]!r}")
+            else:
+                compared += 1
+        checks.append(Check(
+            "answers equal the reference run's", not bad and compared > 0,
+            _few(bad) or f"{compared} answers equal, {len(refs)} distinct prompts",
+        ))
+
+    if expect.min_handoffs is not None:
+        need = expect.min_handoffs.resolve(int(record.scenario.get("length", 1)))
+        checks.append(Check(f"at least {need} hand-offs", len(handoffs) >= need, f"{len(handoffs)} hand-offs"))
+
+    if expect.max_handoff_s is not None:
+        unanswered = [h for h in handoffs if h.latency_s is None]
+        worst = max(latencies, default=None)
+        checks.append(Check(
+            f"hand-off ≤ {expect.max_handoff_s:g} s",
+            bool(handoffs) and not unanswered and worst is not None and worst <= expect.max_handoff_s,
+            "no hand-off observed" if not handoffs else
+            f"max {_fmt_s(worst)}" + (f", {len(unanswered)} never answered" if unanswered else ""),
+        ))
+
+    waits = [w for r in requests if (w := _wait(r)) is not None]
+    if expect.max_wait_s is not None:
+        worst = max(waits, default=None)
+        checks.append(Check(
+            f"every wait ≤ {expect.max_wait_s:g} s",
+            worst is not None and worst <= expect.max_wait_s, f"max wait {_fmt_s(worst)}",
+        ))
+
+    if expect.no_preemption_mid_decode:
+        checks.append(_check_no_preemption(record))
+
+    if expect.clean_exit:
+        exits = [e for e in record.events if e.kind == "exit"]
+        bad = [
+            f"{e.server}: exit {e.code} ({e.cause})" for e in exits
+            if e.cause == "unexpected" or (e.cause == "final" and e.code != 0)
+            or (e.cause or "").endswith("s)")
+        ]
+        checks.append(Check(
+            "servers exit 0 when stopped, and only when told", not bad,
+            _few(bad) or f"{sum(e.cause == 'final' for e in exits)} stopped with exit 0",
+        ))
+
+    fault_checks = [e for e in record.events if e.kind == "check"]
+    if expect.faults_as_expected and fault_checks:
+        bad = [f"{e.server}: {e.detail}" for e in fault_checks if not e.ok]
+        checks.append(Check(
+            "fault steps behaved as expected", not bad,
+            _few(bad, 2) or _few([e.detail for e in fault_checks], 2),
+        ))
+
+    by_step: dict[str, list[RequestRecord]] = {}
+    for r in requests:
+        by_step.setdefault(r.step, []).append(r)
+    for pair in expect.served_after:
+        checks.append(_check_served_after(pair, by_step))
+    for step in expect.none_before_restore:
+        checks.append(_check_none_before_restore(step, by_step.get(step, []), states, record))
+
+    servers = tuple(_server_figures(record, info["name"], handoffs) for info in record.servers)
+    figures: dict[str, Any] = {
+        "requests": len(requests),
+        "answered": sum(r.outcome == "ok" for r in requests),
+        "stranded": len(stranded),
+        "handoffs": len(handoffs),
+        "handoff_median_s": statistics.median(latencies) if latencies else None,
+        "handoff_p95_s": _quantile(latencies, 0.95) if latencies else None,
+        "handoff_max_s": max(latencies) if latencies else None,
+        "wait_median_s": statistics.median(waits) if waits else None,
+        "wait_max_s": max(waits) if waits else None,
+        "duration_s": record.duration_s,
+    }
+    return Analysis(tuple(checks), tuple(handoffs), servers, figures)
+
+
+def _check_no_preemption(record: Record) -> Check:
+    """A streaming request's server must read as resident from its first token to its
+    second-to-last one (after that the server may legitimately be finishing)."""
+    watched, bad = 0, []
+    for r in record.requests:
+        if not (r.stream and r.arena and r.outcome == "ok" and r.first_token is not None):
+            continue
+        if r.penultimate is None or r.penultimate <= r.first_token:
+            continue
+        watched += 1
+        for run in record.runs:
+            if run.server == r.server and run.state in NOT_RESIDENT and run.read_within(
+                r.first_token, r.penultimate
+            ):
+                bad.append(f"#{r.id} {r.server}: read {run.state} mid-decode")
+                break
+    return Check(
+        "no release in the middle of a decode", watched > 0 and not bad,
+        _few(bad) or (f"{watched} streams watched, none released mid-decode" if watched
+                      else "no streamed answer of several tokens to watch"),
+    )
+
+
+def _check_served_after(pair: Any, by_step: dict[str, list[RequestRecord]]) -> Check:
+    name = f"{pair.waiter} served after {pair.holder}, within {pair.max_gap_s:g} s"
+    holders = {r.round: r for r in by_step.get(pair.holder, [])}
+    bad, seen = [], 0
+    for w in by_step.get(pair.waiter, []):
+        h = holders.get(w.round)
+        if h is None or h.done is None or h.outcome != "ok":
+            bad.append(f"round {w.round}: the holder's request did not finish")
+            continue
+        if w.answered_at is None or w.outcome != "ok":
+            bad.append(f"round {w.round}: the waiter was not served ({w.outcome})")
+            continue
+        seen += 1
+        holder_busy_until = h.penultimate if h.penultimate is not None else h.sent
+        if w.answered_at < holder_busy_until:
+            bad.append(f"round {w.round}: waiter answered at {w.answered_at:.3f} s while the holder decoded")
+        elif w.answered_at - h.done > pair.max_gap_s:
+            bad.append(f"round {w.round}: waiter answered {w.answered_at - h.done:.3f} s after the holder")
+    gaps = [
+        w.answered_at - holders[w.round].done  # type: ignore[operator]
+        for w in by_step.get(pair.waiter, [])
+        if w.answered_at is not None and w.round in holders and holders[w.round].done is not None
+    ]
+    return Check(
+        name, seen > 0 and not bad,
+        _few(bad) or f"{seen} round(s); gap after the holder finished: max {_fmt_s(max(gaps, default=None))}",
+    )
+
+
+def _check_none_before_restore(
+    step: str, burst: list[RequestRecord], states: _States, record: Record
+) -> Check:
+    """A burst sent to a cold server: nothing answered before it was restored. The
+    evidence of a violation is a poll *sent after* some request of the burst got its
+    first token, yet reading the server as not resident while the burst was still
+    being served."""
+    name = f"{step}: nothing served before the restore"
+    if not burst:
+        return Check(name, False, "the step sent no request")
+    server = burst[0].server
+    first_state = states.at(server, min(r.sent for r in burst))
+    if first_state is None or first_state.state not in COLD:
+        return Check(
+            name, False,
+            f"{server} was {first_state.state if first_state else 'unobserved'} when the burst was sent, "
+            "so the scenario did not test a wake",
+        )
+    answered = [r.answered_at for r in burst if r.answered_at is not None and r.outcome == "ok"]
+    if not answered:
+        return Check(name, False, "no request of the burst was answered")
+    lo = min(answered)
+    hi = max((r.done for r in burst if r.done is not None), default=lo)
+    for run in record.runs:
+        if run.server == server and run.state in NOT_RESIDENT and run.read_within(lo, hi):
+            return Check(name, False, f"{server} read {run.state} after an answer had arrived at {lo:.3f} s")
+    restored = next(
+        (
+            run.start for run in record.runs
+            if run.server == server and run.state == "resident" and run.start >= burst[0].sent
+        ),
+        None,
+    )
+    return Check(
+        name, True,
+        f"{len(answered)}/{len(burst)} answered; {server} seen resident at "
+        f"{_fmt_s(restored)}, first answer at {lo:.3f} s",
+    )
+
+
+def _server_figures(record: Record, name: str, handoffs: list[Handoff]) -> ServerFigures:
+    mine = [r for r in record.requests if r.server == name]
+    waits = [w for r in mine if (w := _wait(r)) is not None]
+    runs = [r for r in record.runs if r.server == name]
+    resident = [r.device_bytes for r in runs if r.device_bytes is not None]
+    cold = [r.device_bytes for r in runs if r.state == "cold" and r.device_bytes is not None]
+    exits = tuple(
+        f"{e.code} ({e.cause})" for e in record.events if e.kind == "exit" and e.server == name
+    )
+    return ServerFigures(
+        name=name,
+        requests=len(mine),
+        answered=sum(r.outcome == "ok" for r in mine),
+        handoffs=sum(h.server == name for h in handoffs),
+        median_wait_s=statistics.median(waits) if waits else None,
+        max_wait_s=max(waits) if waits else None,
+        max_device_bytes=max(resident) if resident else None,
+        cold_device_bytes=min(cold) if cold else None,
+        exits=exits,
+    )
+
+
+# --- writers ----------------------------------------------------------------------
+
+
+def markdown(record: Record, analysis: Analysis, png: str | None = "timeline.png") -> str:
+    sc = record.scenario
+    f = analysis.figures
+    verdict = "PASS" if analysis.passed else "FAIL"
+    run_kind = "full" if sc.get("full") else "short"
+    lines = [
+        f"# Scenario `{sc.get('name')}`: {verdict}",
+        "",
+        str(sc.get("description", "")).strip(),
+        "",
+        f"{run_kind} run (length {sc.get('length')}) · backend `{sc.get('backend')}` · "
+        f"{record.duration_s:.1f} s · {len(record.servers)} server(s) · started {record.started_at}",
+        "",
+        "## Summary",
+        "",
+        "| figure | value |",
+        "| --- | ---: |",
+        f"| requests answered / sent | {f['answered']} / {f['requests']} |",
+        f"| stranded | {f['stranded']} |",
+        f"| hand-offs | {f['handoffs']} |",
+        f"| hand-off latency median | {_fmt_s(f['handoff_median_s'])} |",
+        f"| hand-off latency p95 | {_fmt_s(f['handoff_p95_s'])} |",
+        f"| hand-off latency max | {_fmt_s(f['handoff_max_s'])} |",
+        f"| wait median / max | {_fmt_s(f['wait_median_s'])} / {_fmt_s(f['wait_max_s'])} |",
+        "",
+        "## Expectations",
+        "",
+        "| expectation | result | detail |",
+        "| --- | --- | --- |",
+    ]
+    for c in analysis.checks:
+        detail = c.detail.replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {detail} |")
+    lines += [
+        "",
+        "## Servers",
+        "",
+        "| server | model | sleep mode | requests (answered) | hand-offs | median wait | max wait "
+        "| device memory resident / cold | exits |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    infos = {s["name"]: s for s in record.servers}
+    for s in analysis.servers:
+        info = infos.get(s.name, {})
+        mode = info.get("sleep_mode", "") if info.get("arena") else "(no arena)"
+        lines.append(
+            f"| {s.name} | {info.get('model_key', '')} | {mode} | {s.requests} ({s.answered}) "
+            f"| {s.handoffs} | {_fmt_s(s.median_wait_s)} | {_fmt_s(s.max_wait_s)} "
+            f"| {_fmt_mib(s.max_device_bytes)} / {_fmt_mib(s.cold_device_bytes)} "
+            f"| {', '.join(s.exits) or '–'} |"
+        )
+    faults = [e for e in record.events if e.kind in ("signal", "check")]
+    if faults:
+        lines += ["", "## Faults and checks", "", "| t | server | event |", "| ---: | --- | --- |"]
+        for e in faults:
+            what = e.detail if e.kind == "signal" else f"{'ok' if e.ok else 'FAILED'}: {e.detail}"
+            lines.append(f"| {e.t:.2f} s | {e.server} | {what.replace('|', '/')} |")
+    if record.notes:
+        lines += ["", "## Runner notes", ""] + [f"- {n.splitlines()[0]}" for n in record.notes]
+    if png:
+        lines += ["", "## Timeline", "", f"![timeline]({png})"]
+    lines += [
+        "",
+        "Definitions: a *hand-off* is a request sent to a cold arena server while another "
+        "was resident, timed from sending to its first token (to the whole answer when not "
+        "streamed); states come from polling `/props` every "
+        f"{record.scenario.get('poll_interval_s', 0.02):g} s.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def timeline(record: Record, path: Path) -> None:
+    """Residency lanes with requests on top, and device memory per server below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    names = [s["name"] for s in record.servers]
+    n = max(1, len(names))
+    end = max([record.duration_s] + [r.end for r in record.runs] + [r.done or r.sent for r in record.requests])
+    fig, (lanes, memory) = plt.subplots(
+        2, 1, sharex=True, figsize=(13, 1.1 * n + 3.4),
+        gridspec_kw={"height_ratios": [1.1 * n, 2.0]}, constrained_layout=True,
+    )
+    ypos = {name: n - 1 - i for i, name in enumerate(names)}
+    runs_by: dict[str, list[rec.StateRun]] = {}
+    for run in record.runs:
+        runs_by.setdefault(run.server, []).append(run)
+    used_states: set[str] = set()
+    for name, runs in runs_by.items():
+        if name not in ypos:
+            continue
+        y = ypos[name]
+        for i, run in enumerate(runs):
+            stop = runs[i + 1].start if i + 1 < len(runs) else max(run.end, end)
+            if run.state == "down":
+                continue
+            used_states.add(run.state)
+            lanes.broken_barh(
+                [(run.start, max(stop - run.start, 1e-3))], (y - 0.4, 0.8),
+                facecolors=STATE_COLOURS.get(run.state, "#cccccc"), edgecolor="none",
+            )
+    # requests: waiting as a thin grey line, answering as a thick black one
+    for name in names:
+        mine = sorted((r for r in record.requests if r.server == name), key=lambda r: r.sent)
+        rows: list[float] = []
+        for r in mine:
+            finish = r.done if r.done is not None else end
+            row = next((k for k, busy in enumerate(rows) if busy <= r.sent), None)
+            if row is None:
+                row = len(rows) if len(rows) < 6 else len(rows) - 1
+                if row == len(rows):
+                    rows.append(finish)
+            rows[row] = finish
+            yr = ypos[name] - 0.3 + 0.6 * (row + 0.5) / 6
+            answered = r.answered_at if r.answered_at is not None else finish
+            lanes.plot([r.sent, answered], [yr, yr], color="#555555", lw=0.8, solid_capstyle="butt")
+            if r.outcome == "ok":
+                lanes.plot([answered, max(finish, answered + 1e-3)], [yr, yr], color="black",
+                           lw=2.2, solid_capstyle="butt")
+                lanes.plot([answered], [yr], marker="|", color="black", ms=7)
+            else:
+                lanes.plot([finish], [yr], marker="x", color="#c0392b", ms=6, mew=1.6)
+    for e in record.events:
+        if e.server not in ypos or e.kind not in ("signal", "exit"):
+            continue
+        y = ypos[e.server]
+        label = e.detail.removeprefix("SIG") if e.kind == "signal" else f"exit {e.code}"
+        colour = "#c0392b" if e.kind == "signal" else "#333333"
+        lanes.vlines(e.t, y - 0.45, y + 0.45, colors=colour, lw=1.4)
+        lanes.text(e.t, y + 0.47, label, fontsize=7, color=colour, ha="center", va="bottom")
+    lanes.set_yticks([ypos[n_] for n_ in names], names)
+    lanes.set_ylim(-0.6, n - 0.25)
+    lanes.set_title(
+        f"{record.scenario.get('name')}: residency per server (polled), requests "
+        "(grey: waiting, black: answering, x: failed)", fontsize=10, loc="left",
+    )
+    handles = [Patch(color=STATE_COLOURS.get(s, "#ccc"), label=s) for s in STATE_COLOURS if s in used_states]
+    if handles:
+        lanes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    for i, name in enumerate(names):
+        points = [(run.start, run.device_bytes) for run in runs_by.get(name, []) if run.device_bytes is not None]
+        if not points:
+            continue
+        xs = [p[0] for p in points] + [end]
+        ys = [p[1] / 2**20 for p in points]
+        ys.append(ys[-1])
+        memory.step(xs, ys, where="post", label=name, color=f"C{i}", lw=1.5)
+    memory.set_ylabel("device MiB")
+    memory.set_xlabel("seconds since the run started")
+    memory.set_xlim(0, end * 1.01 if end > 0 else 1)
+    memory.grid(alpha=0.3)
+    if memory.get_legend_handles_labels()[0]:
+        memory.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    else:
+        memory.text(0.5, 0.5, "no device memory reported", transform=memory.transAxes, ha="center")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(record: Record, out: Path) -> Summary:
+    """Write report.json, report.md and timeline.png into ``out``; return the verdict."""
+    out.mkdir(parents=True, exist_ok=True)
+    analysis = analyse(record)
+    data = rec.to_json(record)
+    # the derived figures too, so tools can read them without re-running the analysis
+    data["analysis"] = {**attrs.asdict(analysis), "passed": analysis.passed}
+    (out / "report.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    timeline(record, out / "timeline.png")
+    (out / "report.md").write_text(markdown(record, analysis), encoding="utf-8")
+    f = analysis.figures
+    lines = [
+        f"{record.scenario.get('name')}: {'PASS' if analysis.passed else 'FAIL'} "
+        f"({f['answered']}/{f['requests']} answered, {f['stranded']} stranded, "
+        f"{f['handoffs']} hand-offs, median {_fmt_s(f['handoff_median_s'])}, "
+        f"p95 {_fmt_s(f['handoff_p95_s'])})"
+    ]
+    lines += [f"  {'ok  ' if c.passed else 'FAIL'} {c.name}: {c.detail}" for c in analysis.checks]
+    lines.append(f"  report: {out / 'report.md'}")
+    return Summary(analysis.passed, "\n".join(lines))

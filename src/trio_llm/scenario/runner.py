@@ -1,0 +1,808 @@
+"""``trio-llm scenario``: run a scripted contention scenario against real servers.
+
+The runner starts each scenario server as its own ``trio-llm serve`` process (own
+session, so one ``killpg`` ends it and anything it spawned) on a free loopback
+port, all arena servers sharing one arena directory in a temporary folder. It
+talks to them over HTTP only and imports nothing of the server, so it measures
+what a client sees. Tasks:
+
+- one poller per server: ``GET /props`` every ``poll_interval_s`` into the record;
+- one watcher per process: records its exit and whether we caused it;
+- the script: phases of steps (requests, pauses, signals, restarts), bounded by
+  the scenario's timeout and request budget;
+- one task per request, in their own nursery so the script can wait for some and
+  the end of the run can cancel the rest.
+
+Invariant: every process the runner started is gone when ``run_scenario`` returns
+or raises (Ctrl-C included): the last cleanup runs shielded, bounded, and ends
+with SIGKILL to each process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from trio_llm.errors import ScenarioError, TrioLLMError
+from trio_llm.scenario import format as fmt
+from trio_llm.scenario import record as rec
+from trio_llm.scenario.format import Scenario, ServerSpec, Step
+
+#: where shipped scenarios live, for `trio-llm scenario run alternating`
+SHIPPED = Path(__file__).resolve().parents[3] / "scenarios"
+
+
+@attrs.frozen
+class Options:
+    out: Path
+    full: bool = False
+    length: int | None = None  # overrides the scenario's short/full length
+    backend: str | None = None  # overrides the scenario's backend
+    model_dir: Path | None = None  # where synthetic models are kept between runs
+    verbose: bool = True
+
+
+class _Bound(Exception):
+    """The script hit its request budget; the run stops there and says so."""
+
+
+@attrs.define(eq=False)
+class _Server:
+    """One scenario server and the process currently running it (restarts replace it)."""
+
+    spec: ServerSpec
+    model_path: Path
+    backend: str
+    arena: Path
+    log_path: Path
+    port: int = 0
+    process: trio.Process | None = None
+    #: up (answering), starting, frozen (SIGSTOP), down (exited)
+    status: str = "down"
+    #: why we expect the current process to exit, recorded with its exit code
+    exit_cause: str | None = None
+    exited: trio.Event = attrs.field(factory=trio.Event)
+    changed: trio.Event = attrs.field(factory=trio.Event)
+    state: str = "down"  # the latest residency state polled
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        spec = self.spec
+        cmd = [sys.executable, "-m", "trio_llm", "serve", "-m", str(self.model_path)]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += ["-np", str(spec.np), "-c", str(spec.ctx), "--backend", self.backend]
+        if spec.arena:
+            cmd += ["--vram-arena", str(self.arena), "--sleep-mode", spec.sleep_mode]
+        if spec.sleep_idle_seconds is not None:
+            if not spec.arena:
+                cmd += ["--sleep-mode", spec.sleep_mode]
+            cmd += ["--sleep-idle-seconds", f"{spec.sleep_idle_seconds:g}"]
+        return cmd + list(spec.args)
+
+    def note_state(self, state: str) -> None:
+        self.state = state
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+@attrs.define(eq=False)
+class Runner:
+    scenario: Scenario
+    options: Options
+    record: rec.Record
+    length: int
+    backend: str
+    _arena: Path
+    _servers: dict[str, _Server] = attrs.field(factory=dict)
+    _t0: float = 0.0
+    _bg: trio.Nursery | None = None
+    _reqs: trio.Nursery | None = None
+    _client: httpx.AsyncClient | None = None
+    _pending: dict[int, trio.Event] = attrs.field(factory=dict)
+
+    # --- helpers ------------------------------------------------------------------
+
+    def now(self) -> float:
+        return trio.current_time() - self._t0
+
+    def say(self, text: str) -> None:
+        if self.options.verbose:
+            print(f"[{self.now():7.2f}s] {text}", flush=True)
+
+    def check(self, server: str, ok: bool, detail: str) -> None:
+        self.record.events.append(rec.Event(self.now(), server, "check", detail, ok=ok))
+        if not ok:
+            self.say(f"FAILED: {server}: {detail}")
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        assert self._client is not None
+        return self._client
+
+    # --- processes ----------------------------------------------------------------
+
+    async def start_server(self, server: _Server, timeout_s: float) -> None:
+        """Start the process and wait until /health answers 200 (a cold server does too)."""
+        server.port = _free_port()
+        server.exited = trio.Event()
+        server.exit_cause = None
+        server.status = "starting"
+        cmd = server.command()
+        with server.log_path.open("ab") as log:
+            log.write(f"\n=== {datetime.datetime.now().isoformat()} {' '.join(cmd)}\n".encode())
+            log.flush()
+            env = {k: v for k, v in os.environ.items() if k != "LLAMA_VRAM_ARENA"}
+            env["PYTHONUNBUFFERED"] = "1"
+            try:
+                process = await trio.lowlevel.open_process(
+                    cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, env=env,
+                )
+            except OSError as exc:
+                raise ScenarioError(f"cannot start server {server.spec.name}: {exc}") from exc
+        server.process = process
+        for info in self.record.servers:
+            if info["name"] == server.spec.name:
+                info["ports"].append(server.port)
+        self.record.events.append(
+            rec.Event(self.now(), server.spec.name, "start", f"pid {process.pid} port {server.port}")
+        )
+        assert self._bg is not None
+        self._bg.start_soon(self._watch, server, process)
+        self.say(f"{server.spec.name}: started pid {process.pid} on port {server.port}")
+        with trio.move_on_after(timeout_s):
+            while not server.exited.is_set():
+                try:
+                    response = await self.client.get(f"{server.url}/health", timeout=2.0)
+                    if response.status_code == 200:
+                        server.status = "up"
+                        self.record.events.append(rec.Event(self.now(), server.spec.name, "healthy"))
+                        self.say(f"{server.spec.name}: healthy")
+                        return
+                except httpx.HTTPError:
+                    pass
+                await trio.sleep(0.05)
+        tail = _tail(server.log_path)
+        if server.exited.is_set():
+            raise ScenarioError(
+                f"server {server.spec.name} exited with {process.returncode} while starting; log:\n{tail}"
+            )
+        raise ScenarioError(
+            f"server {server.spec.name} not healthy within {timeout_s:g} s; log:\n{tail}"
+        )
+
+    async def _watch(self, server: _Server, process: trio.Process) -> None:
+        code = await process.wait()
+        cause = server.exit_cause or "unexpected"
+        self.record.events.append(rec.Event(self.now(), server.spec.name, "exit", code=code, cause=cause))
+        if server.process is process:
+            server.status = "down"
+            server.note_state("down")
+        server.exited.set()
+        self.say(f"{server.spec.name}: exited with {code} ({cause})")
+
+    def _signal(self, server: _Server, sig: signal.Signals) -> None:
+        process = server.process
+        if process is None or process.returncode is not None:
+            return
+        self.record.events.append(rec.Event(self.now(), server.spec.name, "signal", sig.name))
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    async def stop_server(self, server: _Server, cause: str, within_s: float) -> int | None:
+        """SIGTERM (thawing a frozen process so it can act on it) and wait; SIGKILL
+        if it has not exited within ``within_s``. Returns the exit code, None if it
+        had to be killed."""
+        if server.status == "down":
+            return server.process.returncode if server.process else None
+        server.exit_cause = cause
+        self._signal(server, signal.SIGTERM)
+        if server.status == "frozen":
+            self._signal(server, signal.SIGCONT)
+            server.status = "up"
+        with trio.move_on_after(within_s):
+            await server.exited.wait()
+            assert server.process is not None
+            return server.process.returncode
+        server.exit_cause = f"{cause} (killed after {within_s:g} s)"
+        self._signal(server, signal.SIGKILL)
+        with trio.move_on_after(5.0):
+            await server.exited.wait()
+        return None
+
+    async def kill_all(self) -> None:
+        """The last resort: SIGKILL every process group still alive and reap it."""
+        for server in self._servers.values():
+            process = server.process
+            if process is not None and process.returncode is None:
+                if server.exit_cause is None:
+                    server.exit_cause = "cleanup"
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                with trio.move_on_after(5.0):
+                    await process.wait()
+
+    # --- observation --------------------------------------------------------------
+
+    async def poll(self, server: _Server) -> None:
+        """Observe one server's residency for the whole run (a deliberate poll: the
+        server publishes no events, and a client-side view is what we measure)."""
+        interval = self.scenario.poll_interval_s
+        while True:
+            tick = trio.current_time()
+            sent = self.now()
+            if server.status in ("up", "starting"):
+                try:
+                    response = await self.client.get(f"{server.url}/props", timeout=1.0)
+                    recv = self.now()
+                    if response.status_code == 200:
+                        self._note_props(server, sent, recv, response.json())
+                    else:
+                        self._note(server, sent, recv, "loading")
+                except (httpx.HTTPError, ValueError):
+                    self._note(server, sent, self.now(), "unreachable" if server.status == "up" else "starting")
+            else:
+                self._note(server, sent, sent, server.status)
+            await trio.sleep_until(tick + interval)
+
+    def _note(self, server: _Server, sent: float, recv: float, state: str, **kw: Any) -> None:
+        if self.record.add_poll(server.spec.name, sent, recv, state, **kw):
+            server.note_state(state)
+
+    def _note_props(self, server: _Server, sent: float, recv: float, props: Any) -> None:
+        residency = props.get("residency") if isinstance(props, dict) else None
+        if not isinstance(residency, dict):
+            # a server without residency reporting is resident whenever it answers
+            self._note(server, sent, recv, "asleep" if props.get("is_sleeping") else "resident")
+            return
+        device = residency.get("device_bytes")
+        total = device.get("total") if isinstance(device, dict) else None
+        self._note(
+            server, sent, recv, str(residency.get("state", "resident")),
+            level=residency.get("level"),
+            device_bytes=int(total) if isinstance(total, int | float) else None,
+            token_held=residency.get("token_held"),
+        )
+
+    # --- requests -----------------------------------------------------------------
+
+    def launch(self, step: Step, step_name: str, rnd: int, server_name: str, index: int) -> trio.Event:
+        """Send one request in the background; returns the event set when it ends."""
+        if len(self.record.requests) >= self.scenario.max_requests:
+            raise _Bound(f"request budget of {self.scenario.max_requests} reached")
+        server = self._servers[server_name]
+        prompt = step.prompt.format(round=rnd, server=server_name, i=index)
+        r = rec.RequestRecord(
+            id=len(self.record.requests),
+            step=step_name,
+            round=rnd,
+            server=server_name,
+            model_key=server.spec.model_key,
+            arena=server.spec.arena,
+            endpoint=step.endpoint,
+            prompt=prompt,
+            n_predict=step.n_predict,
+            stream=step.stream,
+            expect_ok=step.expect_ok,
+            expect_content=step.expect_content,
+            sent=self.now(),
+        )
+        self.record.requests.append(r)
+        done = trio.Event()
+        first = trio.Event()
+        self._pending[r.id] = done
+        assert self._reqs is not None
+        timeout = step.timeout_s or self.scenario.request_timeout_s
+        self._reqs.start_soon(self._request, server, r, timeout, first, done)
+        return first if step.wait == "first_token" else done
+
+    async def _request(
+        self, server: _Server, r: rec.RequestRecord, timeout: float, first: trio.Event, done: trio.Event
+    ) -> None:
+        try:
+            with trio.move_on_after(timeout):
+                try:
+                    if r.stream:
+                        await self._stream(server, r, first)
+                    else:
+                        await self._plain(server, r)
+                except httpx.HTTPError as exc:
+                    r.outcome, r.error = "error", f"{type(exc).__name__}: {exc}"
+                except (ValueError, KeyError, TypeError, IndexError) as exc:
+                    r.outcome, r.error = "error", f"bad response: {exc!r}"
+                r.done = self.now()
+                return
+            r.outcome, r.error = "timeout", f"no answer within {timeout:g} s"
+        except trio.Cancelled:
+            if r.outcome == "pending":
+                r.outcome, r.error = "cancelled", "still in flight when the run ended"
+            raise
+        finally:
+            if r.outcome != "ok" and r.outcome != "pending" and self.options.verbose:
+                self.say(f"request {r.id} to {r.server}: {r.outcome}: {r.error}")
+            first.set()
+            done.set()
+            self._pending.pop(r.id, None)
+
+    def _body(self, r: rec.RequestRecord) -> tuple[str, dict[str, Any]]:
+        if r.endpoint == "chat":
+            return "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": r.prompt}],
+                "max_tokens": r.n_predict,
+                "temperature": 0,
+                "stream": r.stream,
+            }
+        return "/completion", {
+            "prompt": r.prompt, "n_predict": r.n_predict, "temperature": 0, "stream": r.stream,
+        }
+
+    async def _plain(self, server: _Server, r: rec.RequestRecord) -> None:
+        path, body = self._body(r)
+        response = await self.client.post(server.url + path, json=body, timeout=None)
+        r.status = response.status_code
+        if response.status_code != 200:
+            r.outcome, r.error = "http_error", response.text[:300]
+            return
+        data = response.json()
+        if r.endpoint == "chat":
+            r.content = data["choices"][0]["message"]["content"] or ""
+            r.n_tokens = int(data.get("usage", {}).get("completion_tokens", 0))
+        else:
+            r.content = data["content"]
+            r.timings = data.get("timings")
+            tokens = data.get("tokens")
+            r.n_tokens = len(tokens) if isinstance(tokens, list) else int(data.get("tokens_predicted", 0))
+        r.outcome = "ok"
+
+    async def _stream(self, server: _Server, r: rec.RequestRecord, first: trio.Event) -> None:
+        path, body = self._body(r)
+        pieces: list[str] = []
+        previous: float | None = None
+        async with self.client.stream("POST", server.url + path, json=body, timeout=None) as response:
+            r.status = response.status_code
+            if response.status_code != 200:
+                await response.aread()
+                r.outcome, r.error = "http_error", response.text[:300]
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                data = json.loads(payload)
+                if r.endpoint == "chat":
+                    choices = data.get("choices") or [{}]
+                    piece = (choices[0].get("delta") or {}).get("content") or ""
+                else:
+                    piece = data.get("content", "")
+                    if data.get("stop"):
+                        r.timings = data.get("timings")
+                if piece:
+                    t = self.now()
+                    if r.first_token is None:
+                        r.first_token = t
+                        first.set()
+                    r.penultimate = previous
+                    previous = t
+                    pieces.append(piece)
+        r.content = "".join(pieces)
+        r.n_tokens = len(pieces)
+        if isinstance(r.timings, dict) and isinstance(r.timings.get("predicted_n"), int):
+            r.n_tokens = r.timings["predicted_n"]
+        r.outcome = "ok"
+
+    # --- the script -----------------------------------------------------------------
+
+    async def script(self) -> None:
+        for pi, phase in enumerate(self.scenario.phases):
+            rounds = phase.repeat.resolve(self.length)
+            if rounds and self.options.verbose:
+                self.say(f"phase {phase.name!r}: {rounds} round(s)")
+            for rnd in range(rounds):
+                round_start = trio.current_time()
+                for si, step in enumerate(phase.steps):
+                    if step.at is not None:
+                        await trio.sleep_until(round_start + step.at)
+                    elif step.delay:
+                        await trio.sleep(step.delay)
+                    await self.do_step(step, step.id or f"phase[{pi}].step[{si}]", rnd)
+
+    async def do_step(self, step: Step, name: str, rnd: int) -> None:
+        action = step.action
+        if action == "request":
+            assert step.server is not None
+            events = [self.launch(step, name, rnd, step.server, i) for i in range(step.parallel)]
+            if step.wait != "sent":
+                for event in events:
+                    await event.wait()
+        elif action == "random":
+            await self._random(step, name, rnd)
+        elif action == "sleep":
+            await trio.sleep(step.seconds)
+        elif action == "wait_requests":
+            with trio.move_on_after(step.timeout_s or float("inf")) as scope:
+                for event in list(self._pending.values()):
+                    await event.wait()
+            if scope.cancelled_caught:
+                self.check("-", False, f"{name}: requests still in flight after {step.timeout_s:g} s")
+        elif action == "wait_state":
+            await self._wait_state(step, name)
+        else:
+            await self._fault(step, name)
+
+    async def _random(self, step: Step, name: str, rnd: int) -> None:
+        # a string seed is hashed with SHA-512 by `random`, so runs repeat exactly
+        rng = random.Random(f"{self.scenario.seed}/{name}/{rnd}")
+        start = trio.current_time()
+        offset = 0.0
+        events = []
+        for i in range(step.count.resolve(self.length)):
+            offset += rng.expovariate(1.0 / step.mean_gap_s)
+            target = rng.choice(step.servers)
+            await trio.sleep_until(start + offset)
+            events.append(self.launch(step, name, rnd, target, i))
+        if step.wait != "sent":
+            for event in events:
+                await event.wait()
+
+    async def _wait_state(self, step: Step, name: str) -> None:
+        assert step.server is not None
+        server = self._servers[step.server]
+        with trio.move_on_after(step.timeout_s or 30.0):
+            while server.state != step.state:
+                await server.changed.wait()
+            self.check(server.spec.name, True, f"{name}: reached state {step.state}")
+            return
+        self.check(
+            server.spec.name, False,
+            f"{name}: state {step.state!r} not reached within {step.timeout_s:g} s (last: {server.state})",
+        )
+
+    async def _fault(self, step: Step, name: str) -> None:
+        assert step.server is not None
+        server = self._servers[step.server]
+        action = step.action
+        self.say(f"{name}: {action} {server.spec.name}")
+        if action == "restart":
+            if server.status != "down":
+                self.check(server.spec.name, False, f"{name}: restart asked while it still runs")
+                return
+            try:
+                await self.start_server(server, step.timeout_s or self.scenario.startup_timeout_s)
+                self.check(server.spec.name, True, f"{name}: restarted and healthy")
+            except ScenarioError as exc:
+                self.check(server.spec.name, False, f"{name}: {exc}")
+            return
+        if server.status == "down":
+            self.check(server.spec.name, False, f"{name}: {action} asked but it is not running")
+            return
+        if action == "kill":
+            server.exit_cause = "kill"
+            self._signal(server, signal.SIGKILL)
+            with trio.move_on_after(10.0):
+                await server.exited.wait()
+        elif action == "stop":
+            self._signal(server, signal.SIGSTOP)
+            server.status = "frozen"
+        elif action == "cont":
+            self._signal(server, signal.SIGCONT)
+            server.status = "up"
+        elif action == "term":
+            started = trio.current_time()
+            state = server.state
+            code = await self.stop_server(server, "term", step.within_s)
+            took = trio.current_time() - started
+            ok = code == step.expect_exit
+            self.check(
+                server.spec.name, ok,
+                f"{name}: SIGTERM while {state} → exit {code if code is not None else 'none (killed)'} "
+                f"after {took:.2f} s (expected {step.expect_exit} within {step.within_s:g} s)",
+            )
+
+    async def drain(self) -> None:
+        """After the script: let requests still in flight finish, within their timeouts."""
+        for event in list(self._pending.values()):
+            await event.wait()
+
+    # --- reference answers ------------------------------------------------------------
+
+    async def references(self, deadline_s: float) -> None:
+        """Ask a plain server (no arena, no sleep) each distinct prompt once, per model."""
+        wanted: dict[str, dict[tuple[str, str, int], None]] = {}
+        for r in self.record.requests:
+            if r.outcome == "ok":
+                wanted.setdefault(r.model_key, {})[(r.endpoint, r.prompt, r.n_predict)] = None
+        for model_key, prompts in wanted.items():
+            spec = next(s for s in self.scenario.servers if s.model_key == model_key)
+            base = self._servers[spec.name]
+            ref = _Server(
+                spec=attrs.evolve(spec, name=f"reference-{spec.name}", arena=False,
+                                  sleep_idle_seconds=None, np=1),
+                model_path=base.model_path, backend=base.backend, arena=self._arena,
+                log_path=base.log_path.with_name(f"reference-{spec.name}.log"),
+            )
+            self._servers[ref.spec.name] = ref
+            self.record.servers.append(_server_info(ref))
+            with trio.move_on_after(deadline_s):
+                await self.start_server(ref, self.scenario.startup_timeout_s)
+                for endpoint, prompt, n_predict in prompts:
+                    probe = rec.RequestRecord(
+                        id=-1, step="reference", round=0, server=ref.spec.name,
+                        model_key=model_key, arena=False, endpoint=endpoint, prompt=prompt,
+                        n_predict=n_predict, stream=False, expect_ok=True, expect_content=None,
+                        sent=self.now(),
+                    )
+                    try:
+                        await self._plain(ref, probe)
+                    except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
+                        probe.outcome, probe.error = "error", repr(exc)
+                    self.record.references.append(
+                        rec.Reference(
+                            model_key, endpoint, prompt, n_predict,
+                            probe.content if probe.outcome == "ok" else None,
+                            None if probe.outcome == "ok" else (probe.error or probe.outcome),
+                        )
+                    )
+            await self.stop_server(ref, "final", self.scenario.stop_timeout_s)
+
+
+def _server_info(server: _Server) -> dict[str, Any]:
+    spec = server.spec
+    return {
+        "name": spec.name, "model_key": spec.model_key, "model": str(server.model_path),
+        "sleep_mode": spec.sleep_mode, "sleep_idle_seconds": spec.sleep_idle_seconds,
+        "arena": spec.arena, "np": spec.np, "ctx": spec.ctx, "backend": server.backend,
+        "log": str(server.log_path), "command": server.command()[1:], "ports": [],
+    }
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# --- models ---------------------------------------------------------------------------
+
+
+def default_model_dir() -> Path:
+    import platformdirs
+
+    from trio_llm import __version__
+
+    return Path(platformdirs.user_cache_dir("trio-llm")) / f"scenario-models-{__version__}"
+
+
+async def ensure_model(spec: ServerSpec, model_dir: Path) -> Path:
+    """The GGUF for a server: its file, or a synthetic preset made once and kept.
+    Written under a temporary name and renamed, so a concurrent run never reads half a file."""
+    if spec.model is not None:
+        if not spec.model.is_file():
+            raise ScenarioError(f"server {spec.name}: model file {spec.model} does not exist")
+        return spec.model
+    path = model_dir / f"{spec.preset}-{spec.quant}.gguf"
+    if path.is_file():
+        return path
+    await trio.Path(model_dir).mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    cmd = [sys.executable, "-m", "trio_llm", "make-model", "--preset", spec.preset,
+           "--quant", spec.quant, "-o", str(partial)]
+    result = await trio.run_process(cmd, check=False, capture_stdout=True, capture_stderr=True)
+    if result.returncode != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
+        err = result.stderr.decode(errors="replace").strip().splitlines()[-3:]
+        raise ScenarioError(
+            f"server {spec.name}: make-model --preset {spec.preset} --quant {spec.quant} "
+            f"failed: {' / '.join(err) or result.returncode}"
+        )
+    partial.replace(path)
+    return path
+
+
+# --- the run ----------------------------------------------------------------------
+
+
+def new_record(scenario: Scenario, options: Options) -> rec.Record:
+    """The empty record of a run: what will run, at what length, on which backend."""
+    length = options.length or (scenario.full_length if options.full else scenario.length)
+    timeout = scenario.full_timeout_s if options.full else scenario.timeout_s
+    if options.length:
+        timeout = max(scenario.timeout_s, scenario.timeout_s * options.length / scenario.length)
+    return rec.Record(
+        scenario={
+            "name": scenario.name, "description": scenario.description,
+            "source": str(scenario.source), "full": options.full, "length": length,
+            "backend": options.backend or scenario.backend, "seed": scenario.seed,
+            "timeout_s": timeout,
+            "poll_interval_s": scenario.poll_interval_s,
+        },
+        expect=scenario.expect,
+        started_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    )
+
+
+async def run_scenario(
+    scenario: Scenario, options: Options, record: rec.Record | None = None
+) -> rec.Record:
+    """Run the scenario, filling ``record`` (a new one if None), and return it. Never
+    leaves a process behind; an interrupted run leaves a partial record."""
+    if record is None:
+        record = new_record(scenario, options)
+    length = int(record.scenario["length"])
+    backend = str(record.scenario["backend"])
+    timeout = float(record.scenario["timeout_s"])
+    logs = options.out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    arena = Path(tempfile.mkdtemp(prefix="trio-llm-arena-"))
+    runner = Runner(scenario, options, record, length, backend, arena)
+    runner._t0 = trio.current_time()
+    model_dir = options.model_dir or default_model_dir()
+    try:
+        async with httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=500, max_keepalive_connections=50)
+        ) as client, trio.open_nursery() as bg:
+            runner._client = client
+            runner._bg = bg
+            try:
+                await _run_body(runner, scenario, model_dir, backend, logs, arena, timeout)
+            finally:
+                bg.cancel_scope.cancel()
+    except BaseException:
+        record.interrupted = True
+        raise
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(20.0):
+            await runner.kill_all()
+        record.duration_s = runner.now()
+        shutil.rmtree(arena, ignore_errors=True)
+    return record
+
+
+async def _run_body(
+    runner: Runner, scenario: Scenario, model_dir: Path, backend: str, logs: Path,
+    arena: Path, timeout: float,
+) -> None:
+    record = runner.record
+    try:
+        for spec in scenario.servers:
+            model = await ensure_model(spec, model_dir)
+            server = _Server(spec, model, spec.backend or backend, arena, logs / f"{spec.name}.log")
+            runner._servers[spec.name] = server
+            record.servers.append(_server_info(server))
+        assert runner._bg is not None
+        for server in list(runner._servers.values()):
+            runner._bg.start_soon(runner.poll, server)
+        # one at a time: each takes the arena token before it uploads, so starting
+        # them in order makes the last one listed the resident one, every run
+        for server in list(runner._servers.values()):
+            await runner.start_server(server, scenario.startup_timeout_s)
+        async with trio.open_nursery() as reqs:
+            runner._reqs = reqs
+            with trio.move_on_after(timeout) as scope:
+                try:
+                    await runner.script()
+                except _Bound as exc:
+                    record.notes.append(f"script stopped early: {exc}")
+                await runner.drain()
+            if scope.cancelled_caught:
+                record.timed_out = True
+                record.notes.append(f"the script did not finish within {timeout:g} s")
+            reqs.cancel_scope.cancel()
+        async with trio.open_nursery() as stops:
+            for server in runner._servers.values():
+                stops.start_soon(runner.stop_server, server, "final", scenario.stop_timeout_s)
+        if scenario.expect.answers_match_reference:
+            runner.say("reference run")
+            await runner.references(max(60.0, scenario.startup_timeout_s * 2))
+    except ScenarioError as exc:
+        record.notes.append(str(exc))
+        runner.say(f"ERROR: {exc}")
+
+
+# --- command line -------------------------------------------------------------------
+
+
+def resolve(name: str) -> Path:
+    """A scenario file, or the name of a shipped one (``alternating``)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    for base in (Path.cwd() / "scenarios", SHIPPED):
+        candidate = base / f"{name}.toml"
+        if candidate.is_file():
+            return candidate
+    shipped = sorted(p.stem for p in SHIPPED.glob("*.toml")) if SHIPPED.is_dir() else []
+    raise ScenarioError(
+        f"{name}: no such file, nor a shipped scenario ({', '.join(shipped) or 'none found'})"
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trio-llm scenario", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a scenario and write report.json, report.md, timeline.png")
+    run.add_argument("file", help="a scenario .toml, or the name of a shipped one")
+    run.add_argument("--out", type=Path, help="report folder (default: out/scenarios/NAME)")
+    run.add_argument("--full", action="store_true", help="the full length instead of the short CI one")
+    run.add_argument("--length", type=int, help="an explicit length (rounds, requests...)")
+    run.add_argument("--backend", choices=fmt.BACKENDS, help="override the scenario's backend")
+    run.add_argument("--model-dir", type=Path, help="where synthetic models are made and kept")
+    run.add_argument("-q", "--quiet", action="store_true", help="only the summary")
+    check = sub.add_parser("check", help="validate scenario files")
+    check.add_argument("files", nargs="+")
+    report = sub.add_parser("report", help="re-render a report from its report.json")
+    report.add_argument("dir", type=Path)
+    sub.add_parser("list", help="list the shipped scenarios")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    args = _parser().parse_args(list(argv))
+    from trio_llm.scenario.report import write as write_report
+
+    try:
+        if args.command == "list":
+            for path in sorted(SHIPPED.glob("*.toml")):
+                s = fmt.load(path)
+                print(f"{s.name:<16} {s.description}")
+            return 0
+        if args.command == "check":
+            for name in args.files:
+                s = fmt.load(resolve(name))
+                print(f"{s.source}: ok ({len(s.servers)} servers, {len(s.phases)} phases)")
+            return 0
+        if args.command == "report":
+            record = rec.load(args.dir / "report.json")
+            return 0 if write_report(record, args.dir).passed else 1
+        scenario = fmt.load(resolve(args.file))
+        if args.length is not None and args.length < 1:
+            raise ScenarioError("--length must be at least 1")
+        out = args.out or Path("out") / "scenarios" / scenario.name
+        options = Options(
+            out=out, full=args.full, length=args.length, backend=args.backend,
+            model_dir=args.model_dir, verbose=not args.quiet,
+        )
+        record = new_record(scenario, options)
+        try:
+            trio.run(run_scenario, scenario, options, record)
+        except KeyboardInterrupt:
+            write_report(record, out)
+            print(f"interrupted: every server process was stopped; partial report in {out}",
+                  file=sys.stderr)
+            return 130
+        summary = write_report(record, out)
+        print(summary.text)
+        return 0 if summary.passed else 1
+    except TrioLLMError as exc:
+        print(f"trio-llm scenario: {exc}", file=sys.stderr)
+        return 2
