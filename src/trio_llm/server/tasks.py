@@ -31,7 +31,6 @@ class TaskParams:
     stop: tuple[str, ...] = ()
     cache_prompt: bool = True  # reuse the slot's KV cache for the common prefix
     id_slot: int = -1  # -1: any slot (best prefix match); else wait for this one
-    ignore_eos: bool = False
     stream: bool = False  # send a TaskPartial per token, not only the final result
 
 
@@ -104,6 +103,7 @@ class TaskFinal:
     timings: Timings
     probs: tuple[TokenProb, ...]  # one per generated token when n_probs > 0
     text_tail: str  # text not yet sent as partials (for streaming clients)
+    n_cached_end: int  # tokens the slot's cache holds afterwards (llama-server's tokens_cached)
 
 
 @attrs.frozen

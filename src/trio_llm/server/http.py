@@ -1,0 +1,439 @@
+"""The HTTP front end: a quart-trio app served by hypercorn's trio worker.
+
+Each request handler runs beside quart-trio's disconnect watcher; when the client
+goes away the handler (or the streaming body) is cancelled, and its ``finally``
+cancels the task in the queue, which frees the slot at once. A handler never touches
+the backend: it parses and validates (``params``), posts a ``ServerTask`` and turns
+the results into llama-server's or OpenAI's JSON (``responses``). Errors leave as
+``{"error": {"code", "message", "type"}}`` with no traceback for bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from trio_llm import __version__
+from trio_llm.errors import (
+    BackendError,
+    ContextOverflow,
+    InvalidRequest,
+    TemplateError,
+    TokenizerError,
+    TrioLLMError,
+)
+from trio_llm.server import params as P
+from trio_llm.server import responses as R
+from trio_llm.server.context import Engine, ServerContext
+from trio_llm.server.metrics import CONTENT_TYPE, render
+from trio_llm.server.tasks import (
+    ServerTask,
+    TaskError,
+    TaskFinal,
+    TaskParams,
+    TaskPartial,
+    TaskResult,
+)
+
+log = logging.getLogger("trio_llm.http")
+
+PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+SLEEP_LEVELS = ("unload", "weights", "all")
+
+
+class ApiError(TrioLLMError):
+    """An HTTP-level refusal with its status and OpenAI error type."""
+
+    def __init__(self, status: int, message: str, type_: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(json.dumps(obj, ensure_ascii=False), status=status, content_type="application/json")
+
+
+def _error(status: int, message: str, type_: str, **extra: Any) -> Response:
+    body = R.error_body(message, status, type_)
+    body["error"].update(extra)
+    return _json(body, status)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _http_error_type(status: int) -> str:
+    return {
+        401: "authentication_error",
+        404: "not_found_error",
+        405: "invalid_request_error",
+        413: "invalid_request_error",
+        501: "not_supported_error",
+        503: "unavailable_error",
+    }.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
+def _error_of(exc: BaseException) -> Response:
+    if isinstance(exc, ApiError):
+        return _error(exc.status, str(exc), exc.type)
+    if isinstance(exc, ContextOverflow):
+        return _error(
+            400, str(exc), "exceed_context_size_error", n_prompt_tokens=exc.n_tokens, n_ctx=exc.n_ctx
+        )
+    if isinstance(exc, InvalidRequest | TokenizerError | TemplateError):
+        return _error(400, str(exc), "invalid_request_error")
+    if isinstance(exc, BackendError):
+        return _error(500, str(exc), "server_error")
+    if isinstance(exc, TrioLLMError):
+        return _error(500, str(exc), "server_error")
+    if isinstance(exc, HTTPException):
+        code = exc.code or 500
+        return _error(code, exc.description or exc.name, _http_error_type(code))
+    log.error("unexpected error in a request handler", exc_info=exc)
+    return _error(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+async def _body() -> Any:
+    raw = await request.get_data(as_text=False)
+    if not raw:
+        raise InvalidRequest("the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+async def run_task(
+    engine: Engine, prompt: tuple[int, ...], params: TaskParams
+) -> AsyncGenerator[TaskResult, None]:
+    """Post a task and yield its results up to the final one. Leaving early (the
+    client went away, the handler was cancelled) cancels the task in the queue."""
+    queue = engine.queue
+    id_task = queue.new_id_task()
+    # a buffer no sender can fill: one partial per position plus the final answer
+    size = engine.n_ctx + 4 if params.stream else 4
+    send, recv = trio.open_memory_channel[TaskResult](size)
+    finished = False
+    try:
+        async with recv:
+            await queue.post(ServerTask(id_task, prompt, params, send))
+            async for msg in recv:
+                finished = not isinstance(msg, TaskPartial)
+                yield msg
+                if finished:
+                    return
+        raise ApiError(503, "the server is shutting down", "unavailable_error")
+    finally:
+        if not finished:
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                await queue.cancel(id_task)
+
+
+async def _final(engine: Engine, prompt: tuple[int, ...], params: TaskParams) -> TaskFinal:
+    async with aclosing(run_task(engine, prompt, params)) as results:
+        async for msg in results:
+            if isinstance(msg, TaskError):
+                raise ApiError(msg.code, msg.message, msg.type)
+            if isinstance(msg, TaskFinal):
+                return msg
+    raise ApiError(503, "the server is shutting down", "unavailable_error")
+
+
+def _stream(body: AsyncIterator[bytes]) -> Response:
+    resp = Response(body, content_type="text/event-stream")
+    resp.headers["Cache-Control"] = "no-cache"
+    resp.timeout = None  # a generation may stream for longer than quart's default 60 s
+    return resp
+
+
+def create_app(ctx: ServerContext) -> QuartTrio:
+    app = QuartTrio("trio_llm")
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["MAX_CONTENT_LENGTH"] = 64 * 1024 * 1024
+
+    def eng() -> Engine:
+        assert ctx.engine is not None  # before_request answers 503 until it is set
+        return ctx.engine
+
+    def piece(token: int) -> bytes:
+        return bytes(eng().tokenizer.token_to_piece(token))
+
+    def limits() -> P.Limits:
+        e = eng()
+        return P.Limits(e.n_ctx, e.model_config.n_vocab, ctx.config.parallel, ctx.config)
+
+    @app.before_request
+    async def gatekeeper() -> Response | None:
+        if request.path in PUBLIC_PATHS:
+            return None
+        key = ctx.config.api_key
+        if key is not None:
+            auth = request.headers.get("Authorization", "")
+            given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("X-Api-Key")
+            if given != key:
+                return _error(401, "Invalid API Key", "authentication_error")
+        if ctx.engine is None:
+            return _error(503, "Loading model", "unavailable_error")
+        return None
+
+    @app.errorhandler(Exception)
+    async def on_error(exc: Exception) -> Response:
+        return _error_of(exc)
+
+    # -- state ------------------------------------------------------------------
+
+    @app.get("/health")
+    @app.get("/v1/health")
+    async def health() -> Response:
+        if ctx.engine is None:
+            return _error(503, "Loading model", "unavailable_error", progress=round(ctx.load_progress, 3))
+        return _json({"status": "ok"})
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def models() -> Response:
+        e = eng()
+        c = e.model_config
+        meta = {
+            "vocab_type": e.metadata.get("tokenizer.ggml.model", ""),
+            "n_vocab": c.n_vocab,
+            "n_ctx_train": c.n_ctx_train,
+            "n_embd": c.n_embd,
+            "n_params": e.n_params,
+            "size": e.file_bytes,
+        }
+        model = {"id": ctx.model_id, "object": "model", "created": e.created, "owned_by": "llamacpp", "meta": meta}
+        return _json({"object": "list", "data": [model]})
+
+    def generation_settings() -> dict[str, Any]:
+        e = eng()
+        return {
+            "id": 0,
+            "id_task": -1,
+            "n_ctx": e.n_ctx,
+            "speculative": False,
+            "is_processing": False,
+            "params": ctx.config.sampling_defaults() | {"n_batch": ctx.config.batch_size},
+        }
+
+    @app.get("/props")
+    async def props() -> Response:
+        e = eng()
+        return _json(
+            {
+                "default_generation_settings": generation_settings(),
+                "total_slots": ctx.config.parallel,
+                "model_path": str(e.model_path),
+                "model_alias": ctx.model_id,
+                "chat_template": e.template.source,
+                "modalities": {"vision": False, "audio": False},
+                "build_info": f"trio-llm {__version__}",
+                "backend": e.backend_name,
+                "is_sleeping": e.gate.is_sleeping(),
+                "residency": e.gate.props(),
+                "device": e.device,
+            }
+        )
+
+    @app.get("/slots")
+    async def slots() -> Response:
+        return _json(eng().slots.slot_views())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if not ctx.config.metrics:
+            return _error(501, "This server does not support metrics endpoint. Start it with `--metrics`", "not_supported_error")
+        return Response(render(eng().registry), content_type=CONTENT_TYPE)
+
+    @app.post("/sleep")
+    async def sleep() -> Response:
+        level = request.args.get("level")
+        if level is not None and level not in SLEEP_LEVELS:
+            raise InvalidRequest(f"'level' must be one of {', '.join(SLEEP_LEVELS)}")
+        e = eng()
+        await e.gate.request_sleep(level)
+        return _json({"status": "ok", "is_sleeping": e.gate.is_sleeping()})
+
+    @app.post("/wake_up")
+    async def wake_up() -> Response:
+        e = eng()
+        await e.gate.request_wake()
+        return _json({"status": "ok", "is_sleeping": e.gate.is_sleeping()})
+
+    # -- tokens and templates ---------------------------------------------------------
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        body = await _body()
+        if not isinstance(body, dict) or not isinstance(body.get("content"), str):
+            raise InvalidRequest("'content' must be a string")
+        tok = eng().tokenizer
+        ids = tok.encode(
+            body["content"],
+            add_special=P.get_bool(body, "add_special", False),
+            parse_special=P.get_bool(body, "parse_special", True),
+        )
+        if not P.get_bool(body, "with_pieces", False):
+            return _json({"tokens": ids})
+        out = []
+        for t in ids:
+            raw = piece(t)
+            try:
+                p: Any = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                p = list(raw)
+            out.append({"id": t, "piece": p})
+        return _json({"tokens": out})
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        body = await _body()
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        n_vocab = eng().model_config.n_vocab
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequest("'tokens' must be a list of token ids")
+        bad = [t for t in ids if not 0 <= t < n_vocab]
+        if bad:
+            raise InvalidRequest(f"token {bad[0]} is outside the vocabulary of {n_vocab}")
+        return _json({"content": eng().tokenizer.decode(ids)})
+
+    def render_chat(body: Any) -> str:
+        if not isinstance(body, dict):
+            raise InvalidRequest("the request body must be a JSON object")
+        messages = P.messages_of(body)
+        return str(eng().template.render(messages, add_generation_prompt=True))
+
+    @app.post("/apply-template")
+    async def apply_template() -> Response:
+        return _json({"prompt": render_chat(await _body())})
+
+    # -- generation ----------------------------------------------------------------------
+
+    @app.post("/completion")
+    @app.post("/completions")
+    async def completion() -> Response:
+        e = eng()
+        req = P.parse_completion(await _body(), e.tokenizer, limits())
+        n_probs = req.params.sampling.n_probs
+        settings = generation_settings()["params"]
+        if not req.params.stream:
+            final = await _final(e, req.prompt, req.params)
+            return _json(R.native_final(final, piece, model=ctx.model_id, settings=settings, stream=False, n_probs=n_probs))
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async with aclosing(run_task(e, req.prompt, req.params)) as results:
+                    async for msg in results:
+                        if isinstance(msg, TaskPartial):
+                            yield _sse(R.native_partial(msg, piece, n_probs=n_probs))
+                        elif isinstance(msg, TaskFinal):
+                            yield _sse(R.native_final(msg, piece, model=ctx.model_id, settings=settings, stream=True, n_probs=n_probs))
+                        else:
+                            yield _sse(R.error_body(msg.message, msg.code, msg.type))
+            except TrioLLMError as exc:
+                yield _sse(R.error_body(str(exc), 503, "unavailable_error"))
+
+        return _stream(events())
+
+    @app.post("/v1/completions")
+    async def oai_completions() -> Response:
+        e = eng()
+        req = P.parse_oai_completion(await _body(), e.tokenizer, limits())
+        id_ = f"cmpl-{e.queue.new_id_task()}"
+        top = req.n_logprobs
+        if not req.params.stream:
+            final = await _final(e, req.prompt, req.params)
+            return _json(R.completion_response(final, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs, top=top))
+
+        async def events() -> AsyncIterator[bytes]:
+            created = R.unix_now()
+            offset = 0
+            try:
+                async with aclosing(run_task(e, req.prompt, req.params)) as results:
+                    async for msg in results:
+                        if isinstance(msg, TaskPartial):
+                            lp = None
+                            if req.logprobs and msg.prob is not None:
+                                lp = R.completion_logprobs([msg.prob], piece, top, offset)
+                            offset += len(msg.text)
+                            yield _sse(R.completion_chunk(id_=id_, model=ctx.model_id, created=created, text=msg.text, logprobs=lp))
+                        elif isinstance(msg, TaskFinal):
+                            chunk = R.completion_chunk(
+                                id_=id_, model=ctx.model_id, created=created, text=msg.text_tail,
+                                finish_reason=R.FINISH_REASON[msg.stop_type],
+                            )
+                            chunk["timings"] = msg.timings.to_json()
+                            yield _sse(chunk)
+                            if req.include_usage:
+                                yield _sse(R.completion_chunk(id_=id_, model=ctx.model_id, created=created, text="") | {"choices": [], "usage": R.usage(msg)})
+                        else:
+                            yield _sse(R.error_body(msg.message, msg.code, msg.type))
+            except TrioLLMError as exc:
+                yield _sse(R.error_body(str(exc), 503, "unavailable_error"))
+            yield SSE_DONE
+
+        return _stream(events())
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    async def chat_completions() -> Response:
+        e = eng()
+        body = await _body()
+        req = P.parse_chat(body, e.tokenizer, limits(), render_chat(body))
+        id_ = f"chatcmpl-{e.queue.new_id_task()}"
+        top = req.n_logprobs
+        if not req.params.stream:
+            final = await _final(e, req.prompt, req.params)
+            return _json(R.chat_response(final, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs, top=top))
+
+        async def events() -> AsyncIterator[bytes]:
+            created = R.unix_now()
+
+            def chunk(delta: dict[str, Any], **kw: Any) -> bytes:
+                return _sse(R.chat_chunk(id_=id_, model=ctx.model_id, created=created, delta=delta, **kw))
+
+            yield chunk({"role": "assistant", "content": ""})
+            try:
+                async with aclosing(run_task(e, req.prompt, req.params)) as results:
+                    async for msg in results:
+                        if isinstance(msg, TaskPartial):
+                            lp = None
+                            if req.logprobs and msg.prob is not None:
+                                lp = R.chat_logprobs([msg.prob], piece, top)
+                            if msg.text or lp is not None:
+                                yield chunk({"content": msg.text}, logprobs=lp)
+                        elif isinstance(msg, TaskFinal):
+                            if msg.text_tail:
+                                yield chunk({"content": msg.text_tail})
+                            last = R.chat_chunk(
+                                id_=id_, model=ctx.model_id, created=created, delta={},
+                                finish_reason=R.FINISH_REASON[msg.stop_type],
+                            )
+                            last["timings"] = msg.timings.to_json()
+                            yield _sse(last)
+                            if req.include_usage:
+                                usage = R.chat_chunk(id_=id_, model=ctx.model_id, created=created, delta={})
+                                yield _sse(usage | {"choices": [], "usage": R.usage(msg)})
+                        else:
+                            yield _sse(R.error_body(msg.message, msg.code, msg.type))
+            except TrioLLMError as exc:
+                yield _sse(R.error_body(str(exc), 503, "unavailable_error"))
+            yield SSE_DONE
+
+        return _stream(events())
+
+    return app
+

@@ -1,0 +1,91 @@
+"""``/metrics``: the actors' ``statistics()`` rendered as Prometheus text.
+
+A collector reads the records at scrape time instead of keeping counters of its own,
+so the numbers can never drift from what the actors report to tests. Names are
+llama-server's (``llamacpp:...``) where the meaning is the same, so existing
+dashboards keep working; our own additions are prefixed ``trio_llm_``. The registry
+is private to the server: several servers in one test process do not collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import attrs
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from trio_llm.engine.actor import BackendActorStatistics
+from trio_llm.server.queue import QueueStatistics
+from trio_llm.server.slots import SlotsStatistics
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@attrs.frozen
+class StatisticsSources:
+    slots: Callable[[], SlotsStatistics]
+    queue: Callable[[], QueueStatistics]
+    backend: Callable[[], BackendActorStatistics]
+    is_sleeping: Callable[[], bool]
+
+
+@attrs.define(eq=False)
+class ServerCollector(Collector):
+    sources: StatisticsSources
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.sources.slots()
+        q = self.sources.queue()
+        b = self.sources.backend()
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=value)
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        yield counter("llamacpp:prompt_tokens", "Number of prompt tokens processed.", s.n_prompt_tokens_processed)
+        yield counter("llamacpp:prompt_seconds", "Prompt process time.", s.t_prompt_processing)
+        yield counter("llamacpp:tokens_predicted", "Number of generation tokens processed.", s.n_tokens_predicted)
+        yield counter("llamacpp:tokens_predicted_seconds", "Predict process time.", s.t_tokens_generation)
+        yield counter("llamacpp:n_decode", "Number of forward passes (llama_decode() calls).", s.n_decode)
+        yield gauge(
+            "llamacpp:n_busy_slots_per_decode",
+            "Average number of busy slots per forward pass.",
+            s.n_busy_slots_total / s.n_decode if s.n_decode else 0.0,
+        )
+        yield gauge(
+            "llamacpp:prompt_tokens_seconds",
+            "Average prompt throughput in tokens/s.",
+            s.n_prompt_tokens_processed / s.t_prompt_processing if s.t_prompt_processing else 0.0,
+        )
+        yield gauge(
+            "llamacpp:predicted_tokens_seconds",
+            "Average generation throughput in tokens/s.",
+            s.n_tokens_predicted / s.t_tokens_generation if s.t_tokens_generation else 0.0,
+        )
+        yield gauge("llamacpp:kv_cache_tokens", "KV cache positions in use.", s.kv_tokens)
+        yield gauge(
+            "llamacpp:kv_cache_usage_ratio",
+            "KV cache usage (1 = every position of every slot in use).",
+            s.kv_tokens / s.kv_capacity if s.kv_capacity else 0.0,
+        )
+        yield gauge("llamacpp:requests_processing", "Number of requests processing.", s.n_processing)
+        yield gauge("llamacpp:requests_deferred", "Number of requests deferred.", q.n_deferred + q.n_pending)
+        yield counter("trio_llm_requests_cancelled", "Requests cancelled (client gone).", q.cancelled)
+        yield counter("trio_llm_requests_finished", "Requests that ran to completion.", s.n_tasks_done)
+        yield counter("trio_llm_backend_calls", "Calls into the backend actor.", b.calls)
+        yield counter("trio_llm_backend_busy_seconds", "Time the backend actor spent in calls.", b.busy_seconds)
+        yield gauge("trio_llm_is_sleeping", "1 while the model is not resident.", float(self.sources.is_sleeping()))
+
+
+def make_registry(sources: StatisticsSources) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServerCollector(sources))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

@@ -1,0 +1,303 @@
+"""Request bodies → validated task parameters: the HTTP edge's type checks.
+
+Every field is checked for type and range here, once, with a message naming the
+field, so that bad input is a 400 with a clear reason and never reaches an actor.
+Unknown fields are ignored, as llama-server does (clients send OpenAI options we do
+not implement, such as ``user``); so is ``model``, since one server runs one model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from trio_llm.config import ServerConfig
+from trio_llm.engine.sampling import DEFAULT_SEED, SamplingParams
+from trio_llm.errors import ContextOverflow, InvalidRequest
+from trio_llm.server.tasks import TaskParams
+
+MAX_STOP_WORDS = 64
+MAX_N_PROBS = 100
+MAX_TOP_LOGPROBS = 20
+
+
+class Encoder(Protocol):
+    bos_id: int | None
+
+    @property
+    def eog_ids(self) -> frozenset[int]: ...
+
+    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
+
+
+@attrs.frozen
+class Limits:
+    """What the running server allows."""
+
+    n_ctx: int  # positions per slot
+    n_vocab: int
+    n_slots: int
+    defaults: ServerConfig
+
+
+_MISSING: Any = object()
+
+
+def _get(body: Mapping[str, Any], key: str) -> Any:
+    v = body.get(key, _MISSING)
+    return _MISSING if v is None else v
+
+
+def get_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = _get(body, key)
+    if v is _MISSING:
+        return default
+    if not isinstance(v, bool):
+        raise InvalidRequest(f"'{key}' must be a boolean")
+    return v
+
+
+def get_int(body: Mapping[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    v = _get(body, key)
+    if v is _MISSING:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InvalidRequest(f"'{key}' must be an integer")
+    if not lo <= v <= hi:
+        raise InvalidRequest(f"'{key}' must be between {lo} and {hi}, got {v}")
+    return v
+
+
+def get_float(body: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    v = _get(body, key)
+    if v is _MISSING:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise InvalidRequest(f"'{key}' must be a number")
+    if not lo <= v <= hi:
+        raise InvalidRequest(f"'{key}' must be between {lo} and {hi}, got {v}")
+    return float(v)
+
+
+def get_stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    v = _get(body, "stop")
+    if v is _MISSING:
+        return ()
+    words = [v] if isinstance(v, str) else v
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise InvalidRequest("'stop' must be a string or a list of strings")
+    if len(words) > MAX_STOP_WORDS:
+        raise InvalidRequest(f"'stop' holds at most {MAX_STOP_WORDS} strings")
+    return tuple(w for w in words if w)
+
+
+def _logit_bias(body: Mapping[str, Any], n_vocab: int) -> list[tuple[int, float]]:
+    """OpenAI's ``{"token id": bias}`` or llama-server's ``[[id, bias], ...]``
+    (``false`` as a bias bans the token)."""
+    v = _get(body, "logit_bias")
+    if v is _MISSING:
+        return []
+    pairs: Iterable[Any]
+    if isinstance(v, dict):
+        pairs = v.items()
+    elif isinstance(v, list):
+        pairs = v
+    else:
+        raise InvalidRequest("'logit_bias' must be an object or a list of [token, bias] pairs")
+    out = []
+    for pair in pairs:
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise InvalidRequest("'logit_bias' entries must be [token, bias] pairs")
+        tok, bias = pair
+        try:
+            tok = int(tok)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"'logit_bias' names {tok!r}, not a token id") from None
+        if not 0 <= tok < n_vocab:
+            raise InvalidRequest(f"'logit_bias' names token {tok}, outside the vocabulary of {n_vocab}")
+        if bias is False:
+            bias = -math.inf
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or math.isnan(bias):
+            raise InvalidRequest("'logit_bias' values must be numbers")
+        out.append((tok, float(bias)))
+    return out
+
+
+def sampling_params(
+    body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_probs: int
+) -> SamplingParams:
+    d = limits.defaults
+    bias = _logit_bias(body, limits.n_vocab)
+    if get_bool(body, "ignore_eos", False):
+        bias += [(t, -math.inf) for t in sorted(tok.eog_ids)]
+    seed = get_int(body, "seed", d.seed, -1, (1 << 64) - 1)
+    return SamplingParams(
+        temperature=get_float(body, "temperature", d.temp, 0.0, 100.0),
+        top_k=get_int(body, "top_k", d.top_k, -1, 1 << 31),
+        top_p=get_float(body, "top_p", d.top_p, 0.0, 1.0),
+        min_p=get_float(body, "min_p", d.min_p, 0.0, 1.0),
+        repeat_penalty=get_float(body, "repeat_penalty", d.repeat_penalty, 1e-3, 100.0),
+        repeat_last_n=get_int(body, "repeat_last_n", d.repeat_last_n, -1, 1 << 31),
+        presence_penalty=get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        seed=DEFAULT_SEED if seed < 0 else seed,
+        n_probs=n_probs,
+        logit_bias=tuple(bias),
+    )
+
+
+def encode_prompt(tok: Encoder, text: str, *, add_special: bool = True) -> list[int]:
+    """Tokenize a prompt the way llama-server does (specials parsed), without the
+    doubled BOS a template that writes its own ``bos_token`` would otherwise give."""
+    ids = tok.encode(text, add_special=add_special, parse_special=True)
+    if len(ids) >= 2 and tok.bos_id is not None and ids[0] == ids[1] == tok.bos_id:
+        ids = ids[1:]
+    return ids
+
+
+def prompt_tokens(value: Any, tok: Encoder, limits: Limits, key: str = "prompt") -> list[int]:
+    """A prompt as text, as token ids, or as a list mixing both (llama-server's forms)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]  # a batch of one prompt
+    if isinstance(value, str):
+        ids = encode_prompt(tok, value)
+    elif isinstance(value, list) and value:
+        ids = []
+        for i, part in enumerate(value):
+            if isinstance(part, str):
+                ids += encode_prompt(tok, part, add_special=(i == 0))
+            elif isinstance(part, int) and not isinstance(part, bool):
+                if not 0 <= part < limits.n_vocab:
+                    raise InvalidRequest(f"'{key}' holds token {part}, outside the vocabulary of {limits.n_vocab}")
+                ids.append(part)
+            else:
+                raise InvalidRequest(
+                    f"'{key}' must be a string, a list of token ids, or one list mixing them "
+                    "(several prompts in one request are not supported: send one request each)"
+                )
+    else:
+        raise InvalidRequest(f"'{key}' must be a non-empty string or list of token ids")
+    check_fits(ids, limits)
+    return ids
+
+
+def check_fits(ids: Sequence[int], limits: Limits) -> None:
+    if not ids:
+        raise InvalidRequest("the prompt is empty")
+    if len(ids) >= limits.n_ctx:
+        raise ContextOverflow(len(ids) + 1, limits.n_ctx)
+
+
+def _n_predict(body: Mapping[str, Any], limits: Limits, *keys: str) -> int:
+    n = limits.defaults.n_predict
+    for key in keys:
+        if _get(body, key) is not _MISSING:
+            n = get_int(body, key, n, -1, 1 << 31)
+            break
+    return n
+
+
+def _task_params(body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_predict: int, n_probs: int) -> TaskParams:
+    return TaskParams(
+        n_predict=n_predict,
+        sampling=sampling_params(body, limits, tok, n_probs=n_probs),
+        stop=get_stop(body),
+        cache_prompt=get_bool(body, "cache_prompt", True),
+        id_slot=get_int(body, "id_slot", -1, -1, limits.n_slots - 1),
+        stream=get_bool(body, "stream", False),
+    )
+
+
+def _require_object(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return body
+
+
+def _check_n(body: Mapping[str, Any]) -> None:
+    get_int(body, "n", 1, 1, 1)
+
+
+@attrs.frozen
+class CompletionRequest:
+    prompt: tuple[int, ...]
+    params: TaskParams
+    n_logprobs: int = 0  # OpenAI logprobs/top_logprobs asked for (0: none)
+    logprobs: bool = False  # chat: return the chosen tokens' logprobs
+    include_usage: bool = False  # stream_options.include_usage
+    prompt_text: str = ""  # chat: the rendered template
+
+
+def parse_completion(body: Any, tok: Encoder, limits: Limits) -> CompletionRequest:
+    """``POST /completion`` (llama-server native)."""
+    body = _require_object(body)
+    if "prompt" not in body:
+        raise InvalidRequest("'prompt' is required")
+    prompt = prompt_tokens(body["prompt"], tok, limits)
+    n_probs = get_int(body, "n_probs", 0, 0, MAX_N_PROBS)
+    params = _task_params(body, limits, tok, n_predict=_n_predict(body, limits, "n_predict", "max_tokens"), n_probs=n_probs)
+    return CompletionRequest(tuple(prompt), params)
+
+
+def parse_oai_completion(body: Any, tok: Encoder, limits: Limits) -> CompletionRequest:
+    """``POST /v1/completions`` (OpenAI legacy completions)."""
+    body = _require_object(body)
+    _check_n(body)
+    if get_bool(body, "echo", False):
+        raise InvalidRequest("'echo' is not supported")
+    if "prompt" not in body:
+        raise InvalidRequest("'prompt' is required")
+    prompt = prompt_tokens(body["prompt"], tok, limits)
+    logprobs = get_int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS) if _get(body, "logprobs") is not _MISSING else -1
+    params = _task_params(
+        body, limits, tok, n_predict=_n_predict(body, limits, "max_tokens", "n_predict"),
+        n_probs=max(logprobs, 1) if logprobs >= 0 else 0,
+    )
+    return CompletionRequest(
+        tuple(prompt), params, n_logprobs=logprobs, logprobs=logprobs >= 0,
+        include_usage=_include_usage(body),
+    )
+
+
+def _include_usage(body: Mapping[str, Any]) -> bool:
+    opts = _get(body, "stream_options")
+    if opts is _MISSING:
+        return False
+    if not isinstance(opts, dict):
+        raise InvalidRequest("'stream_options' must be an object")
+    return get_bool(opts, "include_usage", False)
+
+
+def messages_of(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    msgs = _get(body, "messages")
+    if msgs is _MISSING:
+        raise InvalidRequest("'messages' is required")
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+        raise InvalidRequest("'messages' must be a non-empty list of objects")
+    return msgs
+
+
+def parse_chat(body: Any, tok: Encoder, limits: Limits, rendered: str) -> CompletionRequest:
+    """``POST /v1/chat/completions``, once the messages are rendered by the template."""
+    body = _require_object(body)
+    _check_n(body)
+    logprobs = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    if top and not logprobs:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
+    prompt = encode_prompt(tok, rendered)
+    check_fits(prompt, limits)
+    params = _task_params(
+        body, limits, tok,
+        n_predict=_n_predict(body, limits, "max_completion_tokens", "max_tokens", "n_predict"),
+        n_probs=max(top, 1) if logprobs else 0,
+    )
+    return CompletionRequest(
+        tuple(prompt), params, n_logprobs=top, logprobs=logprobs,
+        include_usage=_include_usage(body), prompt_text=rendered,
+    )

@@ -1,0 +1,197 @@
+"""Response bodies: llama-server's native shape and OpenAI's, built from task results.
+
+Pure functions of the results and a ``piece`` function (token id → bytes), so the
+shapes can be checked without a server. Field names and meanings follow
+llama-server's ``/completion`` and OpenAI's chat and legacy completion objects.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from trio_llm.server.tasks import StopType, TaskFinal, TaskPartial, TokenProb
+
+Piece = Callable[[int], bytes]
+
+FINISH_REASON: dict[StopType, str | None] = {
+    "eos": "stop",
+    "word": "stop",
+    "limit": "length",
+    "none": None,
+}
+
+
+def unix_now() -> int:
+    """OpenAI's ``created``: a calendar date in a response body, not a duration, so the
+    wall clock is right here (durations all come from trio's clock)."""
+    return int(datetime.datetime.now(datetime.UTC).timestamp())
+
+
+def error_body(message: str, code: int, type_: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "type": type_}}
+
+
+def _text(piece: Piece, token: int) -> str:
+    return piece(token).decode("utf-8", errors="replace")
+
+
+# -- llama-server native ---------------------------------------------------------
+
+
+def native_probs(probs: Sequence[TokenProb], piece: Piece) -> list[dict[str, Any]]:
+    def one(tok: int, lp: float) -> dict[str, Any]:
+        return {"id": tok, "token": _text(piece, tok), "logprob": lp, "bytes": list(piece(tok))}
+
+    return [one(p.id, p.logprob) | {"top_logprobs": [one(t, lp) for t, lp in p.top]} for p in probs]
+
+
+def native_partial(msg: TaskPartial, piece: Piece, *, n_probs: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "index": 0,
+        "content": msg.text,
+        "tokens": [msg.token],
+        "stop": False,
+        "id_slot": -1,
+    }
+    if n_probs and msg.prob is not None:
+        out["completion_probabilities"] = native_probs([msg.prob], piece)
+    return out
+
+
+def native_final(
+    final: TaskFinal, piece: Piece, *, model: str, settings: dict[str, Any], stream: bool, n_probs: int
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "index": 0,
+        "content": final.text_tail if stream else final.content,
+        "tokens": [] if stream else list(final.tokens),
+        "id_slot": final.id_slot,
+        "stop": True,
+        "model": model,
+        "tokens_predicted": len(final.tokens),
+        "tokens_evaluated": final.n_prompt,
+        "generation_settings": settings,
+        "has_new_line": "\n" in final.content,
+        "truncated": False,
+        "stop_type": final.stop_type,
+        "stopping_word": final.stopping_word,
+        "tokens_cached": final.n_cached_end,
+        "timings": final.timings.to_json(),
+    }
+    if n_probs and not stream:
+        out["completion_probabilities"] = native_probs(final.probs, piece)
+    return out
+
+
+# -- OpenAI -------------------------------------------------------------------------
+
+
+def usage(final: TaskFinal) -> dict[str, Any]:
+    n_out = len(final.tokens)
+    return {
+        "prompt_tokens": final.n_prompt,
+        "completion_tokens": n_out,
+        "total_tokens": final.n_prompt + n_out,
+        "prompt_tokens_details": {"cached_tokens": final.timings.cache_n},
+    }
+
+
+def chat_logprobs(probs: Sequence[TokenProb], piece: Piece, top: int) -> dict[str, Any]:
+    def one(tok: int, lp: float) -> dict[str, Any]:
+        return {"token": _text(piece, tok), "logprob": lp, "bytes": list(piece(tok))}
+
+    return {
+        "content": [
+            one(p.id, p.logprob) | {"top_logprobs": [one(t, lp) for t, lp in p.top[:top]]}
+            for p in probs
+        ]
+    }
+
+
+def completion_logprobs(probs: Sequence[TokenProb], piece: Piece, top: int, offset: int = 0) -> dict[str, Any]:
+    tokens = [_text(piece, p.id) for p in probs]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [p.logprob for p in probs],
+        "top_logprobs": [{_text(piece, t): lp for t, lp in p.top[:top]} for p in probs],
+        "text_offset": offsets,
+    }
+
+
+def chat_response(
+    final: TaskFinal, piece: Piece, *, id_: str, model: str, logprobs: bool, top: int
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": final.content},
+        "finish_reason": FINISH_REASON[final.stop_type],
+        "logprobs": chat_logprobs(final.probs, piece, top) if logprobs else None,
+    }
+    return {
+        "id": id_,
+        "object": "chat.completion",
+        "created": unix_now(),
+        "model": model,
+        "system_fingerprint": "trio-llm",
+        "choices": [choice],
+        "usage": usage(final),
+        "timings": final.timings.to_json(),
+    }
+
+
+def chat_chunk(
+    *, id_: str, model: str, created: int, delta: dict[str, Any],
+    finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
+    return {
+        "id": id_,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": "trio-llm",
+        "choices": [choice],
+    }
+
+
+def completion_response(
+    final: TaskFinal, piece: Piece, *, id_: str, model: str, logprobs: bool, top: int
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": final.content,
+        "finish_reason": FINISH_REASON[final.stop_type],
+        "logprobs": completion_logprobs(final.probs, piece, top) if logprobs else None,
+    }
+    return {
+        "id": id_,
+        "object": "text_completion",
+        "created": unix_now(),
+        "model": model,
+        "system_fingerprint": "trio-llm",
+        "choices": [choice],
+        "usage": usage(final),
+        "timings": final.timings.to_json(),
+    }
+
+
+def completion_chunk(
+    *, id_: str, model: str, created: int, text: str, finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": id_,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": "trio-llm",
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+    }

@@ -1,0 +1,510 @@
+"""The slots loop: continuous batching of every active slot into one forward pass.
+
+Inbox (``inbox``, finite): ``Assign`` and ``CancelSlot`` from the queue.
+Outbox: ``SlotReleased`` to the queue's inbox when a slot goes idle; ``TaskPartial``
+/ ``TaskFinal`` / ``TaskError`` on each task's own result channel (sized so a send
+never waits: a slow client must not stall the other slots).
+
+Invariants: each step runs exactly one ``BackendClient.forward`` holding, for every
+active slot, either its next prompt chunk or its one token to decode (at most ``-b``
+prompt tokens in all); the gate is awaited before every forward; ``set_busy(True)``
+holds from the first assignment until every slot is idle again. A slot's KV cache
+holds ``seq[:n_past]``, which is also what the slot reports as its prompt cache when
+it goes idle, so the next request reuses the longest common prefix.
+
+``plan_batch`` and the ``Slot`` methods are plain synchronous code over plain data;
+``SlotsEngine.start_loop`` is the async shell that talks to the backend and channels.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+import trio
+
+from trio_llm.engine.actor import BackendClient
+from trio_llm.engine.backend import SeqBatch
+from trio_llm.engine.sampling import log_softmax, make_rng, sample, top_logprobs
+from trio_llm.errors import ContextOverflow, TrioLLMError
+from trio_llm.server.gate import ResidencyGate
+from trio_llm.server.queue import Assign, CancelSlot, SlotReleased, SlotsMessage, common_prefix
+from trio_llm.server.stop import StopScanner
+from trio_llm.server.tasks import (
+    ServerTask,
+    StopType,
+    TaskError,
+    TaskFinal,
+    TaskPartial,
+    TaskResult,
+    Timings,
+    TokenProb,
+)
+
+#: above this vocabulary size a step's sampling (sorts over the vocabulary) runs on a
+#: worker thread, so that a 128k-token top-p does not stall HTTP handling for ~10 ms
+THREAD_SAMPLING_VOCAB = 32768
+
+
+class Detokenizer(Protocol):
+    """What the slots loop needs of a tokenizer."""
+
+    def is_eog(self, token: int) -> bool: ...
+
+    def token_to_piece(self, token: int) -> bytes: ...
+
+
+class SlotState(Enum):
+    IDLE = "idle"
+    PROCESSING_PROMPT = "processing_prompt"
+    GENERATING = "generating"
+
+
+@attrs.frozen
+class Work:
+    """One slot's share of the next forward pass."""
+
+    id_slot: int
+    tokens: tuple[int, ...]
+    pos0: int
+    decoding: bool  # one token of generation, not a prompt chunk
+
+
+def plan_batch(wants: Sequence[Work], n_batch: int) -> list[Work]:
+    """Choose one forward pass: every decoding slot's token, then prompt chunks in the
+    order given (oldest request first) until ``n_batch`` tokens are used. At least one
+    prompt token always fits, so a prompt makes progress even when many slots decode."""
+    out = [w for w in wants if w.decoding]
+    budget = max(n_batch - len(out), 1)
+    for w in wants:
+        if w.decoding or budget <= 0:
+            continue
+        take = min(len(w.tokens), budget)
+        out.append(Work(w.id_slot, w.tokens[:take], w.pos0, False))
+        budget -= take
+    return out
+
+
+@attrs.define(eq=False)
+class Slot:
+    """One sequence of the backend's KV cache and the task using it."""
+
+    id: int
+    n_ctx: int
+    seq: list[int] = attrs.field(factory=list)  # tokens that belong in the KV cache
+    n_past: int = 0  # how many of seq are in it
+    task: ServerTask | None = None
+    n_prompt: int = 0
+    n_cached: int = 0  # prompt tokens reused from the previous request
+    generated: list[int] = attrs.field(factory=list)
+    probs: list[TokenProb] = attrs.field(factory=list)
+    scanner: StopScanner = attrs.field(factory=lambda: StopScanner(()))
+    utf8: Any = None  # an incremental UTF-8 decoder: tokens may split a character
+    rng: np.random.Generator | None = None
+    t_start: float = 0.0
+    t_prompt_done: float = 0.0
+    started_order: int = 0
+
+    @property
+    def state(self) -> SlotState:
+        if self.task is None:
+            return SlotState.IDLE
+        return SlotState.GENERATING if self.generated else SlotState.PROCESSING_PROMPT
+
+    def cache(self) -> tuple[int, ...]:
+        return tuple(self.seq[: self.n_past])
+
+    def begin(self, task: ServerTask, now: float, order: int) -> None:
+        """Take ``task``: keep the common prefix of the cache, queue the rest of the prompt."""
+        prompt = list(task.prompt)
+        if len(prompt) >= self.n_ctx:
+            raise ContextOverflow(len(prompt) + 1, self.n_ctx)
+        keep = common_prefix(self.cache(), prompt) if task.params.cache_prompt else 0
+        # the last prompt token is always evaluated: its logits give the first sample
+        keep = min(keep, len(prompt) - 1)
+        self.seq, self.n_past = prompt, keep
+        self.task, self.n_prompt, self.n_cached = task, len(prompt), keep
+        self.generated, self.probs = [], []
+        self.scanner = StopScanner(task.params.stop)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.rng = make_rng(task.params.sampling.seed)
+        self.t_start = self.t_prompt_done = now
+        self.started_order = order
+
+    def want(self) -> Work:
+        rest = tuple(self.seq[self.n_past :])  # [n] tokens not yet in the KV cache
+        # after a lost KV cache a generating slot re-evaluates its text as a prompt chunk
+        return Work(self.id, rest, self.n_past, bool(self.generated) and len(rest) == 1)
+
+    def timings(self, now: float) -> Timings:
+        return Timings(
+            prompt_n=self.n_prompt - self.n_cached,
+            prompt_ms=1e3 * (self.t_prompt_done - self.t_start),
+            cache_n=self.n_cached,
+            predicted_n=len(self.generated),
+            predicted_ms=1e3 * (now - self.t_prompt_done) if self.generated else 0.0,
+        )
+
+    def finish(self, stop_type: StopType, now: float) -> TaskFinal:
+        assert self.task is not None
+        tail = self.scanner.flush() if stop_type != "word" else ""
+        tail_utf8 = self.utf8.decode(b"", final=True) if stop_type != "word" else ""
+        if tail_utf8:
+            self.scanner.text += tail_utf8
+            tail += tail_utf8
+        final = TaskFinal(
+            id_task=self.task.id_task,
+            id_slot=self.id,
+            content=self.scanner.text,
+            tokens=tuple(self.generated),
+            stop_type=stop_type,
+            stopping_word=self.scanner.stopping_word,
+            n_prompt=self.n_prompt,
+            timings=self.timings(now),
+            probs=tuple(self.probs),
+            text_tail=tail,
+            n_cached_end=self.n_past,
+        )
+        return final
+
+    def reset(self) -> None:
+        """Go idle; the KV cache (``seq[:n_past]``) stays for the next request."""
+        self.task = None
+        self.seq = self.seq[: self.n_past]
+        self.rng = None
+
+
+@attrs.frozen
+class SlotsStatistics:
+    n_slots: int
+    n_processing: int  # llamacpp:requests_processing
+    n_prompt_tokens_processed: int  # llamacpp:prompt_tokens_total
+    t_prompt_processing: float  # seconds
+    n_tokens_predicted: int  # llamacpp:tokens_predicted_total
+    t_tokens_generation: float  # seconds
+    n_decode: int  # forward passes
+    n_busy_slots_total: int  # sum over forward passes of the slots in each
+    n_tasks_done: int
+    n_tasks_cancelled: int
+    kv_tokens: int  # positions in use over all slots
+    kv_capacity: int
+
+
+@attrs.define(eq=False)
+class SlotsEngine:
+    """Run ``start_loop`` in a nursery; the queue feeds ``inbox``."""
+
+    _client: BackendClient
+    _gate: ResidencyGate
+    _tokenizer: Detokenizer
+    _to_queue: trio.MemorySendChannel[SlotReleased]
+    _inbox: trio.MemoryReceiveChannel[SlotsMessage]
+    n_ctx: int  # per slot
+    n_batch: int
+    _slots: list[Slot] = attrs.field(init=False)
+    _released: list[SlotReleased] = attrs.field(init=False, factory=list)
+    _order: int = 0
+    _kv_epoch: int = 0
+    _busy: bool = False
+    # statistics
+    _n_prompt: int = 0
+    _t_prompt: float = 0.0
+    _n_predicted: int = 0
+    _t_predicted: float = 0.0
+    _n_decode: int = 0
+    _n_busy_total: int = 0
+    _n_done: int = 0
+    _n_cancelled: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        self._slots = [Slot(i, self.n_ctx) for i in range(self._client.backend.n_seq)]
+        self._kv_epoch = self._gate_epoch()
+
+    # -- read-only views, for /slots, /metrics and tests --------------------------
+
+    def statistics(self) -> SlotsStatistics:
+        return SlotsStatistics(
+            n_slots=len(self._slots),
+            n_processing=sum(s.task is not None for s in self._slots),
+            n_prompt_tokens_processed=self._n_prompt,
+            t_prompt_processing=self._t_prompt,
+            n_tokens_predicted=self._n_predicted,
+            t_tokens_generation=self._t_predicted,
+            n_decode=self._n_decode,
+            n_busy_slots_total=self._n_busy_total,
+            n_tasks_done=self._n_done,
+            n_tasks_cancelled=self._n_cancelled,
+            kv_tokens=sum(s.n_past for s in self._slots),
+            kv_capacity=self.n_ctx * len(self._slots),
+        )
+
+    def slot_views(self) -> list[dict[str, Any]]:
+        out = []
+        for s in self._slots:
+            task = s.task
+            out.append(
+                {
+                    "id": s.id,
+                    "id_task": task.id_task if task else -1,
+                    "n_ctx": s.n_ctx,
+                    "is_processing": task is not None,
+                    "state": s.state.value,
+                    "n_past": s.n_past,
+                    "n_cached": len(s.seq[: s.n_past]) if task is None else s.n_cached,
+                    "n_prompt": s.n_prompt if task else 0,
+                    "n_decoded": len(s.generated) if task else 0,
+                    "params": _params_view(task) if task else None,
+                }
+            )
+        return out
+
+    # -- the loop ----------------------------------------------------------------
+
+    async def start_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            while True:
+                if not self._active():
+                    self._set_busy(False)
+                    self._handle(await self._inbox.receive())
+                self._drain_inbox()
+                await self._flush_releases()
+                if not self._active():
+                    continue
+                self._set_busy(True)
+                await self._step()
+                await self._flush_releases()
+        finally:
+            # handlers still waiting learn at once that no answer will come
+            for s in self._slots:
+                if s.task is not None:
+                    s.task.results.close()
+
+    def _active(self) -> list[Slot]:
+        return [s for s in self._slots if s.task is not None]
+
+    def _set_busy(self, busy: bool) -> None:
+        if busy != self._busy:
+            self._busy = busy
+            self._gate.set_busy(busy)
+
+    def _gate_epoch(self) -> int:
+        # A gate counts the releases that lost the KV cache (level "unload"); a gate
+        # without the counter never loses it.
+        epoch = getattr(self._gate, "kv_epoch", None)
+        return int(epoch()) if callable(epoch) else 0
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.receive_nowait()
+            except trio.WouldBlock:
+                return
+            self._handle(msg)
+
+    def _handle(self, msg: SlotsMessage) -> None:
+        now = trio.current_time()
+        if isinstance(msg, Assign):
+            slot = self._slots[msg.id_slot]
+            assert slot.task is None, f"slot {slot.id} assigned while busy"
+            self._order += 1
+            try:
+                slot.begin(msg.task, now, self._order)
+            except TrioLLMError as exc:
+                slot.task = msg.task
+                error = TaskError(msg.task.id_task, str(exc), 400, "exceed_context_size_error")
+                if self._send(slot, error):
+                    self._release(slot, cancelled=False)
+        elif isinstance(msg, CancelSlot):
+            slot = self._slots[msg.id_slot]
+            if slot.task is not None and slot.task.id_task == msg.id_task:
+                self._release(slot, cancelled=True)
+
+    def _release(self, slot: Slot, *, cancelled: bool) -> None:
+        assert slot.task is not None
+        id_task = slot.task.id_task
+        slot.task.results.close()
+        slot.reset()
+        if cancelled:
+            self._n_cancelled += 1
+        else:
+            self._n_done += 1
+        self._released.append(SlotReleased(slot.id, id_task, slot.cache()))
+
+    async def _flush_releases(self) -> None:
+        while self._released:
+            await self._to_queue.send(self._released.pop(0))
+
+    def _send(self, slot: Slot, msg: TaskResult) -> bool:
+        """Deliver to the slot's client; False (and the slot freed) if it went away."""
+        assert slot.task is not None
+        try:
+            slot.task.results.send_nowait(msg)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._release(slot, cancelled=True)
+            return False
+        return True
+
+    async def _wait_resident(self) -> bool:
+        """Wait for the gate. While a wake takes time (a restore, another server holding
+        the GPU), keep serving the inbox: a cancelled request must free its slot at once
+        and a new one joins this pass. Returns False when the plan changed first."""
+        if not self._gate.is_sleeping():
+            await self._gate.wait_until_no_sleep()
+            return True
+        woke = False
+        async with trio.open_nursery() as nursery:
+
+            async def wake() -> None:
+                nonlocal woke
+                await self._gate.wait_until_no_sleep()
+                woke = True
+                nursery.cancel_scope.cancel()
+
+            async def listen() -> None:
+                self._handle(await self._inbox.receive())
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(wake)
+            nursery.start_soon(listen)
+        return woke
+
+    async def _step(self) -> None:
+        try:
+            if not await self._wait_resident():
+                return
+        except TrioLLMError as exc:
+            self._fail_all(f"the model could not be made resident: {exc}")
+            return
+        epoch = self._gate_epoch()
+        if epoch != self._kv_epoch:
+            # the KV cache was lost while the model slept: every slot starts over
+            self._kv_epoch = epoch
+            for s in self._slots:
+                s.n_past = 0
+                if s.task is not None:
+                    s.n_cached = 0
+        active = sorted(self._active(), key=lambda s: s.started_order)
+        if not active:
+            return
+        plan = plan_batch([s.want() for s in active], self.n_batch)
+        batch = [SeqBatch(w.id_slot, np.asarray(w.tokens, dtype=np.int32), w.pos0) for w in plan]
+        t0 = trio.current_time()
+        try:
+            logits = await self._client.forward(batch)  # [len(plan), n_vocab]
+        except TrioLLMError as exc:
+            self._fail_all(f"the backend failed: {exc}")
+            return
+        now = trio.current_time()
+        self._n_decode += 1
+        self._n_busy_total += len(plan)
+        n_prompt_tokens = sum(len(w.tokens) for w in plan if not w.decoding)
+        self._n_prompt += n_prompt_tokens
+        if n_prompt_tokens:
+            self._t_prompt += now - t0
+        else:
+            self._t_predicted += now - t0
+
+        ready: list[tuple[Slot, np.ndarray]] = []
+        for w, row in zip(plan, logits, strict=True):
+            slot = self._slots[w.id_slot]
+            if slot.task is None:
+                continue  # cancelled while the pass ran
+            slot.n_past += len(w.tokens)
+            if slot.n_past < len(slot.seq):
+                continue  # more prompt to go
+            if not slot.generated:
+                slot.t_prompt_done = now
+                if slot.task.params.n_predict == 0:
+                    self._finish(slot, "limit", now)
+                    continue
+            ready.append((slot, row))
+        if ready:
+            picks = await self._sample(ready)
+            for (slot, _), (token, prob) in zip(ready, picks, strict=True):
+                if slot.task is not None:
+                    self._accept(slot, token, prob, trio.current_time())
+
+    async def _sample(self, ready: list[tuple[Slot, np.ndarray]]) -> list[tuple[int, TokenProb | None]]:
+        jobs = []
+        for slot, row in ready:
+            assert slot.task is not None and slot.rng is not None
+            params = slot.task.params.sampling
+            jobs.append((row, params, slot.rng, slot.seq[: slot.n_past]))
+
+        def run() -> list[tuple[int, TokenProb | None]]:
+            out: list[tuple[int, TokenProb | None]] = []
+            for row, params, rng, recent in jobs:
+                token = sample(row, params, rng, recent)
+                prob = None
+                if params.n_probs > 0:
+                    lp = float(log_softmax(row)[token])
+                    prob = TokenProb(token, lp, tuple(top_logprobs(row, params.n_probs)))
+                out.append((token, prob))
+            return out
+
+        if self._client.backend.config.n_vocab >= THREAD_SAMPLING_VOCAB:
+            return await trio.to_thread.run_sync(run)
+        return run()
+
+    def _accept(self, slot: Slot, token: int, prob: TokenProb | None, now: float) -> None:
+        """A token was sampled for ``slot``: emit it and decide whether to go on."""
+        assert slot.task is not None
+        params = slot.task.params
+        self._n_predicted += 1
+        if self._tokenizer.is_eog(token):
+            self._finish(slot, "eos", now)
+            return
+        slot.generated.append(token)
+        if prob is not None:
+            slot.probs.append(prob)
+        text = slot.scanner.feed(slot.utf8.decode(self._tokenizer.token_to_piece(token)))
+        if slot.scanner.stopping_word:
+            if text and params.stream and not self._send(slot, TaskPartial(slot.task.id_task, token, text, prob)):
+                return
+            self._finish(slot, "word", now)
+            return
+        if params.stream and not self._send(slot, TaskPartial(slot.task.id_task, token, text, prob)):
+            return
+        if params.n_predict >= 0 and len(slot.generated) >= params.n_predict:
+            self._finish(slot, "limit", now)
+        elif len(slot.seq) >= slot.n_ctx:
+            self._finish(slot, "limit", now)  # no position left to feed the token back
+        else:
+            slot.seq.append(token)
+
+    def _finish(self, slot: Slot, stop_type: StopType, now: float) -> None:
+        final = slot.finish(stop_type, now)
+        if self._send(slot, final):
+            self._release(slot, cancelled=False)
+
+    def _fail_all(self, message: str) -> None:
+        for s in self._active():
+            assert s.task is not None
+            s.n_past = 0  # the cache's state is unknown after a failure
+            if self._send(s, TaskError(s.task.id_task, message)):
+                self._release(s, cancelled=False)
+        for s in self._slots:
+            s.n_past = 0
+            s.seq = []
+
+
+def _params_view(task: ServerTask) -> dict[str, Any]:
+    p = task.params
+    s = p.sampling
+    return {
+        "n_predict": p.n_predict,
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "min_p": s.min_p,
+        "repeat_penalty": s.repeat_penalty,
+        "seed": s.seed,
+        "stop": list(p.stop),
+        "stream": p.stream,
+        "cache_prompt": p.cache_prompt,
+    }
