@@ -774,7 +774,7 @@ def main(argv: Sequence[str]) -> int:
         if args.command == "list":
             for path in sorted(SHIPPED.glob("*.toml")):
                 s = fmt.load(path)
-                print(f"{s.name:<16} {s.description}")
+                print(f"{s.name:<16} {s.description.split('. ')[0].rstrip('.')}.")
             return 0
         if args.command == "check":
             for name in args.files:
