@@ -1,0 +1,385 @@
+"""The Vulkan instance, the chosen physical device, its logical device and its queue.
+
+Everything that touches the driver maps the driver's errors to the typed errors of
+``trio_llm.errors`` through :func:`vk_errors`, so a failed allocation or a lost device
+reaches the server as ``DeviceOutOfMemory`` / ``DeviceLost`` and never as a raw cffi
+exception. A machine without a Vulkan loader, or with a loader and no device, raises
+``BackendUnavailable`` from :func:`open_device`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+
+from trio_llm.errors import BackendError, BackendUnavailable, DeviceLost, DeviceOutOfMemory
+
+log = logging.getLogger(__name__)
+
+_vk: Any = None
+
+
+def vk_module() -> Any:
+    """Import the ``vulkan`` package lazily: it dlopens the loader at import time."""
+    global _vk
+    if _vk is None:
+        try:
+            import vulkan
+        except (OSError, ImportError) as exc:
+            raise BackendUnavailable(f"no Vulkan loader: {exc}") from exc
+        _vk = vulkan
+    return _vk
+
+
+@contextlib.contextmanager
+def vk_errors(what: str) -> Iterator[None]:
+    """Translate driver errors raised inside the block into typed backend errors."""
+    vk = vk_module()
+    try:
+        yield
+    except (vk.VkErrorOutOfDeviceMemory, vk.VkErrorOutOfHostMemory, vk.VkErrorOutOfPoolMemory) as exc:
+        raise DeviceOutOfMemory(f"{what}: {type(exc).__name__}") from exc
+    except vk.VkErrorDeviceLost as exc:
+        raise DeviceLost(f"{what}: the device was lost") from exc
+    except (vk.VkError, vk.VkException) as exc:
+        raise BackendError(f"{what}: {type(exc).__name__}") from exc
+
+
+_TYPE_RANK = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}  # discrete, integrated, virtual, cpu, other
+_TYPE_NAME = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
+
+
+@attrs.frozen
+class DeviceLimits:
+    max_storage_buffer_range: int
+    max_allocation_size: int
+    min_storage_offset_alignment: int
+    max_shared_memory: int
+    max_workgroup_count: tuple[int, int, int]
+    subgroup_size: int
+    imported_host_alignment: int  # 0 when VK_EXT_external_memory_host is absent
+
+
+@attrs.define(eq=False)
+class Device:
+    """One logical device with one compute queue; owned by a single thread."""
+
+    vk: Any
+    instance: Any
+    physical: Any
+    handle: Any
+    queue: Any
+    queue_family: int
+    name: str
+    device_type: str
+    api_version: str
+    driver_version: int
+    limits: DeviceLimits
+    extensions: frozenset[str]
+    memory_types: list[tuple[int, int]]  # (propertyFlags, heapIndex)
+    memory_heaps: list[tuple[int, int]]  # (size, flags)
+    command_pool: Any
+    fence: Any
+    _fns: dict[str, Any] = attrs.field(factory=dict)
+    _closed: bool = False
+
+    # -- helpers ------------------------------------------------------------------
+
+    def fn(self, name: str) -> Any:
+        """A device-level extension entry point (looked up once)."""
+        if name not in self._fns:
+            self._fns[name] = self.vk.vkGetDeviceProcAddr(self.handle, name)
+        return self._fns[name]
+
+    def find_memory_type(self, type_bits: int, want: int, avoid: int = 0) -> int | None:
+        """Index of the first memory type allowed by ``type_bits`` with all of ``want``."""
+        for i, (flags, _heap) in enumerate(self.memory_types):
+            if type_bits & (1 << i) and flags & want == want and not flags & avoid:
+                return i
+        return None
+
+    def budget(self) -> list[dict[str, int]] | None:
+        """Per-heap budget and usage from VK_EXT_memory_budget, where the driver has it."""
+        if "VK_EXT_memory_budget" not in self.extensions:
+            return None
+        vk = self.vk
+        budget = vk.ffi.new("VkPhysicalDeviceMemoryBudgetPropertiesEXT*")
+        budget.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT
+        props = vk.ffi.new("VkPhysicalDeviceMemoryProperties2*")
+        props.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2
+        props.pNext = budget
+        vk.lib.vkGetPhysicalDeviceMemoryProperties2(self.physical, props)
+        n = props.memoryProperties.memoryHeapCount
+        return [
+            {"heap": i, "budget": int(budget.heapBudget[i]), "usage": int(budget.heapUsage[i])}
+            for i in range(n)
+        ]
+
+    def info(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "type": self.device_type,
+            "api_version": self.api_version,
+            "driver_version": self.driver_version,
+            "max_storage_buffer_range": self.limits.max_storage_buffer_range,
+            "max_allocation_size": self.limits.max_allocation_size,
+            "subgroup_size": self.limits.subgroup_size,
+            "max_shared_memory": self.limits.max_shared_memory,
+            "external_memory_host": self.limits.imported_host_alignment > 0,
+            "memory_heaps": [size for size, _ in self.memory_heaps],
+            "memory_budget": self.budget(),
+        }
+
+    def submit_and_wait(self, command_buffers: list[Any], what: str) -> None:
+        """Submit command buffers in one batch and block until the GPU finished them."""
+        vk = self.vk
+        with vk_errors(what):
+            submit = vk.VkSubmitInfo(
+                commandBufferCount=len(command_buffers), pCommandBuffers=command_buffers
+            )
+            vk.vkResetFences(self.handle, 1, [self.fence])
+            vk.vkQueueSubmit(self.queue, 1, [submit], self.fence)
+            vk.vkWaitForFences(self.handle, 1, [self.fence], vk.VK_TRUE, 0xFFFFFFFFFFFFFFFF)
+
+    def allocate_command_buffer(self) -> Any:
+        vk = self.vk
+        info = vk.VkCommandBufferAllocateInfo(
+            commandPool=self.command_pool,
+            level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY,
+            commandBufferCount=1,
+        )
+        with vk_errors("allocate command buffer"):
+            return vk.vkAllocateCommandBuffers(self.handle, info)[0]
+
+    def free_command_buffer(self, cmd: Any) -> None:
+        self.vk.vkFreeCommandBuffers(self.handle, self.command_pool, 1, [cmd])
+
+    @contextlib.contextmanager
+    def one_shot(self, what: str) -> Iterator[Any]:
+        """Record a command buffer in the block; it is submitted and waited for on exit."""
+        vk = self.vk
+        cmd = self.allocate_command_buffer()
+        try:
+            vk.vkBeginCommandBuffer(
+                cmd, vk.VkCommandBufferBeginInfo(flags=vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT)
+            )
+            yield cmd
+            vk.vkEndCommandBuffer(cmd)
+            self.submit_and_wait([cmd], what)
+        finally:
+            self.free_command_buffer(cmd)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        vk = self.vk
+        with contextlib.suppress(Exception):
+            vk.vkDeviceWaitIdle(self.handle)
+        vk.vkDestroyFence(self.handle, self.fence, None)
+        vk.vkDestroyCommandPool(self.handle, self.command_pool, None)
+        vk.vkDestroyDevice(self.handle, None)
+        vk.vkDestroyInstance(self.instance, None)
+
+
+def _device_extensions(vk: Any, physical: Any) -> frozenset[str]:
+    return frozenset(
+        e.extensionName if isinstance(e.extensionName, str) else vk.ffi.string(e.extensionName).decode()
+        for e in vk.vkEnumerateDeviceExtensionProperties(physical, None)
+    )
+
+
+def _name(vk: Any, props: Any) -> str:
+    name = props.deviceName
+    return name if isinstance(name, str) else vk.ffi.string(name).decode()
+
+
+def choose(candidates: list[tuple[int, str, int]], selector: str | None) -> int:
+    """Pick a device from ``(index, name, vk device type)``: an explicit selector (an
+    index or a case-insensitive name substring) wins, else discrete before integrated
+    before virtual before CPU (lavapipe), ties broken by enumeration order."""
+    if not candidates:
+        raise BackendUnavailable("the Vulkan loader found no device")
+    if selector:
+        sel = selector.strip()
+        if sel.isdigit():
+            for index, _, _ in candidates:
+                if index == int(sel):
+                    return index
+            raise BackendUnavailable(f"no Vulkan device with index {sel} ({len(candidates)} found)")
+        for index, name, _ in candidates:
+            if sel.lower() in name.lower():
+                return index
+        names = ", ".join(name for _, name, _ in candidates)
+        raise BackendUnavailable(f"no Vulkan device matches {sel!r} (found: {names})")
+    return min(candidates, key=lambda c: (_TYPE_RANK.get(c[2], 9), c[0]))[0]
+
+
+def open_device(selector: str | None = None) -> Device:
+    """Create an instance and a logical device on the best (or the selected) device.
+
+    ``selector`` defaults to ``$TRIO_LLM_VK_DEVICE``.
+    """
+    vk = vk_module()
+    if selector is None:
+        selector = os.environ.get("TRIO_LLM_VK_DEVICE") or None
+    try:
+        return _open(vk, selector)
+    except (vk.VkErrorIncompatibleDriver, vk.VkErrorInitializationFailed) as exc:
+        raise BackendUnavailable(f"no usable Vulkan driver: {type(exc).__name__}") from exc
+
+
+def _open(vk: Any, selector: str | None) -> Device:
+    app = vk.VkApplicationInfo(
+        pApplicationName="trio-llm",
+        applicationVersion=1,
+        pEngineName="trio-llm",
+        engineVersion=1,
+        apiVersion=vk.VK_MAKE_VERSION(1, 2, 0),
+    )
+    with vk_errors("create instance"):
+        instance = vk.vkCreateInstance(vk.VkInstanceCreateInfo(pApplicationInfo=app), None)
+    try:
+        physicals = vk.vkEnumeratePhysicalDevices(instance)
+        infos = []
+        for i, p in enumerate(physicals):
+            props = vk.vkGetPhysicalDeviceProperties(p)
+            infos.append((i, _name(vk, props), int(props.deviceType)))
+        index = choose(infos, selector)
+        physical = physicals[index]
+        return _create_logical(vk, instance, physical)
+    except BaseException:
+        vk.vkDestroyInstance(instance, None)
+        raise
+
+
+def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
+    props = vk.vkGetPhysicalDeviceProperties(physical)
+    limits = props.limits
+    extensions = _device_extensions(vk, physical)
+
+    # subgroup size and maxMemoryAllocationSize come through the *2 query chain
+    sub = vk.ffi.new("VkPhysicalDeviceSubgroupProperties*")
+    sub.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES
+    maint3 = vk.ffi.new("VkPhysicalDeviceMaintenance3Properties*")
+    maint3.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES
+    sub.pNext = maint3
+    host_props = vk.ffi.new("VkPhysicalDeviceExternalMemoryHostPropertiesEXT*")
+    host_props.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_EXTERNAL_MEMORY_HOST_PROPERTIES_EXT
+    has_host_import = "VK_EXT_external_memory_host" in extensions
+    if has_host_import:
+        maint3.pNext = host_props
+    props2 = vk.ffi.new("VkPhysicalDeviceProperties2*")
+    props2.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2
+    props2.pNext = sub
+    vk.lib.vkGetPhysicalDeviceProperties2(physical, props2)
+
+    # storage of 16-bit values is what the shaders read quantized blocks through
+    f11 = vk.ffi.new("VkPhysicalDeviceVulkan11Features*")
+    f11.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES
+    f12 = vk.ffi.new("VkPhysicalDeviceVulkan12Features*")
+    f12.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES
+    f11.pNext = f12
+    feats = vk.ffi.new("VkPhysicalDeviceFeatures2*")
+    feats.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2
+    feats.pNext = f11
+    vk.lib.vkGetPhysicalDeviceFeatures2(physical, feats)
+    if not f11.storageBuffer16BitAccess:
+        raise BackendUnavailable(f"{_name(vk, props)}: no 16-bit storage buffer access")
+
+    want11 = vk.ffi.new("VkPhysicalDeviceVulkan11Features*")
+    want11.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES
+    want11.storageBuffer16BitAccess = 1
+    want12 = vk.ffi.new("VkPhysicalDeviceVulkan12Features*")
+    want12.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES
+    want12.storageBuffer8BitAccess = f12.storageBuffer8BitAccess
+    want12.shaderInt8 = f12.shaderInt8
+    want12.shaderFloat16 = f12.shaderFloat16
+    want11.pNext = want12
+    want = vk.ffi.new("VkPhysicalDeviceFeatures2*")
+    want.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2
+    want.pNext = want11
+    want.features.shaderInt16 = feats.features.shaderInt16
+
+    families = vk.vkGetPhysicalDeviceQueueFamilyProperties(physical)
+    family = next(
+        (i for i, f in enumerate(families) if f.queueFlags & vk.VK_QUEUE_COMPUTE_BIT), None
+    )
+    if family is None:
+        raise BackendUnavailable(f"{_name(vk, props)}: no compute queue")
+
+    enable = [e for e in ("VK_EXT_external_memory_host", "VK_EXT_memory_budget") if e in extensions]
+    queue_info = vk.VkDeviceQueueCreateInfo(
+        queueFamilyIndex=family, queueCount=1, pQueuePriorities=[1.0]
+    )
+    create = vk.VkDeviceCreateInfo(
+        pNext=want,
+        queueCreateInfoCount=1,
+        pQueueCreateInfos=[queue_info],
+        enabledExtensionCount=len(enable),
+        ppEnabledExtensionNames=enable,
+    )
+    with vk_errors("create device"):
+        handle = vk.vkCreateDevice(physical, create, None)
+    queue = vk.vkGetDeviceQueue(handle, family, 0)
+    pool = vk.vkCreateCommandPool(
+        handle,
+        vk.VkCommandPoolCreateInfo(
+            flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT, queueFamilyIndex=family
+        ),
+        None,
+    )
+    fence = vk.vkCreateFence(handle, vk.VkFenceCreateInfo(), None)
+
+    mem = vk.vkGetPhysicalDeviceMemoryProperties(physical)
+    memory_types = [
+        (int(mem.memoryTypes[i].propertyFlags), int(mem.memoryTypes[i].heapIndex))
+        for i in range(mem.memoryTypeCount)
+    ]
+    memory_heaps = [
+        (int(mem.memoryHeaps[i].size), int(mem.memoryHeaps[i].flags))
+        for i in range(mem.memoryHeapCount)
+    ]
+    v = int(props.apiVersion)
+    device = Device(
+        vk=vk,
+        instance=instance,
+        physical=physical,
+        handle=handle,
+        queue=queue,
+        queue_family=family,
+        name=_name(vk, props),
+        device_type=_TYPE_NAME.get(int(props.deviceType), "other"),
+        api_version=f"{v >> 22}.{(v >> 12) & 0x3FF}.{v & 0xFFF}",
+        driver_version=int(props.driverVersion),
+        limits=DeviceLimits(
+            max_storage_buffer_range=int(limits.maxStorageBufferRange),
+            max_allocation_size=int(maint3.maxMemoryAllocationSize),
+            min_storage_offset_alignment=int(limits.minStorageBufferOffsetAlignment),
+            max_shared_memory=int(limits.maxComputeSharedMemorySize),
+            max_workgroup_count=tuple(int(x) for x in limits.maxComputeWorkGroupCount),  # type: ignore[arg-type]
+            subgroup_size=int(sub.subgroupSize),
+            imported_host_alignment=(
+                int(host_props.minImportedHostPointerAlignment) if has_host_import else 0
+            ),
+        ),
+        extensions=extensions,
+        memory_types=memory_types,
+        memory_heaps=memory_heaps,
+        command_pool=pool,
+        fence=fence,
+    )
+    log.info(
+        "vulkan device: %s (%s, Vulkan %s), storage range %d MiB, subgroup %d",
+        device.name,
+        device.device_type,
+        device.api_version,
+        device.limits.max_storage_buffer_range >> 20,
+        device.limits.subgroup_size,
+    )
+    return device

@@ -1,0 +1,256 @@
+"""Buffers, the allocator that accounts every device byte, and host shadows.
+
+Each ``Buffer`` is one ``VkBuffer`` bound to its own ``VkDeviceMemory``: the model has
+a few hundred large tensors packed into a handful of arenas, so dedicated allocations
+stay far below ``maxMemoryAllocationCount`` and freeing a category is just freeing its
+buffers. Shaders see a ``View`` (buffer, offset, size); a view never exceeds
+``maxStorageBufferRange`` (callers split larger tensors by rows).
+
+Host shadows keep read-only weights in host memory the GPU can copy from directly, so
+a restore is one ``vkCmdCopyBuffer`` per arena instead of a memmove through staging.
+Where ``VK_EXT_external_memory_host`` exists we first try to import the GGUF file's
+mapped pages themselves (no copy at all); when the driver refuses, we copy the bytes
+once into a host-visible allocation and keep that for the life of the backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from trio_llm.errors import DeviceOutOfMemory
+from trio_llm.vulkan.device import Device, vk_errors
+
+log = logging.getLogger(__name__)
+
+DEVICE_LOCAL = 0x1
+HOST_VISIBLE = 0x2
+HOST_COHERENT = 0x4
+HOST_CACHED = 0x8
+
+#: where a buffer lives: device memory, host memory written by the CPU (upload), or
+#: host memory read by the CPU (readback)
+PLACES = ("device", "upload", "readback", "host")
+
+
+@attrs.define(eq=False)
+class Buffer:
+    """A VkBuffer with its own memory; ``array`` is a uint8 view when host-mapped."""
+
+    handle: Any
+    memory: Any
+    size: int
+    category: str
+    place: str
+    array: np.ndarray | None = None
+    imported: bool = False  # memory is foreign host pages: never unmap/own them
+
+
+@attrs.frozen
+class View:
+    """A byte range of a buffer, as bound to one shader binding."""
+
+    buffer: Buffer
+    offset: int
+    size: int
+
+    def sub(self, offset: int, size: int) -> View:
+        assert offset + size <= self.size, (offset, size, self.size)
+        return View(self.buffer, self.offset + offset, size)
+
+
+def whole(buf: Buffer) -> View:
+    return View(buf, 0, buf.size)
+
+
+@attrs.define(eq=False)
+class Allocator:
+    """Creates and frees buffers and keeps the per-category byte count."""
+
+    device: Device
+    _live: set[Buffer] = attrs.field(factory=set)
+
+    def _usage(self) -> int:
+        vk = self.device.vk
+        return (
+            vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT
+            | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
+            | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT
+        )
+
+    def _memory_type(self, bits: int, place: str) -> int:
+        d = self.device
+        order: Sequence[tuple[int, int]]
+        if place == "device":
+            order = [(DEVICE_LOCAL, 0), (0, 0)]
+        elif place == "upload":
+            # resizable BAR memory lets small per-step buffers skip a copy
+            order = [(DEVICE_LOCAL | HOST_VISIBLE | HOST_COHERENT, 0), (HOST_VISIBLE | HOST_COHERENT, 0)]
+        elif place == "readback":
+            order = [(HOST_VISIBLE | HOST_CACHED, 0), (HOST_VISIBLE | HOST_COHERENT, 0)]
+        else:  # "host": host memory for shadows, not device-local where there is a choice
+            order = [
+                (HOST_VISIBLE | HOST_COHERENT, DEVICE_LOCAL),
+                (HOST_VISIBLE | HOST_COHERENT, 0),
+                (HOST_VISIBLE, 0),
+            ]
+        for want, avoid in order:
+            idx = d.find_memory_type(bits, want, avoid)
+            if idx is not None:
+                return idx
+        raise DeviceOutOfMemory(f"no memory type for {place} buffers")
+
+    def create(self, size: int, category: str, place: str = "device") -> Buffer:
+        """A new buffer of ``size`` bytes (rounded up to 256), mapped unless ``device``."""
+        vk = self.device.vk
+        dev = self.device.handle
+        size = max(256, -(-size // 256) * 256)
+        if size > self.device.limits.max_allocation_size:
+            raise DeviceOutOfMemory(
+                f"{category}: {size} bytes exceed maxMemoryAllocationSize "
+                f"{self.device.limits.max_allocation_size}"
+            )
+        with vk_errors(f"allocate {size} bytes of {category}"):
+            handle = vk.vkCreateBuffer(
+                dev,
+                vk.VkBufferCreateInfo(
+                    size=size, usage=self._usage(), sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE
+                ),
+                None,
+            )
+            try:
+                req = vk.vkGetBufferMemoryRequirements(dev, handle)
+                mtype = self._memory_type(req.memoryTypeBits, place)
+                memory = vk.vkAllocateMemory(
+                    dev, vk.VkMemoryAllocateInfo(allocationSize=req.size, memoryTypeIndex=mtype), None
+                )
+            except BaseException:
+                vk.vkDestroyBuffer(dev, handle, None)
+                raise
+            vk.vkBindBufferMemory(dev, handle, memory, 0)
+            buf = Buffer(handle, memory, size, category, place)
+            if place != "device":
+                mapped = vk.vkMapMemory(dev, memory, 0, size, 0)
+                buf.array = np.frombuffer(mapped, dtype=np.uint8)
+        self._live.add(buf)
+        return buf
+
+    def import_host(self, array: np.ndarray, category: str) -> Buffer | None:
+        """Wrap existing host pages (e.g. a read-only file mapping) as a transfer source.
+
+        ``array`` must start on ``minImportedHostPointerAlignment`` and its size be a
+        multiple of it. Returns None when the extension is absent or the driver refuses
+        the pages (file-backed, read-only mappings are refused by some drivers).
+        """
+        d = self.device
+        align = d.limits.imported_host_alignment
+        if not align:
+            return None
+        vk = d.vk
+        ptr = array.ctypes.data
+        size = array.nbytes
+        if ptr % align or size % align or size > d.limits.max_allocation_size:
+            return None
+        dev = d.handle
+        for handle_type in (
+            vk.VK_EXTERNAL_MEMORY_HANDLE_TYPE_HOST_ALLOCATION_BIT_EXT,
+            vk.VK_EXTERNAL_MEMORY_HANDLE_TYPE_HOST_MAPPED_FOREIGN_MEMORY_BIT_EXT,
+        ):
+            try:
+                buf = self._import(vk, dev, ptr, size, handle_type, category)
+            except Exception as exc:  # the fallback (a one-time copy) always works
+                log.info("host import refused (%s): %s", hex(handle_type), exc)
+                continue
+            if buf is not None:
+                buf.array = array
+                self._live.add(buf)
+                return buf
+        return None
+
+    def _import(self, vk: Any, dev: Any, ptr: int, size: int, handle_type: int, category: str) -> Buffer | None:
+        host_props = vk.ffi.new("VkMemoryHostPointerPropertiesEXT*")
+        host_props.sType = vk.VK_STRUCTURE_TYPE_MEMORY_HOST_POINTER_PROPERTIES_EXT
+        get_props = self.device.fn("vkGetMemoryHostPointerPropertiesEXT")
+        get_props(dev, handle_type, vk.ffi.cast("void*", ptr), host_props)
+        bits = int(host_props.memoryTypeBits)
+        if not bits:
+            return None
+        ext = vk.ffi.new("VkExternalMemoryBufferCreateInfo*")
+        ext.sType = vk.VK_STRUCTURE_TYPE_EXTERNAL_MEMORY_BUFFER_CREATE_INFO
+        ext.handleTypes = handle_type
+        handle = vk.vkCreateBuffer(
+            dev,
+            vk.VkBufferCreateInfo(
+                pNext=ext,
+                size=size,
+                usage=vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT,
+                sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE,
+            ),
+            None,
+        )
+        try:
+            req = vk.vkGetBufferMemoryRequirements(dev, handle)
+            bits &= int(req.memoryTypeBits)
+            mtype = self.device.find_memory_type(bits, 0)
+            if mtype is None:
+                raise DeviceOutOfMemory("no memory type accepts the imported pages")
+            imp = vk.ffi.new("VkImportMemoryHostPointerInfoEXT*")
+            imp.sType = vk.VK_STRUCTURE_TYPE_IMPORT_MEMORY_HOST_POINTER_INFO_EXT
+            imp.handleType = handle_type
+            imp.pHostPointer = vk.ffi.cast("void*", ptr)
+            memory = vk.vkAllocateMemory(
+                dev, vk.VkMemoryAllocateInfo(pNext=imp, allocationSize=size, memoryTypeIndex=mtype), None
+            )
+        except BaseException:
+            vk.vkDestroyBuffer(dev, handle, None)
+            raise
+        vk.vkBindBufferMemory(dev, handle, memory, 0)
+        return Buffer(handle, memory, size, category, "host", imported=True)
+
+    def free(self, buf: Buffer | None) -> None:
+        if buf is None or buf not in self._live:
+            return
+        self._live.discard(buf)
+        vk = self.device.vk
+        dev = self.device.handle
+        if buf.array is not None and not buf.imported:
+            buf.array = None
+            vk.vkUnmapMemory(dev, buf.memory)
+        buf.array = None
+        vk.vkDestroyBuffer(dev, buf.handle, None)
+        vk.vkFreeMemory(dev, buf.memory, None)
+
+    def free_all(self) -> None:
+        for buf in list(self._live):
+            self.free(buf)
+
+    def bytes_by_category(self) -> dict[str, int]:
+        """Bytes of device memory held, by category; host shadows are not counted."""
+        out: dict[str, int] = {}
+        for buf in self._live:
+            if buf.place == "host":
+                continue
+            out[buf.category] = out.get(buf.category, 0) + buf.size
+        return out
+
+    def host_bytes(self) -> int:
+        """Bytes of host-visible shadow memory (imported pages count as zero copies)."""
+        return sum(b.size for b in self._live if b.place == "host" and not b.imported)
+
+
+def address_of(array: np.ndarray) -> int:
+    return int(array.ctypes.data)
+
+
+def host_span(base: int, size: int) -> np.ndarray:
+    """A uint8 array over ``size`` bytes of host memory at ``base`` (no copy).
+
+    Used to widen a tensor's mapped pages to the import alignment; the caller
+    guarantees the span stays inside one live mapping.
+    """
+    return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(base))

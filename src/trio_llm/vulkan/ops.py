@@ -1,0 +1,160 @@
+"""The ops: one function per kernel that turns shapes and views into a ``Dispatch``.
+
+These hold the grid arithmetic and the push-constant order of each shader, so the
+model graph (``forward.py``) and the op tests speak in shapes, never in work groups.
+``cap`` arguments are the most tokens (or rows) a recorded graph can see; the live
+count comes from the step buffer at run time and the extra work groups return at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import numpy as np
+
+from trio_llm.vulkan.graph import Dispatch
+from trio_llm.vulkan.kernels import KernelCache
+from trio_llm.vulkan.memory import View
+from trio_llm.vulkan.shaders import STEP_CAP, qtype_defines
+
+#: the step buffer: [n_tokens, n_out, 0, 0] then tokens, positions, seq ids, output rows
+STEP_HEADER = 4
+STEP_WORDS = STEP_HEADER + 4 * STEP_CAP
+STEP_BYTES = 4 * STEP_WORDS
+
+COUNT_TOKENS = 0
+COUNT_OUT = 1
+
+ROPE_NONE = 0
+ROPE_NORMAL = 1
+ROPE_NEOX = 2
+
+#: bytes per block and values per block of the weight types the kernels read
+BLOCK_BYTES = {"F32": (4, 1), "F16": (2, 1), "Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
+
+
+def row_bytes(qtype: str, n: int) -> int:
+    size, qk = BLOCK_BYTES[qtype]
+    return n // qk * size
+
+
+def fill_step(
+    words: np.ndarray,
+    tokens: np.ndarray,
+    pos: np.ndarray,
+    seq: np.ndarray,
+    out_rows: np.ndarray,
+) -> None:
+    """Write one step's values into the step buffer's uint32 view."""
+    n = len(tokens)
+    assert n <= STEP_CAP and len(out_rows) <= STEP_CAP
+    words[0] = n
+    words[1] = len(out_rows)
+    h = STEP_HEADER
+    words[h : h + n] = tokens
+    words[h + STEP_CAP : h + STEP_CAP + n] = pos
+    words[h + 2 * STEP_CAP : h + 2 * STEP_CAP + n] = seq
+    words[h + 3 * STEP_CAP : h + 3 * STEP_CAP + len(out_rows)] = out_rows
+
+
+def grid(n: int, limit: int = 65535) -> tuple[int, int, int]:
+    """Work groups for ``n`` flat groups, folded into y past the x limit."""
+    n = max(1, n)
+    x = min(n, limit)
+    return (x, math.ceil(n / x), 1)
+
+
+@attrs.define(eq=False)
+class Ops:
+    kernels: KernelCache
+    matvec_wg: int = 64
+    norm_wg: int = 64
+    attn_wg: int = 64
+    rows_wg: int = 64
+    elem_wg: int = 256
+
+    def matvec(
+        self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
+        x_stride: int, y_stride: int, y_off: int = 0, count_sel: int = COUNT_TOKENS,
+        add: bool = False, maxc: int = 8,
+    ) -> Dispatch:
+        """y[c, y_off + r] (+)= W[r] . x[c] for the live columns c (at most ``maxc``)."""
+        assert n_in % 8 == 0 and x_stride % 4 == 0
+        k = self.kernels.get(
+            "matvec", n_bindings=4, n_push=7, local_size=self.matvec_wg,
+            defines=qtype_defines(qtype), spec={1: maxc},
+        )
+        push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add))
+        return Dispatch(k, (w, x, y, step), push, grid(n_rows))
+
+    def matmul(
+        self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
+        x_stride: int, y_stride: int, cap: int, y_off: int = 0,
+        count_sel: int = COUNT_TOKENS, add: bool = False,
+    ) -> Dispatch:
+        """The tiled form of ``matvec`` for many tokens (prefill)."""
+        assert n_in % 32 == 0 and x_stride % 4 == 0
+        k = self.kernels.get("matmul", n_bindings=4, n_push=7, local_size=256, defines=qtype_defines(qtype))
+        push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add))
+        return Dispatch(k, (w, x, y, step), push, (math.ceil(n_rows / 64), math.ceil(cap / 64), 1))
+
+    def get_rows(
+        self, qtype: str, w: View, y: View, step: View, *, n_in: int, y_stride: int, cap: int,
+        row0: int = 0, row1: int = 0xFFFFFFFF, id_sel: int = COUNT_TOKENS,
+    ) -> Dispatch:
+        k = self.kernels.get("get_rows", n_bindings=3, n_push=5, local_size=self.rows_wg, defines=qtype_defines(qtype))
+        return Dispatch(k, (w, y, step), (n_in, row0, row1, y_stride, id_sel), grid(cap))
+
+    def rms_norm(
+        self, x: View, w: View, y: View, step: View, *, n: int, x_stride: int, y_stride: int,
+        eps: float, cap: int, rows_per_tok: int = 1, count_sel: int = COUNT_TOKENS,
+    ) -> Dispatch:
+        k = self.kernels.get("rms_norm", n_bindings=4, n_push=6, local_size=self.norm_wg)
+        push = (n, rows_per_tok, x_stride, y_stride, count_sel, float(eps))
+        return Dispatch(k, (x, w, y, step), push, grid(cap * rows_per_tok))
+
+    def rope(
+        self, x: View, y: View, step: View, *, n_heads: int, head_dim: int, x_stride: int,
+        mode: int, theta: float, cap: int, to_cache: bool = False, n_ctx: int = 0, kv_dim: int = 0,
+    ) -> Dispatch:
+        k = self.kernels.get("rope", n_bindings=3, n_push=8, local_size=self.elem_wg)
+        push = (n_heads, head_dim, x_stride, mode, int(to_cache), n_ctx, kv_dim, float(math.log2(theta)))
+        pairs = n_heads * head_dim // 2
+        return Dispatch(k, (x, y, step), push, (math.ceil(pairs / self.elem_wg), cap, 1))
+
+    def attention(
+        self, q: View, k_cache: View, v_cache: View, o: View, step: View, *, n_head: int,
+        n_head_kv: int, head_dim: int, n_ctx: int, q_stride: int, o_stride: int, cap: int,
+        scale: float | None = None,
+    ) -> Dispatch:
+        assert head_dim <= 4 * self.attn_wg and head_dim <= 256
+        k = self.kernels.get("attention", n_bindings=5, n_push=8, local_size=self.attn_wg)
+        kv_dim = n_head_kv * head_dim
+        s = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        push = (n_head, n_head_kv, head_dim, n_ctx, kv_dim, q_stride, o_stride, float(s))
+        return Dispatch(k, (q, k_cache, v_cache, o, step), push, (n_head, cap, 1))
+
+    def swiglu(
+        self, g: View, u: View, y: View, step: View, *, n: int, stride: int, cap: int,
+        count_sel: int = COUNT_TOKENS,
+    ) -> Dispatch:
+        k = self.kernels.get("swiglu", n_bindings=4, n_push=3, local_size=self.elem_wg)
+        return Dispatch(k, (g, u, y, step), (n, stride, count_sel), (math.ceil(n / self.elem_wg), cap, 1))
+
+    def add(
+        self, a: View, b: View, y: View, step: View, *, n: int, stride: int, cap: int,
+        bcast: bool = False, count_sel: int = COUNT_TOKENS,
+    ) -> Dispatch:
+        k = self.kernels.get("add", n_bindings=4, n_push=4, local_size=self.elem_wg)
+        return Dispatch(k, (a, b, y, step), (n, stride, int(bcast), count_sel), (math.ceil(n / self.elem_wg), cap, 1))
+
+    def argmax(
+        self, x: View, r: View, step: View, *, n: int, stride: int, cap: int, count_sel: int = COUNT_OUT,
+    ) -> Dispatch:
+        k = self.kernels.get("argmax", n_bindings=3, n_push=3, local_size=self.norm_wg)
+        return Dispatch(k, (x, r, step), (n, stride, count_sel), grid(cap))
+
+    def transpose(self, src: View, dst: View, *, rows: int, cols: int) -> Dispatch:
+        k = self.kernels.get("transpose", n_bindings=2, n_push=2, local_size=256)
+        return Dispatch(k, (src, dst), (rows, cols), (math.ceil(cols / 32), math.ceil(rows / 32), 1))

@@ -1,0 +1,152 @@
+"""Compile the GLSL compute shaders in ``shaders/`` to SPIR-V, with a content-keyed cache.
+
+A variant is a ``.comp`` file plus ``-D`` defines. Its cache key hashes the source,
+every file it includes (recursively), the defines and the compiler flags, so editing
+an include rebuilds exactly the variants that use it and nothing is ever stale. The
+cache lives in ``shaders/build/`` when that is writable (a checkout) and in the user
+cache directory otherwise (an installed package). Writes go through a temporary file
+and ``os.replace`` so two processes compiling the same variant never see half a file.
+
+``trio-llm compile-shaders`` builds every variant the backend can ask for, which the
+Makefile's install step runs so the first model load does not wait on glslc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from trio_llm.errors import ShaderCompileError
+
+#: tokens per forward chunk; the per-step buffer's arrays have this many entries
+STEP_CAP = 512
+
+#: weight types the quantized kernels are built for (ggml type names)
+QTYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
+
+#: shaders with one variant per weight type
+QUANT_SHADERS = ("matvec", "matmul", "get_rows")
+#: shaders with a single variant
+PLAIN_SHADERS = ("rms_norm", "rope", "attention", "swiglu", "add", "argmax", "transpose")
+
+_FLAGS = ("--target-env=vulkan1.2", "-O")
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def shader_dir() -> Path:
+    env = os.environ.get("TRIO_LLM_SHADER_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[3] / "shaders"
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("TRIO_LLM_SHADER_CACHE")
+    if env:
+        return Path(env)
+    local = shader_dir() / "build"
+    try:
+        local.mkdir(parents=True, exist_ok=True)
+        if os.access(local, os.W_OK):
+            return local
+    except OSError:
+        pass
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("trio-llm")) / "spirv"
+
+
+def _sources(path: Path, seen: set[Path] | None = None) -> list[Path]:
+    """The file and everything it includes, in a stable order."""
+    seen = set() if seen is None else seen
+    if path in seen:
+        return []
+    seen.add(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ShaderCompileError(f"cannot read shader {path}: {exc}") from exc
+    out = [path]
+    for name in _INCLUDE.findall(text):
+        out += _sources(path.parent / name, seen)
+    return out
+
+
+def variant_defines(defines: dict[str, object] | None) -> dict[str, str]:
+    merged: dict[str, str] = {"STEP_CAP": str(STEP_CAP)}
+    for k, v in (defines or {}).items():
+        merged[k] = str(v)
+    return merged
+
+
+def cache_key(name: str, defines: dict[str, object] | None = None) -> str:
+    h = hashlib.sha256()
+    for src in _sources(shader_dir() / f"{name}.comp"):
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    for k, v in sorted(variant_defines(defines).items()):
+        h.update(f"-D{k}={v}".encode())
+    h.update(" ".join(_FLAGS).encode())
+    return h.hexdigest()[:20]
+
+
+def spirv(name: str, defines: dict[str, object] | None = None) -> bytes:
+    """The SPIR-V of one variant, compiled now if the cache lacks it."""
+    out = cache_dir() / f"{name}-{cache_key(name, defines)}.spv"
+    if out.exists():
+        return out.read_bytes()
+    glslc = shutil.which("glslc")
+    if glslc is None:
+        raise ShaderCompileError("glslc is not installed (Debian package 'glslc')")
+    src = shader_dir() / f"{name}.comp"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".spv.tmp")
+    os.close(fd)
+    cmd = [glslc, *_FLAGS, f"-I{shader_dir()}"]
+    cmd += [f"-D{k}={v}" for k, v in sorted(variant_defines(defines).items())]
+    cmd += [str(src), "-o", tmp]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise ShaderCompileError(f"glslc failed on {src.name} {defines or ''}:\n{proc.stderr.strip()}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out.read_bytes()
+
+
+def qtype_defines(qtype: str) -> dict[str, object]:
+    """The defines that select the dequantization code of ``quant.glsl``."""
+    return {f"QTYPE_{qtype}": 1}
+
+
+def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
+    for name in QUANT_SHADERS:
+        for q in QTYPES:
+            yield name, qtype_defines(q)
+    for name in PLAIN_SHADERS:
+        yield name, {}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="trio-llm compile-shaders", description=__doc__.splitlines()[0])
+    parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+    args = parser.parse_args(argv)
+    try:
+        variants = list(all_variants())
+        for name, defines in variants:
+            spirv(name, defines)
+    except ShaderCompileError as exc:
+        print(f"trio-llm compile-shaders: {exc}")
+        return 1
+    if not args.quiet:
+        print(f"{len(variants)} shader variants ready in {cache_dir()}")
+    return 0

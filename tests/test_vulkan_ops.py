@@ -1,0 +1,357 @@
+"""Every Vulkan kernel against a numpy reference, on lavapipe (or whatever device runs).
+
+Weights of each type are real ggml blocks (gguf's quantizer, or random K-quant blocks
+with sane scales) and the reference dequantizes them with gguf, so these tests pin the
+shaders' block decoding to the format, not to our own reading of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+import gguf
+import numpy as np
+import pytest
+from gguf.quants import dequantize, quantize
+
+from trio_llm.vulkan.device import Device, open_device
+from trio_llm.vulkan.graph import Barrier, Graph, Op
+from trio_llm.vulkan.kernels import KernelCache
+from trio_llm.vulkan.memory import Allocator, View, whole
+from trio_llm.vulkan.ops import (
+    COUNT_OUT,
+    ROPE_NEOX,
+    ROPE_NONE,
+    ROPE_NORMAL,
+    STEP_BYTES,
+    Ops,
+    fill_step,
+)
+
+pytestmark = pytest.mark.vulkan
+
+QTYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K"]
+
+
+@attrs.define
+class Env:
+    device: Device
+    alloc: Allocator
+    ops: Ops
+
+    def put(self, array: np.ndarray, extra: int = 0) -> View:
+        data = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        buf = self.alloc.create(data.nbytes + extra, "scratch", "upload")
+        assert buf.array is not None
+        buf.array[: data.nbytes] = data
+        return View(buf, 0, data.nbytes + extra)
+
+    def zeros(self, n: int, dtype: type = np.float32) -> View:
+        return self.put(np.zeros(n, dtype))
+
+    def get(self, view: View, dtype: type = np.float32) -> np.ndarray:
+        assert view.buffer.array is not None
+        return view.buffer.array[view.offset : view.offset + view.size].view(dtype).copy()
+
+    def step(self, tokens, pos=None, seq=None, out=()) -> View:  # type: ignore[no-untyped-def]
+        n = len(tokens)
+        view = self.zeros(STEP_BYTES // 4, np.uint32)
+        assert view.buffer.array is not None
+        words = view.buffer.array.view(np.uint32)
+        fill_step(
+            words,
+            np.asarray(tokens, np.uint32),
+            np.asarray(pos if pos is not None else np.zeros(n), np.uint32),
+            np.asarray(seq if seq is not None else np.zeros(n), np.uint32),
+            np.asarray(out, np.uint32),
+        )
+        return view
+
+    def run(self, ops: list[Op]) -> None:
+        graph = Graph.record(self.device, ops)
+        try:
+            graph.run("test")
+        finally:
+            graph.close()
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    device = open_device()
+    alloc = Allocator(device)
+    kernels = KernelCache(device)
+    yield Env(device, alloc, Ops(kernels))
+    kernels.close()
+    alloc.free_all()
+    device.close()
+
+
+def make_weights(qtype: str, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(raw ggml bytes [rows, row_bytes] or float rows, dequantized float32 [rows, cols])."""
+    rng = np.random.default_rng(seed)
+    t = gguf.GGMLQuantizationType[qtype]
+    if qtype == "F32":
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        return w, w
+    if qtype in ("F16", "Q8_0", "Q4_0"):
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        raw = quantize(w, t)
+    else:
+        size = 144 if qtype == "Q4_K" else 210
+        raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+        scales = rng.uniform(0.005, 0.02, size=(rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
+        if qtype == "Q4_K":
+            raw[:, :, 0:4] = scales.reshape(rows, cols // 256, 4)
+        else:
+            raw[:, :, 208:210] = scales[:, :, 0:2]
+        raw = raw.reshape(rows, -1)
+    return raw, dequantize(raw, t).astype(np.float32).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_get_rows_dequantizes_and_splits(env: Env, qtype: str) -> None:
+    rows, cols = 48, 512
+    raw, ref = make_weights(qtype, rows, cols)
+    w = env.put(raw)
+    row_b = raw.nbytes // rows
+    ids = [5, 47, 0, 23, 24, 5]
+    y = env.zeros(len(ids) * cols)
+    st = env.step(ids)
+    # bind the matrix in two pieces, as a tensor beyond maxStorageBufferRange is
+    lo, hi = w.sub(0, 24 * row_b), w.sub(24 * row_b, 24 * row_b)
+    env.run([
+        env.ops.get_rows(qtype, lo, y, st, n_in=cols, y_stride=cols, cap=8, row0=0, row1=24),
+        env.ops.get_rows(qtype, hi, y, st, n_in=cols, y_stride=cols, cap=8, row0=24, row1=48),
+    ])
+    got = env.get(y).reshape(len(ids), cols)
+    np.testing.assert_allclose(got, ref[ids], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_matvec_columns_and_residual(env: Env, qtype: str) -> None:
+    rows, cols, ncol = 70, 512, 3
+    raw, ref = make_weights(qtype, rows, cols, seed=1)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((ncol, cols)).astype(np.float32)
+    resid = rng.standard_normal((ncol, rows)).astype(np.float32)
+    w, xv, y, y2 = env.put(raw), env.put(x), env.zeros(ncol * rows), env.put(resid)
+    st = env.step([0] * ncol)
+    env.run([
+        env.ops.matvec(qtype, w, xv, y, st, n_in=cols, n_rows=rows, x_stride=cols, y_stride=rows),
+        env.ops.matvec(qtype, w, xv, y2, st, n_in=cols, n_rows=rows, x_stride=cols, y_stride=rows, add=True),
+    ])
+    want = x @ ref.T
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(env.get(y).reshape(ncol, rows), want, atol=2e-5 * scale, rtol=0)
+    np.testing.assert_allclose(env.get(y2).reshape(ncol, rows), want + resid, atol=2e-5 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_matmul_tiles_and_edges(env: Env, qtype: str) -> None:
+    rows, cols, ntok = 100, 512, 70  # neither a multiple of the 64x64 tile
+    raw, ref = make_weights(qtype, rows, cols, seed=3)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((ntok, cols)).astype(np.float32)
+    resid = rng.standard_normal((ntok, rows)).astype(np.float32)
+    # y has room for 128 tokens: rows past the live 70 must stay untouched
+    w, xv = env.put(raw), env.put(x, extra=58 * cols * 4)
+    y = env.put(np.full(128 * rows, 7.0, np.float32))
+    y2 = env.put(resid)
+    st = env.step(list(range(ntok)))
+    env.run([
+        env.ops.matmul(qtype, w, xv, y, st, n_in=cols, n_rows=rows, x_stride=cols, y_stride=rows, cap=128),
+        env.ops.matmul(qtype, w, xv, y2, st, n_in=cols, n_rows=rows, x_stride=cols, y_stride=rows, cap=128, add=True),
+    ])
+    want = x @ ref.T
+    scale = np.abs(want).max()
+    got = env.get(y).reshape(128, rows)
+    np.testing.assert_allclose(got[:ntok], want, atol=2e-5 * scale, rtol=0)
+    assert np.all(got[ntok:] == 7.0)
+    np.testing.assert_allclose(env.get(y2).reshape(ntok, rows), want + resid, atol=2e-5 * scale, rtol=0)
+
+
+def np_rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps) * w
+
+
+def test_rms_norm_rows_and_qk_norm(env: Env) -> None:
+    rng = np.random.default_rng(5)
+    ntok, n = 5, 200
+    x = rng.standard_normal((ntok, n)).astype(np.float32) * 3
+    w = rng.standard_normal(n).astype(np.float32)
+    heads, hd = 4, 32
+    q = rng.standard_normal((ntok, heads * hd)).astype(np.float32)
+    qw = rng.standard_normal(hd).astype(np.float32)
+    xv, wv, y = env.put(x), env.put(w), env.zeros(ntok * n)
+    qv, qwv = env.put(q), env.put(qw)
+    st = env.step([0] * ntok)
+    env.run([
+        env.ops.rms_norm(xv, wv, y, st, n=n, x_stride=n, y_stride=n, eps=1e-5, cap=8),
+        # QK-norm: in place, one row per head
+        env.ops.rms_norm(qv, qwv, qv, st, n=hd, x_stride=hd, y_stride=hd, eps=1e-6, cap=8, rows_per_tok=heads),
+    ])
+    np.testing.assert_allclose(env.get(y).reshape(ntok, n), np_rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    want_q = np_rms_norm(q.reshape(ntok, heads, hd), qw, 1e-6).reshape(ntok, -1)
+    np.testing.assert_allclose(env.get(qv).reshape(ntok, -1), want_q, rtol=1e-5, atol=1e-5)
+
+
+def np_rope(x: np.ndarray, pos: np.ndarray, theta: float, mode: int) -> np.ndarray:
+    """x [ntok, heads, hd] rotated at each token's position."""
+    hd = x.shape[-1]
+    freq = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)  # [hd/2]
+    ang = pos[:, None, None].astype(np.float64) * freq  # [ntok, 1, hd/2]
+    c, s = np.cos(ang), np.sin(ang)
+    out = x.astype(np.float64).copy()
+    if mode == ROPE_NORMAL:
+        a, b = x[..., 0::2], x[..., 1::2]
+        out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
+    else:
+        a, b = x[..., : hd // 2], x[..., hd // 2 :]
+        out[..., : hd // 2], out[..., hd // 2 :] = a * c - b * s, a * s + b * c
+    return out.astype(np.float32)
+
+
+@pytest.mark.parametrize("mode", [ROPE_NORMAL, ROPE_NEOX])
+def test_rope_in_place_and_into_cache(env: Env, mode: int) -> None:
+    rng = np.random.default_rng(6)
+    ntok, heads, hd, n_ctx, n_seq = 6, 3, 16, 300, 2
+    x = rng.standard_normal((ntok, heads, hd)).astype(np.float32)
+    pos = np.array([0, 1, 2, 299, 150, 7])
+    seq = np.array([0, 0, 0, 1, 1, 0])
+    xv = env.put(x)
+    cache = env.zeros(n_seq * n_ctx * heads * hd)
+    vcache = env.zeros(n_seq * n_ctx * heads * hd)
+    xv2 = env.put(x)
+    st = env.step([0] * ntok, pos, seq)
+    kw = {"n_heads": heads, "head_dim": hd, "x_stride": heads * hd, "theta": 10000.0, "cap": 8}
+    env.run([
+        env.ops.rope(xv, xv, st, mode=mode, **kw),
+        env.ops.rope(xv2, cache, st, mode=mode, to_cache=True, n_ctx=n_ctx, kv_dim=heads * hd, **kw),
+        # mode none into the cache: the V write
+        env.ops.rope(xv2, vcache, st, mode=ROPE_NONE, to_cache=True, n_ctx=n_ctx, kv_dim=heads * hd, **kw),
+    ])
+    want = np_rope(x, pos, 10000.0, mode)
+    np.testing.assert_allclose(env.get(xv).reshape(x.shape), want, atol=3e-5)
+    c = env.get(cache).reshape(n_seq, n_ctx, heads, hd)
+    v = env.get(vcache).reshape(n_seq, n_ctx, heads, hd)
+    for i in range(ntok):
+        np.testing.assert_allclose(c[seq[i], pos[i]], want[i], atol=3e-5)
+        np.testing.assert_array_equal(v[seq[i], pos[i]], x[i])
+
+
+def np_attention(q, kc, vc, pos, seq, n_head_kv):  # type: ignore[no-untyped-def]
+    """q [ntok, n_head, hd]; caches [n_seq, n_ctx, n_head_kv, hd]; causal by position."""
+    ntok, n_head, hd = q.shape
+    out = np.zeros_like(q, dtype=np.float64)
+    g = n_head // n_head_kv
+    for t in range(ntok):
+        for h in range(n_head):
+            k = kc[seq[t], : pos[t] + 1, h // g].astype(np.float64)
+            v = vc[seq[t], : pos[t] + 1, h // g].astype(np.float64)
+            s = k @ q[t, h] / np.sqrt(hd)
+            p = np.exp(s - s.max())
+            out[t, h] = p @ v / p.sum()
+    return out.astype(np.float32)
+
+
+def test_attention_causal_blocks_gqa_and_sequences(env: Env) -> None:
+    rng = np.random.default_rng(7)
+    n_head, n_head_kv, hd, n_ctx, n_seq = 4, 2, 32, 200, 3
+    # positions cover: first key only, a block edge (63, 64), several blocks, other seqs
+    pos = np.array([0, 63, 64, 130, 199, 5, 64, 100])
+    seq = np.array([0, 0, 0, 0, 0, 1, 2, 2])
+    ntok = len(pos)
+    q = rng.standard_normal((ntok, n_head, hd)).astype(np.float32)
+    kc = rng.standard_normal((n_seq, n_ctx, n_head_kv, hd)).astype(np.float32)
+    vc = rng.standard_normal((n_seq, n_ctx, n_head_kv, hd)).astype(np.float32)
+    qv, kv, vv, o = env.put(q), env.put(kc), env.put(vc), env.zeros(q.size)
+    st = env.step([0] * ntok, pos, seq)
+    env.run([
+        env.ops.attention(
+            qv, kv, vv, o, st, n_head=n_head, n_head_kv=n_head_kv, head_dim=hd, n_ctx=n_ctx,
+            q_stride=n_head * hd, o_stride=n_head * hd, cap=16,
+        )
+    ])
+    want = np_attention(q, kc, vc, pos, seq, n_head_kv)
+    np.testing.assert_allclose(env.get(o).reshape(q.shape), want, atol=2e-5)
+
+
+def test_attention_ignores_cache_beyond_position(env: Env) -> None:
+    """Garbage (even NaN) past a token's position must not reach its output."""
+    rng = np.random.default_rng(8)
+    n_head, hd, n_ctx = 2, 16, 100
+    pos = np.array([10, 70])
+    q = rng.standard_normal((2, n_head, hd)).astype(np.float32)
+    kc = rng.standard_normal((1, n_ctx, n_head, hd)).astype(np.float32)
+    vc = rng.standard_normal((1, n_ctx, n_head, hd)).astype(np.float32)
+    want = np_attention(q, kc, vc, pos, [0, 0], n_head)
+    kc[0, 71:] = np.nan
+    vc[0, 71:] = np.nan
+    qv, kv, vv, o = env.put(q), env.put(kc), env.put(vc), env.zeros(q.size)
+    st = env.step([0, 0], pos, [0, 0])
+    env.run([
+        env.ops.attention(
+            qv, kv, vv, o, st, n_head=n_head, n_head_kv=n_head, head_dim=hd, n_ctx=n_ctx,
+            q_stride=n_head * hd, o_stride=n_head * hd, cap=2,
+        )
+    ])
+    np.testing.assert_allclose(env.get(o).reshape(q.shape), want, atol=2e-5)
+
+
+def test_swiglu_add_bias_and_residual(env: Env) -> None:
+    rng = np.random.default_rng(9)
+    ntok, n = 3, 300
+    g = rng.standard_normal((ntok, n)).astype(np.float32)
+    u = rng.standard_normal((ntok, n)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    gv, uv, y, yb, yr = env.put(g), env.put(u), env.zeros(g.size), env.zeros(g.size), env.zeros(g.size)
+    st = env.step([0] * ntok)
+    env.run([
+        env.ops.swiglu(gv, uv, y, st, n=n, stride=n, cap=4),
+        env.ops.add(gv, env.put(bias), yb, st, n=n, stride=n, cap=4, bcast=True),
+        env.ops.add(gv, uv, yr, st, n=n, stride=n, cap=4),
+    ])
+    silu = g / (1 + np.exp(-g.astype(np.float64)))
+    np.testing.assert_allclose(env.get(y).reshape(ntok, n), silu * u, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(env.get(yb).reshape(ntok, n), g + bias, rtol=1e-6)
+    np.testing.assert_allclose(env.get(yr).reshape(ntok, n), g + u, rtol=1e-6)
+
+
+def test_argmax_rows_with_ties(env: Env) -> None:
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((3, 1000)).astype(np.float32)
+    x[1, 17] = x[1, 900] = 50.0  # a tie: the first index wins
+    x[2, 999] = 9.0
+    xv, r = env.put(x), env.zeros(3, np.uint32)
+    st = env.step([0], out=[0, 1, 2])
+    env.run([env.ops.argmax(xv, r, st, n=1000, stride=1000, cap=4, count_sel=COUNT_OUT)])
+    np.testing.assert_array_equal(env.get(r, np.uint32), np.argmax(x, axis=1))
+
+
+def test_transpose_tiles(env: Env) -> None:
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((70, 45)).astype(np.float32)
+    av, out = env.put(a), env.zeros(a.size)
+    env.run([env.ops.transpose(av, out, rows=70, cols=45)])
+    np.testing.assert_array_equal(env.get(out).reshape(45, 70), a.T)
+
+
+def test_barrier_orders_dependent_dispatches(env: Env) -> None:
+    """norm then matvec then residual add, in one submit, equals the numpy chain."""
+    rng = np.random.default_rng(12)
+    n, rows = 256, 64
+    x = rng.standard_normal((2, n)).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    m = rng.standard_normal((rows, n)).astype(np.float32)
+    xv, wv, mv = env.put(x), env.put(w), env.put(m)
+    xn, y = env.zeros(x.size), env.zeros(2 * rows)
+    st = env.step([0, 0])
+    env.run([
+        env.ops.rms_norm(xv, wv, xn, st, n=n, x_stride=n, y_stride=n, eps=1e-5, cap=2),
+        Barrier(),
+        env.ops.matvec("F32", mv, xn, y, st, n_in=n, n_rows=rows, x_stride=n, y_stride=rows),
+    ])
+    want = np_rms_norm(x, w, 1e-5) @ m.T
+    np.testing.assert_allclose(env.get(y).reshape(2, rows), want, rtol=1e-4, atol=1e-4)
+    assert whole(xv.buffer).size >= xv.size
