@@ -18,7 +18,6 @@ it goes idle, so the next request reuses the longest common prefix.
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any, Protocol
@@ -32,7 +31,14 @@ from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.sampling import log_softmax, make_rng, sample, top_logprobs
 from trio_llm.errors import ContextOverflow, TrioLLMError
 from trio_llm.server.gate import ResidencyGate
-from trio_llm.server.queue import Assign, CancelSlot, SlotReleased, SlotsMessage, common_prefix
+from trio_llm.server.queue import (
+    Assign,
+    CancelSlot,
+    QueueMessage,
+    SlotReleased,
+    SlotsMessage,
+    common_prefix,
+)
 from trio_llm.server.stop import StopScanner
 from trio_llm.server.tasks import (
     ServerTask,
@@ -50,12 +56,18 @@ from trio_llm.server.tasks import (
 THREAD_SAMPLING_VOCAB = 32768
 
 
+class TextStream(Protocol):
+    def feed(self, token: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
 class Detokenizer(Protocol):
-    """What the slots loop needs of a tokenizer."""
+    """What the slots loop needs of a tokenizer (``trio_llm.model.tokenizer.Tokenizer``)."""
 
     def is_eog(self, token: int) -> bool: ...
 
-    def token_to_piece(self, token: int) -> bytes: ...
+    def stream_decoder(self) -> TextStream: ...
 
 
 class SlotState(Enum):
@@ -103,7 +115,7 @@ class Slot:
     generated: list[int] = attrs.field(factory=list)
     probs: list[TokenProb] = attrs.field(factory=list)
     scanner: StopScanner = attrs.field(factory=lambda: StopScanner(()))
-    utf8: Any = None  # an incremental UTF-8 decoder: tokens may split a character
+    text: TextStream | None = None  # whole UTF-8 characters only: tokens may split one
     rng: np.random.Generator | None = None
     t_start: float = 0.0
     t_prompt_done: float = 0.0
@@ -118,7 +130,7 @@ class Slot:
     def cache(self) -> tuple[int, ...]:
         return tuple(self.seq[: self.n_past])
 
-    def begin(self, task: ServerTask, now: float, order: int) -> None:
+    def begin(self, task: ServerTask, text: TextStream, now: float, order: int) -> None:
         """Take ``task``: keep the common prefix of the cache, queue the rest of the prompt."""
         prompt = list(task.prompt)
         if len(prompt) >= self.n_ctx:
@@ -130,7 +142,7 @@ class Slot:
         self.task, self.n_prompt, self.n_cached = task, len(prompt), keep
         self.generated, self.probs = [], []
         self.scanner = StopScanner(task.params.stop)
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = text
         self.rng = make_rng(task.params.sampling.seed)
         self.t_start = self.t_prompt_done = now
         self.started_order = order
@@ -152,7 +164,7 @@ class Slot:
     def finish(self, stop_type: StopType, now: float) -> TaskFinal:
         assert self.task is not None
         tail = self.scanner.flush() if stop_type != "word" else ""
-        tail_utf8 = self.utf8.decode(b"", final=True) if stop_type != "word" else ""
+        tail_utf8 = self.text.flush() if self.text is not None and stop_type != "word" else ""
         if tail_utf8:
             self.scanner.text += tail_utf8
             tail += tail_utf8
@@ -201,7 +213,7 @@ class SlotsEngine:
     _client: BackendClient
     _gate: ResidencyGate
     _tokenizer: Detokenizer
-    _to_queue: trio.MemorySendChannel[SlotReleased]
+    _to_queue: trio.MemorySendChannel[QueueMessage]
     _inbox: trio.MemoryReceiveChannel[SlotsMessage]
     n_ctx: int  # per slot
     n_batch: int
@@ -313,7 +325,7 @@ class SlotsEngine:
             assert slot.task is None, f"slot {slot.id} assigned while busy"
             self._order += 1
             try:
-                slot.begin(msg.task, now, self._order)
+                slot.begin(msg.task, self._tokenizer.stream_decoder(), now, self._order)
             except TrioLLMError as exc:
                 slot.task = msg.task
                 error = TaskError(msg.task.id_task, str(exc), 400, "exceed_context_size_error")
@@ -462,7 +474,8 @@ class SlotsEngine:
         slot.generated.append(token)
         if prob is not None:
             slot.probs.append(prob)
-        text = slot.scanner.feed(slot.utf8.decode(self._tokenizer.token_to_piece(token)))
+        assert slot.text is not None
+        text = slot.scanner.feed(slot.text.feed(token))
         if slot.scanner.stopping_word:
             if text and params.stream and not self._send(slot, TaskPartial(slot.task.id_task, token, text, prob)):
                 return

@@ -1,0 +1,372 @@
+"""``trio-llm serve``: the flags, and the root nursery that starts the actors in order.
+
+Start-up order: bind the HTTP port first (``/health`` answers 503 while loading, so a
+process manager sees the server come up), load the model on a worker thread with a
+progress bar, start the backend actor, the residency gate, the queue and the slots
+loop, warm up, then publish the engine to the HTTP edge.
+
+Shutdown (SIGINT/SIGTERM, or ``ServerHandle.shutdown()``): hypercorn stops accepting
+and gives in-flight requests ``--shutdown-timeout`` seconds (the engine keeps running
+meanwhile, so they can finish); then the actors are cancelled, the backend is closed
+through its actor (shielded, bounded), and ``serve`` returns. A second signal skips
+the grace period. A load in progress is abandoned at its next progress report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, NoReturn
+
+import attrs
+import hypercorn.config
+import hypercorn.trio
+import numpy as np
+import trio
+
+from trio_llm.config import BACKEND_KINDS, SLEEP_MODES, ServerConfig
+from trio_llm.engine.actor import BackendActor, BackendClient
+from trio_llm.engine.backend import Backend, SeqBatch
+from trio_llm.errors import ConfigError, TrioLLMError
+from trio_llm.server.context import Engine, ServerContext
+from trio_llm.server.gate import AlwaysAwake, ResidencyGate
+from trio_llm.server.http import create_app
+from trio_llm.server.metrics import StatisticsSources, make_registry
+from trio_llm.server.queue import SlotsMessage, TaskQueue, outbox_size
+from trio_llm.server.slots import SlotsEngine
+
+log = logging.getLogger("trio_llm.serve")
+
+# ---------------------------------------------------------------------------
+# flags
+
+
+class UsageError(Exception):
+    """A flag the parser cannot accept: one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _gpu_layers(value: str) -> int:
+    """-ngl takes a count, or llama.cpp's "auto"/"all" (both: everything, as here)."""
+    if value in ("auto", "all"):
+        return -1
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r} (a number, 'auto' or 'all')") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="trio-llm serve",
+        description="Serve a GGUF model over llama-server's and OpenAI's HTTP APIs.",
+        allow_abbrev=False,
+    )
+    d = ServerConfig()
+    add = p.add_argument
+    add("-m", "--model", type=Path, help="GGUF file (default: the embedded demo model)")
+    add("-a", "--alias", help="model name reported by /v1/models (default: the file name)")
+    add("--host", default=d.host, help=f"address to listen on (default {d.host})")
+    add("--port", type=int, default=d.port, help=f"port to listen on (default {d.port})")
+    add("-c", "--ctx-size", type=int, default=d.ctx_size, help="context positions over all slots; 0 = the model's")
+    add("-np", "--parallel", type=int, default=d.parallel, help="slots: requests decoded together")
+    add("-b", "--batch-size", type=int, default=d.batch_size, help="most prompt tokens per forward pass")
+    add("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=d.n_predict,
+        help="default tokens to predict (-1: until end of generation or context full)")
+    add("--temp", type=float, default=d.temp)
+    add("--top-k", type=int, default=d.top_k)
+    add("--top-p", type=float, default=d.top_p)
+    add("--min-p", type=float, default=d.min_p)
+    add("--repeat-penalty", type=float, default=d.repeat_penalty)
+    add("--repeat-last-n", type=int, default=d.repeat_last_n)
+    add("-s", "--seed", type=int, default=d.seed, help="default sampling seed (-1: random)")
+    add("--api-key", default=os.environ.get("LLAMA_API_KEY"), help="require 'Authorization: Bearer KEY'")
+    add("--metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    add("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up forward pass")
+    add("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=_gpu_layers,
+        help="accepted for compatibility: the whole model always runs on the device")
+    add("--n-cpu-moe", type=int, help="accepted for compatibility: no expert layers stay on the CPU")
+    add("--backend", choices=BACKEND_KINDS, default=d.backend, help="compute backend (auto: Vulkan, else numpy)")
+    add("--sleep-mode", choices=SLEEP_MODES, default=d.sleep_mode,
+        help="what an idle or yielding server releases (default weights)")
+    add("--vram-arena", type=Path, default=os.environ.get("LLAMA_VRAM_ARENA"),
+        help="directory shared by servers time-sharing one GPU")
+    add("--sleep-idle-seconds", type=float, default=d.sleep_idle_seconds,
+        help="release device memory after this many idle seconds (-1: never)")
+    add("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+        help="seconds in-flight requests get after SIGTERM")
+    return p
+
+
+def parse_config(argv: Sequence[str]) -> ServerConfig:
+    """Flags → a validated ``ServerConfig``; ``UsageError`` or ``ConfigError`` otherwise."""
+    ns = build_parser().parse_args(list(argv))
+    fields = {f.name for f in attrs.fields(ServerConfig)}
+    values: dict[str, Any] = {k: v for k, v in vars(ns).items() if k in fields}
+    return ServerConfig(**values)
+
+
+# ---------------------------------------------------------------------------
+# loading
+
+
+class LoadAborted(Exception):
+    """Raised from the progress callback to stop a load the server no longer wants."""
+
+
+@attrs.define(eq=False)
+class LoadProgress:
+    """The progress callback of a load: a bar on stderr (``show``) and a fraction for
+    ``/health``. Called from the loader's worker thread, so it only writes plain
+    attributes and the terminal; it aborts the load once ``stop`` is set."""
+
+    ctx: ServerContext
+    stop: trio.Event
+    show: bool
+    _last: int = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.stop.is_set():
+            raise LoadAborted
+        frac = done / total if total > 0 else 1.0
+        self.ctx.load_progress = frac
+        if not self.show:
+            return
+        pct = int(100 * frac)
+        tty = sys.stderr.isatty()
+        if pct == self._last or (not tty and pct % 25 and pct != 100):
+            return
+        self._last = pct
+        bar = "#" * (pct // 4) + "-" * (25 - pct // 4)
+        end = "\n" if pct == 100 or not tty else ""
+        sys.stderr.write(f"\rloading model [{bar}] {pct:3d}% {done / 1e6:8.1f}/{total / 1e6:.1f} MB{end}")
+        sys.stderr.flush()
+
+
+def _model_path(config: ServerConfig) -> Path:
+    if config.model is not None:
+        return config.model
+    from trio_llm.model.synth import default_model_path
+
+    return default_model_path()
+
+
+@attrs.frozen
+class Loaded:
+    model: Any  # trio_llm.model.gguf.GGUFModel
+    tokenizer: Any  # trio_llm.model.tokenizer.Tokenizer
+    template: Any  # trio_llm.model.chat.ChatTemplate
+    backend: Backend
+    stat: os.stat_result
+
+
+def _load(config: ServerConfig, progress: LoadProgress) -> Loaded:
+    """Blocking: read the file, build tokenizer and template, build the backend."""
+    from trio_llm.engine.loader import open_backend
+    from trio_llm.model.chat import ChatTemplate
+    from trio_llm.model.gguf import load_gguf
+    from trio_llm.model.tokenizer import Tokenizer
+
+    model = load_gguf(_model_path(config))
+    tokenizer = Tokenizer.from_metadata(model.metadata)
+    template = ChatTemplate.from_metadata(model.metadata, tokenizer)
+    n_ctx = config.slot_ctx(model.config.n_ctx_train)
+    backend = open_backend(config.backend, model, n_ctx=n_ctx, n_seq=config.parallel, progress=progress)
+    return Loaded(model, tokenizer, template, backend, os.stat(model.path))
+
+
+# ---------------------------------------------------------------------------
+# residency: where the gate is built
+
+
+async def build_gate(config: ServerConfig, client: BackendClient, nursery: trio.Nursery) -> ResidencyGate:
+    """The residency gate the slots loop waits on before every forward pass.
+
+    This is where idle sleep (``--sleep-idle-seconds``, ``--sleep-mode``) and the
+    arbiter (``--vram-arena``) plug in: a ``SleepController`` started in ``nursery``
+    (it lives as long as the slots loop and is cancelled with it). Coordinated loading
+    (taking the arbiter's token before the weights are uploaded) belongs just before
+    ``_load`` in ``_run_engine``. Without either, the model simply stays resident.
+    """
+    return AlwaysAwake()
+
+
+# ---------------------------------------------------------------------------
+# the root nursery
+
+
+@attrs.define(eq=False)
+class ServerHandle:
+    """What ``serve`` hands its starter: the URL, the context, and a way to stop."""
+
+    url: str
+    context: ServerContext
+    _stop: trio.Event
+
+    def shutdown(self) -> None:
+        """Begin a graceful shutdown, as SIGTERM does."""
+        self._stop.set()
+
+
+async def _serve_http(
+    app: Any, config: ServerConfig, stop: trio.Event, done: trio.Event,
+    *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    hc = hypercorn.config.Config()
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    hc.bind = [f"{host}:{config.port}"]
+    hc.graceful_timeout = config.shutdown_timeout
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    try:
+        await hypercorn.trio.serve(app, hc, shutdown_trigger=stop.wait, task_status=task_status)
+    finally:
+        done.set()
+
+
+async def _watch_signals(stop: trio.Event, root: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            if stop.is_set():
+                log.warning("second %s: stopping now", signal.Signals(signum).name)
+                root.cancel()
+                return
+            log.info("%s: finishing in-flight requests, then exiting", signal.Signals(signum).name)
+            stop.set()
+
+
+async def _run_engine(ctx: ServerContext, stop: trio.Event, http_done: trio.Event, show_progress: bool) -> None:
+    """Load the model and run the actors until the HTTP server has shut down."""
+    config = ctx.config
+    progress = LoadProgress(ctx, stop, show_progress)
+    try:
+        loaded = await trio.to_thread.run_sync(_load, config, progress)
+    except LoadAborted:
+        return
+    model, tokenizer, backend = loaded.model, loaded.tokenizer, loaded.backend
+    log.info("model %s: %s backend, %d slot(s) of %d positions",
+             model.path, backend.name, backend.n_seq, backend.n_ctx)
+    actor = BackendActor(backend)
+    async with trio.open_nursery() as backend_nursery:
+        await backend_nursery.start(actor.run)
+        client = actor.client()
+        try:
+            async with trio.open_nursery() as actors:
+                gate = await build_gate(config, client, actors)
+                assign_send, assign_recv = trio.open_memory_channel[SlotsMessage](outbox_size(backend.n_seq))
+                queue = TaskQueue.create(backend.n_seq, assign_send)
+                slots = SlotsEngine(
+                    client, gate, tokenizer, queue.inbox(), assign_recv,
+                    n_ctx=backend.n_ctx, n_batch=config.batch_size,
+                )
+                await actors.start(queue.start_loop)
+                await actors.start(slots.start_loop)
+                if config.warmup:
+                    await gate.wait_until_no_sleep()
+                    first = tokenizer.bos_id if tokenizer.bos_id is not None else 0
+                    await client.forward([SeqBatch(0, np.array([first], dtype=np.int32), 0)])
+                device = await client.call(lambda b: b.device_info(), "device_info")
+                registry = make_registry(
+                    StatisticsSources(slots.statistics, queue.statistics, actor.statistics, gate.is_sleeping)
+                )
+                path = Path(model.path)
+                ctx.set_engine(
+                    Engine(
+                        model_path=path,
+                        model_config=model.config,
+                        metadata=model.metadata,
+                        tokenizer=tokenizer,
+                        template=loaded.template,
+                        queue=queue,
+                        slots=slots,
+                        gate=gate,
+                        registry=registry,
+                        n_ctx=backend.n_ctx,
+                        backend_name=backend.name,
+                        device=dict(device),
+                        n_params=int(sum(int(np.prod(t.shape)) for t in model.tensors.values())),
+                        file_bytes=loaded.stat.st_size,
+                        created=int(loaded.stat.st_mtime),
+                    )
+                )
+                log.info("ready")
+                await http_done.wait()
+                actors.cancel_scope.cancel()
+        finally:
+            await client.close()
+            backend_nursery.cancel_scope.cancel()
+
+
+async def serve(
+    config: ServerConfig,
+    *,
+    handle_signals: bool = False,
+    show_progress: bool = False,
+    task_status: trio.TaskStatus[ServerHandle] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the server until shut down. ``task_status`` gets a ``ServerHandle`` as soon
+    as the port is bound (the model is still loading then: wait on
+    ``handle.context.loaded``)."""
+    ctx = ServerContext(config)
+    stop = trio.Event()
+    http_done = trio.Event()
+    async with trio.open_nursery() as root:
+        if handle_signals:
+            root.start_soon(_watch_signals, stop, root.cancel_scope)
+        binds = await root.start(_serve_http, create_app(ctx), config, stop, http_done)
+        task_status.started(ServerHandle(binds[0], ctx, stop))
+        log.info("listening on %s", binds[0])
+        try:
+            await _run_engine(ctx, stop, http_done, show_progress)
+        except BaseException:
+            stop.set()  # a failed start-up takes the HTTP server down with it
+            raise
+        await http_done.wait()
+        root.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------------------
+# the command
+
+
+def _first_leaf(group: BaseExceptionGroup[Any]) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def main(argv: list[str]) -> int:
+    try:
+        config = parse_config(argv)
+    except UsageError as exc:
+        print(f"trio-llm serve: error: {exc}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"trio-llm serve: error: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    logging.basicConfig(level=logging.INFO, format="trio-llm: %(message)s", stream=sys.stderr)
+    logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
+    failure: BaseException | None = None
+    try:
+        trio.run(partial(serve, config, handle_signals=True, show_progress=True))
+    except* (TrioLLMError, OSError) as group:
+        failure = _first_leaf(group)
+    except* KeyboardInterrupt:
+        pass  # a signal before the handlers were installed: still a clean stop
+    if failure is not None:
+        print(f"trio-llm serve: error: {failure}", file=sys.stderr)
+        return 1
+    return 0
