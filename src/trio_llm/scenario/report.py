@@ -273,6 +273,8 @@ def analyse(record: Record) -> Analysis:
     for step in expect.none_before_restore:
         checks.append(_check_none_before_restore(step, by_step.get(step, []), states, record))
 
+
+
     servers = tuple(_server_figures(record, info["name"], handoffs) for info in record.servers)
     figures: dict[str, Any] = {
         "requests": len(requests),
@@ -342,43 +344,53 @@ def _check_served_after(pair: Any, by_step: dict[str, list[RequestRecord]]) -> C
 
 
 def _check_none_before_restore(
-    step: str, burst: list[RequestRecord], states: _States, record: Record
+    step: str, requests: list[RequestRecord], states: _States, record: Record
 ) -> Check:
     """A burst sent to a cold server: nothing answered before it was restored. The
     evidence of a violation is a poll *sent after* some request of the burst got its
     first token, yet reading the server as not resident while the burst was still
-    being served."""
+    being served. Each round's burst is judged on its own."""
     name = f"{step}: nothing served before the restore"
-    if not burst:
+    if not requests:
         return Check(name, False, "the step sent no request")
-    server = burst[0].server
-    first_state = states.at(server, min(r.sent for r in burst))
-    if first_state is None or first_state.state not in COLD:
-        return Check(
-            name, False,
-            f"{server} was {first_state.state if first_state else 'unobserved'} when the burst was sent, "
-            "so the scenario did not test a wake",
+    rounds: dict[int, list[RequestRecord]] = {}
+    for r in requests:
+        rounds.setdefault(r.round, []).append(r)
+    bad, details = [], []
+    for rnd, burst in sorted(rounds.items()):
+        server = burst[0].server
+        sent = min(r.sent for r in burst)
+        before = states.at(server, sent)
+        if before is None or before.state not in COLD:
+            seen = before.state if before else "unobserved"
+            bad.append(f"round {rnd}: {server} was {seen} when the burst was sent (no wake tested)")
+            continue
+        answered = [r.answered_at for r in burst if r.answered_at is not None and r.outcome == "ok"]
+        if not answered:
+            bad.append(f"round {rnd}: no request of the burst was answered")
+            continue
+        lo = min(answered)
+        hi = max((r.done for r in burst if r.done is not None), default=lo)
+        late = next(
+            (
+                run for run in record.runs
+                if run.server == server and run.state in NOT_RESIDENT and run.read_within(lo, hi)
+            ),
+            None,
         )
-    answered = [r.answered_at for r in burst if r.answered_at is not None and r.outcome == "ok"]
-    if not answered:
-        return Check(name, False, "no request of the burst was answered")
-    lo = min(answered)
-    hi = max((r.done for r in burst if r.done is not None), default=lo)
-    for run in record.runs:
-        if run.server == server and run.state in NOT_RESIDENT and run.read_within(lo, hi):
-            return Check(name, False, f"{server} read {run.state} after an answer had arrived at {lo:.3f} s")
-    restored = next(
-        (
-            run.start for run in record.runs
-            if run.server == server and run.state == "resident" and run.start >= burst[0].sent
-        ),
-        None,
-    )
-    return Check(
-        name, True,
-        f"{len(answered)}/{len(burst)} answered; {server} seen resident at "
-        f"{_fmt_s(restored)}, first answer at {lo:.3f} s",
-    )
+        if late is not None:
+            bad.append(f"round {rnd}: {server} read {late.state} after an answer arrived at {lo:.3f} s")
+            continue
+        resident = next(
+            (run.start for run in record.runs
+             if run.server == server and run.state == "resident" and run.start >= sent),
+            None,
+        )
+        details.append(
+            f"round {rnd}: {len(answered)}/{len(burst)} answered, {server} seen resident at "
+            f"{_fmt_s(resident)}, first answer at {lo:.3f} s"
+        )
+    return Check(name, not bad, _few(bad) or _few(details, 2))
 
 
 def _server_figures(record: Record, name: str, handoffs: list[Handoff]) -> ServerFigures:

@@ -1,0 +1,160 @@
+"""Reports computed from a recorded event list: figures, pass/fail, and real files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+
+from trio_llm.scenario import record as rec
+from trio_llm.scenario import report
+from trio_llm.scenario.format import Count, Expectations, ServedAfter
+from trio_llm.scenario.record import Event, Record, RequestRecord
+
+MIB = 2**20
+
+
+def _server(name: str) -> dict[str, object]:
+    return {"name": name, "model_key": "tiny-Q8_0", "arena": True, "sleep_mode": "all",
+            "np": 1, "ctx": 512, "backend": "numpy", "ports": [1]}
+
+
+def _req(i: int, server: str, sent: float, first: float | None, done: float | None,
+         *, step: str = "s", rnd: int = 0, content: str = "abc", outcome: str = "ok",
+         expect_ok: bool = True, penultimate: float | None = None) -> RequestRecord:
+    return RequestRecord(
+        id=i, step=step, round=rnd, server=server, model_key="tiny-Q8_0", arena=True,
+        endpoint="completion", prompt=f"p{i % 2}", n_predict=8, stream=first is not None,
+        expect_ok=expect_ok, expect_content=None, sent=sent, first_token=first,
+        penultimate=penultimate if penultimate is not None else (None if done is None or first is None else done - 0.05),
+        done=done, status=200 if outcome == "ok" else None, outcome=outcome,
+        content=content if outcome == "ok" else "", n_tokens=8,
+    )
+
+
+def _poll_span(record: Record, server: str, state: str, start: float, stop: float,
+               device: int, step: float = 0.02) -> None:
+    t = start
+    while t < stop - 1e-9:
+        record.add_poll(server, t, t + 0.005, state, level="all", device_bytes=device,
+                        token_held=state == "resident")
+        t += step
+
+
+def alternating_record() -> Record:
+    """a holds until 1.1, b until 2.35, a until 3.0, then b: three hand-offs, all answered."""
+    r = Record(
+        scenario={"name": "demo", "description": "A hand-made run.", "full": False,
+                  "length": 1, "backend": "numpy", "poll_interval_s": 0.02},
+        expect=Expectations(
+            stranded=0, answers_match_reference=True, min_handoffs=Count(2, 0),
+            max_handoff_s=1.0, no_preemption_mid_decode=True,
+            served_after=(ServedAfter("ask-b", "ask-a", 0.6),),
+        ),
+        servers=[_server("a"), _server("b")],
+        duration_s=3.3,
+        started_at="2026-11-29T21:00:00+00:00",
+    )
+    _poll_span(r, "a", "resident", 0.0, 1.1, 40 * MIB)
+    _poll_span(r, "a", "cold", 1.1, 2.3, 1 * MIB)
+    _poll_span(r, "a", "restoring", 2.3, 2.4, 20 * MIB)
+    _poll_span(r, "a", "resident", 2.4, 3.0, 40 * MIB)
+    _poll_span(r, "a", "cold", 3.0, 3.3, 1 * MIB)
+    _poll_span(r, "b", "cold", 0.0, 1.2, 1 * MIB)
+    _poll_span(r, "b", "restoring", 1.2, 1.3, 20 * MIB)
+    _poll_span(r, "b", "resident", 1.3, 2.35, 40 * MIB)
+    _poll_span(r, "b", "cold", 2.35, 3.0, 1 * MIB)
+    _poll_span(r, "b", "restoring", 3.0, 3.05, 20 * MIB)
+    _poll_span(r, "b", "resident", 3.05, 3.3, 40 * MIB)
+    r.requests = [
+        _req(0, "a", 0.10, 0.15, 0.90, step="ask-a"),  # a already resident: no hand-off
+        _req(1, "b", 1.00, 1.40, 1.80, step="ask-b"),  # hand-off of 0.40 s
+        _req(2, "a", 2.00, 2.60, 3.00, step="ask-a", rnd=1),  # hand-off of 0.60 s
+        _req(3, "b", 2.50, 3.10, 3.20, step="ask-b", rnd=1),  # hand-off of 0.60 s
+    ]
+    r.events = [
+        Event(0.0, "a", "start", "pid 1"), Event(0.0, "b", "start", "pid 2"),
+        Event(3.25, "a", "exit", code=0, cause="final"),
+        Event(3.25, "b", "exit", code=0, cause="final"),
+    ]
+    r.references = [
+        rec.Reference("tiny-Q8_0", "completion", "p0", 8, "abc"),
+        rec.Reference("tiny-Q8_0", "completion", "p1", 8, "abc"),
+    ]
+    return r
+
+
+def _check(analysis: report.Analysis, prefix: str) -> report.Check:
+    return next(c for c in analysis.checks if c.name.startswith(prefix))
+
+
+def test_handoffs_and_figures() -> None:
+    analysis = report.analyse(alternating_record())
+    assert [(h.request, h.server, h.from_server) for h in analysis.handoffs] == [
+        (1, "b", "a"), (2, "a", "b"), (3, "b", "a"),
+    ]
+    latencies = [round(h.latency_s or 0, 6) for h in analysis.handoffs]
+    assert latencies == [0.4, 0.6, 0.6]
+    f = analysis.figures
+    assert (f["requests"], f["answered"], f["stranded"], f["handoffs"]) == (4, 4, 0, 3)
+    assert round(f["handoff_median_s"], 6) == 0.6 and round(f["handoff_max_s"], 6) == 0.6
+    a, b = analysis.servers
+    assert (a.name, a.requests, a.handoffs, a.max_device_bytes, a.cold_device_bytes) == (
+        "a", 2, 1, 40 * MIB, 1 * MIB,
+    )
+    assert round(b.max_wait_s or 0, 6) == 0.6  # request 3 waited from 2.5 to 3.1
+    assert analysis.passed, [c for c in analysis.checks if not c.passed]
+
+
+def test_failures_are_found() -> None:
+    r = alternating_record()
+    # b reads cold while request 1 is mid-decode, request 3 is stranded, a reference differs
+    r.add_poll("b", 1.5, 1.505, "cold", level="all", device_bytes=MIB, token_held=False)
+    r.requests[3] = _req(3, "b", 2.05, None, None, step="ask-b", rnd=1, outcome="timeout")
+    r.references[1] = rec.Reference("tiny-Q8_0", "completion", "p1", 8, "xyz")
+    r.events.append(Event(3.25, "a", "exit", code=1, cause="unexpected"))
+    analysis = report.analyse(r)
+    assert not analysis.passed
+    assert not _check(analysis, "no release in the middle").passed
+    assert "#1 b: read cold mid-decode" in _check(analysis, "no release in the middle").detail
+    assert _check(analysis, "stranded").detail.startswith("1 stranded")
+    assert not _check(analysis, "every request answered").passed
+    assert "reference" in _check(analysis, "answers equal").detail
+    assert "a: exit 1 (unexpected)" in _check(analysis, "servers exit 0").detail
+    assert not _check(analysis, "ask-b served after ask-a").passed
+
+
+def test_none_before_restore() -> None:
+    r = alternating_record()
+    r.expect = attrs.evolve(r.expect, none_before_restore=("ask-b",))
+    assert _check(report.analyse(r), "ask-b: nothing served").passed
+    # a poll sent after request 1's first token (1.40) reads b as still restoring
+    r.add_poll("b", 1.45, 1.46, "restoring", level="all", device_bytes=MIB, token_held=True)
+    check = _check(report.analyse(r), "ask-b: nothing served")
+    assert not check.passed and "read restoring" in check.detail
+
+
+def test_write_report_files(tmp_path: Path) -> None:
+    summary = report.write(alternating_record(), tmp_path)
+    assert summary.passed and summary.text.startswith("demo: PASS")
+    png = (tmp_path / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    md = (tmp_path / "report.md").read_text()
+    assert "# Scenario `demo`: PASS" in md and "![timeline](timeline.png)" in md
+    assert "| hand-off latency median | 0.600 s |" in md
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["analysis"]["passed"] is True and data["analysis"]["figures"]["handoffs"] == 3
+    # the report can be re-rendered from its own JSON, with the same verdict and figures
+    again = rec.load(tmp_path / "report.json")
+    assert report.analyse(again).figures == report.analyse(alternating_record()).figures
+    assert again.expect == alternating_record().expect
+
+
+def test_report_of_an_empty_failed_run(tmp_path: Path) -> None:
+    r = Record(scenario={"name": "broken", "length": 1}, expect=Expectations(),
+               servers=[_server("a")], notes=["server a exited with 1 while starting"])
+    summary = report.write(r, tmp_path)
+    assert not summary.passed
+    assert "server a exited with 1 while starting" in summary.text
+    assert (tmp_path / "timeline.png").stat().st_size > 0
