@@ -176,7 +176,7 @@ def analyse(record: Record) -> Analysis:
     expect = record.expect
     checks: list[Check] = []
 
-    problems = list(record.notes)
+    problems = [n.splitlines()[0] for n in record.notes if n.strip()]
     if record.interrupted:
         problems.append("interrupted")
     checks.append(Check("the run completed", not problems, _few(problems) or "script ran to its end"))

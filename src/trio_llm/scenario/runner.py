@@ -183,10 +183,12 @@ class Runner:
         tail = _tail(server.log_path)
         if server.exited.is_set():
             raise ScenarioError(
-                f"server {server.spec.name} exited with {process.returncode} while starting; log:\n{tail}"
+                f"server {server.spec.name} exited with {process.returncode} while starting "
+                f"(log: {server.log_path}):\n{tail}"
             )
         raise ScenarioError(
-            f"server {server.spec.name} not healthy within {timeout_s:g} s; log:\n{tail}"
+            f"server {server.spec.name} not healthy within {timeout_s:g} s "
+            f"(log: {server.log_path}):\n{tail}"
         )
 
     async def _watch(self, server: _Server, process: trio.Process) -> None:
@@ -277,8 +279,13 @@ class Runner:
             # a server without residency reporting is resident whenever it answers
             self._note(server, sent, recv, "asleep" if props.get("is_sleeping") else "resident")
             return
+        # the brief's shape is device_bytes.total; the server also reports
+        # device_bytes_total beside a per-kind dict: take whichever is there
         device = residency.get("device_bytes")
-        total = device.get("total") if isinstance(device, dict) else None
+        total = residency.get("device_bytes_total")
+        if total is None and isinstance(device, dict):
+            parts = [v for v in device.values() if isinstance(v, int | float)]
+            total = device.get("total", sum(parts) if parts else None)
         self._note(
             server, sent, recv, str(residency.get("state", "resident")),
             level=residency.get("level"),
@@ -616,7 +623,7 @@ async def ensure_model(spec: ServerSpec, model_dir: Path) -> Path:
     await trio.Path(model_dir).mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     cmd = [sys.executable, "-m", "trio_llm", "make-model", "--preset", spec.preset,
-           "--quant", spec.quant, "-o", str(partial)]
+           "--quant", spec.quant, "-o", str(partial), "-q"]
     result = await trio.run_process(cmd, check=False, capture_stdout=True, capture_stderr=True)
     if result.returncode != 0 or not partial.is_file():
         partial.unlink(missing_ok=True)
