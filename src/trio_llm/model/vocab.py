@@ -316,7 +316,7 @@ def _llama2_vocab(n_vocab: int) -> VocabSpec:
 
 def _byte_level_bpe(pre: str, n_tokens: int) -> tuple[list[str], list[str]]:
     """`n_tokens` byte-level tokens (256 bytes + merges) and their merges, "a b" strings."""
-    alphabet = list(_bytes_to_unicode().values())
+    alphabet = _alphabet_gpt2_order()
     n_merges = n_tokens - len(alphabet)
     learned = _learned_byte_level_merges(pre)
     pairs = list(learned[:n_merges])
@@ -414,17 +414,24 @@ def _learned_spm_merges() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]
 
 
 @functools.cache
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte → printable character table that byte-level BPE tokens are spelled in."""
-    keep = list(range(ord("!"), ord("~") + 1))
-    keep += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    table = {b: chr(b) for b in keep}
-    extra = 0
+def gpt2_byte_chars() -> tuple[str, ...]:
+    """GPT-2's byte → character table, indexed by byte value.
+
+    Byte-level BPE spells every token in these 256 printable characters: printable
+    bytes stand for themselves, the others map, in byte order, to U+0100 onwards.
+    """
+    printable = set(range(ord("!"), ord("~") + 1))
+    printable |= set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
+    chars: list[str] = []
     for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return dict(sorted(table.items(), key=lambda kv: (kv[0] not in keep, kv[0])))
+        chars.append(chr(b) if b in printable else chr(256 + sum(1 for x in range(b) if x not in printable)))
+    return tuple(chars)
+
+
+def _alphabet_gpt2_order() -> list[str]:
+    """The 256 byte tokens in GPT-2's (and Llama 3's) id order: printable bytes first."""
+    chars = gpt2_byte_chars()
+    return [chars[b] for b in sorted(range(256), key=lambda b: (ord(chars[b]) >= 256, b))]
 
 
 def _corpus_lines() -> Iterator[str]:
