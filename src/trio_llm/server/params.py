@@ -164,6 +164,10 @@ def prompt_tokens(value: Any, tok: Encoder, limits: Limits, key: str = "prompt")
     """A prompt as text, as token ids, or as a list mixing both (llama-server's forms)."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
         value = value[0]  # a batch of one prompt
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, str | list) for v in value):
+        raise InvalidRequest(
+            f"'{key}' holds several prompts, which are not supported: send one request each"
+        )
     if isinstance(value, str):
         ids = encode_prompt(tok, value)
     elif isinstance(value, list) and value:

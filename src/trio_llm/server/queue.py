@@ -117,7 +117,7 @@ class QueueState:
 
     @classmethod
     def initial(cls, n_slots: int) -> QueueState:
-        return cls(idle={i: IdleSlot((), -i - 1) for i in range(n_slots)})
+        return cls(idle={i: IdleSlot((), i - n_slots) for i in range(n_slots)})  # slot 0 first
 
 
 def dispatch(state: QueueState) -> list[Assign]:
