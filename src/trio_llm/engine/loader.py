@@ -52,10 +52,12 @@ def _numpy(model: GGUFModel, *, n_ctx: int, n_seq: int, progress: Progress | Non
 
 def _vulkan(model: GGUFModel, *, n_ctx: int, n_seq: int, progress: Progress | None) -> Backend:
     try:
-        # Imported here so that "numpy" never loads cffi or libvulkan; the vulkan
-        # package itself raises OSError at import when libvulkan.so is missing.
+        # Imported here so that "numpy" never loads cffi or libvulkan. The vulkan
+        # package raises OSError at import when libvulkan.so is missing, and an
+        # install without the cffi bindings fails with ImportError: both mean this
+        # machine cannot run Vulkan, which is what the caller needs to hear.
         from trio_llm.vulkan.backend import VulkanBackend
-    except OSError as exc:
-        raise BackendUnavailable(f"cannot load the Vulkan library: {exc}") from None
+    except (OSError, ImportError) as exc:
+        raise BackendUnavailable(f"cannot load the Vulkan backend: {exc}") from None
     backend: Backend = VulkanBackend(model, n_ctx=n_ctx, n_seq=n_seq, progress=progress)
     return backend
