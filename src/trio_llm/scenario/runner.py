@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +40,9 @@ import trio
 from trio_llm.errors import ScenarioError, TrioLLMError
 from trio_llm.scenario import format as fmt
 from trio_llm.scenario import record as rec
-from trio_llm.scenario.format import Scenario, ServerSpec, Step
+from trio_llm.scenario.client import ask_plain, ask_stream
+from trio_llm.scenario.format import Scenario, Step
+from trio_llm.scenario.servers import ServerSlot, default_model_dir, ensure_model, free_port, tail
 
 #: where shipped scenarios live, for `trio-llm scenario run alternating`
 SHIPPED = Path(__file__).resolve().parents[3] / "scenarios"
@@ -63,48 +63,6 @@ class _Bound(Exception):
 
 
 @attrs.define(eq=False)
-class _Server:
-    """One scenario server and the process currently running it (restarts replace it)."""
-
-    spec: ServerSpec
-    model_path: Path
-    backend: str
-    arena: Path
-    log_path: Path
-    port: int = 0
-    process: trio.Process | None = None
-    #: up (answering), starting, frozen (SIGSTOP), down (exited)
-    status: str = "down"
-    #: why we expect the current process to exit, recorded with its exit code
-    exit_cause: str | None = None
-    exited: trio.Event = attrs.field(factory=trio.Event)
-    changed: trio.Event = attrs.field(factory=trio.Event)
-    state: str = "down"  # the latest residency state polled
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def command(self) -> list[str]:
-        spec = self.spec
-        cmd = [sys.executable, "-m", "trio_llm", "serve", "-m", str(self.model_path)]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
-        cmd += ["-np", str(spec.np), "-c", str(spec.ctx), "--backend", self.backend]
-        if spec.arena:
-            cmd += ["--vram-arena", str(self.arena), "--sleep-mode", spec.sleep_mode]
-        if spec.sleep_idle_seconds is not None:
-            if not spec.arena:
-                cmd += ["--sleep-mode", spec.sleep_mode]
-            cmd += ["--sleep-idle-seconds", f"{spec.sleep_idle_seconds:g}"]
-        return cmd + list(spec.args)
-
-    def note_state(self, state: str) -> None:
-        self.state = state
-        self.changed.set()
-        self.changed = trio.Event()
-
-
-@attrs.define(eq=False)
 class Runner:
     scenario: Scenario
     options: Options
@@ -112,7 +70,7 @@ class Runner:
     length: int
     backend: str
     _arena: Path
-    _servers: dict[str, _Server] = attrs.field(factory=dict)
+    _servers: dict[str, ServerSlot] = attrs.field(factory=dict)
     _t0: float = 0.0
     _bg: trio.Nursery | None = None
     _reqs: trio.Nursery | None = None
@@ -140,9 +98,9 @@ class Runner:
 
     # --- processes ----------------------------------------------------------------
 
-    async def start_server(self, server: _Server, timeout_s: float) -> None:
+    async def start_server(self, server: ServerSlot, timeout_s: float) -> None:
         """Start the process and wait until /health answers 200 (a cold server does too)."""
-        server.port = _free_port()
+        server.port = free_port()
         server.exited = trio.Event()
         server.exit_cause = None
         server.status = "starting"
@@ -180,18 +138,18 @@ class Runner:
                 except httpx.HTTPError:
                     pass
                 await trio.sleep(0.05)
-        tail = _tail(server.log_path)
+        log_tail = tail(server.log_path)
         if server.exited.is_set():
             raise ScenarioError(
                 f"server {server.spec.name} exited with {process.returncode} while starting "
-                f"(log: {server.log_path}):\n{tail}"
+                f"(log: {server.log_path}):\n{log_tail}"
             )
         raise ScenarioError(
             f"server {server.spec.name} not healthy within {timeout_s:g} s "
-            f"(log: {server.log_path}):\n{tail}"
+            f"(log: {server.log_path}):\n{log_tail}"
         )
 
-    async def _watch(self, server: _Server, process: trio.Process) -> None:
+    async def _watch(self, server: ServerSlot, process: trio.Process) -> None:
         code = await process.wait()
         cause = server.exit_cause or "unexpected"
         self.record.events.append(rec.Event(self.now(), server.spec.name, "exit", code=code, cause=cause))
@@ -201,7 +159,7 @@ class Runner:
         server.exited.set()
         self.say(f"{server.spec.name}: exited with {code} ({cause})")
 
-    def _signal(self, server: _Server, sig: signal.Signals) -> None:
+    def _signal(self, server: ServerSlot, sig: signal.Signals) -> None:
         process = server.process
         if process is None or process.returncode is not None:
             return
@@ -211,7 +169,7 @@ class Runner:
         except ProcessLookupError:
             pass
 
-    async def stop_server(self, server: _Server, cause: str, within_s: float) -> int | None:
+    async def stop_server(self, server: ServerSlot, cause: str, within_s: float) -> int | None:
         """SIGTERM (thawing a frozen process so it can act on it) and wait; SIGKILL
         if it has not exited within ``within_s``. Returns the exit code, None if it
         had to be killed."""
@@ -248,7 +206,7 @@ class Runner:
 
     # --- observation --------------------------------------------------------------
 
-    async def poll(self, server: _Server) -> None:
+    async def poll(self, server: ServerSlot) -> None:
         """Observe one server's residency for the whole run (a deliberate poll: the
         server publishes no events, and a client-side view is what we measure)."""
         interval = self.scenario.poll_interval_s
@@ -269,11 +227,11 @@ class Runner:
                 self._note(server, sent, sent, server.status)
             await trio.sleep_until(tick + interval)
 
-    def _note(self, server: _Server, sent: float, recv: float, state: str, **kw: Any) -> None:
+    def _note(self, server: ServerSlot, sent: float, recv: float, state: str, **kw: Any) -> None:
         if self.record.add_poll(server.spec.name, sent, recv, state, **kw):
             server.note_state(state)
 
-    def _note_props(self, server: _Server, sent: float, recv: float, props: Any) -> None:
+    def _note_props(self, server: ServerSlot, sent: float, recv: float, props: Any) -> None:
         residency = props.get("residency") if isinstance(props, dict) else None
         if not isinstance(residency, dict):
             # a server without residency reporting is resident whenever it answers
@@ -326,15 +284,15 @@ class Runner:
         return first if step.wait == "first_token" else done
 
     async def _request(
-        self, server: _Server, r: rec.RequestRecord, timeout: float, first: trio.Event, done: trio.Event
+        self, server: ServerSlot, r: rec.RequestRecord, timeout: float, first: trio.Event, done: trio.Event
     ) -> None:
         try:
             with trio.move_on_after(timeout):
                 try:
                     if r.stream:
-                        await self._stream(server, r, first)
+                        await ask_stream(self.client, server.url, r, self.now, first)
                     else:
-                        await self._plain(server, r)
+                        await ask_plain(self.client, server.url, r)
                 except httpx.HTTPError as exc:
                     r.outcome, r.error = "error", f"{type(exc).__name__}: {exc}"
                 except (ValueError, KeyError, TypeError, IndexError) as exc:
@@ -352,74 +310,6 @@ class Runner:
             first.set()
             done.set()
             self._pending.pop(r.id, None)
-
-    def _body(self, r: rec.RequestRecord) -> tuple[str, dict[str, Any]]:
-        if r.endpoint == "chat":
-            return "/v1/chat/completions", {
-                "messages": [{"role": "user", "content": r.prompt}],
-                "max_tokens": r.n_predict,
-                "temperature": 0,
-                "stream": r.stream,
-            }
-        return "/completion", {
-            "prompt": r.prompt, "n_predict": r.n_predict, "temperature": 0, "stream": r.stream,
-        }
-
-    async def _plain(self, server: _Server, r: rec.RequestRecord) -> None:
-        path, body = self._body(r)
-        response = await self.client.post(server.url + path, json=body, timeout=None)
-        r.status = response.status_code
-        if response.status_code != 200:
-            r.outcome, r.error = "http_error", response.text[:300]
-            return
-        data = response.json()
-        if r.endpoint == "chat":
-            r.content = data["choices"][0]["message"]["content"] or ""
-            r.n_tokens = int(data.get("usage", {}).get("completion_tokens", 0))
-        else:
-            r.content = data["content"]
-            r.timings = data.get("timings")
-            tokens = data.get("tokens")
-            r.n_tokens = len(tokens) if isinstance(tokens, list) else int(data.get("tokens_predicted", 0))
-        r.outcome = "ok"
-
-    async def _stream(self, server: _Server, r: rec.RequestRecord, first: trio.Event) -> None:
-        path, body = self._body(r)
-        pieces: list[str] = []
-        previous: float | None = None
-        async with self.client.stream("POST", server.url + path, json=body, timeout=None) as response:
-            r.status = response.status_code
-            if response.status_code != 200:
-                await response.aread()
-                r.outcome, r.error = "http_error", response.text[:300]
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    break
-                data = json.loads(payload)
-                if r.endpoint == "chat":
-                    choices = data.get("choices") or [{}]
-                    piece = (choices[0].get("delta") or {}).get("content") or ""
-                else:
-                    piece = data.get("content", "")
-                    if data.get("stop"):
-                        r.timings = data.get("timings")
-                if piece:
-                    t = self.now()
-                    if r.first_token is None:
-                        r.first_token = t
-                        first.set()
-                    r.penultimate = previous
-                    previous = t
-                    pieces.append(piece)
-        r.content = "".join(pieces)
-        r.n_tokens = len(pieces)
-        if isinstance(r.timings, dict) and isinstance(r.timings.get("predicted_n"), int):
-            r.n_tokens = r.timings["predicted_n"]
-        r.outcome = "ok"
 
     # --- the script -----------------------------------------------------------------
 
@@ -545,7 +435,7 @@ class Runner:
         for model_key, prompts in wanted.items():
             spec = next(s for s in self.scenario.servers if s.model_key == model_key)
             base = self._servers[spec.name]
-            ref = _Server(
+            ref = ServerSlot(
                 spec=attrs.evolve(spec, name=f"reference-{spec.name}", arena=False,
                                   sleep_idle_seconds=None, np=1),
                 model_path=base.model_path, backend=base.backend, arena=self._arena,
@@ -563,7 +453,7 @@ class Runner:
                         sent=self.now(),
                     )
                     try:
-                        await self._plain(ref, probe)
+                        await ask_plain(self.client, ref.url, probe)
                     except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
                         probe.outcome, probe.error = "error", repr(exc)
                     self.record.references.append(
@@ -576,7 +466,7 @@ class Runner:
             await self.stop_server(ref, "final", self.scenario.stop_timeout_s)
 
 
-def _server_info(server: _Server) -> dict[str, Any]:
+def _server_info(server: ServerSlot) -> dict[str, Any]:
     spec = server.spec
     return {
         "name": spec.name, "model_key": spec.model_key, "model": str(server.model_path),
@@ -584,56 +474,6 @@ def _server_info(server: _Server) -> dict[str, Any]:
         "arena": spec.arena, "np": spec.np, "ctx": spec.ctx, "backend": server.backend,
         "log": str(server.log_path), "command": server.command()[1:], "ports": [],
     }
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-# --- models ---------------------------------------------------------------------------
-
-
-def default_model_dir() -> Path:
-    import platformdirs
-
-    from trio_llm import __version__
-
-    return Path(platformdirs.user_cache_dir("trio-llm")) / f"scenario-models-{__version__}"
-
-
-async def ensure_model(spec: ServerSpec, model_dir: Path) -> Path:
-    """The GGUF for a server: its file, or a synthetic preset made once and kept.
-    Written under a temporary name and renamed, so a concurrent run never reads half a file."""
-    if spec.model is not None:
-        if not spec.model.is_file():
-            raise ScenarioError(f"server {spec.name}: model file {spec.model} does not exist")
-        return spec.model
-    path = model_dir / f"{spec.preset}-{spec.quant}.gguf"
-    if path.is_file():
-        return path
-    await trio.Path(model_dir).mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    cmd = [sys.executable, "-m", "trio_llm", "make-model", "--preset", spec.preset,
-           "--quant", spec.quant, "-o", str(partial), "-q"]
-    result = await trio.run_process(cmd, check=False, capture_stdout=True, capture_stderr=True)
-    if result.returncode != 0 or not partial.is_file():
-        partial.unlink(missing_ok=True)
-        err = result.stderr.decode(errors="replace").strip().splitlines()[-3:]
-        raise ScenarioError(
-            f"server {spec.name}: make-model --preset {spec.preset} --quant {spec.quant} "
-            f"failed: {' / '.join(err) or result.returncode}"
-        )
-    partial.replace(path)
-    return path
 
 
 # --- the run ----------------------------------------------------------------------
@@ -703,7 +543,7 @@ async def _run_body(
     try:
         for spec in scenario.servers:
             model = await ensure_model(spec, model_dir)
-            server = _Server(spec, model, spec.backend or backend, arena, logs / f"{spec.name}.log")
+            server = ServerSlot(spec, model, spec.backend or backend, arena, logs / f"{spec.name}.log")
             runner._servers[spec.name] = server
             record.servers.append(_server_info(server))
         assert runner._bg is not None
