@@ -171,7 +171,9 @@ class Tokenizer:
         self._check_id(token_id)
         return self._tokens[token_id]
 
-    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def encode(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
         """Token ids of `text`.
 
         `add_special` adds BOS (and EOS) when the model asks for them; `parse_special`
@@ -335,10 +337,8 @@ def _sentencepiece(md: _Metadata, tokens: list[str], types: list[int]) -> tokeni
     # A normalizer, not Metaspace: llama.cpp prepends the space even when the text
     # already starts with one, and to every run of text after a special token (the
     # normalizer runs once per run between added tokens); nothing is split at spaces.
-    steps_in = [normalizers.Replace(" ", SPM_SPACE)]
-    if space_prefix:
-        steps_in.insert(0, normalizers.Prepend(SPM_SPACE))
-    tk.normalizer = normalizers.Sequence(steps_in)
+    prefix = [normalizers.Prepend(SPM_SPACE)] if space_prefix else []
+    tk.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", SPM_SPACE)])
     steps = [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if space_prefix:
         steps.append(decoders.Strip(" ", 1, 0))

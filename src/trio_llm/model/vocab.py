@@ -51,7 +51,11 @@ QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-PRE_SPLITS: dict[str, str] = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}
+PRE_SPLITS: dict[str, str] = {
+    "llama-bpe": LLAMA3_SPLIT,
+    "llama3": LLAMA3_SPLIT,
+    "qwen2": QWEN2_SPLIT,
+}
 
 # The Llama 3 chat format: a header per message, <|eot_id|> after each, BOS once at the
 # start. Written for this project; renders the same text as Meta's template.
@@ -424,7 +428,9 @@ def gpt2_byte_chars() -> tuple[str, ...]:
     printable |= set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
     chars: list[str] = []
     for b in range(256):
-        chars.append(chr(b) if b in printable else chr(256 + sum(1 for x in range(b) if x not in printable)))
+        chars.append(
+            chr(b) if b in printable else chr(256 + sum(1 for x in range(b) if x not in printable))
+        )
     return tuple(chars)
 
 
