@@ -120,6 +120,7 @@ class Runner:
         for info in self.record.servers:
             if info["name"] == server.spec.name:
                 info["ports"].append(server.port)
+                info["command"] = cmd[1:]
         self.record.events.append(
             rec.Event(self.now(), server.spec.name, "start", f"pid {process.pid} port {server.port}")
         )
@@ -524,8 +525,8 @@ async def run_scenario(
                 await _run_body(runner, scenario, model_dir, backend, logs, arena, timeout)
             finally:
                 bg.cancel_scope.cancel()
-    except BaseException:
-        record.interrupted = True
+    except BaseException as exc:
+        record.interrupted = interrupted(exc)
         raise
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(20.0):
@@ -574,6 +575,13 @@ async def _run_body(
     except ScenarioError as exc:
         record.notes.append(str(exc))
         runner.say(f"ERROR: {exc}")
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Ctrl-C, possibly wrapped in the exception groups of the nurseries it crossed."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.subgroup(KeyboardInterrupt) is not None
+    return isinstance(exc, KeyboardInterrupt)
 
 
 # --- command line -------------------------------------------------------------------
@@ -642,7 +650,9 @@ def main(argv: Sequence[str]) -> int:
         record = new_record(scenario, options)
         try:
             trio.run(run_scenario, scenario, options, record)
-        except KeyboardInterrupt:
+        except BaseException as exc:
+            if not interrupted(exc):
+                raise
             write_report(record, out)
             print(f"interrupted: every server process was stopped; partial report in {out}",
                   file=sys.stderr)
