@@ -140,11 +140,19 @@ class Record:
         device_bytes: int | None = None,
         token_held: bool | None = None,
     ) -> bool:
-        """Append one observation; returns True when it differs from the previous one."""
+        """Append one observation; returns True when it differs from the previous one.
+
+        Times are kept to 0.1 ms. A state the runner knows without asking (down,
+        frozen: ``sent == recv``) keeps only its first and latest observation, since
+        the polls in between carry no information."""
+        sent, recv = round(sent, 4), round(recv, 4)
         last = next((r for r in reversed(self.runs) if r.server == server), None)
         run = StateRun(server, state, level, device_bytes, token_held)
         if last is not None and last.key() == run.key():
-            last.polls.append((sent, recv))
+            if sent == recv and len(last.polls) >= 2 and last.polls[-1][0] == last.polls[-1][1]:
+                last.polls[-1] = (sent, recv)
+            else:
+                last.polls.append((sent, recv))
             return False
         run.polls.append((sent, recv))
         self.runs.append(run)

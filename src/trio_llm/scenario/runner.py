@@ -446,7 +446,9 @@ class Runner:
             self.record.servers.append(_server_info(ref))
             with trio.move_on_after(deadline_s):
                 await self.start_server(ref, self.scenario.startup_timeout_s)
-                for endpoint, prompt, n_predict in prompts:
+                # sorted, so prompts sharing a prefix follow each other and the
+                # single slot's prompt cache does the work it can
+                for endpoint, prompt, n_predict in sorted(prompts):
                     probe = rec.RequestRecord(
                         id=-1, step="reference", round=0, server=ref.spec.name,
                         model_key=model_key, arena=False, endpoint=endpoint, prompt=prompt,
