@@ -35,6 +35,15 @@ void dequant8(uint row16, uint g, out float v[8]) {
         v[i] = whalf(b + i);
     }
 }
+#elif defined(QTYPE_BF16)
+const uint QK = 1;
+const uint BLOCK16 = 1;
+void dequant8(uint row16, uint g, out float v[8]) {
+    uint b = row16 + g * 8u;
+    [[unroll]] for (uint i = 0; i < 8; i++) {
+        v[i] = uintBitsToFloat(uint(w16[b + i]) << 16);
+    }
+}
 #elif defined(QTYPE_Q8_0)
 // block: f16 d, int8 qs[32]
 const uint QK = 32;

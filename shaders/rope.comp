@@ -8,7 +8,9 @@
 
 layout(binding = 0, std430) readonly buffer X { float x[]; };
 layout(binding = 1, std430) buffer Y { float y[]; };
-DECLARE_STEP(2)
+// per-frequency divisors (llama-3 rope_freqs.weight); all ones when the model has none
+layout(binding = 2, std430) readonly buffer F { float factors[]; };
+DECLARE_STEP(3)
 
 layout(push_constant) uniform Push {
     uint n_heads;
@@ -40,7 +42,7 @@ void main() {
     float a = x[src + i0];
     float b = x[src + i1];
     if (pc.mode != 0u) {
-        float freq = exp2(-2.0 * float(i) / float(pc.head_dim) * pc.log2_theta);
+        float freq = exp2(-2.0 * float(i) / float(pc.head_dim) * pc.log2_theta) / factors[i];
         float ang = float(pos) * freq;
         float c = cos(ang);
         float s = sin(ang);

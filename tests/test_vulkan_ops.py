@@ -31,7 +31,7 @@ from trio_llm.vulkan.ops import (
 
 pytestmark = pytest.mark.vulkan
 
-QTYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K"]
+QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K"]
 
 
 @attrs.define
@@ -94,7 +94,7 @@ def make_weights(qtype: str, rows: int, cols: int, seed: int = 0) -> tuple[np.nd
     if qtype == "F32":
         w = rng.standard_normal((rows, cols)).astype(np.float32)
         return w, w
-    if qtype in ("F16", "Q8_0", "Q4_0"):
+    if qtype in ("F16", "BF16", "Q8_0", "Q4_0"):
         w = rng.standard_normal((rows, cols)).astype(np.float32)
         raw = quantize(w, t)
     else:
@@ -196,10 +196,10 @@ def test_rms_norm_rows_and_qk_norm(env: Env) -> None:
     np.testing.assert_allclose(env.get(qv).reshape(ntok, -1), want_q, rtol=1e-5, atol=1e-5)
 
 
-def np_rope(x: np.ndarray, pos: np.ndarray, theta: float, mode: int) -> np.ndarray:
+def np_rope(x: np.ndarray, pos: np.ndarray, theta: float, mode: int, factors: np.ndarray) -> np.ndarray:
     """x [ntok, heads, hd] rotated at each token's position."""
     hd = x.shape[-1]
-    freq = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)  # [hd/2]
+    freq = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd) / factors  # [hd/2]
     ang = pos[:, None, None].astype(np.float64) * freq  # [ntok, 1, hd/2]
     c, s = np.cos(ang), np.sin(ang)
     out = x.astype(np.float64).copy()
@@ -223,15 +223,17 @@ def test_rope_in_place_and_into_cache(env: Env, mode: int) -> None:
     cache = env.zeros(n_seq * n_ctx * heads * hd)
     vcache = env.zeros(n_seq * n_ctx * heads * hd)
     xv2 = env.put(x)
+    factors = np.linspace(1.0, 8.0, hd // 2).astype(np.float32)
+    fv = env.put(factors)
     st = env.step([0] * ntok, pos, seq)
     kw = {"n_heads": heads, "head_dim": hd, "x_stride": heads * hd, "theta": 10000.0, "cap": 8}
     env.run([
-        env.ops.rope(xv, xv, st, mode=mode, **kw),
-        env.ops.rope(xv2, cache, st, mode=mode, to_cache=True, n_ctx=n_ctx, kv_dim=heads * hd, **kw),
+        env.ops.rope(xv, xv, fv, st, mode=mode, **kw),
+        env.ops.rope(xv2, cache, fv, st, mode=mode, to_cache=True, n_ctx=n_ctx, kv_dim=heads * hd, **kw),
         # mode none into the cache: the V write
-        env.ops.rope(xv2, vcache, st, mode=ROPE_NONE, to_cache=True, n_ctx=n_ctx, kv_dim=heads * hd, **kw),
+        env.ops.rope(xv2, vcache, fv, st, mode=ROPE_NONE, to_cache=True, n_ctx=n_ctx, kv_dim=heads * hd, **kw),
     ])
-    want = np_rope(x, pos, 10000.0, mode)
+    want = np_rope(x, pos, 10000.0, mode, factors)
     np.testing.assert_allclose(env.get(xv).reshape(x.shape), want, atol=3e-5)
     c = env.get(cache).reshape(n_seq, n_ctx, heads, hd)
     v = env.get(vcache).reshape(n_seq, n_ctx, heads, hd)

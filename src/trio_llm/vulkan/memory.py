@@ -92,7 +92,7 @@ class Allocator:
             # resizable BAR memory lets small per-step buffers skip a copy
             order = [(DEVICE_LOCAL | HOST_VISIBLE | HOST_COHERENT, 0), (HOST_VISIBLE | HOST_COHERENT, 0)]
         elif place == "readback":
-            order = [(HOST_VISIBLE | HOST_CACHED, 0), (HOST_VISIBLE | HOST_COHERENT, 0)]
+            order = [(HOST_VISIBLE | HOST_COHERENT | HOST_CACHED, 0), (HOST_VISIBLE | HOST_COHERENT, 0)]
         else:  # "host": host memory for shadows, not device-local where there is a choice
             order = [
                 (HOST_VISIBLE | HOST_COHERENT, DEVICE_LOCAL),

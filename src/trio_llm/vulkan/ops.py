@@ -31,7 +31,7 @@ ROPE_NORMAL = 1
 ROPE_NEOX = 2
 
 #: bytes per block and values per block of the weight types the kernels read
-BLOCK_BYTES = {"F32": (4, 1), "F16": (2, 1), "Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
+BLOCK_BYTES = {"F32": (4, 1), "F16": (2, 1), "BF16": (2, 1), "Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
 
 
 def row_bytes(qtype: str, n: int) -> int:
@@ -115,13 +115,13 @@ class Ops:
         return Dispatch(k, (x, w, y, step), push, grid(cap * rows_per_tok))
 
     def rope(
-        self, x: View, y: View, step: View, *, n_heads: int, head_dim: int, x_stride: int,
+        self, x: View, y: View, factors: View, step: View, *, n_heads: int, head_dim: int, x_stride: int,
         mode: int, theta: float, cap: int, to_cache: bool = False, n_ctx: int = 0, kv_dim: int = 0,
     ) -> Dispatch:
-        k = self.kernels.get("rope", n_bindings=3, n_push=8, local_size=self.elem_wg)
+        k = self.kernels.get("rope", n_bindings=4, n_push=8, local_size=self.elem_wg)
         push = (n_heads, head_dim, x_stride, mode, int(to_cache), n_ctx, kv_dim, float(math.log2(theta)))
         pairs = n_heads * head_dim // 2
-        return Dispatch(k, (x, y, step), push, (math.ceil(pairs / self.elem_wg), cap, 1))
+        return Dispatch(k, (x, y, factors, step), push, (math.ceil(pairs / self.elem_wg), cap, 1))
 
     def attention(
         self, q: View, k_cache: View, v_cache: View, o: View, step: View, *, n_head: int,

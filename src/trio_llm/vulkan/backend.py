@@ -1,0 +1,332 @@
+"""``VulkanBackend``: the Backend interface on Vulkan compute shaders.
+
+It runs in the backend actor's worker thread: one thread, one call at a time, so it
+holds no locks. Device memory comes in four categories (weights, kv_cache, compute,
+scratch), each owned by one object (``WeightStore``, ``KVCache``, ``Activations``)
+that can free and re-create it; residency is the choice of which of them to free.
+Recorded graphs point at buffer handles, so every release drops them and the next
+forward records again (a few milliseconds, once per wake).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch
+from trio_llm.errors import (
+    BackendError,
+    ContextOverflow,
+    DeviceLost,
+    InvalidRequest,
+    UnsupportedModelError,
+)
+from trio_llm.model.config import ModelConfig
+from trio_llm.model.gguf import GGUFModel
+from trio_llm.vulkan.device import Device, open_device, vk_errors
+from trio_llm.vulkan.forward import Activations, KVCache, build_ops
+from trio_llm.vulkan.graph import Graph
+from trio_llm.vulkan.kernels import KernelCache
+from trio_llm.vulkan.memory import Allocator
+from trio_llm.vulkan.ops import Ops, fill_step
+from trio_llm.vulkan.shaders import STEP_CAP
+from trio_llm.vulkan.weights import WeightStore
+
+log = logging.getLogger(__name__)
+
+_DEPTH = {Level.WEIGHTS: 1, Level.ALL: 2, Level.UNLOAD: 3}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@attrs.frozen
+class VulkanStatistics:
+    forwards: int
+    tokens: int
+    submits: int
+    graphs_recorded: int
+    releases: int
+    restores: int
+    level: str | None
+
+
+class VulkanBackend:
+    """The model on a Vulkan device; see ``trio_llm.engine.backend.Backend``."""
+
+    name = "vulkan"
+
+    def __init__(
+        self,
+        model: GGUFModel,
+        *,
+        n_ctx: int,
+        n_seq: int,
+        progress: Progress | None = None,
+        device: str | None = None,
+    ) -> None:
+        if n_ctx < 1 or n_seq < 1:
+            raise InvalidRequest(f"n_ctx and n_seq must be positive, got {n_ctx} and {n_seq}")
+        cfg = model.config
+        _check_shapes(model, cfg)
+        self.config: ModelConfig = cfg
+        self.n_ctx = n_ctx
+        self.n_seq = n_seq
+        self._progress = progress
+        self._level: Level | None = None
+        self._closed = False
+        self._lost = False
+        self._graphs: dict[int, Graph] = {}
+        self._forwards = self._tokens = self._submits = self._recorded = 0
+        self._releases = self._restores = 0
+        self._device: Device | None = open_device(device)
+        try:
+            with vk_errors("load model"):
+                self._setup(model)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, model: GGUFModel) -> None:
+        cfg = self.config
+        device = self._device
+        assert device is not None
+        self._alloc = Allocator(device)
+        self._kernels = KernelCache(device)
+        wg = 128 if device.device_type in ("discrete", "integrated") else 64
+        self._ops = Ops(self._kernels, matvec_wg=wg)
+        self._cap = min(STEP_CAP, _pow2(self.n_ctx * self.n_seq))
+        layer_bytes = self.n_seq * self.n_ctx * cfg.kv_dim * 4
+        if layer_bytes > device.limits.max_storage_buffer_range:
+            raise BackendError(
+                f"one layer's KV cache ({layer_bytes >> 20} MiB for {self.n_seq} x {self.n_ctx} "
+                f"positions) exceeds this device's storage buffer range "
+                f"({device.limits.max_storage_buffer_range >> 20} MiB): lower the context or the slots"
+            )
+        factors = np.ones(cfg.head_dim // 2, np.float32)
+        if "rope_freqs.weight" in model.tensors:
+            factors = model.tensors["rope_freqs.weight"].dequantize().astype(np.float32).reshape(-1)
+        self._weights = WeightStore(self._alloc, model)
+        self._act = Activations(self._alloc, cfg, self._cap, min(self.n_seq, self._cap), factors)
+        self._kv = KVCache(self._alloc, cfg.n_layer, layer_bytes)
+        total = self._weights.total_bytes()
+        self._weights.ensure_shadow(self._progress)
+        self._weights.upload()
+        self._act.allocate()
+        self._kv.allocate()
+        if self._progress is not None:
+            self._progress(total, total)
+        log.info(
+            "vulkan: %s on %s, %d MiB of weights (shadow: %s), KV %d MiB",
+            cfg.name, device.name, total >> 20, self._weights.shadow_kind(),
+            (2 * cfg.n_layer * layer_bytes) >> 20,
+        )
+
+    # -- the Backend interface -------------------------------------------------------
+
+    def forward(self, batch: Sequence[SeqBatch]) -> np.ndarray:
+        entries = list(batch)
+        self._check_batch(entries)
+        cfg = self.config
+        lens = [len(e.tokens) for e in entries]
+        tokens = np.concatenate([np.asarray(e.tokens, np.uint32) for e in entries])  # [T]
+        pos = np.concatenate([e.pos0 + np.arange(n, dtype=np.uint32) for e, n in zip(entries, lens, strict=True)])  # [T]
+        seq = np.repeat(np.array([e.seq_id for e in entries], np.uint32), lens)  # [T]
+        last = np.cumsum(lens) - 1  # [B] index of each entry's last token
+        logits = np.empty((len(entries), cfg.n_vocab), np.float32)  # [B, n_vocab]
+        with self._guard("forward"):
+            for start in range(0, len(tokens), self._cap):
+                end = min(len(tokens), start + self._cap)
+                wanted = np.nonzero((last >= start) & (last < end))[0]  # entries ending here
+                graph = self._graph(_pow2(end - start))
+                fill_step(self._act.step_words, tokens[start:end], pos[start:end], seq[start:end],
+                          (last[wanted] - start).astype(np.uint32))
+                graph.run()
+                self._submits += 1
+                if len(wanted):
+                    logits[wanted] = self._act.logits(len(wanted))
+        self._forwards += 1
+        self._tokens += len(tokens)
+        return logits
+
+    def memory(self) -> dict[str, int]:
+        mem = dict.fromkeys(MEMORY_CATEGORIES, 0)
+        if not self._closed and self._device is not None:
+            mem.update(self._alloc.bytes_by_category())
+        return mem
+
+    def host_memory(self) -> dict[str, int]:
+        """Host bytes held for release/restore: copied weight shadows, KV copies."""
+        mem = dict.fromkeys(MEMORY_CATEGORIES, 0)
+        if self._closed:
+            return mem
+        mem["weights"] = sum(
+            s.shadow.size for s in self._weights.segments if s.shadow is not None and not s.shadow.imported
+        )
+        mem["kv_cache"] = sum(b.size for b in self._kv.host)
+        return mem
+
+    def device_info(self) -> dict[str, object]:
+        if self._device is None:
+            return {"backend": self.name, "name": "closed"}
+        info = self._device.info()
+        info.update(
+            backend=self.name,
+            weights_shadow=self._weights.shadow_kind() if not self._closed else "none",
+            max_chunk=self._cap,
+            graphs=sorted(self._graphs),
+        )
+        return info
+
+    def release(self, level: Level) -> None:
+        self._check_open()
+        depth = _DEPTH[Level(level)]
+        if self._level is not None and _DEPTH[self._level] >= depth:
+            return
+        with self._guard("release"):
+            self._drop_graphs()
+            self._weights.release_device()
+            if depth >= _DEPTH[Level.ALL]:
+                if depth < _DEPTH[Level.UNLOAD]:
+                    self._kv.to_host()
+                self._kv.free_device()
+                self._act.free()
+            if depth >= _DEPTH[Level.UNLOAD]:
+                self._kv.free_host()
+                self._weights.release_shadow()
+        self._level = Level(level)
+        self._releases += 1
+
+    def restore(self) -> None:
+        self._check_open()
+        if self._level is None:
+            return
+        with self._guard("restore"):
+            self._weights.ensure_shadow()
+            self._weights.upload()
+            self._act.allocate()
+            self._kv.from_host()
+        self._level = None
+        self._restores += 1
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        device, self._device = self._device, None
+        if device is None:
+            return
+        with contextlib.suppress(Exception):
+            device.vk.vkDeviceWaitIdle(device.handle)
+        for step in (self._drop_graphs, self._close_memory):
+            try:
+                step()
+            except Exception as exc:  # close must not raise: log and keep freeing
+                log.warning("vulkan close: %s", exc)
+        with contextlib.suppress(Exception):
+            device.close()
+
+    def _close_memory(self) -> None:
+        if hasattr(self, "_alloc"):
+            self._alloc.free_all()
+        if hasattr(self, "_kernels"):
+            self._kernels.close()
+
+    # -- extras ----------------------------------------------------------------------
+
+    @property
+    def level(self) -> Level | None:
+        return self._level
+
+    def statistics(self) -> VulkanStatistics:
+        return VulkanStatistics(
+            forwards=self._forwards,
+            tokens=self._tokens,
+            submits=self._submits,
+            graphs_recorded=self._recorded,
+            releases=self._releases,
+            restores=self._restores,
+            level=self._level.value if self._level is not None else None,
+        )
+
+    def replay(self, n_tokens: int) -> None:
+        """Submit the recorded graph of ``n_tokens``'s bucket again with the step buffer
+        as it is: GPU time plus one submit, for measuring Python overhead."""
+        with self._guard("replay"):
+            self._graph(_pow2(n_tokens)).run()
+
+    # -- internals -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _guard(self, what: str):  # type: ignore[no-untyped-def]
+        if self._lost:
+            raise DeviceLost("the Vulkan device was lost earlier; restart the server")
+        try:
+            with vk_errors(what):
+                yield
+        except DeviceLost:
+            self._lost = True
+            raise
+
+    def _graph(self, bucket: int) -> Graph:
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            assert self._device is not None
+            ops = build_ops(self._ops, self.config, self._weights, self._act, self._kv,
+                            bucket=bucket, n_ctx=self.n_ctx)
+            graph = Graph.record(self._device, ops)
+            self._graphs[bucket] = graph
+            self._recorded += 1
+        return graph
+
+    def _drop_graphs(self) -> None:
+        graphs, self._graphs = self._graphs, {}
+        for g in graphs.values():
+            g.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError("the Vulkan backend is closed")
+
+    def _check_batch(self, entries: list[SeqBatch]) -> None:
+        self._check_open()
+        if self._level is not None:
+            raise BackendError(f"forward while released (level {self._level.value}); restore first")
+        if not entries:
+            raise InvalidRequest("empty batch")
+        seen: set[int] = set()
+        for e in entries:
+            n = len(e.tokens)
+            if not 0 <= e.seq_id < self.n_seq:
+                raise InvalidRequest(f"seq_id {e.seq_id} outside 0..{self.n_seq - 1}")
+            if e.seq_id in seen:
+                raise InvalidRequest(f"seq_id {e.seq_id} appears twice in one batch")
+            seen.add(e.seq_id)
+            if n == 0:
+                raise InvalidRequest(f"no tokens for seq_id {e.seq_id}")
+            if e.pos0 < 0:
+                raise InvalidRequest(f"negative pos0 {e.pos0}")
+            if e.pos0 + n > self.n_ctx:
+                raise ContextOverflow(e.pos0 + n, self.n_ctx)
+            toks = np.asarray(e.tokens)
+            if toks.min() < 0 or toks.max() >= self.config.n_vocab:
+                raise InvalidRequest(f"token id outside 0..{self.config.n_vocab - 1}")
+
+
+def _check_shapes(model: GGUFModel, cfg: ModelConfig) -> None:
+    """The kernels' shape assumptions, checked once with a readable error."""
+    problems = []
+    for what, n in (("n_embd", cfg.n_embd), ("q_dim", cfg.q_dim), ("n_ff", cfg.n_ff)):
+        if n % 32:
+            problems.append(f"{what} {n} is not a multiple of 32")
+    if cfg.head_dim % 2 or cfg.head_dim > 256:
+        problems.append(f"head_dim {cfg.head_dim} must be even and at most 256")
+    if cfg.kv_dim % 4:
+        problems.append(f"kv_dim {cfg.kv_dim} is not a multiple of 4")
+    if problems:
+        raise UnsupportedModelError(model.path, "; ".join(problems))

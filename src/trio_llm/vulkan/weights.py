@@ -1,0 +1,204 @@
+"""The model's weights on the device, and their host shadow.
+
+Layout: tensors are grouped, in file order, into segments of at most ~1 GiB (and
+never more than ``maxMemoryAllocationSize``). Inside a segment every tensor keeps the
+offset it has in the file's memory map relative to the segment's page-aligned start,
+so the segment is a byte-for-byte image of a stretch of the GGUF file. That makes
+three things trivial:
+
+* the host shadow of a segment can be the file's mapped pages themselves, imported
+  with ``VK_EXT_external_memory_host`` (no copy, no extra host memory);
+* when the driver refuses the import (or the offsets break the storage-buffer
+  alignment), the shadow is one host-visible allocation filled once, tensor by tensor;
+* restoring a segment is a single ``vkCmdCopyBuffer`` from shadow to device.
+
+Tensors larger than ``maxStorageBufferRange`` (the 128256-row embedding of llama-1b is
+279 MB, lavapipe binds at most 128 MiB) are bound as several row ranges; ``pieces``
+gives them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import attrs
+import numpy as np
+
+from trio_llm.errors import UnsupportedModelError
+from trio_llm.model.gguf import GGUFModel
+from trio_llm.vulkan.memory import Allocator, Buffer, View, host_span
+from trio_llm.vulkan.ops import BLOCK_BYTES, row_bytes
+
+log = logging.getLogger(__name__)
+
+PAGE = 4096
+SEGMENT_BYTES = 1 << 30
+MAX_GAP = 1 << 20  # tensors further apart than this start a new segment
+
+
+@attrs.frozen
+class Slot:
+    name: str
+    qtype: str
+    shape: tuple[int, ...]
+    segment: int
+    offset: int
+    nbytes: int
+
+
+@attrs.define(eq=False)
+class Segment:
+    size: int
+    base: int  # host address the segment image starts at (file layout) or 0 (packed)
+    tensors: list[str]
+    device: Buffer | None = None
+    shadow: Buffer | None = None
+
+
+@attrs.define(eq=False)
+class WeightStore:
+    """Device segments, host shadows, and where each tensor is."""
+
+    alloc: Allocator
+    model: GGUFModel
+    slots: dict[str, Slot] = attrs.field(factory=dict)
+    segments: list[Segment] = attrs.field(factory=list)
+    # the mapped bytes of every tensor: holding these views keeps the file mapping
+    # (which imported shadows point into) alive even if the model object is closed
+    raws: dict[str, np.ndarray] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        self._plan()
+
+    # -- layout --------------------------------------------------------------------
+
+    def _plan(self) -> None:
+        limits = self.alloc.device.limits
+        align = max(limits.min_storage_offset_alignment, 4)
+        infos = sorted(self.model.tensors.values(), key=lambda t: int(t.raw.ctypes.data))
+        self.raws = {t.name: t.raw for t in infos}
+        biggest = max((t.n_bytes for t in infos), default=0)
+        cap = min(limits.max_allocation_size, max(SEGMENT_BYTES, biggest + 2 * PAGE))
+        for t in infos:
+            qtype = t.ggml_type.name
+            if qtype not in BLOCK_BYTES:
+                raise UnsupportedModelError(self.model.path, f"tensor {t.name!r} has type {qtype}, which the Vulkan backend does not read")
+            if len(t.shape) == 1 and qtype != "F32":
+                raise UnsupportedModelError(self.model.path, f"vector {t.name!r} is {qtype}; the Vulkan backend reads vectors as F32")
+        groups: list[list] = []
+        for t in infos:
+            addr = int(t.raw.ctypes.data)
+            if groups:
+                g = groups[-1]
+                start = int(g[0].raw.ctypes.data) & ~(PAGE - 1)
+                prev_end = int(g[-1].raw.ctypes.data) + g[-1].n_bytes
+                if 0 <= addr - prev_end <= MAX_GAP and addr + t.n_bytes - start <= cap:
+                    g.append(t)
+                    continue
+            groups.append([t])
+        for g in groups:
+            base = int(g[0].raw.ctypes.data) & ~(PAGE - 1)
+            offsets = [int(t.raw.ctypes.data) - base for t in g]
+            if any(o % align for o in offsets):
+                # file offsets break the binding alignment: pack instead (copy shadow)
+                base, pos, offsets = 0, 0, []
+                for t in g:
+                    pos = -(-pos // 256) * 256
+                    offsets.append(pos)
+                    pos += t.n_bytes
+                size = pos
+            else:
+                end = int(g[-1].raw.ctypes.data) + g[-1].n_bytes
+                size = -(-(end - base) // PAGE) * PAGE
+            seg = len(self.segments)
+            self.segments.append(Segment(size=size, base=base, tensors=[t.name for t in g]))
+            for t, off in zip(g, offsets, strict=True):
+                self.slots[t.name] = Slot(t.name, t.ggml_type.name, tuple(t.shape), seg, off, t.n_bytes)
+
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.segments)
+
+    # -- shadow and device ---------------------------------------------------------
+
+    def ensure_shadow(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Give every segment a host shadow: imported file pages, else a one-time copy."""
+        total = self.total_bytes()
+        done = 0
+        for seg in self.segments:
+            if seg.shadow is None:
+                seg.shadow = self._import(seg) or self._copy(seg)
+            done += seg.size
+            if progress is not None:
+                progress(done, total)
+
+    def _import(self, seg: Segment) -> Buffer | None:
+        if not seg.base:
+            return None
+        align = self.alloc.device.limits.imported_host_alignment
+        if not align or seg.base % align or seg.size % align:
+            return None
+        return self.alloc.import_host(host_span(seg.base, seg.size), "weights")
+
+    def _copy(self, seg: Segment) -> Buffer:
+        buf = self.alloc.create(seg.size, "weights", "host")
+        assert buf.array is not None
+        for name in seg.tensors:
+            slot = self.slots[name]
+            raw = self.raws[name]
+            buf.array[slot.offset : slot.offset + slot.nbytes] = raw.reshape(-1).view(np.uint8)
+        return buf
+
+    def shadow_kind(self) -> str:
+        kinds = {("imported" if s.shadow.imported else "copy") for s in self.segments if s.shadow is not None}
+        return "+".join(sorted(kinds)) or "none"
+
+    def upload(self) -> None:
+        """Allocate the device segments and copy every shadow into them (one submit)."""
+        device = self.alloc.device
+        vk = device.vk
+        for seg in self.segments:
+            if seg.device is None:
+                seg.device = self.alloc.create(seg.size, "weights", "device")
+        with device.one_shot("upload weights") as cmd:
+            for seg in self.segments:
+                assert seg.shadow is not None and seg.device is not None
+                region = vk.VkBufferCopy(srcOffset=0, dstOffset=0, size=min(seg.size, seg.shadow.size))
+                vk.vkCmdCopyBuffer(cmd, seg.shadow.handle, seg.device.handle, 1, [region])
+
+    def release_device(self) -> None:
+        for seg in self.segments:
+            self.alloc.free(seg.device)
+            seg.device = None
+
+    def release_shadow(self) -> None:
+        for seg in self.segments:
+            self.alloc.free(seg.shadow)
+            seg.shadow = None
+
+    @property
+    def resident(self) -> bool:
+        return all(seg.device is not None for seg in self.segments)
+
+    # -- binding -------------------------------------------------------------------
+
+    def view(self, name: str) -> View:
+        slot = self.slots[name]
+        buf = self.segments[slot.segment].device
+        assert buf is not None, "weights are not resident"
+        return View(buf, slot.offset, slot.nbytes)
+
+    def pieces(self, name: str) -> list[tuple[View, int, int]]:
+        """(view, first row, end row) ranges of a matrix, each bindable on its own."""
+        slot = self.slots[name]
+        view = self.view(name)
+        limit = self.alloc.device.limits.max_storage_buffer_range
+        if slot.nbytes <= limit:
+            return [(view, 0, slot.shape[0])]
+        rb = row_bytes(slot.qtype, slot.shape[-1])
+        per = (limit // rb) // 256 * 256
+        out = []
+        for r0 in range(0, slot.shape[0], per):
+            r1 = min(slot.shape[0], r0 + per)
+            out.append((view.sub(r0 * rb, (r1 - r0) * rb), r0, r1))
+        return out
