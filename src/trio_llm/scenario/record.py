@@ -25,7 +25,7 @@ from trio_llm.scenario.format import Count, Expectations, ServedAfter, parse_cou
 #: states the server reports that mean "not resident"
 NOT_RESIDENT = ("cold", "releasing", "restoring", "unloaded")
 #: states the runner itself assigns when it cannot ask the server
-RUNNER_STATES = ("starting", "loading", "frozen", "down", "unreachable")
+RUNNER_STATES = ("starting", "loading", "frozen", "stopping", "down", "unreachable")
 
 
 @attrs.define

@@ -39,6 +39,7 @@ STATE_COLOURS = {
     "starting": "#e8e8e8",
     "frozen": "#8e44ad",
     "unreachable": "#f1948a",
+    "stopping": "#f5cba7",
     "asleep": "#5d8fc9",
     "down": "#ffffff",
 }
@@ -498,9 +499,16 @@ def timeline(record: Record, path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    names = [s["name"] for s in record.servers]
+    # the reference server runs after the scenario, unobserved: it has no lane
+    names = [s["name"] for s in record.servers if not s.get("reference")]
     n = max(1, len(names))
-    end = max([record.duration_s] + [r.end for r in record.runs] + [r.done or r.sent for r in record.requests])
+    shown = set(names)
+    end = max(
+        [0.0]
+        + [r.end for r in record.runs if r.server in shown and r.state != "down"]
+        + [r.done or r.sent for r in record.requests if r.server in shown]
+        + [e.t for e in record.events if e.server in shown]
+    )
     fig, (lanes, memory) = plt.subplots(
         2, 1, sharex=True, figsize=(13, 1.1 * n + 3.4),
         gridspec_kw={"height_ratios": [1.1 * n, 2.0]}, constrained_layout=True,

@@ -178,9 +178,10 @@ class Runner:
             return server.process.returncode if server.process else None
         server.exit_cause = cause
         self._signal(server, signal.SIGTERM)
-        if server.status == "frozen":
+        frozen = server.status == "frozen"
+        server.status = "stopping"
+        if frozen:
             self._signal(server, signal.SIGCONT)
-            server.status = "up"
         with trio.move_on_after(within_s):
             await server.exited.wait()
             assert server.process is not None
@@ -214,7 +215,7 @@ class Runner:
         while True:
             tick = trio.current_time()
             sent = self.now()
-            if server.status in ("up", "starting"):
+            if server.status in ("up", "starting", "stopping"):
                 try:
                     response = await self.client.get(f"{server.url}/props", timeout=1.0)
                     recv = self.now()
@@ -223,7 +224,8 @@ class Runner:
                     else:
                         self._note(server, sent, recv, "loading")
                 except (httpx.HTTPError, ValueError):
-                    self._note(server, sent, self.now(), "unreachable" if server.status == "up" else "starting")
+                    label = {"up": "unreachable"}.get(server.status, server.status)
+                    self._note(server, sent, self.now(), label)
             else:
                 self._note(server, sent, sent, server.status)
             await trio.sleep_until(tick + interval)
@@ -443,7 +445,7 @@ class Runner:
                 log_path=base.log_path.with_name(f"reference-{spec.name}.log"),
             )
             self._servers[ref.spec.name] = ref
-            self.record.servers.append(_server_info(ref))
+            self.record.servers.append({**_server_info(ref), "reference": True})
             with trio.move_on_after(deadline_s):
                 await self.start_server(ref, self.scenario.startup_timeout_s)
                 # sorted, so prompts sharing a prefix follow each other and the

@@ -29,7 +29,7 @@ class ServerSlot:
     log_path: Path
     port: int = 0
     process: trio.Process | None = None
-    #: up (answering), starting, frozen (SIGSTOP), down (exited)
+    #: starting, up (answering), frozen (SIGSTOP), stopping (SIGTERM sent), down (exited)
     status: str = "down"
     #: why we expect the current process to exit, recorded with its exit code
     exit_cause: str | None = None
