@@ -54,6 +54,8 @@ def test_select_slot_prefers_longest_prefix_then_least_recently_used() -> None:
     }
     assert select_slot(idle, (1, 2, 3, 4, 5)) == 1
     assert select_slot(idle, (7, 7)) == 2  # no match anywhere: the least recently used
+    assert select_slot(idle, (1, 2, 7, 7, 7, 7)) == 2  # a short shared prefix does not count
+    assert select_slot(idle, (1, 2, 7, 7, 7, 7), similarity=0.3) == 0  # tie: older one
     assert select_slot({}, (1,)) is None
 
 

@@ -303,8 +303,19 @@ async def _run_engine(ctx: ServerContext, stop: trio.Event, http_done: trio.Even
                 await http_done.wait()
                 actors.cancel_scope.cancel()
         finally:
-            await client.close()
+            await _close_backend(client, backend)
             backend_nursery.cancel_scope.cancel()
+
+
+async def _close_backend(client: BackendClient, backend: Backend) -> None:
+    """Free the device through the actor; if a hard stop (a second signal, an outer
+    cancel) has already ended the actor, nothing else can touch the backend any more,
+    so close it directly on a worker thread, shielded and bounded like the actor's."""
+    try:
+        await client.close()
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        with trio.CancelScope(shield=True), trio.move_on_after(30):
+            await trio.to_thread.run_sync(backend.close)
 
 
 async def serve(

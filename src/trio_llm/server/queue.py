@@ -90,18 +90,28 @@ class IdleSlot:
     last_used: int  # a counter value; smaller = released longer ago
 
 
-def select_slot(idle: Mapping[int, IdleSlot], prompt: Sequence[int], want: int = -1) -> int | None:
-    """The idle slot for ``prompt``: ``want`` if given (None while it is busy), else the
-    one sharing the longest prefix with it, the least recently used on a tie (so a
-    cache nobody matches is overwritten before a fresher one)."""
+#: a cached prefix decides the slot only when it covers this share of the prompt;
+#: below it (a shared BOS, a common first word) the least recently used slot is
+#: overwritten instead, keeping more distinct prompts cached (llama-server's
+#: ``--slot-prompt-similarity`` idea)
+SLOT_PROMPT_SIMILARITY = 0.5
+
+
+def select_slot(
+    idle: Mapping[int, IdleSlot], prompt: Sequence[int], want: int = -1,
+    similarity: float = SLOT_PROMPT_SIMILARITY,
+) -> int | None:
+    """The idle slot for ``prompt``: ``want`` if given (None while it is busy); else the
+    one sharing the longest prefix with it if that covers ``similarity`` of the prompt;
+    else the least recently used."""
     if want >= 0:
         return want if want in idle else None
-    best: tuple[int, int, int] | None = None  # (-prefix, last_used, id_slot)
-    for id_slot, slot in idle.items():
-        key = (-common_prefix(slot.cache, prompt), slot.last_used, id_slot)
-        if best is None or key < best:
-            best = key
-    return None if best is None else best[2]
+    if not idle:
+        return None
+    best = max(idle, key=lambda i: (common_prefix(idle[i].cache, prompt), -idle[i].last_used))
+    if prompt and common_prefix(idle[best].cache, prompt) >= similarity * len(prompt):
+        return best
+    return min(idle, key=lambda i: idle[i].last_used)
 
 
 @attrs.define

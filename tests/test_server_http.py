@@ -1,0 +1,401 @@
+"""The server end to end, in-process: real hypercorn on a loopback port, real HTTP
+(httpx and the official openai client), the tiny model on the numpy backend."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import trio
+
+from trio_llm.config import ServerConfig
+from trio_llm.engine.generate import generate_tokens
+from trio_llm.engine.reference import NumpyBackend
+from trio_llm.engine.sampling import SamplingParams
+from trio_llm.model.gguf import load_gguf
+from trio_llm.model.tokenizer import Tokenizer
+from trio_llm.runtime import ServerHandle, _serve_http, serve
+from trio_llm.server.context import ServerContext
+from trio_llm.server.http import create_app
+
+Start = Callable[..., Awaitable[ServerHandle]]
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture
+async def start(tiny_model: Path, nursery: trio.Nursery) -> AsyncIterator[Start]:
+    """Factory: start a server (tiny model, numpy, port 0) and wait until it is loaded."""
+    running: list[tuple[ServerHandle, trio.Event]] = []
+
+    async def run(config: ServerConfig, done: trio.Event, *, task_status: Any) -> None:
+        try:
+            await serve(config, task_status=task_status)
+        finally:
+            done.set()
+
+    async def go(**overrides: Any) -> ServerHandle:
+        kw: dict[str, Any] = {
+            "model": tiny_model, "port": 0, "backend": "numpy", "ctx_size": 1024,
+            "parallel": 2, "shutdown_timeout": 2.0, "temp": 0.0,
+        } | overrides
+        done = trio.Event()
+        handle: ServerHandle = await nursery.start(run, ServerConfig(**kw), done)
+        with trio.fail_after(60):
+            await handle.context.loaded.wait()
+        running.append((handle, done))
+        return handle
+
+    yield go
+    # a graceful shutdown ends serve() by itself, well within its grace period
+    for handle, done in running:
+        handle.shutdown()
+        with trio.fail_after(10):
+            await done.wait()
+
+
+def client(handle: ServerHandle, **kw: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=handle.url, timeout=60, **kw)
+
+
+def sse_events(text: str) -> list[Any]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            payload = line[6:]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> tuple[NumpyBackend, Tokenizer]:
+    model = load_gguf(tiny_model)
+    return NumpyBackend(model, n_ctx=512, n_seq=1), Tokenizer.from_metadata(model.metadata)
+
+
+# -- state endpoints ------------------------------------------------------------------------
+
+
+async def test_state_endpoints(start: Start) -> None:
+    h = await start(metrics=True, alias="tiny-test")
+    async with client(h) as c:
+        r = await c.get("/health")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        models = (await c.get("/v1/models")).json()
+        assert models["data"][0]["id"] == "tiny-test"
+        assert models["data"][0]["meta"]["n_vocab"] == 1024
+        assert (await c.get("/models")).json() == models
+        props = (await c.get("/props")).json()
+        assert props["total_slots"] == 2
+        assert props["default_generation_settings"]["n_ctx"] == 512
+        assert props["model_path"].endswith(".gguf")
+        assert props["is_sleeping"] is False
+        assert props["residency"]["state"] == "resident"
+        assert "<|start_header_id|>" in props["chat_template"]
+        assert isinstance(props["device"], dict)
+        slots = (await c.get("/slots")).json()
+        assert [s["id"] for s in slots] == [0, 1] and not any(s["is_processing"] for s in slots)
+        await c.post("/completion", json={"prompt": PROMPT, "n_predict": 4})
+        r = await c.get("/metrics")
+        assert r.status_code == 200
+        text = r.text
+        for name in ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total",
+                     "llamacpp:requests_processing", "llamacpp:requests_deferred"):
+            assert name in text
+        assert "llamacpp:tokens_predicted_total 4.0" in text
+        r = await c.get("/nope")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+async def test_health_is_503_while_loading() -> None:
+    config = ServerConfig(port=0)
+    stop, done = trio.Event(), trio.Event()
+    async with trio.open_nursery() as n:
+        binds = await n.start(_serve_http, create_app(ServerContext(config)), config, stop, done)
+        async with httpx.AsyncClient(base_url=binds[0]) as c:
+            r = await c.get("/health")
+            assert r.status_code == 503
+            assert r.json()["error"]["message"] == "Loading model"
+            assert (await c.post("/completion", json={"prompt": "x"})).status_code == 503
+        stop.set()
+
+
+async def test_metrics_are_off_without_the_flag(start: Start) -> None:
+    h = await start()
+    async with client(h) as c:
+        r = await c.get("/metrics")
+        assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+
+
+# -- generation -------------------------------------------------------------------------------
+
+
+async def test_greedy_completion_equals_the_engine(start: Start, reference: tuple[NumpyBackend, Tokenizer]) -> None:
+    backend, tok = reference
+    prompt = tok.encode(PROMPT)
+    expected = generate_tokens(backend, tok, prompt, 12, SamplingParams(temperature=0.0), np.random.default_rng(0))
+    h = await start()
+    async with client(h) as c:
+        r = await c.post("/completion", json={"prompt": PROMPT, "n_predict": 12, "temperature": 0})
+        body = r.json()
+    assert r.status_code == 200
+    assert body["tokens"] == expected
+    assert body["content"] == tok.decode(body["tokens"])
+    assert body["stop"] is True and body["stop_type"] in ("limit", "eos")
+    t = body["timings"]
+    assert t["prompt_n"] == len(prompt) and t["cache_n"] == 0
+    assert t["predicted_n"] == len(body["tokens"])
+
+
+async def test_streaming_matches_the_whole_answer_and_token_lists_work(start: Start) -> None:
+    h = await start()
+    async with client(h) as c:
+        whole = (await c.post("/completion", json={"prompt": PROMPT, "n_predict": 10})).json()
+        r = await c.post("/completion", json={"prompt": PROMPT, "n_predict": 10, "stream": True, "cache_prompt": False})
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.text)
+        ids = (await c.post("/tokenize", json={"content": PROMPT, "add_special": True})).json()["tokens"]
+        by_ids = (await c.post("/completion", json={"prompt": ids, "n_predict": 10})).json()
+    assert events[-1]["stop"] is True and all(e["stop"] is False for e in events[:-1])
+    assert "".join(e["content"] for e in events) == whole["content"]
+    assert [e["tokens"][0] for e in events[:-1]] == whole["tokens"]
+    assert by_ids["tokens"] == whole["tokens"]
+
+
+async def test_prompt_cache_reuses_the_common_prefix(start: Start) -> None:
+    h = await start(parallel=1)
+    async with client(h) as c:
+        first = (await c.post("/completion", json={"prompt": PROMPT, "n_predict": 4})).json()
+        longer = PROMPT + " and runs away"
+        second = (await c.post("/completion", json={"prompt": longer, "n_predict": 4})).json()
+        fresh = (await c.post("/completion", json={"prompt": longer, "n_predict": 4, "cache_prompt": False})).json()
+        again = (await c.post("/completion", json={"prompt": longer, "n_predict": 4})).json()
+    n_first = first["tokens_evaluated"]
+    assert first["timings"]["cache_n"] == 0
+    assert second["timings"]["cache_n"] == n_first  # the whole first prompt was reused
+    assert second["timings"]["prompt_n"] == second["tokens_evaluated"] - n_first
+    assert fresh["timings"]["cache_n"] == 0
+    assert second["tokens"] == fresh["tokens"]  # reuse does not change the answer
+    # everything cached: only the last prompt token is evaluated again
+    assert again["timings"]["cache_n"] == again["tokens_evaluated"] - 1
+    assert again["timings"]["prompt_n"] == 1
+
+
+async def test_requests_go_to_the_slot_with_the_best_prefix(start: Start) -> None:
+    h = await start(parallel=2)
+    async with client(h) as c:
+        a = (await c.post("/completion", json={"prompt": "alpha beta gamma delta", "n_predict": 2})).json()
+        b = (await c.post("/completion", json={"prompt": "zeta eta theta iota", "n_predict": 2})).json()
+        assert a["id_slot"] != b["id_slot"]  # the least recently used slot takes a new prompt
+        a2 = (await c.post("/completion", json={"prompt": "alpha beta gamma delta epsilon", "n_predict": 2})).json()
+        b2 = (await c.post("/completion", json={"prompt": "zeta eta theta iota kappa", "n_predict": 2})).json()
+    assert (a2["id_slot"], b2["id_slot"]) == (a["id_slot"], b["id_slot"])
+    assert a2["timings"]["cache_n"] > 0 and b2["timings"]["cache_n"] > 0
+
+
+async def test_stop_words_cut_the_content(start: Start) -> None:
+    h = await start()
+    async with client(h) as c:
+        free = (await c.post("/completion", json={"prompt": PROMPT, "n_predict": 16})).json()
+        text = free["content"]
+        word = text[len(text) // 2 : len(text) // 2 + 2]
+        assert word.strip()
+        cut = (await c.post("/completion", json={"prompt": PROMPT, "n_predict": 16, "stop": [word]})).json()
+        r = await c.post("/completion", json={"prompt": PROMPT, "n_predict": 16, "stop": [word], "stream": True})
+    assert cut["stop_type"] == "word" and cut["stopping_word"] == word
+    assert cut["content"] == text[: text.index(word)]
+    streamed = "".join(e["content"] for e in sse_events(r.text))
+    assert streamed == cut["content"]
+
+
+async def test_more_requests_than_slots_are_queued_not_dropped(start: Start) -> None:
+    h = await start(parallel=2, metrics=True)
+    prompts = [f"{PROMPT} number {i}" for i in range(6)]
+    results: dict[int, Any] = {}
+    async with client(h) as c:
+        alone = [(await c.post("/completion", json={"prompt": p, "n_predict": 6, "cache_prompt": False})).json()
+                 for p in prompts[:2]]
+
+        async def one(i: int) -> None:
+            r = await c.post("/completion", json={"prompt": prompts[i], "n_predict": 6, "stream": i % 2 == 1})
+            assert r.status_code == 200
+            results[i] = r
+
+        async with trio.open_nursery() as n:
+            for i in range(6):
+                n.start_soon(one, i)
+        metrics = (await c.get("/metrics")).text
+    assert len(results) == 6
+    assert results[0].json()["tokens"] == alone[0]["tokens"]  # batching does not change answers
+    assert "".join(e["content"] for e in sse_events(results[1].text)) == alone[1]["content"]
+    stats = h.context.engine.slots.statistics() if h.context.engine else None
+    assert stats is not None and stats.n_tasks_done == 8
+    assert stats.n_busy_slots_total > stats.n_decode  # some passes carried two slots
+    assert "llamacpp:requests_deferred 0.0" in metrics
+
+
+async def test_a_client_that_disconnects_frees_its_slot(start: Start) -> None:
+    h = await start(parallel=1, ctx_size=4096)
+    body = {"prompt": PROMPT, "n_predict": 3000, "ignore_eos": True, "stream": True}
+    async with client(h) as c:
+        async with c.stream("POST", "/completion", json=body) as r:
+            lines = r.aiter_lines()
+            got = 0
+            async for line in lines:
+                got += line.startswith("data: ")
+                if got == 3:
+                    break
+            slots = (await c.get("/slots")).json()
+            assert slots[0]["is_processing"] is True
+        # the stream is closed; the one slot must be free long before 3000 tokens
+        with trio.fail_after(20):
+            r2 = await c.post("/completion", json={"prompt": "hello", "n_predict": 2})
+        assert r2.status_code == 200
+        slots = (await c.get("/slots")).json()
+    assert slots[0]["is_processing"] is False
+    engine = h.context.engine
+    assert engine is not None and engine.slots.statistics().n_tasks_cancelled == 1
+
+
+# -- OpenAI API -----------------------------------------------------------------------------
+
+
+async def test_openai_client_chat_completions_and_models(start: Start) -> None:
+    h = await start(alias="tiny")
+    oai = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="none", max_retries=0)
+    models = await oai.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    chat = await oai.chat.completions.create(model="whatever", messages=messages, max_tokens=8, temperature=0,
+                                             logprobs=True, top_logprobs=3)
+    choice = chat.choices[0]
+    assert choice.finish_reason in ("stop", "length")
+    assert chat.usage is not None and chat.usage.completion_tokens <= 8
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert all(len(lp.top_logprobs) == 3 for lp in choice.logprobs.content)
+    assert all(lp.logprob <= 0 for lp in choice.logprobs.content)
+
+    stream = await oai.chat.completions.create(model="x", messages=messages, max_tokens=8, temperature=0,
+                                               stream=True, stream_options={"include_usage": True})
+    parts, finish, usage = [], None, None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            parts.append(ch.delta.content or "")
+            finish = ch.finish_reason or finish
+    assert "".join(parts) == choice.message.content
+    assert finish == choice.finish_reason
+    assert usage is not None and usage.prompt_tokens == chat.usage.prompt_tokens
+
+    comp = await oai.completions.create(model="x", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    assert comp.choices[0].logprobs is not None and len(comp.choices[0].logprobs.tokens or []) == comp.usage.completion_tokens  # type: ignore[union-attr]
+    text = ""
+    async for chunk in await oai.completions.create(model="x", prompt=PROMPT, max_tokens=6, temperature=0, stream=True):
+        text += chunk.choices[0].text if chunk.choices else ""
+    assert text == comp.choices[0].text
+    await oai.close()
+
+
+async def test_chat_stream_ends_with_done(start: Start) -> None:
+    h = await start()
+    async with client(h) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 3, "stream": True})
+        rendered = (await c.post("/apply-template", json={"messages": [{"role": "user", "content": "hi"}]})).json()
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert rendered["prompt"].endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+# -- tokens ----------------------------------------------------------------------------------------
+
+
+async def test_tokenize_and_detokenize(start: Start, reference: tuple[NumpyBackend, Tokenizer]) -> None:
+    _, tok = reference
+    h = await start()
+    async with client(h) as c:
+        ids = (await c.post("/tokenize", json={"content": "héllo world"})).json()["tokens"]
+        assert ids == tok.encode("héllo world", add_special=False)
+        pieces = (await c.post("/tokenize", json={"content": "hi", "with_pieces": True})).json()["tokens"]
+        assert [p["id"] for p in pieces] == tok.encode("hi", add_special=False)
+        back = (await c.post("/detokenize", json={"tokens": ids})).json()
+        assert back["content"] == "héllo world"
+        r = await c.post("/detokenize", json={"tokens": [99999]})
+        assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+
+
+# -- bad input and auth ------------------------------------------------------------------------------
+
+
+async def test_bad_input_is_a_400_and_does_not_disturb_other_requests(start: Start) -> None:
+    h = await start(parallel=1, ctx_size=256)
+    async with client(h) as c:
+        good: dict[str, Any] = {}
+
+        async def long_request() -> None:
+            good["r"] = await c.post("/completion", json={"prompt": PROMPT, "n_predict": 40, "ignore_eos": True})
+
+        async with trio.open_nursery() as n:
+            n.start_soon(long_request)
+            cases: list[tuple[str, Any, int, str]] = [
+                ("/completion", b"{not json", 400, "not valid JSON"),
+                ("/completion", b"", 400, "empty"),
+                ("/completion", {"prompt": "x", "n_predict": "many"}, 400, "'n_predict'"),
+                ("/completion", {"prompt": "x", "temperature": -2}, 400, "'temperature'"),
+                ("/completion", {"prompt": "x", "top_k": 1.5}, 400, "'top_k'"),
+                ("/completion", {"prompt": list(range(300))}, 400, "256"),
+                ("/completion", {"prompt": "word " * 400}, 400, "context"),
+                ("/v1/chat/completions", {"messages": "hi"}, 400, "'messages'"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "'n'"),
+                ("/v1/completions", {"prompt": "x", "max_tokens": -7}, 400, "'max_tokens'"),
+                ("/tokenize", {"content": 5}, 400, "'content'"),
+            ]
+            for path, payload, status, needle in cases:
+                if isinstance(payload, bytes):
+                    r = await c.post(path, content=payload, headers={"content-type": "application/json"})
+                else:
+                    r = await c.post(path, json=payload)
+                assert r.status_code == status, (path, payload, r.text)
+                err = r.json()["error"]
+                assert needle in err["message"] and err["code"] == status and err["type"]
+            r = await c.get("/completion")
+            assert r.status_code == 405 and "error" in r.json()
+        overflow = (await c.post("/completion", json={"prompt": "word " * 400})).json()["error"]
+    assert overflow["type"] == "exceed_context_size_error" and overflow["n_ctx"] == 256
+    assert good["r"].status_code == 200 and len(good["r"].json()["tokens"]) == 40
+
+
+async def test_api_key_protects_everything_but_health(start: Start) -> None:
+    h = await start(api_key="sekrit", metrics=True)
+    async with client(h) as c:
+        assert (await c.get("/health")).status_code == 200
+        for path in ("/props", "/v1/models", "/metrics", "/slots"):
+            r = await c.get(path)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = await c.post("/completion", json={"prompt": "x", "n_predict": 1}, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401
+        r = await c.post("/completion", json={"prompt": "x", "n_predict": 1}, headers={"Authorization": "Bearer sekrit"})
+        assert r.status_code == 200
+    oai = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="sekrit", max_retries=0)
+    assert (await oai.models.list()).data
+    await oai.close()
+
+
+async def test_sleep_endpoints_without_sleep_support(start: Start) -> None:
+    h = await start()
+    async with client(h) as c:
+        r = await c.post("/sleep")
+        assert r.status_code == 400 and "not enabled" in r.json()["error"]["message"]
+        r = await c.post("/sleep?level=deep")
+        assert r.status_code == 400
+        r = await c.post("/wake_up")
+        assert r.status_code == 200 and r.json()["is_sleeping"] is False
