@@ -157,3 +157,18 @@ def test_cli_check_and_list_shipped(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["list"]) == 0
     listed = capsys.readouterr().out
     assert "alternating" in listed and "cold-stop" in listed
+
+
+def test_random_arrivals_repeat_with_the_seed() -> None:
+    from trio_llm.scenario.runner import random_arrivals
+
+    scenario = fmt.load(next(p for p in SHIPPED if p.stem == "three-way"))
+    step = scenario.phases[0].steps[0]
+    first = random_arrivals(step, scenario.seed, "arrivals", 0, 200)
+    assert first == random_arrivals(step, scenario.seed, "arrivals", 0, 200)
+    assert first != random_arrivals(step, scenario.seed + 1, "arrivals", 0, 200)
+    assert len(first) == 200 and {s for _, s in first} == {"a", "b", "c"}
+    offsets = [t for t, _ in first]
+    assert offsets == sorted(offsets)
+    # exponential gaps: the mean over 200 draws is near mean_gap_s
+    assert 0.6 * step.mean_gap_s < offsets[-1] / 200 < 1.4 * step.mean_gap_s

@@ -354,14 +354,10 @@ class Runner:
             await self._fault(step, name)
 
     async def _random(self, step: Step, name: str, rnd: int) -> None:
-        # a string seed is hashed with SHA-512 by `random`, so runs repeat exactly
-        rng = random.Random(f"{self.scenario.seed}/{name}/{rnd}")
         start = trio.current_time()
-        offset = 0.0
         events = []
-        for i in range(step.count.resolve(self.length)):
-            offset += rng.expovariate(1.0 / step.mean_gap_s)
-            target = rng.choice(step.servers)
+        arrivals = random_arrivals(step, self.scenario.seed, name, rnd, self.length)
+        for i, (offset, target) in enumerate(arrivals):
             await trio.sleep_until(start + offset)
             events.append(self.launch(step, name, rnd, target, i))
         if step.wait != "sent":
@@ -469,6 +465,20 @@ class Runner:
                         )
                     )
             await self.stop_server(ref, "final", self.scenario.stop_timeout_s)
+
+
+def random_arrivals(step: Step, seed: int, name: str, rnd: int, length: int) -> list[tuple[float, str]]:
+    """The (offset, server) schedule of a ``random`` step: exponential gaps of mean
+    ``mean_gap_s`` and a uniformly chosen server each. A string seed is hashed with
+    SHA-512 by ``random``, so a schedule depends only on the scenario's seed, the step
+    and the round, and every run of a scenario sends the same requests at the same
+    offsets."""
+    rng = random.Random(f"{seed}/{name}/{rnd}")
+    offset, schedule = 0.0, []
+    for _ in range(step.count.resolve(length)):
+        offset += rng.expovariate(1.0 / step.mean_gap_s)
+        schedule.append((offset, rng.choice(step.servers)))
+    return schedule
 
 
 def _server_info(server: ServerSlot) -> dict[str, Any]:
