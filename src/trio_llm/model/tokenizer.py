@@ -188,7 +188,7 @@ class Tokenizer:
                 raise TypeError(f"encode() takes a str, not {type(text).__name__}") from None
             # Lone surrogates (JSON allows "\ud800") cannot cross into Rust; they become
             # U+FFFD, the character any UTF-8 reader would show for them.
-            clean = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+            clean = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
             ids = tk.encode(clean, add_special_tokens=False).ids
         if add_special and self.add_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)

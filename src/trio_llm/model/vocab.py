@@ -225,7 +225,7 @@ def _llama3_vocab(n_vocab: int) -> VocabSpec:
     # an eighth of its size so most of it still goes to real merges.
     n_special = min(256, n_vocab // 8)
     if n_special < len(_LLAMA3_NAMED) + 3 or n_vocab - n_special <= 256:
-        raise ValueError(f"a llama3 vocabulary needs at least 512 tokens, not {n_vocab}")
+        raise ValueError(f"a llama3 vocabulary of {n_vocab} tokens is too small")
     tokens, merges = _byte_level_bpe("llama-bpe", n_vocab - n_special)
     base = len(tokens)
     reserved = iter(range(n_special))
@@ -256,7 +256,9 @@ def _chatml_vocab(n_vocab: int) -> VocabSpec:
     n_pad = max(0, n_vocab - _QWEN_REAL_SIZE)
     n_normal = n_vocab - len(_QWEN_SPECIALS) - n_pad
     if n_normal <= 256:
-        raise ValueError(f"a chatml vocabulary needs at least 512 tokens, not {n_vocab}")
+        raise ValueError(
+            f"a chatml vocabulary needs more than {256 + len(_QWEN_SPECIALS)} tokens, not {n_vocab}"
+        )
     tokens, merges = _byte_level_bpe("qwen2", n_normal)
     types = [NORMAL] * n_normal
     for name in _QWEN_SPECIALS:
