@@ -19,6 +19,7 @@ from trio_llm.scenario.record import RequestRecord
 
 
 def request_body(r: RequestRecord) -> tuple[str, dict[str, Any]]:
+    """The path and JSON body of a greedy request (temperature 0, so answers compare)."""
     if r.endpoint == "chat":
         return "/v1/chat/completions", {
             "messages": [{"role": "user", "content": r.prompt}],
@@ -30,6 +31,13 @@ def request_body(r: RequestRecord) -> tuple[str, dict[str, Any]]:
         "prompt": r.prompt, "n_predict": r.n_predict, "temperature": 0, "stream": r.stream,
     }
 
+
+def _predicted(timings: object, fallback: int) -> int:
+    if isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
+        return int(timings["predicted_n"])
+    return fallback
+
+
 async def ask_plain(client: httpx.AsyncClient, url: str, r: RequestRecord) -> None:
     path, body = request_body(r)
     response = await client.post(url + path, json=body, timeout=None)
@@ -40,20 +48,28 @@ async def ask_plain(client: httpx.AsyncClient, url: str, r: RequestRecord) -> No
     data = response.json()
     if r.endpoint == "chat":
         r.content = data["choices"][0]["message"]["content"] or ""
-        r.n_tokens = int(data.get("usage", {}).get("completion_tokens", 0))
+        r.n_tokens = int((data.get("usage") or {}).get("completion_tokens", 0))
     else:
         r.content = data["content"]
         r.timings = data.get("timings")
-        tokens = data.get("tokens")
-        r.n_tokens = len(tokens) if isinstance(tokens, list) else int(data.get("tokens_predicted", 0))
+        r.n_tokens = _predicted(r.timings, int(data.get("tokens_predicted", 0)))
     r.outcome = "ok"
 
+
 async def ask_stream(
-client: httpx.AsyncClient, url: str, r: RequestRecord, now: Callable[[], float], first: trio.Event
+    client: httpx.AsyncClient,
+    url: str,
+    r: RequestRecord,
+    now: Callable[[], float],
+    first: trio.Event,
 ) -> None:
+    """Stream an answer, timing the first and second-to-last content chunks. An answer
+    is complete only with its final chunk (``stop: true``, or ``[DONE]`` for chat): a
+    connection that closes before it, as a killed server's does, is an error."""
     path, body = request_body(r)
     pieces: list[str] = []
     previous: float | None = None
+    finished = False
     async with client.stream("POST", url + path, json=body, timeout=None) as response:
         r.status = response.status_code
         if response.status_code != 200:
@@ -65,6 +81,7 @@ client: httpx.AsyncClient, url: str, r: RequestRecord, now: Callable[[], float],
                 continue
             payload = line[5:].strip()
             if payload == "[DONE]":
+                finished = True
                 break
             data = json.loads(payload)
             if r.endpoint == "chat":
@@ -74,6 +91,7 @@ client: httpx.AsyncClient, url: str, r: RequestRecord, now: Callable[[], float],
                 piece = data.get("content", "")
                 if data.get("stop"):
                     r.timings = data.get("timings")
+                    finished = True
             if piece:
                 t = now()
                 if r.first_token is None:
@@ -83,7 +101,8 @@ client: httpx.AsyncClient, url: str, r: RequestRecord, now: Callable[[], float],
                 previous = t
                 pieces.append(piece)
     r.content = "".join(pieces)
-    r.n_tokens = len(pieces)
-    if isinstance(r.timings, dict) and isinstance(r.timings.get("predicted_n"), int):
-        r.n_tokens = r.timings["predicted_n"]
-    r.outcome = "ok"
+    r.n_tokens = _predicted(r.timings, len(pieces))
+    if finished:
+        r.outcome = "ok"
+    else:
+        r.outcome, r.error = "error", f"the stream ended without its final chunk after {len(pieces)} pieces"
