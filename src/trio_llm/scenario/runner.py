@@ -235,7 +235,10 @@ class Runner:
             server.note_state(state)
 
     def _note_props(self, server: ServerSlot, sent: float, recv: float, props: Any) -> None:
-        residency = props.get("residency") if isinstance(props, dict) else None
+        if not isinstance(props, dict):
+            self._note(server, sent, recv, "unreachable")
+            return
+        residency = props.get("residency")
         if not isinstance(residency, dict):
             # a server without residency reporting is resident whenever it answers
             self._note(server, sent, recv, "asleep" if props.get("is_sleeping") else "resident")
