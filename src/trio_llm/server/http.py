@@ -328,7 +328,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         e = eng()
         req = P.parse_completion(await _body(), e.tokenizer, limits())
         n_probs = req.params.sampling.n_probs
-        settings = generation_settings()["params"]
+        settings = req.params.to_json()
         if not req.params.stream:
             final = await _final(e, req.prompt, req.params)
             return _json(R.native_final(final, piece, model=ctx.model_id, settings=settings, stream=False, n_probs=n_probs))

@@ -269,7 +269,7 @@ class SlotsEngine:
                     "n_cached": len(s.seq[: s.n_past]) if task is None else s.n_cached,
                     "n_prompt": s.n_prompt if task else 0,
                     "n_decoded": len(s.generated) if task else 0,
-                    "params": _params_view(task) if task else None,
+                    "params": task.params.to_json() if task else None,
                 }
             )
         return out
@@ -504,20 +504,3 @@ class SlotsEngine:
         for s in self._slots:
             s.n_past = 0
             s.seq = []
-
-
-def _params_view(task: ServerTask) -> dict[str, Any]:
-    p = task.params
-    s = p.sampling
-    return {
-        "n_predict": p.n_predict,
-        "temperature": s.temperature,
-        "top_k": s.top_k,
-        "top_p": s.top_p,
-        "min_p": s.min_p,
-        "repeat_penalty": s.repeat_penalty,
-        "seed": s.seed,
-        "stop": list(p.stop),
-        "stream": p.stream,
-        "cache_prompt": p.cache_prompt,
-    }

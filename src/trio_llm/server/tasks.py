@@ -33,6 +33,27 @@ class TaskParams:
     id_slot: int = -1  # -1: any slot (best prefix match); else wait for this one
     stream: bool = False  # send a TaskPartial per token, not only the final result
 
+    def to_json(self) -> dict[str, object]:
+        """llama-server's ``generation_settings`` / ``/slots`` ``params`` view."""
+        s = self.sampling
+        return {
+            "n_predict": self.n_predict,
+            "temperature": s.temperature,
+            "top_k": s.top_k,
+            "top_p": s.top_p,
+            "min_p": s.min_p,
+            "repeat_penalty": s.repeat_penalty,
+            "repeat_last_n": s.repeat_last_n,
+            "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty,
+            "seed": s.seed,
+            "n_probs": s.n_probs,
+            "stop": list(self.stop),
+            "stream": self.stream,
+            "cache_prompt": self.cache_prompt,
+            "id_slot": self.id_slot,
+        }
+
 
 @attrs.frozen
 class ServerTask:
