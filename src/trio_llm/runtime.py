@@ -197,6 +197,8 @@ async def build_gate(config: ServerConfig, client: BackendClient, nursery: trio.
     (it lives as long as the slots loop and is cancelled with it). Coordinated loading
     (taking the arbiter's token before the weights are uploaded) belongs just before
     ``_load`` in ``_run_engine``. Without either, the model simply stays resident.
+    A gate that can release at level "unload" should offer ``kv_epoch()`` (see
+    ``server/gate.py``) so the slots loop forgets prompt caches the release destroyed.
     """
     return AlwaysAwake()
 

@@ -8,6 +8,12 @@ controller counts idle time only while not busy, and decides to sleep (idle time
 an arbiter waiter) only then, from live state. ``AlwaysAwake`` is the gate of a
 server without sleep or arbiter; ``trio_llm.residency.sleep.SleepController``
 implements the same protocol for real.
+
+Optional: a gate whose releases can lose the KV cache (level "unload") exposes
+``kv_epoch() -> int``, a counter of such releases. The slots loop reads it after every
+``wait_until_no_sleep()`` and, when it moved, forgets its prompt caches (the KV
+contents are gone, so a cached prefix would be garbage). A gate without it is assumed
+never to lose the KV cache.
 """
 
 from __future__ import annotations
