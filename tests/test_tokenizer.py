@@ -226,6 +226,7 @@ def test_token_to_piece(tokenizers_: dict[str, Tokenizer]) -> None:
     ids = tok.encode(text, add_special=False)
     assert b"".join(tok.token_to_piece(i) for i in ids) == text.encode()
     assert tok.token_to_piece(tok.eos_id) == b"<|end_of_text|>"
+    assert tok.decode(np.array(ids, dtype=np.int64)) == text  # ids straight from a sampler
 
 
 def test_eog_ids(tokenizers_: dict[str, Tokenizer]) -> None:

@@ -202,7 +202,7 @@ class Tokenizer:
         For SentencePiece vocabularies the space the tokenizer prepended is removed, so
         ``decode(encode(text, add_special=False)) == text``.
         """
-        ids = list(ids)
+        ids = [int(i) for i in ids]  # numpy integers from a sampler do not cross into Rust
         for i in ids:
             self._check_id(i)
         if skip_special:
