@@ -1,7 +1,8 @@
 #version 450
 // Matrix-vector products for decode: y[c][row] (+)= W[row] . x[c] for up to MAXC
 // columns (tokens) at once, so a batch of a few sequences reads each weight once.
-// One work group per row; weights are dequantized on the fly in groups of eight.
+// One subgroup per row, NR rows per work group; weights are dequantized on the fly
+// in groups of eight.
 #include "common.glsl"
 
 layout(binding = 0, std430) readonly buffer W16 { uint16_t w16[]; };
@@ -20,40 +21,45 @@ layout(push_constant) uniform Push {
 } pc;
 
 layout(constant_id = 1) const uint MAXC = 8;
+layout(constant_id = 2) const uint NR = 4;  // rows per work group: one subgroup per row
 
 #include "quant.glsl"
-#include "reduce.glsl"
 
 void main() {
-    uint row = FLAT_GROUP;
-    if (row >= pc.n_rows) {
-        return;
-    }
     uint ncols = min(STEP_COUNT(pc.count_sel), MAXC);
-    uint row16 = row * row_words(pc.n_in);
     uint groups = pc.n_in / 8u;
-    float acc[MAXC];
-    [[unroll]] for (uint c = 0; c < MAXC; c++) {
-        acc[c] = 0.0;
-    }
-    for (uint g = gl_LocalInvocationID.x; g < groups; g += WG) {
-        float w[8];
-        dequant8(row16, g, w);
-        vec4 wa = vec4(w[0], w[1], w[2], w[3]);
-        vec4 wb = vec4(w[4], w[5], w[6], w[7]);
+    // A subgroup owns a row and reduces it with subgroupAdd alone: no shared memory
+    // and no barrier, which is what makes the kernel cheap on CPU drivers too. The
+    // loop also covers a driver that runs fewer, wider subgroups than planned.
+    for (uint r = gl_SubgroupID; r < NR; r += gl_NumSubgroups) {
+        uint row = FLAT_GROUP * NR + r;
+        if (row >= pc.n_rows) {
+            break;
+        }
+        uint row16 = row * row_words(pc.n_in);
+        float acc[MAXC];
         [[unroll]] for (uint c = 0; c < MAXC; c++) {
-            if (c < ncols) {
-                uint xi = (c * pc.x_stride) / 4u + 2u * g;
-                acc[c] += dot(wa, x4[xi]) + dot(wb, x4[xi + 1]);
+            acc[c] = 0.0;
+        }
+        for (uint g = gl_SubgroupInvocationID; g < groups; g += gl_SubgroupSize) {
+            float w[8];
+            dequant8(row16, g, w);
+            vec4 wa = vec4(w[0], w[1], w[2], w[3]);
+            vec4 wb = vec4(w[4], w[5], w[6], w[7]);
+            [[unroll]] for (uint c = 0; c < MAXC; c++) {
+                if (c < ncols) {
+                    uint xi = (c * pc.x_stride) / 4u + 2u * g;
+                    acc[c] += dot(wa, x4[xi]) + dot(wb, x4[xi + 1]);
+                }
             }
         }
-    }
-    [[unroll]] for (uint c = 0; c < MAXC; c++) {
-        if (c < ncols) {
-            float s = wg_sum(acc[c]);
-            if (gl_LocalInvocationID.x == 0) {
-                uint o = c * pc.y_stride + pc.y_off + row;
-                y[o] = pc.mode == 1u ? y[o] + s : s;
+        [[unroll]] for (uint c = 0; c < MAXC; c++) {
+            if (c < ncols) {
+                float s = subgroupAdd(acc[c]);
+                if (subgroupElect()) {
+                    uint o = c * pc.y_stride + pc.y_off + row;
+                    y[o] = pc.mode == 1u ? y[o] + s : s;
+                }
             }
         }
     }

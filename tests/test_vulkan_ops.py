@@ -81,7 +81,7 @@ def env() -> Iterator[Env]:
     device = open_device()
     alloc = Allocator(device)
     kernels = KernelCache(device)
-    yield Env(device, alloc, Ops(kernels))
+    yield Env(device, alloc, Ops(kernels, subgroup=device.limits.subgroup_size))
     kernels.close()
     alloc.free_all()
     device.close()

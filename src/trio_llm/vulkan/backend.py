@@ -69,6 +69,7 @@ class VulkanBackend:
         n_seq: int,
         progress: Progress | None = None,
         device: str | None = None,
+        max_chunk: int = STEP_CAP,
     ) -> None:
         if n_ctx < 1 or n_seq < 1:
             raise InvalidRequest(f"n_ctx and n_seq must be positive, got {n_ctx} and {n_seq}")
@@ -78,6 +79,9 @@ class VulkanBackend:
         self.n_ctx = n_ctx
         self.n_seq = n_seq
         self._progress = progress
+        if not 1 <= max_chunk <= STEP_CAP:
+            raise InvalidRequest(f"max_chunk must be within 1..{STEP_CAP}, got {max_chunk}")
+        self._max_chunk = _pow2(max_chunk)
         self._level: Level | None = None
         self._closed = False
         self._lost = False
@@ -98,9 +102,10 @@ class VulkanBackend:
         assert device is not None
         self._alloc = Allocator(device)
         self._kernels = KernelCache(device)
-        wg = 128 if device.device_type in ("discrete", "integrated") else 64
-        self._ops = Ops(self._kernels, matvec_wg=wg)
-        self._cap = min(STEP_CAP, _pow2(self.n_ctx * self.n_seq))
+        self._ops = Ops(self._kernels, subgroup=device.limits.subgroup_size,
+                        matvec_rows=max(1, 64 // device.limits.subgroup_size))
+        # the largest bucket: a forward with more tokens runs as several chunks
+        self._cap = min(self._max_chunk, _pow2(self.n_ctx * self.n_seq))
         layer_bytes = self.n_seq * self.n_ctx * cfg.kv_dim * 4
         if layer_bytes > device.limits.max_storage_buffer_range:
             raise BackendError(

@@ -68,7 +68,8 @@ def grid(n: int, limit: int = 65535) -> tuple[int, int, int]:
 @attrs.define(eq=False)
 class Ops:
     kernels: KernelCache
-    matvec_wg: int = 64
+    subgroup: int = 32  # the device's subgroup size
+    matvec_rows: int = 4  # rows per matvec work group (one subgroup each)
     norm_wg: int = 64
     attn_wg: int = 64
     rows_wg: int = 64
@@ -81,12 +82,13 @@ class Ops:
     ) -> Dispatch:
         """y[c, y_off + r] (+)= W[r] . x[c] for the live columns c (at most ``maxc``)."""
         assert n_in % 8 == 0 and x_stride % 4 == 0
+        nr = self.matvec_rows
         k = self.kernels.get(
-            "matvec", n_bindings=4, n_push=7, local_size=self.matvec_wg,
-            defines=qtype_defines(qtype), spec={1: maxc},
+            "matvec", n_bindings=4, n_push=7, local_size=nr * self.subgroup,
+            defines=qtype_defines(qtype), spec={1: maxc, 2: nr},
         )
         push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add))
-        return Dispatch(k, (w, x, y, step), push, grid(n_rows))
+        return Dispatch(k, (w, x, y, step), push, grid(math.ceil(n_rows / nr)))
 
     def matmul(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,

@@ -1,0 +1,194 @@
+"""The Vulkan backend end to end against the numpy reference, on real synthetic GGUFs.
+
+Both backends compute in float32 from the *same* dequantized weight values (the
+shaders decode ggml blocks exactly as gguf's dequantizer does, see
+test_vulkan_ops.py), so the weight type does not add error of its own: what differs
+is only the order of float32 summation (subgroup trees and 64-wide tiles against
+BLAS), which grows with the length of the dot products and the magnitude of the
+activations, not with the quantization. Measured on lavapipe, the largest difference
+of any logit, relative to the largest logit, is below 3e-6 for every type. The
+tolerances below leave a margin of ~30x for other drivers' summation orders and fused
+multiply-adds; they are per type only because the K-quant tensors of Q4_K_M mix two
+block types, which we keep as a separate knob, not because any type needs more.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trio_llm.engine.backend import Level, SeqBatch
+from trio_llm.engine.reference import NumpyBackend
+from trio_llm.errors import BackendError, ContextOverflow, InvalidRequest
+from trio_llm.model.gguf import load_gguf
+from trio_llm.vulkan.backend import VulkanBackend
+
+pytestmark = pytest.mark.vulkan
+
+PRESETS = ["tiny", "tiny-qwen3", "tiny-qwen2", "tiny-spm"]
+QUANTS = ["F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_K_M"]
+
+#: max |logit difference| / max |logit|, per weight type (see the module docstring)
+REL_TOL = {"F32": 1e-4, "F16": 1e-4, "Q8_0": 1e-4, "Q4_0": 1e-4, "Q4_K": 1e-4, "Q6_K": 1e-4, "Q4_K_M": 1e-4}
+
+N_GREEDY = 64
+N_CTX = 96
+PROMPTS = [
+    np.array([1, 17, 250, 3, 999, 42, 7, 7, 512, 100, 64, 9], np.int32),
+    np.array([2, 300, 11, 800, 5], np.int32),
+]
+
+
+def greedy_reference(ref: NumpyBackend, seq_id: int, prompt: np.ndarray, n: int) -> tuple[np.ndarray, list[int]]:
+    """The reference's own greedy run of one sequence alone: (prefill logits, tokens)."""
+    logits = ref.forward([SeqBatch(seq_id, prompt, 0)])[0]  # [n_vocab]
+    first = logits
+    out: list[int] = []
+    pos = len(prompt)
+    for _ in range(n):
+        tok = int(np.argmax(logits))
+        out.append(tok)
+        logits = ref.forward([SeqBatch(seq_id, np.array([tok], np.int32), pos)])[0]
+        pos += 1
+    return first, out
+
+
+def greedy_batched(vk: VulkanBackend, prompts: list[np.ndarray], n: int) -> tuple[np.ndarray, list[list[int]]]:
+    """Greedy runs of several sequences advanced together, one forward per step."""
+    logits = vk.forward([SeqBatch(i, p, 0) for i, p in enumerate(prompts)])  # [B, n_vocab]
+    first = logits
+    outs: list[list[int]] = [[] for _ in prompts]
+    pos = [len(p) for p in prompts]
+    for _ in range(n):
+        toks = [int(np.argmax(row)) for row in logits]
+        for i, t in enumerate(toks):
+            outs[i].append(t)
+        logits = vk.forward([SeqBatch(i, np.array([t], np.int32), pos[i]) for i, t in enumerate(toks)])
+        pos = [p + 1 for p in pos]
+    return first, outs
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_logits_and_greedy_match_reference(model_path, preset: str, quant: str) -> None:  # type: ignore[no-untyped-def]
+    model = load_gguf(model_path(preset, quant))
+    ref = NumpyBackend(model, n_ctx=N_CTX, n_seq=2)
+    vk = VulkanBackend(model, n_ctx=N_CTX, n_seq=2)
+    try:
+        # two sequences in one batch on Vulkan (17 tokens: the tiled prefill kernels,
+        # then 2-column decode), each sequence alone on the reference
+        got_first, got = greedy_batched(vk, PROMPTS, N_GREEDY)
+        for i, prompt in enumerate(PROMPTS):
+            want_first, want = greedy_reference(ref, i, prompt, N_GREEDY)
+            scale = float(np.abs(want_first).max())
+            diff = float(np.abs(got_first[i] - want_first).max())
+            assert diff <= REL_TOL[quant] * scale, (preset, quant, i, diff, scale)
+            assert got[i] == want, (preset, quant, i)
+    finally:
+        vk.close()
+        ref.close()
+
+
+def test_single_sequence_runs_equal_batched_runs(model_path) -> None:  # type: ignore[no-untyped-def]
+    """A sequence's logits do not depend on what else shares its batch."""
+    model = load_gguf(model_path("tiny-qwen3", "Q8_0"))
+    vk = VulkanBackend(model, n_ctx=32, n_seq=3)
+    try:
+        batched = vk.forward([SeqBatch(0, PROMPTS[0], 0), SeqBatch(2, PROMPTS[1], 0)])
+        step = vk.forward([SeqBatch(2, np.array([5], np.int32), 5), SeqBatch(0, np.array([6], np.int32), 12)])
+        alone0 = vk.forward([SeqBatch(1, PROMPTS[0], 0)])
+        alone2 = vk.forward([SeqBatch(1, PROMPTS[1], 0)])
+        step2 = vk.forward([SeqBatch(1, np.array([5], np.int32), 5)])
+        np.testing.assert_allclose(batched[0], alone0[0], atol=1e-5)
+        np.testing.assert_allclose(batched[1], alone2[0], atol=1e-5)
+        np.testing.assert_allclose(step[0], step2[0], atol=1e-5)
+    finally:
+        vk.close()
+
+
+def test_chunked_prefill_equals_reference(model_path) -> None:  # type: ignore[no-untyped-def]
+    """A batch larger than the biggest graph runs as chunks; entries may span chunks."""
+    model = load_gguf(model_path("tiny", "Q4_K_M"))
+    ref = NumpyBackend(model, n_ctx=64, n_seq=2)
+    vk = VulkanBackend(model, n_ctx=64, n_seq=2, max_chunk=16)
+    try:
+        long = np.arange(3, 43, dtype=np.int32)  # 40 + 5 tokens: chunks of 16, 16, 13
+        batch = [SeqBatch(0, long, 0), SeqBatch(1, PROMPTS[1], 0)]
+        got = vk.forward(batch)
+        want = np.stack([ref.forward([b])[0] for b in batch])
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+        assert vk.statistics().submits == 3
+    finally:
+        vk.close()
+        ref.close()
+
+
+@pytest.mark.parametrize("level", [Level.WEIGHTS, Level.ALL, Level.UNLOAD])
+def test_release_restore_cycles_give_identical_output(model_path, level: Level) -> None:  # type: ignore[no-untyped-def]
+    model = load_gguf(model_path("tiny-qwen2", "Q6_K"))
+    vk = VulkanBackend(model, n_ctx=32, n_seq=1)
+    try:
+        prompt = PROMPTS[0]
+        first = vk.forward([SeqBatch(0, prompt, 0)])
+        nxt = vk.forward([SeqBatch(0, np.array([9], np.int32), len(prompt))])
+        resident = sum(vk.memory().values())
+        for _ in range(2):
+            vk.release(level)
+            vk.release(level)  # idempotent
+            cold = vk.memory()
+            if level is Level.WEIGHTS:
+                assert cold["weights"] == 0 and cold["kv_cache"] > 0
+            else:
+                assert sum(cold.values()) <= 0.05 * resident, cold
+            with pytest.raises(BackendError):
+                vk.forward([SeqBatch(0, prompt, 0)])
+            vk.restore()
+            assert sum(vk.memory().values()) == resident
+            if level is Level.UNLOAD:
+                # the KV cache did not survive: recompute it from the prompt
+                again = vk.forward([SeqBatch(0, prompt, 0)])
+                np.testing.assert_array_equal(again, first)
+            # the next token continues from the (restored or recomputed) cache
+            np.testing.assert_array_equal(vk.forward([SeqBatch(0, np.array([9], np.int32), len(prompt))]), nxt)
+        assert vk.statistics().restores == 2
+    finally:
+        vk.close()
+        vk.close()  # safe twice
+
+
+def test_escalating_release_then_close_in_every_state(model_path) -> None:  # type: ignore[no-untyped-def]
+    model = load_gguf(model_path("tiny", "Q8_0"))
+    vk = VulkanBackend(model, n_ctx=16, n_seq=1)
+    want = vk.forward([SeqBatch(0, PROMPTS[1], 0)])
+    vk.forward([SeqBatch(0, np.array([4], np.int32), 5)])
+    vk.release(Level.WEIGHTS)
+    vk.release(Level.ALL)  # escalates: the KV cache now goes to the host too
+    assert vk.host_memory()["kv_cache"] > 0
+    assert sum(vk.memory().values()) == 0
+    vk.restore()
+    np.testing.assert_array_equal(vk.forward([SeqBatch(0, PROMPTS[1], 0)]), want)
+    vk.release(Level.ALL)
+    vk.close()  # closing while released frees the host copies too
+    assert sum(vk.memory().values()) == 0
+    with pytest.raises(BackendError):
+        vk.restore()
+
+
+def test_bad_batches_raise_typed_errors(model_path) -> None:  # type: ignore[no-untyped-def]
+    model = load_gguf(model_path("tiny", "Q8_0"))
+    vk = VulkanBackend(model, n_ctx=8, n_seq=2)
+    try:
+        with pytest.raises(ContextOverflow):
+            vk.forward([SeqBatch(0, np.arange(9, dtype=np.int32), 0)])
+        with pytest.raises(InvalidRequest):
+            vk.forward([SeqBatch(2, np.array([1], np.int32), 0)])
+        with pytest.raises(InvalidRequest):
+            vk.forward([SeqBatch(0, np.array([1], np.int32), 0), SeqBatch(0, np.array([1], np.int32), 1)])
+        with pytest.raises(InvalidRequest):
+            vk.forward([SeqBatch(0, np.array([5000], np.int32), 0)])
+        with pytest.raises(InvalidRequest):
+            vk.forward([])
+        info = vk.device_info()
+        assert info["backend"] == "vulkan" and info["name"]
+    finally:
+        vk.close()
