@@ -12,8 +12,9 @@ filled with *synthetic merges*: each glues a word-start token to a word-piece to
 already exist, e.g. ``Ġriver`` + ``ing``. They are valid BPE merges (both halves exist,
 the result is new), so the tokenizer behaves like a real large vocabulary -- large merge
 tables, long tokens -- but they only fire on text that contains those made-up words.
-Special-token layout follows the real families: Llama 3 keeps its last 256 ids for
-``<|begin_of_text|>`` ... ``<|reserved_special_token_N|>``, Qwen appends its ChatML
+Special-token layout follows the real families: Llama 3 keeps its last 256 ids (an
+eighth of a small vocabulary) for ``<|begin_of_text|>`` ...
+``<|reserved_special_token_N|>``, Qwen appends its ChatML
 tokens after the BPE tokens (and pads to 151936 with ``[PADn]``), Llama 2 starts with
 ``<unk>``, ``<s>``, ``</s>`` and the 256 byte tokens ``<0x00>``..``<0xFF>``.
 """
