@@ -222,3 +222,13 @@ def test_bad_batches_raise_typed_errors(model_path) -> None:
         be.forward([])
     with pytest.raises(InvalidRequest):
         be.forward([SeqBatch(0, np.zeros(0, np.int32), 0)])
+
+
+def test_rope_freq_factors_divide_the_frequencies(model_path) -> None:
+    """llama-3 style ``rope_freqs.weight``: each factor divides one frequency."""
+    cfg = load_gguf(model_path("tiny", "Q8_0")).config
+    factors = np.full(cfg.head_dim // 2, 2.0, np.float32)
+    cos2, sin2 = rope_tables(cfg, 16, factors)
+    cos1, sin1 = rope_tables(cfg, 8)
+    np.testing.assert_allclose(cos2[0::2], cos1, atol=1e-6)
+    np.testing.assert_allclose(sin2[0::2], sin1, atol=1e-6)

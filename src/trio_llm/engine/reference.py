@@ -22,7 +22,7 @@ import numpy as np
 from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch
 from trio_llm.errors import BackendError, ContextOverflow, InvalidRequest, ModelLoadError
 from trio_llm.model.config import ModelConfig
-from trio_llm.model.gguf import GGUFModel, load_gguf
+from trio_llm.model.gguf import GGUFModel, expected_shapes, load_gguf
 
 #: how deep each level releases, so a deeper release after a shallower one escalates
 _DEPTH = {Level.WEIGHTS: 1, Level.ALL: 2, Level.UNLOAD: 3}
@@ -70,8 +70,8 @@ class Weights:
 def load_weights(model: GGUFModel, progress: Progress | None = None) -> Weights:
     """Dequantize every tensor the forward pass uses to float32."""
     cfg = model.config
-    names = [n for n in model.tensors if n != "rope_freqs.weight"]
-    total = sum(model.tensors[n].n_bytes for n in names)
+    # exactly the tensors read below, so that progress ends at (total, total)
+    total = sum(model.tensor(n).n_bytes for n in expected_shapes(cfg))
     done = 0
 
     def get(name: str) -> np.ndarray:
