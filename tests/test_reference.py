@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from trio_llm.engine import reference
 from trio_llm.engine.backend import Backend, Level, SeqBatch
 from trio_llm.engine.reference import NumpyBackend, apply_rope, attend, rms_norm, rope_tables
 from trio_llm.errors import BackendError, ContextOverflow, InvalidRequest, ModelLoadError
@@ -92,6 +93,18 @@ def test_attend_matches_a_naive_loop() -> None:
             p /= p.sum()
             want[i, h] = sum(p[t] * v[t, kv] for t in range(pos0 + i + 1))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_long_prompts_attend_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocking the query rows (to bound score memory) changes nothing."""
+    rng = np.random.default_rng(3)
+    n, pos0, n_head, n_kv, hd = 37, 5, 4, 2, 8
+    q = rng.normal(size=(n, n_head, hd)).astype(np.float32)
+    k = rng.normal(size=(pos0 + n, n_kv, hd)).astype(np.float32)
+    v = rng.normal(size=(pos0 + n, n_kv, hd)).astype(np.float32)
+    whole = attend(q, k, v, pos0)
+    monkeypatch.setattr(reference, "ATTN_BLOCK_SCORES", n_head * (pos0 + n) * 4)  # 4 rows
+    np.testing.assert_allclose(attend(q, k, v, pos0), whole, rtol=1e-6, atol=1e-6)
 
 
 def test_rope_modes_differ_only_by_the_llama_permutation(model_path) -> None:

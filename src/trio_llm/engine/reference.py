@@ -165,6 +165,11 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str) -> np
     return out
 
 
+#: most attention scores held at once (64 MiB of float32): long prompts are processed
+#: in blocks of query rows so an 8k-token prefill does not need gigabytes of scores
+ATTN_BLOCK_SCORES = 1 << 24
+
+
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarray:
     """Causal grouped-query attention of one sequence.
 
@@ -172,6 +177,20 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarray
     [T, n_head_kv, hd] the cache of positions 0..T-1 (T = pos0 + n). Query head h
     reads KV head h // (n_head / n_head_kv), llama.cpp's and transformers' grouping.
     """
+    n, n_head, hd = q.shape
+    t = k.shape[0]
+    rows = max(1, ATTN_BLOCK_SCORES // (n_head * t))
+    if n <= rows:
+        return _attend_block(q, k, v, pos0)
+    out = np.empty_like(q)  # [n, n_head, hd]
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        # a block only sees the cache up to its own last position
+        out[a:b] = _attend_block(q[a:b], k[: pos0 + b], v[: pos0 + b], pos0 + a)
+    return out
+
+
+def _attend_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarray:
     n, n_head, hd = q.shape
     t, n_kv, _ = k.shape
     n_gqa = n_head // n_kv
