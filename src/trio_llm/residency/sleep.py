@@ -1,0 +1,409 @@
+"""The sleep controller: *when* the model leaves the device and comes back.
+
+Implements ``trio_llm.server.gate.ResidencyGate`` over a ``Residency`` (what is
+where) and an ``Arbiter`` (who may be resident). See ``docs/residency.md``.
+
+Inbox: ``set_busy`` from the slots loop; ``wait_until_no_sleep``/``request_wake``
+(callers that need the model resident) and ``request_sleep`` (``POST /sleep``),
+each of which registers live *demand* for as long as its caller waits.
+Outbox: residency commands (release/restore) and arbiter calls, all from the one
+``run`` task; a change broadcast the waiters re-check on.
+
+Invariants:
+- One task (``run``) decides and runs every transition; every decision is a pure
+  function (``decide``) of live state read at that moment: busy, demand, the
+  residency state, the clock, and the kernel's want.lock (the probe). No flag is
+  latched to fire later, so a wake can never trigger a stale release.
+- Resident iff the token is held, at every point where no transition is running
+  (asserted under ``__debug__``): a wake takes the token before restoring, a sleep
+  releases before giving the token back.
+- Never sleeps while busy or while anyone waits for the model; never yields within
+  ``grace`` (100 ms) of a wake, because the request that woke us is not queued yet.
+- Idle time is measured from the last moment the engine went idle (or woke): time
+  spent busy never counts, and the idle timer is a deadline re-armed on every
+  change, not a poll. The one poll is the 10 ms probe of want.lock while idle and
+  resident with an arena, because the state it reads is a kernel lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from enum import StrEnum
+from typing import Any
+
+import attrs
+import trio
+
+from trio_llm.engine.backend import Level
+from trio_llm.errors import InvalidRequest
+from trio_llm.residency.arbiter import Arbiter
+from trio_llm.residency.residency import DEPTH, Residency, State
+
+log = logging.getLogger(__name__)
+
+PROBE_INTERVAL = 0.010
+GRACE = 0.100
+
+
+@attrs.frozen
+class SleepConfig:
+    level: Level  # --sleep-mode (see residency.resolve_level)
+    idle_seconds: float | None = None  # --sleep-idle-seconds; None (or < 0 on the CLI): off
+    probe_interval: float = PROBE_INTERVAL
+    grace: float = GRACE
+    cleanup_timeout: float = 10.0  # bound on the shielded cleanup at shutdown
+
+
+# ---- the decision: a pure function of live state --------------------------------------
+
+
+class Act(StrEnum):
+    WAKE = "wake"  # take the token, restore
+    SLEEP = "sleep"  # release, give the token back
+    PROBE = "probe"  # ask the arbiter whether anybody waits (then yield or keep)
+    WAIT = "wait"  # nothing to do until a change or ``deadline``
+
+
+@attrs.frozen
+class Live:
+    now: float
+    state: State
+    busy: bool
+    demand: int  # tasks waiting for the model to be resident
+    sleep_request: Level | None  # deepest level asked for by pending POST /sleep callers
+    idle_since: float  # when the engine last went idle (or the model last woke)
+    woke_at: float  # when the model last became resident
+    last_probe: float
+    arbiter_active: bool
+
+
+@attrs.frozen
+class Decision:
+    act: Act
+    level: Level | None = None
+    reason: str = ""
+    deadline: float = math.inf  # for WAIT: re-decide no later than this
+
+
+def decide(cfg: SleepConfig, live: Live) -> Decision:
+    if live.state in (State.COLD, State.UNLOADED):
+        return Decision(Act.WAKE, reason="demand") if live.demand else Decision(Act.WAIT)
+    if live.state is not State.RESIDENT or live.busy or live.demand:
+        return Decision(Act.WAIT)  # invariant 3: only an idle holder sleeps or yields
+    if live.sleep_request is not None:
+        return Decision(Act.SLEEP, live.sleep_request, "requested")
+    deadline = math.inf
+    if cfg.idle_seconds is not None:
+        idle_deadline = live.idle_since + cfg.idle_seconds
+        if live.now >= idle_deadline:
+            return Decision(Act.SLEEP, cfg.level, "idle")
+        deadline = idle_deadline
+    if live.arbiter_active:
+        probe_at = max(live.woke_at + cfg.grace, live.last_probe + cfg.probe_interval)
+        if live.now >= probe_at:
+            return Decision(Act.PROBE, cfg.level, "yield")
+        deadline = min(deadline, probe_at)
+    return Decision(Act.WAIT, deadline=deadline)
+
+
+# ---- the controller ----------------------------------------------------------------
+
+
+@attrs.frozen
+class SleepStatistics:
+    state: State
+    busy: bool
+    demand: int
+    token_held: bool
+    wakes: int
+    idle_sleeps: int
+    yields: int
+    requested_sleeps: int
+    wake_failures: int
+    last_wake_seconds: float  # demand seen → resident (token wait + restore)
+    woke_at: float  # trio time the model last became resident (start-up counts)
+    last_sleep_seconds: float  # decision → released and token given back
+
+
+@attrs.define(eq=False)
+class SleepController:
+    """The ``ResidencyGate`` of a server with idle sleep and/or an arena.
+
+    Start-up order (coordinated load): ``await arbiter.take()`` before the backend
+    uploads its weights, then start ``Residency.run`` and this ``run``; the model
+    starts resident and holding the token. Shutdown: cancelling ``run`` drops any
+    pending want.lock registration and, when cold, the token; a resident model's
+    token is given back by ``Arbiter.close()`` after the backend has freed its
+    device memory (invariant 1 holds through shutdown too).
+    """
+
+    _cfg: SleepConfig
+    _residency: Residency
+    _arbiter: Arbiter
+    _busy: bool = False
+    _demand_by_gen: dict[int, int] = attrs.field(factory=dict)  # failure_gen → waiters
+    _sleep_requests: dict[int, Level] = attrs.field(factory=dict)
+    _request_ids: itertools.count[int] = attrs.field(factory=itertools.count)
+    _sleep_gen: int = 0  # sleeps done; POST /sleep callers wait for it to move
+    _failure: BaseException | None = None
+    _failure_gen: int = 0
+    _idle_since: float = 0.0
+    _woke_at: float = -math.inf
+    _last_probe: float = -math.inf
+    _changed: trio.Event = attrs.field(factory=trio.Event)
+    _wakes: int = 0
+    _idle_sleeps: int = 0
+    _yields: int = 0
+    _requested_sleeps: int = 0
+    _wake_failures: int = 0
+    _last_wake: float = 0.0
+    _last_sleep: float = 0.0
+
+    # -- the gate (called by the slots loop and the HTTP edge) --
+
+    async def wait_until_no_sleep(self) -> None:
+        """Return once the model is resident, waking it if needed. Cancellable: a
+        cancelled caller withdraws its demand (the wake stops if nobody else wants it).
+        Raises the backend's error if the wake it waited for failed."""
+        await trio.lowlevel.checkpoint()
+        if self._residency.state is State.RESIDENT:
+            return
+        gen = self._failure_gen
+        self._demand_by_gen[gen] = self._demand_by_gen.get(gen, 0) + 1
+        self._notify()
+        try:
+            # re-ask on every wake-up: the loop may have slept again since the last
+            # change, and only the live state says whether we can go
+            while self._residency.state is not State.RESIDENT:
+                if self._failure_gen != gen and self._failure is not None:
+                    raise self._failure
+                await self._changed.wait()
+        finally:
+            self._demand_by_gen[gen] -= 1
+            if not self._demand_by_gen[gen]:
+                del self._demand_by_gen[gen]
+            self._notify()
+
+    @property
+    def _demand(self) -> int:
+        """Waiters that still expect a wake: those that registered before the last
+        failed wake have their answer (the error) and no longer count, so a failing
+        restore is not retried on their behalf."""
+        return self._demand_by_gen.get(self._failure_gen, 0)
+
+    def set_busy(self, busy: bool) -> None:
+        if busy == self._busy:
+            return
+        self._busy = busy
+        if not busy:
+            self._idle_since = trio.current_time()
+        self._notify()
+
+    def is_sleeping(self) -> bool:
+        return self._residency.state is not State.RESIDENT
+
+    async def request_sleep(self, level: str | None) -> None:
+        """``POST /sleep``: release now, or as soon as the engine is idle. Returns once a
+        sleep has happened (or at once if the model is already released)."""
+        try:
+            lvl = Level(level) if level else self._cfg.level
+        except ValueError:
+            choices = ", ".join(x.value for x in Level)
+            raise InvalidRequest(f"unknown sleep level {level!r} (one of: {choices})") from None
+        await trio.lowlevel.checkpoint()
+        if self._residency.state is not State.RESIDENT:
+            return
+        key = next(self._request_ids)
+        gen = self._sleep_gen
+        self._sleep_requests[key] = lvl
+        self._notify()
+        try:
+            while self._sleep_gen == gen and self._residency.state is State.RESIDENT:
+                await self._changed.wait()
+        finally:
+            # withdrawn with its caller: a request nobody waits for must not fire later
+            self._sleep_requests.pop(key, None)
+            self._notify()
+
+    async def request_wake(self) -> None:
+        """``POST /wake_up``: the same as a request that needs the model."""
+        await self.wait_until_no_sleep()
+
+    # -- readers --
+
+    def statistics(self) -> SleepStatistics:
+        return SleepStatistics(
+            state=self._residency.state,
+            busy=self._busy,
+            demand=self._demand,
+            token_held=self._arbiter.holding,
+            wakes=self._wakes,
+            idle_sleeps=self._idle_sleeps,
+            yields=self._yields,
+            requested_sleeps=self._requested_sleeps,
+            wake_failures=self._wake_failures,
+            last_wake_seconds=self._last_wake,
+            woke_at=self._woke_at,
+            last_sleep_seconds=self._last_sleep,
+        )
+
+    def props(self) -> dict[str, Any]:
+        res = self._residency.statistics()
+        arb = self._arbiter.statistics()
+        return {
+            "state": res.state.value,
+            "level": res.level.value if res.level is not None else None,
+            "sleep_mode": self._cfg.level.value,
+            "sleep_enabled": True,
+            "sleep_idle_seconds": self._cfg.idle_seconds,
+            "device_bytes": res.device_bytes,
+            "device_bytes_total": sum(res.device_bytes.values()),
+            "token_held": arb.holding,
+            "arbiter": {
+                "active": arb.active,
+                "arena": arb.arena,
+                "waiting": arb.waiting,
+                "probes": arb.probes,
+                "contended_takes": arb.contended_takes,
+            },
+            "cycles": {
+                "releases": res.releases,
+                "restores": res.restores,
+                "wakes": self._wakes,
+                "idle_sleeps": self._idle_sleeps,
+                "yields": self._yields,
+                "requested_sleeps": self._requested_sleeps,
+                "failures": res.failures,
+            },
+            "last_release_seconds": res.last_release_seconds,
+            "last_restore_seconds": res.last_restore_seconds,
+            "last_wake_seconds": self._last_wake,
+        }
+
+    # -- the task --
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _live(self) -> Live:
+        request = max(self._sleep_requests.values(), key=DEPTH.__getitem__, default=None)
+        return Live(
+            now=trio.current_time(),
+            state=self._residency.state,
+            busy=self._busy,
+            demand=self._demand,
+            sleep_request=request,
+            idle_since=self._idle_since,
+            woke_at=self._woke_at,
+            last_probe=self._last_probe,
+            arbiter_active=self._arbiter.active,
+        )
+
+    def _check_invariant(self) -> None:
+        if __debug__:
+            resident = self._residency.state is State.RESIDENT
+            assert resident == self._arbiter.holding, (
+                f"resident iff token held: state {self._residency.state.value}, "
+                f"holding {self._arbiter.holding}"
+            )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Decide and act until cancelled. Expects the coordinated load to be done:
+        the model resident and the token held."""
+        now = trio.current_time()
+        self._idle_since = self._woke_at = now
+        self._check_invariant()
+        task_status.started()
+        try:
+            while True:
+                changed = self._changed
+                decision = decide(self._cfg, self._live())
+                if decision.act is Act.WAKE:
+                    await self._wake()
+                elif decision.act is Act.SLEEP:
+                    assert decision.level is not None
+                    await self._sleep(decision.level, decision.reason)
+                elif decision.act is Act.PROBE:
+                    self._last_probe = trio.current_time()
+                    if self._arbiter.probe():
+                        assert decision.level is not None
+                        await self._sleep(decision.level, decision.reason)
+                else:
+                    self._check_invariant()
+                    with trio.move_on_at(decision.deadline):
+                        await changed.wait()
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(self._cfg.cleanup_timeout):
+                await self._shutdown()
+
+    async def _wake(self) -> None:
+        t0 = trio.current_time()
+        if not self._arbiter.holding and not await self._take_while_demanded():
+            return  # everyone who wanted the model went away while we waited
+        try:
+            await self._residency.restore()
+        except Exception as exc:
+            # leave as we came: released (the residency state was repaired), token back
+            log.error("residency: restore failed: %s", exc)
+            self._arbiter.give_back()
+            self._wake_failures += 1
+            self._failure = exc
+            self._failure_gen += 1
+            self._notify()
+            return
+        now = trio.current_time()
+        self._woke_at = self._idle_since = now
+        self._last_wake = now - t0
+        self._wakes += 1
+        self._check_invariant()
+        self._notify()
+
+    async def _take_while_demanded(self) -> bool:
+        """Wait for the token while somebody still needs the model; give up when the
+        demand goes away (clients gone), so we never take the GPU for nobody."""
+        async with trio.open_nursery() as nursery:
+
+            async def cancel_when_undemanded() -> None:
+                while self._demand:
+                    await self._changed.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(cancel_when_undemanded)
+            await self._arbiter.take()
+            nursery.cancel_scope.cancel()
+        if self._arbiter.holding and not self._demand:
+            self._arbiter.give_back()  # won it just as the last waiter left
+        return self._arbiter.holding
+
+    async def _sleep(self, level: Level, reason: str) -> None:
+        t0 = trio.current_time()
+        try:
+            await self._residency.release(level)
+        except Exception as exc:
+            # the state was repaired to resident: keep the token, try again later
+            log.error("residency: release (%s, %s) failed: %s", level.value, reason, exc)
+            self._idle_since = trio.current_time()
+            return
+        if self._arbiter.holding and self._residency.state is not State.RESIDENT:
+            self._arbiter.give_back()
+        self._last_sleep = trio.current_time() - t0
+        if reason == "idle":
+            self._idle_sleeps += 1
+        elif reason == "yield":
+            self._yields += 1
+        else:
+            self._requested_sleeps += 1
+        self._sleep_gen += 1
+        log.info("residency: sleeping (%s, %s)", level.value, reason)
+        self._check_invariant()
+        self._notify()
+
+    async def _shutdown(self) -> None:
+        """Shielded and bounded by the caller. A transition in flight finishes in the
+        residency actor; once it has, a cold model's token goes back at once."""
+        await self._residency.wait_for(lambda s: s not in (State.RELEASING, State.RESTORING))
+        if self._arbiter.holding and self._residency.state in (State.COLD, State.UNLOADED):
+            self._arbiter.give_back()
