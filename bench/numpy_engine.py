@@ -1,7 +1,7 @@
 """Prefill and decode speed of the numpy reference engine.
 
     .venv/bin/python bench/numpy_engine.py [--models tiny:Q8_0,qwen3-0.6b:Q8_0]
-        [--pp 512] [--tg 128] [--repeats 3]
+        [--pp 512] [--tg 128] [--repeats 3] [--backends numpy,vulkan]
 
 For each synthetic model: load time (dequantize everything to float32), then
 ``repeats`` rounds of one prefill of ``pp`` tokens (one batch entry, one matrix
@@ -9,9 +9,11 @@ product per projection) followed by ``tg`` single-token decode steps on the same
 sequence, batch 1. Per model the ``pp``/``tg`` can be given as ``preset:quant:pp:tg``
 because a 0.6B model at pp512 takes minutes on a shared CPU.
 
-Besides tokens/s it reports the effective memory bandwidth of decode (float32 weight
-bytes read per token x tokens/s): the numpy engine reads every weight once per step,
-so that figure shows how close to the machine's memory bound it runs.
+Besides tokens/s it reports the effective memory bandwidth of decode (the backend's
+weight bytes read per token x tokens/s; float32 for numpy): every weight is read once
+per step, so that figure shows how close to the machine's memory bound it runs.
+``--backends numpy,vulkan`` measures other backends side by side through the same
+``Backend`` interface, which gives ratios that hold on a noisy shared machine.
 """
 
 from __future__ import annotations
@@ -24,15 +26,17 @@ import common
 import numpy as np
 
 from trio_llm.engine.backend import SeqBatch
-from trio_llm.engine.reference import NumpyBackend
+from trio_llm.engine.loader import open_backend
 from trio_llm.model.gguf import load_gguf
 
 
-def bench_model(preset: str, quant: str, pp: int, tg: int, repeats: int, warmup: int) -> dict:
+def bench_model(
+    kind: str, preset: str, quant: str, pp: int, tg: int, repeats: int, warmup: int
+) -> dict:
     path = common.model_file(preset, quant)
     load_s, model = common.timed(lambda: load_gguf(path))
     file_bytes = path.stat().st_size
-    backend_s, be = common.timed(lambda: NumpyBackend(model, n_ctx=pp + tg, n_seq=1))
+    backend_s, be = common.timed(lambda: open_backend(kind, model, n_ctx=pp + tg, n_seq=1))
     cfg = be.config
     weight_bytes = be.memory()["weights"]
     prompt = np.random.default_rng(0).integers(0, cfg.n_vocab, pp).astype(np.int32)  # [pp]
@@ -49,13 +53,14 @@ def bench_model(preset: str, quant: str, pp: int, tg: int, repeats: int, warmup:
         if i >= warmup:
             pp_times.append(t_pp)
             tg_times.append(t_tg)
-        print(f"  {preset} {quant} round {i}: pp{pp} {t_pp:.3f} s, tg{tg} {t_tg:.3f} s"
+        print(f"  {kind} {preset} {quant} round {i}: pp{pp} {t_pp:.3f} s, tg{tg} {t_tg:.3f} s"
               + (" (warm-up)" if i < warmup else ""), file=sys.stderr, flush=True)
     be.close()
     model.close()
     pp_tps = common.stats([pp / t for t in pp_times])
     tg_tps = common.stats([tg / t for t in tg_times])
     return {
+        "backend": be.name,
         "model": f"{preset} {quant}",
         "preset": preset,
         "quant": quant,
@@ -65,7 +70,7 @@ def bench_model(preset: str, quant: str, pp: int, tg: int, repeats: int, warmup:
             "n_vocab": cfg.n_vocab,
         },
         "file_bytes": file_bytes,
-        "f32_weight_bytes": weight_bytes,
+        "weight_bytes": weight_bytes,
         "load_s": load_s + backend_s,
         "pp": pp,
         "tg": tg,
@@ -97,24 +102,27 @@ def main() -> int:
     p.add_argument("--tg", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--backends", default="numpy", help="comma-separated: numpy, vulkan")
     args = p.parse_args()
     rows = []
     for preset, quant, pp, tg in parse_models(args.models, args.pp, args.tg):
-        rows.append(bench_model(preset, quant, pp, tg, args.repeats, args.warmup))
-        gc.collect()
+        for kind in args.backends.split(","):
+            rows.append(bench_model(kind.strip(), preset, quant, pp, tg, args.repeats, args.warmup))
+            gc.collect()
     table = [
         {
-            "model": r["model"], "f32 MB": r["f32_weight_bytes"] / 1e6, "load s": r["load_s"],
+            "backend": r["backend"], "model": r["model"], "weights MB": r["weight_bytes"] / 1e6,
+            "load s": r["load_s"],
             "pp": r["pp"], "pp tok/s": r["prefill_tok_s"], "tg": r["tg"],
             "tg tok/s": r["decode_tok_s"], "tg GB/s": r["decode_GB_s"],
         }
         for r in rows
     ]
-    print("numpy reference engine, batch 1, medians over", args.repeats, "repeats")
+    print("batch 1, medians over", args.repeats, "repeats")
     common.print_table(table)
-    path = common.write_result(
-        "numpy_engine", {"models": args.models, "repeats": args.repeats, "warmup": args.warmup}, rows
-    )
+    params = {"models": args.models, "backends": args.backends, "repeats": args.repeats,
+              "warmup": args.warmup}
+    path = common.write_result("numpy_engine", params, rows)
     print(f"wrote {path.relative_to(common.ROOT)}")
     return 0
 
