@@ -161,3 +161,22 @@ def test_auto_falls_back_when_vulkan_has_no_driver(tiny_model: Path, tmp_path: P
     assert forced.returncode == 1
     assert forced.stderr.count("\n") == 1 and "Traceback" not in forced.stderr
     assert BackendUnavailable.__name__ not in forced.stderr  # a message, not a type name
+
+
+def test_ctrl_c_stops_generation_cleanly(tiny_model: Path) -> None:
+    """SIGINT mid-generation (after the prompt is echoed) exits 130 without a traceback."""
+    import signal
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trio_llm", "generate", "-m", str(tiny_model), "-p", "go",
+         "-n", "-1", "-c", "4096", "--temp", "0", "--backend", "numpy"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.read(2) == b"go"  # the prompt echo: generation has started
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert b"Traceback" not in err

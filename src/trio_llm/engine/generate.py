@@ -131,6 +131,10 @@ def main(argv: list[str]) -> int:
     except TrioLLMError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C mid-generation is an ordinary way to stop a one-shot command
+        print(file=sys.stderr)
+        return 130
 
 
 def _run(args: argparse.Namespace, params: SamplingParams) -> int:
