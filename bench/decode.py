@@ -1,0 +1,153 @@
+"""Decode (tg) and prefill (pp) speed of the Vulkan backend, with numpy side by side.
+
+    .venv/bin/python bench/decode.py --preset llama-1b --quant Q8_0 [--backends vulkan,numpy]
+        [--model PATH] [--pp 512] [--tg 128] [--repeats 3] [--warmup 1]
+
+Like ``llama-bench -p 512 -n 128``: pp is one forward of ``pp`` prompt tokens into an
+empty sequence; tg is ``tg`` single-token greedy steps from an empty context, batch 1.
+For Vulkan it also replays the recorded decode graph alone (one submit and the GPU
+work, no Python around it), counts the Python time of a step as the step's time
+outside submit-and-wait, and reports the share of the H200's 4.8 TB/s that the weights read per token use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import common
+import numpy as np
+
+from trio_llm.engine.backend import SeqBatch
+from trio_llm.model.gguf import load_gguf
+
+HBM_BYTES_PER_S = 4.8e12
+
+
+def weight_bytes_per_token(model) -> int:  # type: ignore[no-untyped-def]
+    """Bytes of weights one decode step reads: every matrix once, except the embedding,
+    of which a step reads one row (unless it doubles as the output head)."""
+    total = 0
+    tied = "output.weight" not in model.tensors
+    for name, t in model.tensors.items():
+        if name == "token_embd.weight" and not tied:
+            total += t.n_bytes // t.shape[0]
+        else:
+            total += t.n_bytes
+    return total
+
+
+def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int) -> dict:  # type: ignore[no-untyped-def]
+    n_ctx = max(pp, tg) + 8
+    if kind == "vulkan":
+        from trio_llm.vulkan.backend import VulkanBackend
+
+        load_s, be = common.timed(lambda: VulkanBackend(model, n_ctx=n_ctx, n_seq=1))
+    else:
+        from trio_llm.engine.reference import NumpyBackend
+
+        load_s, be = common.timed(lambda: NumpyBackend(model, n_ctx=n_ctx, n_seq=1))
+    cfg = be.config
+    waited = [0.0]
+    if kind == "vulkan":
+        # time spent in submit + fence wait, so Python overhead = the rest of forward()
+        from trio_llm.vulkan.graph import Graph
+
+        run = Graph.run
+
+        def timed_run(self, what="forward"):  # type: ignore[no-untyped-def]
+            t0 = common.now()
+            try:
+                return run(self, what)
+            finally:
+                waited[0] += common.now() - t0
+
+        Graph.run = timed_run  # type: ignore[method-assign]
+    prompt = np.random.default_rng(0).integers(0, cfg.n_vocab, pp).astype(np.int32)  # [pp]
+    pp_t: list[float] = []
+    tg_t: list[float] = []
+    replay_t: list[float] = []
+    python_t: list[float] = []
+    for i in range(warmup + repeats):
+        t_pp, _ = common.timed(lambda: be.forward([SeqBatch(0, prompt, 0)]))
+        tok = 1
+        waited[0] = 0.0
+        t0 = common.now()
+        for step in range(tg):
+            logits = be.forward([SeqBatch(0, np.array([tok], np.int32), step)])
+            tok = int(np.argmax(logits[0]))
+        t_tg = common.now() - t0
+        t_py = t_tg - waited[0]
+        t_rep = 0.0
+        if kind == "vulkan":
+            t0 = common.now()
+            for _ in range(tg):
+                be.replay(1)
+            t_rep = common.now() - t0
+        if i >= warmup:
+            pp_t.append(t_pp)
+            tg_t.append(t_tg)
+            replay_t.append(t_rep)
+            python_t.append(t_py)
+        print(f"  {kind} round {i}: pp{pp} {t_pp:.3f} s, tg{tg} {t_tg:.3f} s"
+              + (" (warm-up)" if i < warmup else ""), file=sys.stderr, flush=True)
+    info = be.device_info()
+    mem = be.memory()
+    be.close()
+    out = {
+        "backend": kind,
+        "device": info.get("name"),
+        "load_s": load_s,
+        "pp_tps": common.stats([pp / t for t in pp_t]),
+        "tg_tps": common.stats([tg / t for t in tg_t]),
+        "ms_per_token": common.stats([1e3 * t / tg for t in tg_t]),
+        "memory": mem,
+    }
+    if kind == "vulkan":
+        out["gpu_ms_per_token"] = common.stats([1e3 * t / tg for t in replay_t])
+        out["python_us_per_token"] = common.stats([1e6 * t / tg for t in python_t])
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--quant", default="Q8_0")
+    ap.add_argument("--model", type=Path, help="a GGUF file instead of a synthetic preset")
+    ap.add_argument("--backends", default="vulkan,numpy")
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--tg", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    args = ap.parse_args()
+    path = args.model or common.model_file(args.preset, args.quant)
+    model = load_gguf(path)
+    per_token = weight_bytes_per_token(model)
+    rows = []
+    for kind in args.backends.split(","):
+        r = run_backend(kind.strip(), model, args.pp, args.tg, args.repeats, args.warmup)
+        r["bytes_per_token"] = per_token
+        r["hbm_share"] = common.stats([v * per_token / HBM_BYTES_PER_S for v in r["tg_tps"].values])
+        rows.append(r)
+    label = path.name if args.model else f"{args.preset} {args.quant}"
+    table = [
+        {
+            "model": label, "backend": r["backend"], f"pp{args.pp} tok/s": r["pp_tps"],
+            f"tg{args.tg} tok/s": r["tg_tps"], "ms/tok": r["ms_per_token"],
+            "gpu ms/tok": r.get("gpu_ms_per_token", ""), "python us/tok": r.get("python_us_per_token", ""),
+            "HBM share": r["hbm_share"],
+        }
+        for r in rows
+    ]
+    common.print_table(table)
+    params = {"model": str(path), "preset": args.preset, "quant": args.quant, "pp": args.pp,
+              "tg": args.tg, "repeats": args.repeats, "warmup": args.warmup}
+    out = common.write_result(f"decode-{args.preset}-{args.quant}", params, rows)
+    print(f"wrote {out.relative_to(common.ROOT)}")
+    model.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
