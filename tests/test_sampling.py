@@ -100,10 +100,12 @@ def test_top_p_keeps_shortest_prefix_reaching_p() -> None:
 
 def test_min_p_is_relative_to_the_top_token() -> None:
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
-    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.3)  # threshold 0.15
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.29)  # threshold 0.145
     ids, probs = candidates(logits, p)
     assert ids.tolist() == [0, 1, 2]
-    np.testing.assert_allclose(probs, np.array([0.5, 0.3, 0.15]) / 0.95)
+    np.testing.assert_allclose(probs, np.array([0.5, 0.3, 0.15]) / 0.95, rtol=1e-6)
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.31)  # threshold 0.155
+    assert candidates(logits, p)[0].tolist() == [0, 1]
 
 
 def test_top_p_sees_untempered_distribution() -> None:
@@ -163,3 +165,43 @@ def test_top_logprobs_exact() -> None:
     np.testing.assert_allclose(np.exp(lp).sum(), 1.0)
     assert top_logprobs(logits, 0) == []
     assert len(top_logprobs(logits, 10)) == 4
+
+
+def naive_candidates(logits: np.ndarray, p: SamplingParams) -> tuple[list[int], np.ndarray]:
+    """llama.cpp's chain step by step over a full sort: the slow, obvious version."""
+    x = logits.astype(np.float64)
+    order = sorted(range(len(x)), key=lambda i: (-x[i], i))
+    if p.top_k > 0:
+        order = order[: p.top_k]
+    vals = x[order]
+    if p.top_p < 1.0:
+        cum = np.cumsum(probs_of(list(vals)))
+        keep = next((i + 1 for i, c in enumerate(cum) if c >= p.top_p), len(order))
+        order, vals = order[:keep], vals[:keep]
+    if p.min_p > 0.0:
+        pr = probs_of(list(vals))
+        keep = max(1, int(np.sum(pr >= p.min_p * pr[0])))
+        order, vals = order[:keep], vals[:keep]
+    return order, probs_of(list(vals / p.temperature))
+
+
+@pytest.mark.parametrize("n_vocab", [50, 5000])
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "min_p"),
+    [(40, 0.95, 0.05), (0, 0.95, 0.0), (0, 0.5, 0.0), (0, 0.999, 0.01), (7, 1.0, 0.2), (0, 1.0, 0.0)],
+)
+def test_fast_chain_equals_the_naive_chain(n_vocab: int, top_k: int, top_p: float, min_p: float) -> None:
+    rng = np.random.default_rng(n_vocab + top_k)
+    for scale in (0.5, 3.0, 8.0):
+        logits = (rng.normal(size=n_vocab) * scale).astype(np.float32)
+        params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p)
+        ids, probs = candidates(logits, params)
+        want_ids, want_probs = naive_candidates(logits, params)
+        assert ids.tolist() == want_ids
+        np.testing.assert_allclose(probs, want_probs, rtol=1e-6)
+
+
+def test_banning_every_token_is_an_invalid_request() -> None:
+    ban = tuple((i, float("-inf")) for i in range(3))
+    with pytest.raises(InvalidRequest, match="banned"):
+        sample(np.zeros(3, np.float32), SamplingParams(logit_bias=ban), make_rng(0))
