@@ -110,9 +110,9 @@ def apply_penalties(
         repeat_penalty == 1.0 and presence_penalty == 0.0 and frequency_penalty == 0.0
     ):
         return
-    recent = np.asarray(recent_tokens, dtype=np.int64)  # [n_recent]
     if repeat_last_n > 0:
-        recent = recent[-repeat_last_n:]
+        recent_tokens = recent_tokens[-repeat_last_n:]  # before converting a long history
+    recent = np.asarray(recent_tokens, dtype=np.int64)  # [n_recent]
     recent = recent[(recent >= 0) & (recent < logits.shape[0])]
     if recent.size == 0:
         return
