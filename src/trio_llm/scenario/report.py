@@ -96,24 +96,38 @@ class Summary:
 
 
 class _States:
-    """Per-server polls sorted by receipt, to answer "what did we last see at t"."""
+    """Per-server polls in order, to answer "what did we see around t"."""
 
     def __init__(self, runs: Iterable[rec.StateRun]) -> None:
-        self._recv: dict[str, list[float]] = {}
-        self._runs: dict[str, list[rec.StateRun]] = {}
+        polls: dict[str, list[tuple[float, float, rec.StateRun]]] = {}
         for run in runs:
-            for _, recv in run.polls:
-                self._recv.setdefault(run.server, []).append(recv)
-                self._runs.setdefault(run.server, []).append(run)
-        for server, times in self._recv.items():
-            order = sorted(range(len(times)), key=times.__getitem__)
-            self._recv[server] = [times[i] for i in order]
-            self._runs[server] = [self._runs[server][i] for i in order]
+            for sent, recv in run.polls:
+                polls.setdefault(run.server, []).append((sent, recv, run))
+        self._polls = {k: sorted(v, key=lambda p: (p[1], p[0])) for k, v in polls.items()}
+        self._recv = {k: [p[1] for p in v] for k, v in self._polls.items()}
+        self._sent = {k: [p[0] for p in v] for k, v in self._polls.items()}
 
     def at(self, server: str, t: float) -> rec.StateRun | None:
-        times = self._recv.get(server, [])
-        i = bisect.bisect_right(times, t) - 1
-        return self._runs[server][i] if i >= 0 else None
+        """The run of the latest poll received by t."""
+        i = bisect.bisect_right(self._recv.get(server, []), t) - 1
+        return self._polls[server][i][2] if i >= 0 else None
+
+    def around(self, server: str, t: float, until: float | None) -> list[rec.StateRun]:
+        """The latest poll received by t, and the first one sent after t (if received
+        by ``until``). A poll is up to one interval stale, so an event at t is judged
+        on both sides of it: a server seen resident just before a request but cold
+        just after it (and before its answer) was cold when it arrived."""
+        seen = []
+        before = self.at(server, t)
+        if before is not None:
+            seen.append(before)
+        sent = self._sent.get(server, [])
+        i = bisect.bisect_left(sent, t)
+        if i < len(sent):
+            _, recv, run = self._polls[server][i]
+            if until is None or recv <= until:
+                seen.append(run)
+        return seen
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -147,18 +161,24 @@ def _few(items: list[str], n: int = 3) -> str:
 
 
 def find_handoffs(record: Record, states: _States) -> list[Handoff]:
+    """Requests that arrived at a cold arena server while another held the token
+    (resident, or already releasing/restoring, which also needs the token)."""
     arena = {s["name"] for s in record.servers if s.get("arena")}
+    holding = ("resident", "releasing", "restoring")
     found = []
     for r in record.requests:
         if r.server not in arena:
             continue
-        mine = states.at(r.server, r.sent)
-        if mine is None or mine.state not in COLD:
+        until = r.answered_at
+        if not any(run.state in COLD for run in states.around(r.server, r.sent, until)):
             continue
         holder = next(
             (
                 other for other in sorted(arena - {r.server})
-                if (run := states.at(other, r.sent)) is not None and run.state == "resident"
+                if any(
+                    run.state in holding or run.token_held
+                    for run in states.around(other, r.sent, until)
+                )
             ),
             None,
         )
@@ -361,16 +381,16 @@ def _check_none_before_restore(
     for rnd, burst in sorted(rounds.items()):
         server = burst[0].server
         sent = min(r.sent for r in burst)
-        before = states.at(server, sent)
-        if before is None or before.state not in COLD:
-            seen = before.state if before else "unobserved"
-            bad.append(f"round {rnd}: {server} was {seen} when the burst was sent (no wake tested)")
-            continue
         answered = [r.answered_at for r in burst if r.answered_at is not None and r.outcome == "ok"]
         if not answered:
             bad.append(f"round {rnd}: no request of the burst was answered")
             continue
         lo = min(answered)
+        seen = states.around(server, sent, lo)
+        if not any(run.state in COLD for run in seen):
+            states_seen = "/".join(run.state for run in seen) or "unobserved"
+            bad.append(f"round {rnd}: {server} was {states_seen} when the burst was sent (no wake tested)")
+            continue
         hi = max((r.done for r in burst if r.done is not None), default=lo)
         late = next(
             (

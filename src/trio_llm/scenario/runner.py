@@ -654,8 +654,9 @@ def main(argv: Sequence[str]) -> int:
                 print(f"{s.source}: ok ({len(s.servers)} servers, {len(s.phases)} phases)")
             return 0
         if args.command == "report":
-            record = rec.load(args.dir / "report.json")
-            return 0 if write_report(record, args.dir).passed else 1
+            summary = write_report(rec.load(args.dir / "report.json"), args.dir)
+            print(summary.text)
+            return 0 if summary.passed else 1
         scenario = fmt.load(resolve(args.file))
         if args.length is not None and args.length < 1:
             raise ScenarioError("--length must be at least 1")
