@@ -21,7 +21,7 @@ and residency logic testable without Vulkan.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from enum import Enum
+from enum import StrEnum
 from typing import Protocol
 
 import attrs
@@ -30,7 +30,7 @@ import numpy as np
 from trio_llm.model.config import ModelConfig
 
 
-class Level(str, Enum):
+class Level(StrEnum):
     """How much a release gives back (``--sleep-mode``)."""
 
     WEIGHTS = "weights"  # weights only; KV cache and compute buffers stay on the device
