@@ -34,6 +34,9 @@ from trio_llm.config import BACKEND_KINDS, SLEEP_MODES, ServerConfig
 from trio_llm.engine.actor import BackendActor, BackendClient
 from trio_llm.engine.backend import Backend, SeqBatch
 from trio_llm.errors import ConfigError, TrioLLMError
+from trio_llm.residency.arbiter import Arbiter, open_arbiter
+from trio_llm.residency.residency import Residency, resolve_level
+from trio_llm.residency.sleep import SleepConfig, SleepController
 from trio_llm.server.context import Engine, ServerContext
 from trio_llm.server.gate import AlwaysAwake, ResidencyGate
 from trio_llm.server.http import create_app
@@ -189,18 +192,45 @@ def _load(config: ServerConfig, progress: LoadProgress) -> Loaded:
 # residency: where the gate is built
 
 
-async def build_gate(config: ServerConfig, client: BackendClient, nursery: trio.Nursery) -> ResidencyGate:
+async def build_gate(
+    config: ServerConfig, client: BackendClient, nursery: trio.Nursery, arbiter: Arbiter
+) -> ResidencyGate:
     """The residency gate the slots loop waits on before every forward pass.
 
-    This is where idle sleep (``--sleep-idle-seconds``, ``--sleep-mode``) and the
-    arbiter (``--vram-arena``) plug in: a ``SleepController`` started in ``nursery``
-    (it lives as long as the slots loop and is cancelled with it). Coordinated loading
-    (taking the arbiter's token before the weights are uploaded) belongs just before
-    ``_load`` in ``_run_engine``. Without either, the model simply stays resident.
-    A gate that can release at level "unload" should offer ``kv_epoch()`` (see
-    ``server/gate.py``) so the slots loop forgets prompt caches the release destroyed.
+    Idle sleep (``--sleep-idle-seconds``, ``--sleep-mode``), ``POST /sleep`` and the
+    arbiter (``--vram-arena``) all go through a ``SleepController`` and its
+    ``Residency`` actor, started in ``nursery`` (they live as long as the slots loop
+    and are cancelled with it). The arbiter already holds the token here (coordinated
+    load, in ``_run_engine``). The reference fork's ``LLAMA_SLEEP_VRAM_ONLY`` /
+    ``LLAMA_SLEEP_EVICT_KV`` pick the level when ``--sleep-mode`` is left at its default.
+    With neither idle sleep nor an arena the model simply stays resident.
     """
-    return AlwaysAwake()
+    if config.sleep_idle_seconds < 0 and config.vram_arena is None:
+        return AlwaysAwake()
+    flag = None if config.sleep_mode == ServerConfig().sleep_mode else config.sleep_mode
+    level = resolve_level(flag, arena=arbiter.active)
+    idle = config.sleep_idle_seconds if config.sleep_idle_seconds >= 0 else None
+    residency = Residency(client)
+    await nursery.start(residency.run)
+    controller = SleepController(SleepConfig(level, idle_seconds=idle), residency, arbiter)
+    await nursery.start(controller.run)
+    return controller
+
+
+async def _take_for_load(arbiter: Arbiter, stop: trio.Event) -> bool:
+    """Coordinated load: take the VRAM token before any weight reaches the device, so a
+    loading server never pushes a resident one out of memory. Waits as long as the
+    holder needs (no timeout) but gives up on shutdown; False then."""
+    async with trio.open_nursery() as nursery:
+
+        async def give_up_on_stop() -> None:
+            await stop.wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(give_up_on_stop)
+        await arbiter.take()
+        nursery.cancel_scope.cancel()
+    return arbiter.holding
 
 
 # ---------------------------------------------------------------------------
@@ -250,6 +280,20 @@ async def _watch_signals(stop: trio.Event, root: trio.CancelScope) -> None:
 async def _run_engine(ctx: ServerContext, stop: trio.Event, http_done: trio.Event, show_progress: bool) -> None:
     """Load the model and run the actors until the HTTP server has shut down."""
     config = ctx.config
+    arbiter = await open_arbiter(config.vram_arena)
+    try:
+        if await _take_for_load(arbiter, stop):
+            await _run_loaded(ctx, stop, http_done, show_progress, arbiter)
+    finally:
+        # after the backend has been closed: its device memory is gone before the
+        # token (and any want.lock registration) goes back
+        arbiter.close()
+
+
+async def _run_loaded(
+    ctx: ServerContext, stop: trio.Event, http_done: trio.Event, show_progress: bool, arbiter: Arbiter
+) -> None:
+    config = ctx.config
     progress = LoadProgress(ctx, stop, show_progress)
     try:
         loaded = await trio.to_thread.run_sync(_load, config, progress)
@@ -264,7 +308,7 @@ async def _run_engine(ctx: ServerContext, stop: trio.Event, http_done: trio.Even
         client = actor.client()
         try:
             async with trio.open_nursery() as actors:
-                gate = await build_gate(config, client, actors)
+                gate = await build_gate(config, client, actors, arbiter)
                 assign_send, assign_recv = trio.open_memory_channel[SlotsMessage](outbox_size(backend.n_seq))
                 queue = TaskQueue.create(backend.n_seq, assign_send)
                 slots = SlotsEngine(

@@ -140,6 +140,7 @@ class ResidencyStatistics:
     level: Level | None
     releases: int
     restores: int
+    unloads: int  # releases at level unload: each one lost the KV cache
     failures: int
     last_release_seconds: float
     last_restore_seconds: float
@@ -170,6 +171,7 @@ class Residency:
     _recv: trio.MemoryReceiveChannel[_Command] = attrs.field(init=False)
     _releases: int = 0
     _restores: int = 0
+    _unloads: int = 0
     _failures: int = 0
     _last_release: float = 0.0
     _last_restore: float = 0.0
@@ -199,6 +201,7 @@ class Residency:
             level=self._state.level,
             releases=self._releases,
             restores=self._restores,
+            unloads=self._unloads,
             failures=self._failures,
             last_release_seconds=self._last_release,
             last_restore_seconds=self._last_restore,
@@ -281,6 +284,8 @@ class Residency:
         self._last_release = trio.current_time() - t0
         self._last_moved = held - _total(self._memory)
         self._releases += 1
+        if level is Level.UNLOAD:
+            self._unloads += 1
         self._set(end_release(self._state))
         log.info(
             "residency: released (%s) %d bytes in %.3f s",

@@ -227,6 +227,11 @@ class SleepController:
             self._sleep_requests.pop(key, None)
             self._notify()
 
+    def kv_epoch(self) -> int:
+        """Releases that lost the KV cache (level unload); the slots loop drops its
+        prompt caches when this moves (see ``server/gate.py``)."""
+        return self._residency.statistics().unloads
+
     async def request_wake(self) -> None:
         """``POST /wake_up``: the same as a request that needs the model."""
         await self.wait_until_no_sleep()
