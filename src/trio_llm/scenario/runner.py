@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import random
 import shutil
@@ -74,7 +75,6 @@ class Runner:
     _t0: float = 0.0
     _bg: trio.Nursery | None = None
     _reqs: trio.Nursery | None = None
-    _client: httpx.AsyncClient | None = None
     _pending: dict[int, trio.Event] = attrs.field(factory=dict)
 
     # --- helpers ------------------------------------------------------------------
@@ -91,16 +91,12 @@ class Runner:
         if not ok:
             self.say(f"FAILED: {server}: {detail}")
 
-    @property
-    def client(self) -> httpx.AsyncClient:
-        assert self._client is not None
-        return self._client
-
     # --- processes ----------------------------------------------------------------
 
     async def start_server(self, server: ServerSlot, timeout_s: float) -> None:
         """Start the process and wait until /health answers 200 (a cold server does too)."""
         server.port = free_port()
+        await server.new_client()
         server.exited = trio.Event()
         server.exit_cause = None
         server.status = "starting"
@@ -130,7 +126,7 @@ class Runner:
         with trio.move_on_after(timeout_s):
             while not server.exited.is_set():
                 try:
-                    response = await self.client.get(f"{server.url}/health", timeout=2.0)
+                    response = await server.http.get(f"{server.url}/health", timeout=2.0)
                     if response.status_code == 200:
                         server.status = "up"
                         self.record.events.append(rec.Event(self.now(), server.spec.name, "healthy"))
@@ -170,12 +166,23 @@ class Runner:
         except ProcessLookupError:
             pass
 
-    async def stop_server(self, server: ServerSlot, cause: str, within_s: float) -> int | None:
+    async def stop_server(
+        self, server: ServerSlot, cause: str, within_s: float, *, hang_up: bool = False
+    ) -> int | None:
         """SIGTERM (thawing a frozen process so it can act on it) and wait; SIGKILL
         if it has not exited within ``within_s``. Returns the exit code, None if it
-        had to be killed."""
+        had to be killed.
+
+        With ``hang_up`` the runner first closes its connections to the server, as a
+        client that is done with it would. Without it (the ``term`` step) the idle
+        keep-alive connections stay open, as a proxy such as llama-swap keeps them,
+        and a server that waits for them to close before exiting is caught."""
         if server.status == "down":
             return server.process.returncode if server.process else None
+        if hang_up:
+            server.quiet = True
+            async with server.poll_lock:
+                await server.close_client()
         server.exit_cause = cause
         self._signal(server, signal.SIGTERM)
         frozen = server.status == "frozen"
@@ -205,6 +212,7 @@ class Runner:
                     pass
                 with trio.move_on_after(5.0):
                     await process.wait()
+            await server.close_client()
 
     # --- observation --------------------------------------------------------------
 
@@ -215,19 +223,20 @@ class Runner:
         while True:
             tick = trio.current_time()
             sent = self.now()
-            if server.status in ("up", "starting", "stopping"):
-                try:
-                    response = await self.client.get(f"{server.url}/props", timeout=1.0)
-                    recv = self.now()
-                    if response.status_code == 200:
-                        self._note_props(server, sent, recv, response.json())
-                    else:
-                        self._note(server, sent, recv, "loading")
-                except (httpx.HTTPError, ValueError):
-                    label = {"up": "unreachable"}.get(server.status, server.status)
-                    self._note(server, sent, self.now(), label)
-            else:
-                self._note(server, sent, sent, server.status)
+            async with server.poll_lock:
+                if server.status in ("up", "starting", "stopping") and not server.quiet:
+                    try:
+                        response = await server.http.get(f"{server.url}/props", timeout=1.0)
+                        recv = self.now()
+                        if response.status_code == 200:
+                            self._note_props(server, sent, recv, response.json())
+                        else:
+                            self._note(server, sent, recv, "loading")
+                    except (httpx.HTTPError, ValueError):
+                        label = {"up": "unreachable"}.get(server.status, server.status)
+                        self._note(server, sent, self.now(), label)
+                else:
+                    self._note(server, sent, sent, server.status)
             await trio.sleep_until(tick + interval)
 
     def _note(self, server: ServerSlot, sent: float, recv: float, state: str, **kw: Any) -> None:
@@ -296,9 +305,9 @@ class Runner:
             with trio.move_on_after(timeout):
                 try:
                     if r.stream:
-                        await ask_stream(self.client, server.url, r, self.now, first)
+                        await ask_stream(server.http, server.url, r, self.now, first)
                     else:
-                        await ask_plain(self.client, server.url, r)
+                        await ask_plain(server.http, server.url, r)
                 except httpx.HTTPError as exc:
                     r.outcome, r.error = "error", f"{type(exc).__name__}: {exc}"
                 except (ValueError, KeyError, TypeError, IndexError) as exc:
@@ -457,7 +466,7 @@ class Runner:
                         sent=self.now(),
                     )
                     try:
-                        await ask_plain(self.client, ref.url, probe)
+                        await ask_plain(ref.http, ref.url, probe)
                     except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
                         probe.outcome, probe.error = "error", repr(exc)
                     self.record.references.append(
@@ -467,7 +476,7 @@ class Runner:
                             None if probe.outcome == "ok" else (probe.error or probe.outcome),
                         )
                     )
-            await self.stop_server(ref, "final", self.scenario.stop_timeout_s)
+            await self.stop_server(ref, "final", self.scenario.stop_timeout_s, hang_up=True)
 
 
 def random_arrivals(step: Step, seed: int, name: str, rnd: int, length: int) -> list[tuple[float, str]]:
@@ -533,10 +542,7 @@ async def run_scenario(
     runner._t0 = trio.current_time()
     model_dir = options.model_dir or default_model_dir()
     try:
-        async with httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=500, max_keepalive_connections=50)
-        ) as client, trio.open_nursery() as bg:
-            runner._client = client
+        async with trio.open_nursery() as bg:
             runner._bg = bg
             try:
                 await _run_body(runner, scenario, model_dir, backend, logs, arena, timeout)
@@ -585,7 +591,11 @@ async def _run_body(
             reqs.cancel_scope.cancel()
         async with trio.open_nursery() as stops:
             for server in runner._servers.values():
-                stops.start_soon(runner.stop_server, server, "final", scenario.stop_timeout_s)
+                stops.start_soon(
+                    functools.partial(
+                        runner.stop_server, server, "final", scenario.stop_timeout_s, hang_up=True
+                    )
+                )
         if scenario.expect.answers_match_reference:
             runner.say("reference run")
             await runner.references(max(60.0, scenario.startup_timeout_s * 2))

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import attrs
+import httpx
 import trio
 
 from trio_llm.errors import ScenarioError
@@ -36,6 +37,30 @@ class ServerSlot:
     exited: trio.Event = attrs.field(factory=trio.Event)
     changed: trio.Event = attrs.field(factory=trio.Event)
     state: str = "down"  # the latest residency state polled
+    #: the runner has hung up on this process: no more polls
+    quiet: bool = False
+    #: held by a poll in flight, so hanging up never closes a pool under it
+    poll_lock: trio.Lock = attrs.field(factory=trio.Lock)
+    #: one connection pool per process, so hanging up on one server leaves the others
+    _http: httpx.AsyncClient | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        assert self._http is not None, "the server has not been started"
+        return self._http
+
+    async def new_client(self) -> None:
+        await self.close_client()
+        self.quiet = False
+        self._http = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=200, max_keepalive_connections=50)
+        )
+
+    async def close_client(self) -> None:
+        if self._http is not None:
+            client, self._http = self._http, None
+            with trio.CancelScope(shield=True):
+                await client.aclose()
 
     @property
     def url(self) -> str:
