@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +262,34 @@ async def test_a_client_that_disconnects_frees_its_slot(start: Start) -> None:
     assert slots[0]["is_processing"] is False
     engine = h.context.engine
     assert engine is not None and engine.slots.statistics().n_tasks_cancelled == 1
+
+
+async def wait_for(predicate: Callable[[], bool]) -> None:
+    """Wait for server state that a real socket event will bring about."""
+    with trio.fail_after(20):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+async def test_a_client_that_leaves_while_queued_is_dropped_from_the_queue(start: Start) -> None:
+    h = await start(parallel=1, ctx_size=4096)
+    assert h.context.engine is not None
+    queue, slots = h.context.engine.queue, h.context.engine.slots
+    busy = {"prompt": PROMPT, "n_predict": 3000, "ignore_eos": True, "stream": True}
+    async with client(h) as c:
+        async with c.stream("POST", "/completion", json=busy) as r:
+            lines = r.aiter_lines()  # kept: dropping the iterator would close the stream
+            await lines.__anext__()  # the one slot is generating
+            async with trio.open_nursery() as n:
+                n.start_soon(partial(c.post, "/completion", json={"prompt": "queued", "n_predict": 2}))
+                await wait_for(lambda: queue.statistics().n_deferred == 1)
+                n.cancel_scope.cancel()  # the queued client gives up and disconnects
+            await wait_for(lambda: queue.statistics().n_deferred == 0)
+            assert queue.statistics().cancelled == 1
+            assert (await c.get("/slots")).json()[0]["is_processing"] is True  # untouched
+        # and now the stream's task, by whichever path sees the client gone first
+        await wait_for(lambda: slots.statistics().n_tasks_cancelled == 1)
+    assert queue.statistics().n_active == 0 and slots.statistics().n_processing == 0
 
 
 # -- OpenAI API -----------------------------------------------------------------------------

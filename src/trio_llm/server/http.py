@@ -129,7 +129,11 @@ async def run_task(
     finished = False
     try:
         async with recv:
-            await queue.post(ServerTask(id_task, prompt, params, send))
+            try:
+                await queue.post(ServerTask(id_task, prompt, params, send))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                finished = True  # the queue is gone: nothing to cancel
+                raise ApiError(503, "the server is shutting down", "unavailable_error") from None
             async for msg in recv:
                 finished = not isinstance(msg, TaskPartial)
                 yield msg

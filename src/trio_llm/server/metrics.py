@@ -74,7 +74,11 @@ class ServerCollector(Collector):
         )
         yield gauge("llamacpp:requests_processing", "Number of requests processing.", s.n_processing)
         yield gauge("llamacpp:requests_deferred", "Number of requests deferred.", q.n_deferred + q.n_pending)
-        yield counter("trio_llm_requests_cancelled", "Requests cancelled (client gone).", q.cancelled)
+        yield counter(
+            "trio_llm_requests_cancelled",
+            "Requests cancelled (client gone), waiting or running.",
+            q.cancelled + s.n_tasks_cancelled,
+        )
         yield counter("trio_llm_requests_finished", "Requests that ran to completion.", s.n_tasks_done)
         yield counter("trio_llm_backend_calls", "Calls into the backend actor.", b.calls)
         yield counter("trio_llm_backend_busy_seconds", "Time the backend actor spent in calls.", b.busy_seconds)

@@ -188,7 +188,7 @@ class QueueStatistics:
     n_active: int
     n_idle_slots: int
     posted: int
-    cancelled: int
+    cancelled: int  # cancelled while still waiting (the slots loop counts running ones)
     deferrals: int  # times a task was looked at and found no free slot
 
 
@@ -260,10 +260,8 @@ class TaskQueue:
             release(self._state, msg)
         else:
             found = cancel(self._state, msg.id_task)
-            if found is None:
-                return
-            self._cancelled += 1
             if isinstance(found, CancelSlot):
-                self._assign.send_nowait(found)
-            else:
+                self._assign.send_nowait(found)  # the slots loop counts it when it lands
+            elif found is not None:
+                self._cancelled += 1
                 found.results.close()
