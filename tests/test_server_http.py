@@ -153,6 +153,15 @@ async def test_greedy_completion_equals_the_engine(start: Start, reference: tupl
     assert t["prompt_n"] == len(prompt) and t["cache_n"] == 0
     assert t["predicted_n"] == len(body["tokens"])
 
+    async with client(h) as c:
+        r = await c.post("/completion", json={"prompt": PROMPT, "n_predict": 12, "temperature": 0, "n_probs": 3})
+    probs = r.json()["completion_probabilities"]
+    assert [p["id"] for p in probs] == expected
+    for p in probs:  # greedy: the chosen token is the most likely one
+        assert len(p["top_logprobs"]) == 3 and p["top_logprobs"][0]["id"] == p["id"]
+        assert p["logprob"] == p["top_logprobs"][0]["logprob"] <= 0
+        assert bytes(p["bytes"]) == tok.token_to_piece(p["id"])
+
 
 async def test_streaming_matches_the_whole_answer_and_token_lists_work(start: Start) -> None:
     h = await start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,16 @@ def test_a_bad_model_file_is_one_line_and_exit_1(tmp_path: Path, capsys: pytest.
     assert main(["-m", str(tmp_path / "missing.gguf"), "--port", "0"]) == 1
     err = capsys.readouterr().err
     assert "missing.gguf" in err and "Traceback" not in err
+
+
+def test_a_port_in_use_is_one_line_and_exit_1(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["-m", str(tiny_model), "--port", str(port), "--backend", "numpy"]) == 1
+    err = capsys.readouterr().err
+    assert len([ln for ln in err.splitlines() if "error" in ln]) == 1 and "Traceback" not in err
 
 
 async def _start(model: Path, *extra: str) -> tuple[trio.Process, str, list[str]]:
