@@ -252,6 +252,9 @@ class TaskQueue:
             for task in (*self._state.pending, *self._state.deferred):
                 task.results.close()
 
+    #: the house name of an actor's main task; ``start_loop`` is llama.cpp's
+    run = start_loop
+
     def _handle(self, msg: QueueMessage) -> None:
         if isinstance(msg, Post):
             self._posted += 1

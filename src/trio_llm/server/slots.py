@@ -296,6 +296,9 @@ class SlotsEngine:
                 if s.task is not None:
                     s.task.results.close()
 
+    #: the house name of an actor's main task; ``start_loop`` is llama.cpp's
+    run = start_loop
+
     def _active(self) -> list[Slot]:
         return [s for s in self._slots if s.task is not None]
 
