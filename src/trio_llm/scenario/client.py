@@ -20,15 +20,18 @@ from trio_llm.scenario.record import RequestRecord
 
 def request_body(r: RequestRecord) -> tuple[str, dict[str, Any]]:
     """The path and JSON body of a greedy request (temperature 0, so answers compare)."""
+    extra = {"ignore_eos": True} if r.ignore_eos else {}
     if r.endpoint == "chat":
         return "/v1/chat/completions", {
             "messages": [{"role": "user", "content": r.prompt}],
             "max_tokens": r.n_predict,
             "temperature": 0,
             "stream": r.stream,
+            **extra,
         }
     return "/completion", {
         "prompt": r.prompt, "n_predict": r.n_predict, "temperature": 0, "stream": r.stream,
+        **extra,
     }
 
 

@@ -101,6 +101,7 @@ class Step:
     prompt: str = ""
     n_predict: int = 16
     stream: bool = False
+    ignore_eos: bool = False  # generate exactly n_predict tokens (a holder kept busy)
     endpoint: str = "completion"
     parallel: int = 1
     wait: str = "done"
@@ -476,6 +477,7 @@ def _read_step(t: _Table, servers: tuple[str, ...]) -> Step:
             )
         kw["n_predict"] = t.int_("n_predict", 16, minimum=1)
         kw["stream"] = t.bool_("stream", False)
+        kw["ignore_eos"] = t.bool_("ignore_eos", False)
         kw["endpoint"] = t.str_("endpoint", "completion", choices=ENDPOINTS)
         kw["wait"] = t.str_("wait", "done", choices=WAITS)
         kw["expect_ok"] = t.bool_("expect_ok", True)

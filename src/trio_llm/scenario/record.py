@@ -48,6 +48,7 @@ class RequestRecord:
     expect_ok: bool
     expect_content: str | None
     sent: float
+    ignore_eos: bool = False
     first_token: float | None = None
     penultimate: float | None = None
     done: float | None = None
@@ -57,6 +58,10 @@ class RequestRecord:
     content: str = ""
     n_tokens: int = 0
     timings: dict[str, Any] | None = None
+
+    def reference_key(self) -> tuple[str, str, str, int, bool]:
+        """What makes two greedy answers comparable."""
+        return (self.model_key, self.endpoint, self.prompt, self.n_predict, self.ignore_eos)
 
     @property
     def answered_at(self) -> float | None:
@@ -113,6 +118,10 @@ class Reference:
     n_predict: int
     content: str | None
     error: str | None = None
+    ignore_eos: bool = False
+
+    def key(self) -> tuple[str, str, str, int, bool]:
+        return (self.model_key, self.endpoint, self.prompt, self.n_predict, self.ignore_eos)
 
 
 @attrs.define

@@ -224,12 +224,12 @@ def analyse(record: Record) -> Analysis:
     ))
 
     if expect.answers_match_reference:
-        refs = {(x.model_key, x.endpoint, x.prompt, x.n_predict): x for x in record.references}
+        refs = {x.key(): x for x in record.references}
         bad, compared = [], 0
         for r in requests:
             if r.outcome != "ok":
                 continue
-            ref = refs.get((r.model_key, r.endpoint, r.prompt, r.n_predict))
+            ref = refs.get(r.reference_key())
             if ref is None or ref.content is None:
                 bad.append(f"#{r.id}: no reference answer ({ref.error if ref else 'not asked'})")
             elif ref.content != r.content:
@@ -579,9 +579,13 @@ def timeline(record: Record, path: Path) -> None:
         label = e.detail.removeprefix("SIG") if e.kind == "signal" else f"exit {e.code}"
         colour = "#c0392b" if e.kind == "signal" else "#333333"
         lanes.vlines(e.t, y - 0.45, y + 0.45, colors=colour, lw=1.4)
-        lanes.text(e.t, y + 0.47, label, fontsize=7, color=colour, ha="center", va="bottom")
+        # signals above the lane, exits below it, so a kill and its exit stay legible
+        if e.kind == "signal":
+            lanes.text(e.t, y + 0.47, label, fontsize=7, color=colour, ha="center", va="bottom")
+        else:
+            lanes.text(e.t, y - 0.47, label, fontsize=7, color=colour, ha="center", va="top")
     lanes.set_yticks([ypos[n_] for n_ in names], names)
-    lanes.set_ylim(-0.6, n - 0.25)
+    lanes.set_ylim(-0.7, n - 0.25)
     lanes.set_title(
         f"{record.scenario.get('name')}: residency per server (polled), requests "
         "(grey: waiting, black: answering, x: failed)", fontsize=10, loc="left",

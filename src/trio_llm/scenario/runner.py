@@ -288,6 +288,7 @@ class Runner:
             expect_ok=step.expect_ok,
             expect_content=step.expect_content,
             sent=self.now(),
+            ignore_eos=step.ignore_eos,
         )
         self.record.requests.append(r)
         done = trio.Event()
@@ -439,10 +440,10 @@ class Runner:
 
     async def references(self, deadline_s: float) -> None:
         """Ask a plain server (no arena, no sleep) each distinct prompt once, per model."""
-        wanted: dict[str, dict[tuple[str, str, int], None]] = {}
+        wanted: dict[str, dict[tuple[str, str, str, int, bool], None]] = {}
         for r in self.record.requests:
             if r.outcome == "ok":
-                wanted.setdefault(r.model_key, {})[(r.endpoint, r.prompt, r.n_predict)] = None
+                wanted.setdefault(r.model_key, {})[r.reference_key()] = None
         for model_key, prompts in wanted.items():
             spec = next(s for s in self.scenario.servers if s.model_key == model_key)
             base = self._servers[spec.name]
@@ -458,12 +459,12 @@ class Runner:
                 await self.start_server(ref, self.scenario.startup_timeout_s)
                 # sorted, so prompts sharing a prefix follow each other and the
                 # single slot's prompt cache does the work it can
-                for endpoint, prompt, n_predict in sorted(prompts):
+                for _, endpoint, prompt, n_predict, ignore_eos in sorted(prompts, key=lambda k: k[2]):
                     probe = rec.RequestRecord(
                         id=-1, step="reference", round=0, server=ref.spec.name,
                         model_key=model_key, arena=False, endpoint=endpoint, prompt=prompt,
                         n_predict=n_predict, stream=False, expect_ok=True, expect_content=None,
-                        sent=self.now(),
+                        sent=self.now(), ignore_eos=ignore_eos,
                     )
                     try:
                         await ask_plain(ref.http, ref.url, probe)
@@ -474,6 +475,7 @@ class Runner:
                             model_key, endpoint, prompt, n_predict,
                             probe.content if probe.outcome == "ok" else None,
                             None if probe.outcome == "ok" else (probe.error or probe.outcome),
+                            ignore_eos,
                         )
                     )
             await self.stop_server(ref, "final", self.scenario.stop_timeout_s, hang_up=True)
