@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,7 +84,8 @@ class Allocator:
             | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT
         )
 
-    def _memory_type(self, bits: int, place: str) -> int:
+    def _memory_types(self, bits: int, place: str) -> list[int]:
+        """Memory type indices for ``place``, best first (each tried in turn on OOM)."""
         d = self.device
         order: Sequence[tuple[int, int]]
         if place == "device":
@@ -95,15 +97,19 @@ class Allocator:
             order = [(HOST_VISIBLE | HOST_COHERENT | HOST_CACHED, 0), (HOST_VISIBLE | HOST_COHERENT, 0)]
         else:  # "host": host memory for shadows, not device-local where there is a choice
             order = [
-                (HOST_VISIBLE | HOST_COHERENT, DEVICE_LOCAL),
+                (HOST_VISIBLE | HOST_COHERENT, DEVICE_LOCAL | HOST_CACHED),
+                (HOST_VISIBLE | HOST_COHERENT | HOST_CACHED, DEVICE_LOCAL),
                 (HOST_VISIBLE | HOST_COHERENT, 0),
                 (HOST_VISIBLE, 0),
             ]
+        out: list[int] = []
         for want, avoid in order:
             idx = d.find_memory_type(bits, want, avoid)
-            if idx is not None:
-                return idx
-        raise DeviceOutOfMemory(f"no memory type for {place} buffers")
+            if idx is not None and idx not in out:
+                out.append(idx)
+        if not out:
+            raise DeviceOutOfMemory(f"no memory type for {place} buffers")
+        return out
 
     def create(self, size: int, category: str, place: str = "device") -> Buffer:
         """A new buffer of ``size`` bytes (rounded up to 256), mapped unless ``device``."""
@@ -125,10 +131,7 @@ class Allocator:
             )
             try:
                 req = vk.vkGetBufferMemoryRequirements(dev, handle)
-                mtype = self._memory_type(req.memoryTypeBits, place)
-                memory = vk.vkAllocateMemory(
-                    dev, vk.VkMemoryAllocateInfo(allocationSize=req.size, memoryTypeIndex=mtype), None
-                )
+                memory = self._allocate(req, place)
             except BaseException:
                 vk.vkDestroyBuffer(dev, handle, None)
                 raise
@@ -140,6 +143,24 @@ class Allocator:
         self._live.add(buf)
         return buf
 
+    def _allocate(self, req: Any, place: str) -> Any:
+        """Memory for a buffer: the best type for ``place``, the next on refusal (a
+        driver may refuse one heap, e.g. pinned host memory, and grant another)."""
+        vk = self.device.vk
+        types = self._memory_types(req.memoryTypeBits, place)
+        for i, mtype in enumerate(types):
+            try:
+                return vk.vkAllocateMemory(
+                    self.device.handle,
+                    vk.VkMemoryAllocateInfo(allocationSize=req.size, memoryTypeIndex=mtype),
+                    None,
+                )
+            except (vk.VkErrorOutOfDeviceMemory, vk.VkErrorOutOfHostMemory):
+                if i + 1 == len(types):
+                    raise
+                log.info("memory type %d refused %d bytes; trying type %d", mtype, req.size, types[i + 1])
+        raise AssertionError("unreachable")
+
     def import_host(self, array: np.ndarray, category: str) -> Buffer | None:
         """Wrap existing host pages (e.g. a read-only file mapping) as a transfer source.
 
@@ -149,7 +170,11 @@ class Allocator:
         """
         d = self.device
         align = d.limits.imported_host_alignment
-        if not align:
+        # On GPUs the attempt is opt-in: NVIDIA's driver (580) refuses read-only file
+        # pages, and after that refusal the process's later pinned host allocations
+        # failed too. CPU drivers (lavapipe) import them fine and save a full copy.
+        default = "1" if d.device_type == "cpu" else "0"
+        if not align or os.environ.get("TRIO_LLM_VK_HOST_IMPORT", default) == "0":
             return None
         vk = d.vk
         ptr = array.ctypes.data
@@ -157,20 +182,19 @@ class Allocator:
         if ptr % align or size % align or size > d.limits.max_allocation_size:
             return None
         dev = d.handle
-        for handle_type in (
-            vk.VK_EXTERNAL_MEMORY_HANDLE_TYPE_HOST_ALLOCATION_BIT_EXT,
-            vk.VK_EXTERNAL_MEMORY_HANDLE_TYPE_HOST_MAPPED_FOREIGN_MEMORY_BIT_EXT,
-        ):
-            try:
-                buf = self._import(vk, dev, ptr, size, handle_type, category)
-            except Exception as exc:  # the fallback (a one-time copy) always works
-                log.info("host import refused (%s): %s", hex(handle_type), exc)
-                continue
-            if buf is not None:
-                buf.array = array
-                self._live.add(buf)
-                return buf
-        return None
+        # Only HOST_ALLOCATION: a file mapping is host memory in Vulkan's terms
+        # (FOREIGN is for other devices' apertures), and on NVIDIA a second, foreign
+        # attempt after a refused one left later host allocations failing.
+        handle_type = vk.VK_EXTERNAL_MEMORY_HANDLE_TYPE_HOST_ALLOCATION_BIT_EXT
+        try:
+            buf = self._import(vk, dev, ptr, size, handle_type, category)
+        except Exception as exc:  # the fallback (a one-time copy) always works
+            log.info("host import refused: %s", type(exc).__name__)
+            return None
+        if buf is not None:
+            buf.array = array
+            self._live.add(buf)
+        return buf
 
     def _import(self, vk: Any, dev: Any, ptr: int, size: int, handle_type: int, category: str) -> Buffer | None:
         host_props = vk.ffi.new("VkMemoryHostPointerPropertiesEXT*")
