@@ -86,6 +86,7 @@ def _write(
     drop_tensors: tuple[str, ...] = (),
     shapes: dict[str, tuple[int, ...]] | None = None,
     types: dict[str, T] | None = None,
+    override: dict[str, int] | None = None,
 ) -> Path:
     """A small model written with gguf.GGUFWriter, with the requested defects."""
     a = cfg.arch
@@ -96,6 +97,7 @@ def _write(
         f"{a}.attention.head_count": cfg.n_head, f"{a}.attention.head_count_kv": cfg.n_head_kv,
         f"{a}.feed_forward_length": cfg.n_ff, f"{a}.context_length": cfg.n_ctx_train,
     }
+    keys.update(override or {})
     for key, value in keys.items():
         if key not in drop_keys:
             w.add_uint32(key, value)
@@ -152,18 +154,63 @@ def test_not_a_gguf(tmp_path: Path) -> None:
 
 
 def test_truncated_header(tmp_path: Path) -> None:
-    good = _write(tmp_path / "ok.gguf")
-    for n in (4, 10, 24, 200):
-        path = tmp_path / f"cut{n}.gguf"
-        path.write_bytes(good.read_bytes()[:n])
-        assert "corrupt or truncated GGUF file" in _load_error(path)
+    good = _write(tmp_path / "ok.gguf").read_bytes()
+    header_end = load_gguf(tmp_path / "ok.gguf").tensor("token_embd.weight").offset
+    path = tmp_path / "cut.gguf"
+    for n in range(4, header_end, 13):
+        path.write_bytes(good[:n])
+        assert "truncated" in _load_error(path), n
+
+
+def test_corrupt_header_bytes_never_escape_as_other_errors(tmp_path: Path) -> None:
+    """Overwrite header bytes one at a time with values that break lengths, counts and
+    type ids: each file either still loads or fails with a one-line ModelLoadError."""
+    good = _write(tmp_path / "ok.gguf").read_bytes()
+    header_end = load_gguf(tmp_path / "ok.gguf").tensor("token_embd.weight").offset
+    path = tmp_path / "bad.gguf"
+    failures = 0
+    for i in range(4, header_end, 5):
+        for byte in (0xFF, 0x7F, 0x0D):
+            data = bytearray(good)
+            data[i] = byte
+            path.write_bytes(bytes(data))
+            try:
+                load_gguf(path)
+            except ModelLoadError as exc:
+                assert "\n" not in str(exc)
+                failures += 1
+    assert failures > 0
+
+
+def test_header_parser_agrees_with_gguf_reader(model_path) -> None:
+    """gguf.GGUFReader (llama.cpp's own Python reader) is the independent check."""
+    for preset in ("tiny-qwen2", "tiny-spm"):
+        path = model_path(preset, "Q4_K_M")
+        ours = load_gguf(path)
+        reader = gguf.GGUFReader(path)
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            theirs = field.contents()
+            if field.types == [gguf.GGUFValueType.FLOAT32]:
+                assert ours.metadata[key] == pytest.approx(theirs, rel=1e-7), key
+            else:
+                assert ours.metadata[key] == theirs, key
+        assert len(ours.metadata) == len(reader.fields) - 3  # GGUF.version/tensor_count/kv_count
+        assert len(ours.tensors) == len(reader.tensors)
+        for rt in reader.tensors:
+            t = ours.tensor(rt.name)
+            assert t.ggml_type == rt.tensor_type
+            assert t.offset == rt.data_offset
+            assert t.n_bytes == rt.n_bytes
+            assert t.shape == tuple(reversed(rt.shape.tolist()))
 
 
 def test_truncated_tensor_data(tmp_path: Path) -> None:
     good = _write(tmp_path / "ok.gguf")
     path = tmp_path / "cut.gguf"
     path.write_bytes(good.read_bytes()[:-100])
-    assert "corrupt or truncated GGUF file" in _load_error(path)
+    assert "truncated: tensor 'output.weight' ends at byte" in _load_error(path)
 
 
 def test_unknown_gguf_version(tmp_path: Path) -> None:
@@ -216,3 +263,8 @@ def test_head_counts_must_divide(tmp_path: Path) -> None:
     cfg = attrs.evolve(SMALL, n_head=2, n_head_kv=3)
     path = _write(tmp_path / "h.gguf", cfg)
     assert "not a multiple of head_count_kv 3" in _load_error(path)
+
+
+def test_corrupt_block_count_fails_fast(tmp_path: Path) -> None:
+    path = _write(tmp_path / "b.gguf", override={"llama.block_count": 4_000_000_000})
+    assert "block_count 4000000000 needs at least" in _load_error(path)

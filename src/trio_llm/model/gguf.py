@@ -1,21 +1,27 @@
 """Read a GGUF file: metadata, tensor directory and memory-mapped tensor bytes.
 
-Parsing is ``gguf.GGUFReader``'s (llama.cpp's own Python reader); this module turns
-its output into plain values, checks that the file describes a model we can run, and
-maps every failure to one typed, one-line error. Tensor bytes are never copied here:
-``TensorInfo.raw`` is a view into the file's memory map, which also serves as the
-host shadow of the weights when the device copy is released.
+The header (metadata and tensor directory) is parsed here with ``struct`` over the
+file's memory map, using ``gguf``'s constants for value types, tensor types and block
+sizes. ``gguf.GGUFReader`` does the same job but builds a numpy view per array
+element: on a Llama-3 vocabulary (128k tokens, 128k merges) it took 19 s to open a
+file this parser opens in well under one, and start-up time is hand-off latency.
+The tests check both agree on every key and tensor.
+
+Every failure maps to one typed, one-line error naming the file. Tensor bytes are
+never copied: ``TensorInfo.raw`` is a view into the file's memory map, which also
+serves as the host shadow of the weights when the device copy is released.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
 import attrs
-import gguf
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType
 from gguf import GGMLQuantizationType as T
 
 from trio_llm.errors import ModelLoadError, UnsupportedModelError
@@ -32,7 +38,7 @@ class TensorInfo:
     name: str
     ggml_type: T
     shape: tuple[int, ...]  # numpy order: (n_out, n_in) for matrices, (n,) for vectors
-    raw: np.ndarray  # [n_bytes] uint8, a view of the file's memory map
+    raw: np.ndarray  # [n_bytes] uint8, a read-only view of the file's memory map
     n_bytes: int
     offset: int  # where the bytes start in the file (for readers that bypass the map)
 
@@ -59,7 +65,7 @@ class GGUFModel:
     config: ModelConfig
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
-    _reader: gguf.GGUFReader | None = attrs.field(default=None, repr=False)
+    _map: np.ndarray | None = attrs.field(default=None, repr=False)
 
     def tensor(self, name: str) -> TensorInfo:
         try:
@@ -78,7 +84,7 @@ class GGUFModel:
         alive, so a caller that still holds a view keeps valid memory instead of a
         dangling pointer.
         """
-        self._reader = None
+        self._map = None
         self.tensors = {}
 
 
@@ -86,36 +92,35 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     """Open and validate ``path``; raise ``ModelLoadError`` (or its subclass
     ``UnsupportedModelError``) with one line naming the file and the problem."""
     path = Path(path)
-    reader = _open_reader(path)
-    metadata = _read_metadata(path, reader)
-    tensors = _read_tensors(path, reader)
+    data = _open_map(path)
+    try:
+        metadata, directory, data_start = _Header(data.data).parse()
+    except (struct.error, UnicodeDecodeError, ValueError, OverflowError) as exc:
+        raise ModelLoadError(path, f"truncated or corrupt GGUF file ({_one_line(exc)})") from None
+    except _Corrupt as exc:
+        raise ModelLoadError(path, str(exc)) from None
+    tensors = _read_tensors(path, data, directory, data_start)
     config = _config_from(path, metadata, tensors)
     _check_tensors(path, config, tensors)
-    return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors, reader=reader)
+    return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors, map=data)
 
 
-def _open_reader(path: Path) -> gguf.GGUFReader:
+def _open_map(path: Path) -> np.ndarray:
     if not path.exists():
         raise ModelLoadError(path, "no such file")
     if path.is_dir():
         raise ModelLoadError(path, "is a directory, not a GGUF file")
-    size = path.stat().st_size
-    if size == 0:
-        raise ModelLoadError(path, "empty file")
-    with path.open("rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelLoadError(path, f"not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     try:
-        reader = gguf.GGUFReader(path, "r")
-    except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError, MemoryError) as exc:
-        # GGUFReader reads past the end of a truncated file as short arrays and fails
-        # wherever that first bites (a header field, a tensor's reshape); all of it
-        # means "corrupt or truncated".
-        raise ModelLoadError(path, f"corrupt or truncated GGUF file ({_one_line(exc)})") from None
+        size = path.stat().st_size
+        if size == 0:
+            raise ModelLoadError(path, "empty file")
+        with path.open("rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ModelLoadError(path, f"not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+        return np.memmap(path, dtype=np.uint8, mode="r")
     except OSError as exc:
         raise ModelLoadError(path, f"cannot read: {exc.strerror or exc}") from None
-    return reader
 
 
 def _one_line(exc: BaseException) -> str:
@@ -123,43 +128,146 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def _field_value(field: Any) -> Any:
-    value = field.contents()
-    if field.types == [gguf.GGUFValueType.FLOAT32]:
-        # float32's shortest decimal, so 1e-5 reads back as 1e-05, not 9.99999974e-06
-        return float(str(np.float32(value)))
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
+class _Corrupt(Exception):
+    """A header inconsistency found by the parser (the message says which)."""
 
 
-def _read_metadata(path: Path, reader: gguf.GGUFReader) -> dict[str, Any]:
-    metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            metadata[key] = _field_value(field)
-        except (ValueError, UnicodeDecodeError, IndexError) as exc:
-            raise ModelLoadError(path, f"metadata key {key!r} is malformed ({_one_line(exc)})") from None
-    return metadata
+_SCALAR_FORMATS: dict[GGUFValueType, str] = {
+    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
+}
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
 
 
-def _read_tensors(path: Path, reader: gguf.GGUFReader) -> dict[str, TensorInfo]:
+@attrs.define
+class _Header:
+    """GGUF v2/v3 header parser (little-endian) over a buffer.
+
+    Layout: magic, version u32, n_tensors u64, n_kv u64; n_kv of (key string, type u32,
+    value); n_tensors of (name string, n_dims u32, ne u64 x n_dims, type u32, offset
+    u64); tensor data from the next ``general.alignment`` boundary. Strings are a u64
+    length and UTF-8 bytes; arrays are an element type u32, a count u64, elements.
+    """
+
+    buf: memoryview  # of the memory map: slicing a memoryview is cheap, a memmap's is not
+    pos: int = 0
+
+    def parse(self) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], int]:
+        self.pos = 4  # magic, checked when the file was opened
+        version = self._u32()
+        if version & 0xFFFF == 0 and version != 0:
+            raise _Corrupt("big-endian GGUF files are not supported")
+        if version not in (2, 3):
+            raise _Corrupt(f"GGUF version {version} is not supported (expected 2 or 3)")
+        n_tensors, n_kv = self._u64(), self._u64()
+        self._room(n_kv, 12, "metadata entries")
+        metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self._str()
+            if key in metadata:
+                raise _Corrupt(f"metadata key {key!r} appears twice")
+            metadata[key] = self._value(GGUFValueType(self._u32()))
+        self._room(n_tensors, 28, "tensor entries")
+        directory = []
+        for _ in range(n_tensors):
+            name = self._str()
+            n_dims = self._u32()
+            if not 1 <= n_dims <= 4:
+                raise _Corrupt(f"tensor {name!r} has {n_dims} dimensions")
+            ne = struct.unpack_from(f"<{n_dims}Q", self.buf, self.pos)
+            self.pos += 8 * n_dims
+            type_id, offset = self._u32(), self._u64()
+            directory.append((name, tuple(reversed(ne)), type_id, offset))
+        alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise _Corrupt(f"general.alignment {alignment!r} is not a power of two")
+        data_start = -(-self.pos // alignment) * alignment
+        return metadata, directory, data_start
+
+    def _room(self, count: int, min_size: int, what: str) -> None:
+        # a corrupt count must fail here, not after looping billions of times
+        if count * min_size > len(self.buf) - self.pos:
+            raise _Corrupt(f"truncated or corrupt: the header claims {count} {what}, more than the file holds")
+
+    def _u32(self) -> int:
+        (value,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return int(value)
+
+    def _u64(self) -> int:
+        (value,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return int(value)
+
+    def _str(self) -> str:
+        n = self._u64()
+        end = self.pos + n
+        if end > len(self.buf):
+            raise _Corrupt("truncated or corrupt: a string runs past the end of the file")
+        text = str(self.buf[self.pos : end], "utf-8")
+        self.pos = end
+        return text
+
+    def _value(self, vtype: GGUFValueType) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self._str()
+        if vtype == GGUFValueType.ARRAY:
+            return self._array()
+        fmt = _SCALAR_FORMATS[vtype]
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        if vtype == GGUFValueType.FLOAT32:
+            # float32's shortest decimal, so 1e-5 reads back as 1e-05, not 9.99999974e-06
+            return float(str(np.float32(value)))
+        return value
+
+    def _array(self) -> list[Any]:
+        etype = GGUFValueType(self._u32())
+        count = self._u64()
+        if etype == GGUFValueType.STRING:
+            self._room(count, 8, "strings")
+            return [self._str() for _ in range(count)]
+        if etype == GGUFValueType.ARRAY:
+            self._room(count, 12, "arrays")
+            return [self._array() for _ in range(count)]
+        fmt = "<" + _SCALAR_FORMATS[etype]
+        self._room(count, struct.calcsize(fmt), "array elements")
+        values = np.frombuffer(self.buf, dtype=np.dtype(fmt), count=count, offset=self.pos)
+        self.pos += values.nbytes
+        return values.tolist()  # plain Python ints / floats / bools
+
+
+def _read_tensors(
+    path: Path, data: np.ndarray, directory: list[tuple[str, tuple[int, ...], int, int]], data_start: int
+) -> dict[str, TensorInfo]:
+    file_size = int(data.shape[0])
     tensors: dict[str, TensorInfo] = {}
-    for rt in reader.tensors:
-        ggml_type = T(int(rt.tensor_type))
+    for name, shape, type_id, rel_offset in directory:
+        try:
+            ggml_type = T(type_id)
+        except ValueError:
+            raise UnsupportedModelError(path, f"tensor {name!r} has unknown type id {type_id}") from None
         if ggml_type not in SUPPORTED_TYPES:
             raise UnsupportedModelError(
-                path, f"tensor {rt.name!r} has type {ggml_type.name}, which trio-llm does not run"
+                path, f"tensor {name!r} has type {ggml_type.name}, which trio-llm does not run"
             )
-        shape = tuple(int(d) for d in reversed(rt.shape.tolist()))
-        n_bytes = int(rt.n_bytes)
-        start = int(rt.data_offset)
-        # GGUFReader already failed (above, in _open_reader) if these bytes run past the end
-        raw = reader.data[start : start + n_bytes]  # [n_bytes] uint8 view of the memmap
-        tensors[rt.name] = TensorInfo(
-            name=rt.name, ggml_type=ggml_type, shape=shape, raw=raw, n_bytes=n_bytes, offset=start
+        if name in tensors:
+            raise ModelLoadError(path, f"tensor {name!r} appears twice")
+        block, type_size = GGML_QUANT_SIZES[ggml_type]
+        if shape[-1] % block:
+            raise ModelLoadError(path, f"tensor {name!r} rows of {shape[-1]} do not fill {ggml_type.name} blocks")
+        n_bytes = int(np.prod(shape)) // block * type_size
+        start = data_start + rel_offset
+        if start + n_bytes > file_size:
+            raise ModelLoadError(
+                path, f"truncated: tensor {name!r} ends at byte {start + n_bytes} of a {file_size}-byte file"
+            )
+        raw = data[start : start + n_bytes]  # [n_bytes] uint8 view of the read-only memmap
+        tensors[name] = TensorInfo(
+            name=name, ggml_type=ggml_type, shape=shape, raw=raw, n_bytes=n_bytes, offset=start
         )
     return tensors
 
@@ -183,12 +291,23 @@ def _config_from(path: Path, md: dict[str, Any], tensors: dict[str, TensorInfo])
         raise UnsupportedModelError(
             path, f"architecture {arch!r} is not supported (supported: {', '.join(ARCH_ROPE)})"
         )
-    n_embd = _get(path, md, f"{arch}.embedding_length", int)
-    n_head = _get(path, md, f"{arch}.attention.head_count", int)
-    if n_head <= 0 or n_embd <= 0:
-        raise ModelLoadError(path, "embedding_length and head_count must be positive")
-    n_head_kv = _get(path, md, f"{arch}.attention.head_count_kv", int, n_head)
-    if n_head_kv <= 0 or n_head % n_head_kv:
+    def positive(key: str, default: int | None = None) -> int:
+        value: int = _get(path, md, f"{arch}.{key}", int, default)
+        if value <= 0:
+            raise ModelLoadError(path, f"metadata key '{arch}.{key}' is {value}, expected > 0")
+        return value
+
+    n_embd = positive("embedding_length")
+    n_head = positive("attention.head_count")
+    n_head_kv = positive("attention.head_count_kv", n_head)
+    n_layer = positive("block_count")
+    # each block has at least 9 tensors; checked before anything loops over blocks, so
+    # a corrupt count cannot make validation run for hours
+    if 9 * n_layer > len(tensors):
+        raise ModelLoadError(
+            path, f"block_count {n_layer} needs at least {9 * n_layer} tensors, the file has {len(tensors)}"
+        )
+    if n_head % n_head_kv:
         raise ModelLoadError(path, f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     tokens = md.get("tokenizer.ggml.tokens")
     if isinstance(tokens, list) and tokens:
@@ -204,12 +323,12 @@ def _config_from(path: Path, md: dict[str, Any], tensors: dict[str, TensorInfo])
         name=str(md.get("general.name", path.stem)),
         n_vocab=n_vocab,
         n_embd=n_embd,
-        n_layer=_get(path, md, f"{arch}.block_count", int),
+        n_layer=n_layer,
         n_head=n_head,
         n_head_kv=n_head_kv,
-        head_dim=_get(path, md, f"{arch}.attention.key_length", int, n_embd // n_head),
-        n_ff=_get(path, md, f"{arch}.feed_forward_length", int),
-        n_ctx_train=_get(path, md, f"{arch}.context_length", int),
+        head_dim=positive("attention.key_length", max(1, n_embd // n_head)),
+        n_ff=positive("feed_forward_length"),
+        n_ctx_train=positive("context_length"),
         rope_theta=_get(path, md, f"{arch}.rope.freq_base", float, 10000.0),
         rms_eps=_get(path, md, f"{arch}.attention.layer_norm_rms_epsilon", float, 1e-5),
         rope_mode=ARCH_ROPE[arch],
