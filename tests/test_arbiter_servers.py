@@ -219,3 +219,67 @@ async def test_interoperates_with_the_reference_stand_in(tiny_model: Path, tmp_p
     assert res["cycles"]["yields"] == 2
     code, log = await a.stop()
     assert code == 0 and "Traceback" not in log
+
+
+async def test_sigterm_while_waiting_for_the_token_at_load_exits_0(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Coordinated load: a server whose arena token is held elsewhere does not load
+    (``/health`` says loading), and a SIGTERM meanwhile is an ordinary clean stop."""
+    standin = subprocess.Popen(
+        [*STANDIN, "--arena", str(tmp_path), "--hold", "120", "--until-stdin"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert standin.stdin is not None and standin.stdout is not None
+    assert (await trio.to_thread.run_sync(standin.stdout.readline)).strip() == "waiting"
+    assert (await trio.to_thread.run_sync(standin.stdout.readline)).strip() == "token"
+    proc = await trio.lowlevel.open_process(
+        [*SERVE, "-m", str(tiny_model), "--vram-arena", str(tmp_path)], stderr=subprocess.PIPE
+    )
+    assert proc.stderr is not None
+    buf = b""
+    with trio.fail_after(60):
+        while b"waiting for the GPU token" not in buf:
+            chunk = await proc.stderr.receive_some()
+            assert chunk, buf.decode()
+            buf += chunk
+    url = re.search(r"listening on (http://\S+)", buf.decode())
+    assert url is not None
+    async with httpx.AsyncClient(base_url=url.group(1), timeout=30) as http:
+        assert (await http.get("/health")).status_code == 503
+    proc.send_signal(signal.SIGTERM)
+    with trio.fail_after(30):
+        while chunk := await proc.stderr.receive_some():
+            buf += chunk
+        assert await proc.wait() == 0
+    assert b"Traceback" not in buf and b"loading model" not in buf
+    standin.stdin.close()
+    assert await trio.to_thread.run_sync(standin.wait) == 0
+
+
+@pytest.mark.vulkan
+async def test_two_vulkan_servers_hand_off_device_memory(tiny_model: Path, tmp_path: Path) -> None:
+    """The same hand-off on the Vulkan backend (lavapipe in CI): a cold server at level
+    all holds no device memory, one at level weights keeps its KV cache, and the
+    prompt cache survives the round trip through the host."""
+    a = await start(tiny_model, tmp_path, "--backend", "vulkan", "--sleep-mode", "all")
+    b = await start(tiny_model, tmp_path, "--backend", "vulkan", "--sleep-mode", "weights")
+    res_a = await a.until(cold, "A yields to B's load")
+    assert res_a["device_bytes_total"] == 0
+    prompt = "The quick brown fox jumps over"
+    outs = []
+    for s in (a, b, a, b):
+        outs.append(await s.complete(prompt, n=2, temperature=0))
+    assert [o["timings"]["cache_n"] > 0 for o in outs] == [False, False, True, True]
+    # greedy: the same answer from the restored KV cache as from the fresh prefill
+    assert outs[0]["content"] == outs[2]["content"] and outs[1]["content"] == outs[3]["content"]
+    res_a = await a.until(cold, "A yields to B's request")
+    assert res_a["device_bytes_total"] == 0
+    res_b = (await b.residency())
+    assert res_b["state"] == "resident"
+    await a.complete(prompt, n=1)
+    res_b = await b.until(cold, "B yields")
+    assert res_b["device_bytes"]["weights"] == 0 and res_b["device_bytes"]["kv_cache"] > 0
+    for s in (a, b):
+        code, log = await s.stop()
+        assert code == 0 and "Traceback" not in log, log
