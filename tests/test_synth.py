@@ -90,6 +90,18 @@ def test_big_preset_tensor_bytes_match_llama_cpp(preset: str, quant: str, refere
     assert 2_500_000 < reference - data < 2_700_000
 
 
+@pytest.mark.parametrize(("preset", "quant"), [("tiny", "Q8_0"), ("tiny-qwen3", "Q4_K_M")])
+def test_planned_size_is_the_written_size(model_path, preset: str, quant: str) -> None:
+    assert synth.planned_file_bytes(preset, quant) == model_path(preset, quant).stat().st_size
+
+
+def test_big_preset_files_land_within_a_few_mb_of_llama_cpp() -> None:
+    """Header only (no weights generated): our vocabulary metadata differs from
+    llama.cpp's by a few MB at most."""
+    planned = synth.planned_file_bytes("llama-1b", "Q4_K_M")
+    assert abs(planned - 802_458_016) < 4_000_000
+
+
 def test_metadata_has_llama_cpp_keys(tiny_qwen3_model: Path) -> None:
     md = load_gguf(tiny_qwen3_model).metadata
     for key, value in {

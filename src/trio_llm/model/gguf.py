@@ -211,6 +211,19 @@ class _Header:
         self.pos = end
         return text
 
+    def _strings(self, count: int) -> list[str]:
+        # the hot loop of a load (a vocabulary is 100k+ strings): locals only
+        buf, pos, unpack, out = self.buf, self.pos, _U64.unpack_from, []
+        for _ in range(count):
+            (n,) = unpack(buf, pos)
+            pos += 8
+            out.append(str(buf[pos : pos + n], "utf-8"))
+            pos += n
+        if pos > len(buf):
+            raise _Corrupt("truncated or corrupt: a string runs past the end of the file")
+        self.pos = pos
+        return out
+
     def _value(self, vtype: GGUFValueType) -> Any:
         if vtype == GGUFValueType.STRING:
             return self._str()
@@ -229,7 +242,7 @@ class _Header:
         count = self._u64()
         if etype == GGUFValueType.STRING:
             self._room(count, 8, "strings")
-            return [self._str() for _ in range(count)]
+            return self._strings(count)
         if etype == GGUFValueType.ARRAY:
             self._room(count, 12, "arrays")
             return [self._array() for _ in range(count)]

@@ -291,6 +291,37 @@ def _group(name: str) -> str:
     return ".".join(name.split(".")[:2]) if name.startswith("blk.") else name.split(".")[0]
 
 
+def _writer(preset: Preset, quant: str, plans: list[TensorPlan]) -> gguf.GGUFWriter:
+    writer = gguf.GGUFWriter(path=None, arch=preset.arch)
+    _write_metadata(writer, preset, quant)
+    for t in plans:
+        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.n_bytes, raw_dtype=t.ggml_type)
+    return writer
+
+
+def planned_file_bytes(preset: str, quant: str) -> int:
+    """The exact size ``make_model`` will write, without generating any weights.
+
+    Writes only the header (metadata and tensor directory) to a scratch file; the
+    tensor data that follows is each tensor padded to the GGUF alignment.
+    """
+    if preset not in PRESETS:
+        raise MakeModelError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    plans = plan_tensors(PRESETS[preset], quant)
+    writer = _writer(PRESETS[preset], quant, plans)
+    align = writer.data_alignment
+    with tempfile.TemporaryDirectory() as scratch:
+        writer.write_header_to_file(Path(scratch) / "header.gguf")
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        assert writer.fout is not None
+        header = writer.fout[0].tell()
+        writer.close()
+    return gguf.GGUFWriter.ggml_pad(header, align) + sum(
+        gguf.GGUFWriter.ggml_pad(t.n_bytes, align) for t in plans
+    )
+
+
 def make_model(
     preset: str,
     quant: str,
@@ -314,11 +345,7 @@ def make_model(
         n_values = sum(int(np.prod(t.shape)) for t in plans)
         workers = (os.cpu_count() or 1) if n_values > POOL_THRESHOLD else 1
     path = Path(path)
-    writer = gguf.GGUFWriter(path=None, arch=p.arch)
-    _write_metadata(writer, p, quant)
-    for t in plans:
-        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.n_bytes, raw_dtype=t.ggml_type)
-
+    writer = _writer(p, quant, plans)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
