@@ -158,3 +158,20 @@ def test_report_of_an_empty_failed_run(tmp_path: Path) -> None:
     assert not summary.passed
     assert "server a exited with 1 while starting" in summary.text
     assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
+def test_a_frozen_streaming_holder_still_counts_as_holding() -> None:
+    """a is frozen right after its first token, before any poll saw it resident: b's
+    request is still a hand-off, because only a resident server streams an answer."""
+    r = Record(scenario={"name": "frozen", "length": 1}, expect=Expectations(),
+               servers=[_server("a"), _server("b")], duration_s=4.0)
+    _poll_span(r, "a", "cold", 0.0, 1.0, MIB)
+    r.add_poll("a", 1.0, 1.0, "frozen")
+    r.add_poll("a", 3.0, 3.0, "frozen")
+    _poll_span(r, "a", "resident", 3.0, 4.0, 40 * MIB)
+    _poll_span(r, "b", "resident", 0.0, 0.95, 40 * MIB)
+    _poll_span(r, "b", "cold", 0.95, 3.2, MIB)
+    _poll_span(r, "b", "resident", 3.2, 4.0, 40 * MIB)
+    r.requests = [_req(0, "a", 0.9, 0.98, 3.1), _req(1, "b", 1.05, 3.3, 3.5)]
+    handoffs = report.analyse(r).handoffs
+    assert [(h.request, h.server, h.from_server) for h in handoffs] == [(0, "a", "b"), (1, "b", "a")]

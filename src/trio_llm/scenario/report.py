@@ -161,10 +161,16 @@ def _few(items: list[str], n: int = 3) -> str:
 
 
 def find_handoffs(record: Record, states: _States) -> list[Handoff]:
-    """Requests that arrived at a cold arena server while another held the token
-    (resident, or already releasing/restoring, which also needs the token)."""
+    """Requests that arrived at a cold arena server while another held the token:
+    polled as resident (or releasing/restoring, which also need the token), or in the
+    middle of streaming an answer, which only a resident server can do (this catches
+    a holder frozen before a poll saw it resident)."""
     arena = {s["name"] for s in record.servers if s.get("arena")}
     holding = ("resident", "releasing", "restoring")
+    streaming: dict[str, list[tuple[float, float]]] = {}
+    for q in record.requests:
+        if q.first_token is not None and q.done is not None:
+            streaming.setdefault(q.server, []).append((q.first_token, q.done))
     found = []
     for r in record.requests:
         if r.server not in arena:
@@ -179,6 +185,7 @@ def find_handoffs(record: Record, states: _States) -> list[Handoff]:
                     run.state in holding or run.token_held
                     for run in states.around(other, r.sent, until)
                 )
+                or any(lo <= r.sent <= hi for lo, hi in streaming.get(other, []))
             ),
             None,
         )
