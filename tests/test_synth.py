@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as T
 
+from trio_llm.errors import ModelLoadError
 from trio_llm.model import synth
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.synth import PRESETS, make_model, plan_tensors, use_more_bits
@@ -179,6 +180,15 @@ def test_default_model_is_made_once_under_a_versioned_name(
     assert model.tensor("blk.3.ffn_down.weight").ggml_type == T.Q8_0
 
 
+def test_default_model_in_an_unusable_cache_is_a_load_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "trio-llm").write_text("a file where the cache directory should be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.raises(ModelLoadError, match="cannot write the default model"):
+        synth.default_model_path()
+
+
 def test_default_model_survives_two_processes_racing(tmp_path: Path) -> None:
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     code = "from trio_llm.model.synth import default_model_path; print(default_model_path())"
@@ -193,3 +203,30 @@ def test_default_model_survives_two_processes_racing(tmp_path: Path) -> None:
     assert model.config.name == "trio-llm demo"
     leftovers = [p.name for p in (tmp_path / "trio-llm" / "models").iterdir()]
     assert leftovers == [Path(outs[0]).name]
+
+
+@pytest.mark.reference
+def test_transformers_reads_our_files(model_path) -> None:
+    """Hugging Face transformers' GGUF loader (an independent reader that maps
+    llama.cpp's names and metadata onto its own model classes) accepts the files and
+    sees the same weights, biases included."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    for preset in ("tiny", "tiny-qwen2"):
+        path = model_path(preset, "Q8_0")
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        ours = load_gguf(path)
+        assert hf.config.num_hidden_layers == ours.config.n_layer
+        assert hf.config.num_key_value_heads == ours.config.n_head_kv
+        layer = hf.model.layers[1]
+        for name, tensor in [
+            ("token_embd.weight", hf.model.embed_tokens.weight),
+            ("blk.1.ffn_down.weight", layer.mlp.down_proj.weight),
+            ("blk.1.ffn_norm.weight", layer.post_attention_layernorm.weight),
+            ("output.weight", hf.lm_head.weight),
+        ]:
+            assert (ours.tensor(name).dequantize() == tensor.detach().numpy()).all(), name
+        if preset == "tiny-qwen2":
+            bias = layer.self_attn.v_proj.bias.detach().numpy()
+            assert (ours.tensor("blk.1.attn_v.bias").dequantize() == bias).all()

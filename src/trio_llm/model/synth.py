@@ -33,7 +33,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 
-from trio_llm.errors import TrioLLMError
+from trio_llm.errors import ModelLoadError, TrioLLMError
 from trio_llm.model.config import ARCH_ROPE, ModelConfig
 from trio_llm.model.gguf import expected_shapes
 from trio_llm.model.quant import quantize, tensor_bytes
@@ -403,10 +403,13 @@ def default_model_path() -> Path:
     import platformdirs
 
     directory = Path(platformdirs.user_cache_dir("trio-llm")) / "models"
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{DEFAULT_PRESET}-{DEFAULT_QUANT}-{generator_version()}.gguf"
     if not path.exists():
-        make_model(DEFAULT_PRESET, DEFAULT_QUANT, path, seed=0)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            make_model(DEFAULT_PRESET, DEFAULT_QUANT, path, seed=0)
+        except OSError as exc:
+            raise ModelLoadError(path, f"cannot write the default model: {exc.strerror or exc}") from None
     return path
 
 
