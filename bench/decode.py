@@ -143,7 +143,8 @@ def main() -> int:
     common.print_table(table)
     params = {"model": str(path), "preset": args.preset, "quant": args.quant, "pp": args.pp,
               "tg": args.tg, "repeats": args.repeats, "warmup": args.warmup}
-    out = common.write_result(f"decode-{args.preset}-{args.quant}", params, rows)
+    name = f"decode-{path.stem}" if args.model else f"decode-{args.preset}-{args.quant}"
+    out = common.write_result(name, params, rows)
     print(f"wrote {out.relative_to(common.ROOT)}")
     model.close()
     return 0

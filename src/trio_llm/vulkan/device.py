@@ -232,6 +232,8 @@ def open_device(selector: str | None = None) -> Device:
         return _open(vk, selector)
     except (vk.VkErrorIncompatibleDriver, vk.VkErrorInitializationFailed) as exc:
         raise BackendUnavailable(f"no usable Vulkan driver: {type(exc).__name__}") from exc
+    except (vk.VkError, vk.VkException) as exc:
+        raise BackendError(f"opening the Vulkan device failed: {type(exc).__name__}") from exc
 
 
 def _open(vk: Any, selector: str | None) -> Device:
@@ -242,8 +244,9 @@ def _open(vk: Any, selector: str | None) -> Device:
         engineVersion=1,
         apiVersion=vk.VK_MAKE_VERSION(1, 2, 0),
     )
-    with vk_errors("create instance"):
-        instance = vk.vkCreateInstance(vk.VkInstanceCreateInfo(pApplicationInfo=app), None)
+    # no vk_errors here: open_device maps a missing or incompatible driver to
+    # BackendUnavailable, which lets "--backend auto" fall back to numpy
+    instance = vk.vkCreateInstance(vk.VkInstanceCreateInfo(pApplicationInfo=app), None)
     try:
         physicals = vk.vkEnumeratePhysicalDevices(instance)
         infos = []
