@@ -38,7 +38,27 @@ def weight_bytes_per_token(model) -> int:  # type: ignore[no-untyped-def]
     return total
 
 
-def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int) -> dict:  # type: ignore[no-untyped-def]
+def measure_residency(be, repeats: int) -> dict:  # type: ignore[no-untyped-def]
+    """Release and restore at each level: seconds each way and the device bytes left."""
+    from trio_llm.engine.backend import Level
+
+    out = {}
+    resident = sum(be.memory().values())
+    for level in (Level.WEIGHTS, Level.ALL):
+        rel: list[float] = []
+        res: list[float] = []
+        cold = 0
+        for _ in range(repeats):
+            rel.append(common.timed(lambda lv=level: be.release(lv))[0])
+            cold = sum(be.memory().values())
+            res.append(common.timed(be.restore)[0])
+        out[level.value] = {"release_s": common.stats(rel), "restore_s": common.stats(res),
+                            "cold_bytes": cold, "resident_bytes": resident}
+    return out
+
+
+def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  # type: ignore[no-untyped-def]
+                residency_too: bool = False) -> dict:
     n_ctx = max(pp, tg) + 8
     if kind == "vulkan":
         from trio_llm.vulkan.backend import VulkanBackend
@@ -94,6 +114,7 @@ def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int) -
               + (" (warm-up)" if i < warmup else ""), file=sys.stderr, flush=True)
     info = be.device_info()
     mem = be.memory()
+    residency = measure_residency(be, repeats) if kind == "vulkan" and residency_too else None
     be.close()
     out = {
         "backend": kind,
@@ -104,6 +125,8 @@ def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int) -
         "ms_per_token": common.stats([1e3 * t / tg for t in tg_t]),
         "memory": mem,
     }
+    if residency is not None:
+        out["residency"] = residency
     if kind == "vulkan":
         out["gpu_ms_per_token"] = common.stats([1e3 * t / tg for t in replay_t])
         out["python_us_per_token"] = common.stats([1e6 * t / tg for t in python_t])
@@ -120,13 +143,14 @@ def main() -> int:
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--residency", action="store_true", help="also time release/restore (Vulkan)")
     args = ap.parse_args()
     path = args.model or common.model_file(args.preset, args.quant)
     model = load_gguf(path)
     per_token = weight_bytes_per_token(model)
     rows = []
     for kind in args.backends.split(","):
-        r = run_backend(kind.strip(), model, args.pp, args.tg, args.repeats, args.warmup)
+        r = run_backend(kind.strip(), model, args.pp, args.tg, args.repeats, args.warmup, args.residency)
         r["bytes_per_token"] = per_token
         r["hbm_share"] = common.stats([v * per_token / HBM_BYTES_PER_S for v in r["tg_tps"].values])
         rows.append(r)
@@ -141,6 +165,11 @@ def main() -> int:
         for r in rows
     ]
     common.print_table(table)
+    for r in rows:
+        for level, fig in (r.get("residency") or {}).items():
+            print(f"{r['backend']} release({level}): {fig['release_s'].median * 1e3:.1f} ms, "
+                  f"restore {fig['restore_s'].median * 1e3:.1f} ms, cold {fig['cold_bytes'] / 2**20:.1f} MiB "
+                  f"of {fig['resident_bytes'] / 2**20:.1f} MiB")
     params = {"model": str(path), "preset": args.preset, "quant": args.quant, "pp": args.pp,
               "tg": args.tg, "repeats": args.repeats, "warmup": args.warmup}
     name = f"decode-{path.stem}" if args.model else f"decode-{args.preset}-{args.quant}"
