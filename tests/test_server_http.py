@@ -437,3 +437,19 @@ async def test_sleep_endpoints_without_sleep_support(start: Start) -> None:
         assert r.status_code == 400
         r = await c.post("/wake_up")
         assert r.status_code == 200 and r.json()["is_sleeping"] is False
+
+
+async def test_prompt_cache_across_sleep_levels(start: Start) -> None:
+    """A release that keeps the KV cache keeps the prompt cache; an unload destroys
+    it, and the slots loop notices (the gate's kv_epoch) instead of reusing garbage."""
+    h = await start(parallel=1, sleep_idle_seconds=3600)
+    body = {"prompt": PROMPT, "n_predict": 6}
+    async with client(h) as c:
+        first = (await c.post("/completion", json=body)).json()
+        for level, cached in (("weights", True), ("all", True), ("unload", False)):
+            r = await c.post(f"/sleep?level={level}")
+            assert r.status_code == 200 and r.json()["is_sleeping"] is True
+            assert (await c.get("/props")).json()["is_sleeping"] is True
+            again = (await c.post("/completion", json=body)).json()
+            assert again["tokens"] == first["tokens"], level
+            assert (again["timings"]["cache_n"] > 0) is cached, level
