@@ -103,6 +103,21 @@ def test_big_preset_files_land_within_a_few_mb_of_llama_cpp() -> None:
     assert abs(planned - 802_458_016) < 4_000_000
 
 
+def test_llama3_presets_carry_rope_freqs_like_llama_cpp(tmp_path: Path) -> None:
+    """Llama 3.1/3.2 stretch low RoPE frequencies for long context; llama.cpp keeps
+    the per-frequency divisors in an F32 ``rope_freqs.weight`` of head_dim/2 values."""
+    for preset, factor, n in (("llama-1b", 32.0, 32), ("llama-8b", 8.0, 64)):
+        plan = plan_tensors(PRESETS[preset], "Q4_K_M")[0]
+        assert (plan.name, plan.shape, plan.ggml_type) == ("rope_freqs.weight", (n,), T.F32)
+        values = plan.values
+        assert values is not None and values[0] == 1.0 and values[-1] == factor
+        assert all(a <= b for a, b in zip(values, values[1:], strict=False))
+        assert any(1.0 < v < factor for v in values)  # the smoothly interpolated band
+        raw = synth.make_chunk(0, plan, 0, (0, 1))
+        assert raw.view("<f4").tolist() == list(values)
+    assert all(t.name != "rope_freqs.weight" for t in plan_tensors(PRESETS["tiny"], "Q8_0"))
+
+
 def test_metadata_has_llama_cpp_keys(tiny_qwen3_model: Path) -> None:
     md = load_gguf(tiny_qwen3_model).metadata
     for key, value in {

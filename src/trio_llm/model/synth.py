@@ -67,6 +67,9 @@ class Preset:
     vocab_family: VocabFamily
     rms_eps: float
     model_name: str
+    #: Llama 3.1+ long-context RoPE (factor, low_freq_factor, high_freq_factor,
+    #: original context), stored as llama.cpp does: a ``rope_freqs.weight`` tensor
+    rope_scaling: tuple[float, float, float, int] | None = None
 
     def config(self) -> ModelConfig:
         return ModelConfig(
@@ -90,13 +93,15 @@ class Preset:
 
 
 def _preset(name: str, arch: str, dims: tuple[int, ...], tied: bool, theta: float, n_ctx: int,
-            vocab: tuple[VocabStyle, VocabFamily], model_name: str) -> Preset:
+            vocab: tuple[VocabStyle, VocabFamily], model_name: str,
+            rope_scaling: tuple[float, float, float, int] | None = None) -> Preset:
     n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff, n_vocab = dims
     return Preset(
         name=name, arch=arch, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
         n_head_kv=n_head_kv, head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab, tied=tied,
         rope_theta=theta, n_ctx=n_ctx, vocab_style=vocab[0], vocab_family=vocab[1],
         rms_eps=1e-5 if arch == "llama" else 1e-6, model_name=model_name,
+        rope_scaling=rope_scaling,
     )
 
 
@@ -114,9 +119,9 @@ PRESETS: dict[str, Preset] = {
         _preset("demo", "llama", (512, 4, 8, 4, 64, 1024, 4096), False, 1e4, 4096,
                 ("gpt2", "llama3"), "trio-llm demo"),
         _preset("llama-1b", "llama", (2048, 16, 32, 8, 64, 8192, 128256), True, 5e5, 131072,
-                ("gpt2", "llama3"), "synthetic Llama-3.2-1B shape"),
+                ("gpt2", "llama3"), "synthetic Llama-3.2-1B shape", (32.0, 1.0, 4.0, 8192)),
         _preset("llama-8b", "llama", (4096, 32, 32, 8, 128, 14336, 128256), False, 5e5, 131072,
-                ("gpt2", "llama3"), "synthetic Llama-3.1-8B shape"),
+                ("gpt2", "llama3"), "synthetic Llama-3.1-8B shape", (8.0, 1.0, 4.0, 8192)),
         _preset("qwen3-0.6b", "qwen3", (1024, 28, 16, 8, 128, 3072, 151936), True, 1e6, 40960,
                 ("gpt2", "chatml"), "synthetic Qwen3-0.6B shape"),
     ]
@@ -146,7 +151,8 @@ class TensorPlan:
     name: str
     shape: tuple[int, ...]  # numpy order
     ggml_type: T
-    kind: Literal["matrix", "norm", "bias"]
+    kind: Literal["matrix", "norm", "bias", "const"]
+    values: tuple[float, ...] | None = None  # the contents of a "const" tensor
 
     @property
     def n_bytes(self) -> int:
@@ -185,6 +191,9 @@ def plan_tensors(preset: Preset, quant: str) -> list[TensorPlan]:
         raise MakeModelError(f"unknown quant {quant!r} (choose from {', '.join(QUANTS)})")
     cfg = preset.config()
     plans = []
+    if preset.rope_scaling is not None:
+        factors = llama3_rope_factors(cfg.head_dim, cfg.rope_theta, *preset.rope_scaling)
+        plans.append(TensorPlan("rope_freqs.weight", (len(factors),), T.F32, "const", factors))
     for name, shape in expected_shapes(cfg).items():
         if len(shape) == 2:
             plans.append(TensorPlan(name, shape, _matrix_type(name, quant, cfg), "matrix"))
@@ -194,6 +203,24 @@ def plan_tensors(preset: Preset, quant: str) -> list[TensorPlan]:
     return plans
 
 
+def llama3_rope_factors(
+    head_dim: int, theta: float, factor: float, low_freq_factor: float, high_freq_factor: float,
+    original_ctx: int,
+) -> tuple[float, ...]:
+    """Per-frequency divisors of Llama 3.1's RoPE: wavelengths shorter than
+    ``original_ctx / high_freq_factor`` keep their frequency (1), longer than
+    ``original_ctx / low_freq_factor`` are slowed by ``factor``, and the band in
+    between is interpolated smoothly. llama.cpp reads them from ``rope_freqs.weight``
+    and divides each rotation frequency by its factor."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [head_dim/2]
+    wavelen = 2 * np.pi / freqs
+    smooth = (original_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    mid = 1.0 / ((1.0 - smooth) / factor + smooth)
+    out = np.where(wavelen < original_ctx / high_freq_factor, 1.0,
+                   np.where(wavelen > original_ctx / low_freq_factor, factor, mid))
+    return tuple(float(v) for v in out.astype(np.float32))
+
+
 def _chunk_rng(seed: int, name: str, chunk: int) -> np.random.Generator:
     name_key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
     return np.random.default_rng(np.random.SeedSequence([seed, name_key, chunk]))
@@ -201,6 +228,8 @@ def _chunk_rng(seed: int, name: str, chunk: int) -> np.random.Generator:
 
 def make_chunk(seed: int, plan: TensorPlan, chunk: int, rows: tuple[int, int]) -> np.ndarray:
     """The encoded bytes of rows ``rows`` of one tensor (a pool work unit)."""
+    if plan.kind == "const":
+        return quantize(np.asarray(plan.values, dtype=np.float32), plan.ggml_type)
     rng = _chunk_rng(seed, plan.name, chunk)
     shape = (rows[1] - rows[0], *plan.shape[1:]) if len(plan.shape) > 1 else plan.shape
     values = rng.standard_normal(shape, dtype=np.float32)  # [rows, n_in] or [n]
