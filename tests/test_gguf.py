@@ -268,3 +268,14 @@ def test_head_counts_must_divide(tmp_path: Path) -> None:
 def test_corrupt_block_count_fails_fast(tmp_path: Path) -> None:
     path = _write(tmp_path / "b.gguf", override={"llama.block_count": 4_000_000_000})
     assert "block_count 4000000000 needs at least" in _load_error(path)
+
+
+def test_misaligned_tensor_data(tmp_path: Path) -> None:
+    data = bytearray(_write(tmp_path / "ok.gguf").read_bytes())
+    name = b"output_norm.weight"
+    at = data.index(name) + len(name) + 4 + 8 + 4  # past n_dims, ne[0], type: the offset
+    offset = int.from_bytes(data[at : at + 8], "little")
+    data[at : at + 8] = (offset + 4).to_bytes(8, "little")
+    path = tmp_path / "misaligned.gguf"
+    path.write_bytes(bytes(data))
+    assert "'output_norm.weight' data is not aligned to 32 bytes" in _load_error(path)

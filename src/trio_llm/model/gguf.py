@@ -14,6 +14,7 @@ serves as the host shadow of the weights when the device copy is released.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from pathlib import Path
@@ -94,12 +95,12 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     path = Path(path)
     data = _open_map(path)
     try:
-        metadata, directory, data_start = _Header(data.data).parse()
+        metadata, directory, data_start, alignment = _Header(data.data).parse()
     except (struct.error, UnicodeDecodeError, ValueError, OverflowError) as exc:
         raise ModelLoadError(path, f"truncated or corrupt GGUF file ({_one_line(exc)})") from None
     except _Corrupt as exc:
         raise ModelLoadError(path, str(exc)) from None
-    tensors = _read_tensors(path, data, directory, data_start)
+    tensors = _read_tensors(path, data, directory, data_start, alignment)
     config = _config_from(path, metadata, tensors)
     _check_tensors(path, config, tensors)
     return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors, map=data)
@@ -155,7 +156,7 @@ class _Header:
     buf: memoryview  # of the memory map: slicing a memoryview is cheap, a memmap's is not
     pos: int = 0
 
-    def parse(self) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], int]:
+    def parse(self) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], int, int]:
         self.pos = 4  # magic, checked when the file was opened
         version = self._u32()
         if version & 0xFFFF == 0 and version != 0:
@@ -185,7 +186,7 @@ class _Header:
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise _Corrupt(f"general.alignment {alignment!r} is not a power of two")
         data_start = -(-self.pos // alignment) * alignment
-        return metadata, directory, data_start
+        return metadata, directory, data_start, alignment
 
     def _room(self, count: int, min_size: int, what: str) -> None:
         # a corrupt count must fail here, not after looping billions of times
@@ -254,7 +255,11 @@ class _Header:
 
 
 def _read_tensors(
-    path: Path, data: np.ndarray, directory: list[tuple[str, tuple[int, ...], int, int]], data_start: int
+    path: Path,
+    data: np.ndarray,
+    directory: list[tuple[str, tuple[int, ...], int, int]],
+    data_start: int,
+    alignment: int,
 ) -> dict[str, TensorInfo]:
     file_size = int(data.shape[0])
     tensors: dict[str, TensorInfo] = {}
@@ -272,7 +277,9 @@ def _read_tensors(
         block, type_size = GGML_QUANT_SIZES[ggml_type]
         if shape[-1] % block:
             raise ModelLoadError(path, f"tensor {name!r} rows of {shape[-1]} do not fill {ggml_type.name} blocks")
-        n_bytes = int(np.prod(shape)) // block * type_size
+        n_bytes = math.prod(shape) // block * type_size  # Python ints: corrupt dims cannot wrap
+        if rel_offset % alignment:
+            raise ModelLoadError(path, f"tensor {name!r} data is not aligned to {alignment} bytes")
         start = data_start + rel_offset
         if start + n_bytes > file_size:
             raise ModelLoadError(
