@@ -449,6 +449,7 @@ def _server_figures(record: Record, name: str, handoffs: list[Handoff]) -> Serve
 def markdown(record: Record, analysis: Analysis, png: str | None = "timeline.png") -> str:
     sc = record.scenario
     f = analysis.figures
+    scenario_servers = [s for s in record.servers if not s.get("reference")]
     verdict = "PASS" if analysis.passed else "FAIL"
     run_kind = "full" if sc.get("full") else "short"
     lines = [
@@ -457,7 +458,7 @@ def markdown(record: Record, analysis: Analysis, png: str | None = "timeline.png
         str(sc.get("description", "")).strip(),
         "",
         f"{run_kind} run (length {sc.get('length')}) · backend `{sc.get('backend')}` · "
-        f"{record.duration_s:.1f} s · {len(record.servers)} server(s) · started {record.started_at}",
+        f"{record.duration_s:.1f} s · {len(scenario_servers)} server(s) · started {record.started_at}",
         "",
         "## Summary",
         "",
@@ -490,6 +491,8 @@ def markdown(record: Record, analysis: Analysis, png: str | None = "timeline.png
     infos = {s["name"]: s for s in record.servers}
     for s in analysis.servers:
         info = infos.get(s.name, {})
+        if info.get("reference"):
+            continue
         mode = info.get("sleep_mode", "") if info.get("arena") else "(no arena)"
         lines.append(
             f"| {s.name} | {info.get('model_key', '')} | {mode} | {s.requests} ({s.answered}) "
@@ -497,12 +500,23 @@ def markdown(record: Record, analysis: Analysis, png: str | None = "timeline.png
             f"| {_fmt_mib(s.max_device_bytes)} / {_fmt_mib(s.cold_device_bytes)} "
             f"| {', '.join(s.exits) or '–'} |"
         )
-    faults = [e for e in record.events if e.kind in ("signal", "check")]
+    # the runner's own final stops are not faults: only what the script did
+    faults = [
+        e for e in record.events
+        if e.kind == "check" or (e.kind == "signal" and e.cause in (None, "step", "term"))
+    ]
     if faults:
         lines += ["", "## Faults and checks", "", "| t | server | event |", "| ---: | --- | --- |"]
         for e in faults:
             what = e.detail if e.kind == "signal" else f"{'ok' if e.ok else 'FAILED'}: {e.detail}"
             lines.append(f"| {e.t:.2f} s | {e.server} | {what.replace('|', '/')} |")
+    if record.references:
+        answered = sum(ref.content is not None for ref in record.references)
+        lines += [
+            "",
+            f"Reference run: {answered}/{len(record.references)} distinct prompts answered by a "
+            "plain server (no arena, one slot) on the same model after the scenario.",
+        ]
     if record.notes:
         lines += ["", "## Runner notes", ""] + [f"- {n.splitlines()[0]}" for n in record.notes]
     if png:
@@ -510,7 +524,7 @@ def markdown(record: Record, analysis: Analysis, png: str | None = "timeline.png
     lines += [
         "",
         "Definitions: a *hand-off* is a request sent to a cold arena server while another "
-        "was resident, timed from sending to its first token (to the whole answer when not "
+        "held the GPU, timed from sending to its first token (to the whole answer when not "
         "streamed); states come from polling `/props` every "
         f"{record.scenario.get('poll_interval_s', 0.02):g} s.",
         "",
@@ -590,7 +604,7 @@ def timeline(record: Record, path: Path) -> None:
         if e.kind == "signal":
             lanes.text(e.t, y + 0.47, label, fontsize=7, color=colour, ha="center", va="bottom")
         else:
-            lanes.text(e.t, y - 0.47, label, fontsize=7, color=colour, ha="center", va="top")
+            lanes.text(e.t, y - 0.47, f" {label}", fontsize=7, color=colour, ha="left", va="top")
     lanes.set_yticks([ypos[n_] for n_ in names], names)
     lanes.set_ylim(-0.7, n - 0.25)
     lanes.set_title(

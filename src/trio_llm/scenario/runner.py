@@ -156,11 +156,13 @@ class Runner:
         server.exited.set()
         self.say(f"{server.spec.name}: exited with {code} ({cause})")
 
-    def _signal(self, server: ServerSlot, sig: signal.Signals) -> None:
+    def _signal(self, server: ServerSlot, sig: signal.Signals, cause: str = "step") -> None:
         process = server.process
         if process is None or process.returncode is not None:
             return
-        self.record.events.append(rec.Event(self.now(), server.spec.name, "signal", sig.name))
+        self.record.events.append(
+            rec.Event(self.now(), server.spec.name, "signal", sig.name, cause=cause)
+        )
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
@@ -184,17 +186,17 @@ class Runner:
             async with server.poll_lock:
                 await server.close_client()
         server.exit_cause = cause
-        self._signal(server, signal.SIGTERM)
+        self._signal(server, signal.SIGTERM, cause)
         frozen = server.status == "frozen"
         server.status = "stopping"
         if frozen:
-            self._signal(server, signal.SIGCONT)
+            self._signal(server, signal.SIGCONT, cause)
         with trio.move_on_after(within_s):
             await server.exited.wait()
             assert server.process is not None
             return server.process.returncode
         server.exit_cause = f"{cause} (killed after {within_s:g} s)"
-        self._signal(server, signal.SIGKILL)
+        self._signal(server, signal.SIGKILL, cause)
         with trio.move_on_after(5.0):
             await server.exited.wait()
         return None
