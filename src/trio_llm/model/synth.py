@@ -320,6 +320,13 @@ def _group(name: str) -> str:
     return ".".join(name.split(".")[:2]) if name.startswith("blk.") else name.split(".")[0]
 
 
+def _usable_cpus() -> int:
+    """CPUs this process may run on (a container's affinity mask, not the host's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def _writer(preset: Preset, quant: str, plans: list[TensorPlan]) -> gguf.GGUFWriter:
     writer = gguf.GGUFWriter(path=None, arch=preset.arch)
     _write_metadata(writer, preset, quant)
@@ -372,7 +379,7 @@ def make_model(
     plans = plan_tensors(p, quant)
     if workers is None:
         n_values = sum(int(np.prod(t.shape)) for t in plans)
-        workers = (os.cpu_count() or 1) if n_values > POOL_THRESHOLD else 1
+        workers = _usable_cpus() if n_values > POOL_THRESHOLD else 1
     path = Path(path)
     writer = _writer(p, quant, plans)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -488,6 +495,11 @@ def main(argv: list[str]) -> int:
                    progress=None if args.quiet else report, workers=args.workers)
     except OSError as exc:
         print(f"trio-llm make-model: error: {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except (cf.process.BrokenProcessPool, MemoryError):
+        print("trio-llm make-model: error: a worker process died (killed, or out of memory); "
+              "try fewer --workers",
+              file=sys.stderr)
         return 1
     if not args.quiet:
         report(f"wrote {args.output} ({args.output.stat().st_size:,} bytes)")
