@@ -119,6 +119,7 @@ class Step:
     # term
     expect_exit: int = 0
     within_s: float = 10.0
+    hang_up: bool = False  # term: close the runner's idle connections first
 
 
 @attrs.frozen
@@ -500,6 +501,7 @@ def _read_step(t: _Table, servers: tuple[str, ...]) -> Step:
         if action == "term":
             kw["expect_exit"] = t.int_("expect_exit", 0)
             kw["within_s"] = t.float_("within_s", 10.0, positive=True)
+            kw["hang_up"] = t.bool_("hang_up", False)
         elif action == "restart":
             kw["timeout_s"] = t.opt_float("timeout_s", positive=True)
     t.done()

@@ -424,13 +424,15 @@ class Runner:
         elif action == "term":
             started = trio.current_time()
             state = server.state
-            code = await self.stop_server(server, "term", step.within_s)
+            code = await self.stop_server(server, "term", step.within_s, hang_up=step.hang_up)
             took = trio.current_time() - started
             ok = code == step.expect_exit
+            conns = "runner hung up first" if step.hang_up else "idle keep-alive connections open"
             self.check(
                 server.spec.name, ok,
-                f"{name}: SIGTERM while {state} → exit {code if code is not None else 'none (killed)'} "
-                f"after {took:.2f} s (expected {step.expect_exit} within {step.within_s:g} s)",
+                f"{name}: SIGTERM while {state} ({conns}) → exit "
+                f"{code if code is not None else 'none (killed)'} after {took:.2f} s "
+                f"(expected {step.expect_exit} within {step.within_s:g} s)",
             )
 
     async def drain(self) -> None:
