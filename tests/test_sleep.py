@@ -4,9 +4,11 @@ arena: its own open file descriptions, so flock conflicts exactly as across
 processes.
 
 A note on exact times: MockClock's autojump also fires while a backend call runs on
-a worker thread (that task counts as blocked), so exact virtual times are asserted
-at decision points (state RELEASING observed, probe counts), never across a
-backend call racing another pending deadline."""
+a worker thread (that task counts as blocked), jumping to the next pending deadline.
+So exact virtual times are asserted at decision points (state RELEASING observed,
+probe counts), never across a backend call racing another pending deadline; every
+file is opened before the controller starts; and no test keeps a fail_after
+deadline pending across a backend call."""
 
 from __future__ import annotations
 
@@ -42,12 +44,16 @@ class Stack:
     client: BackendClient
     backend: NumpyBackend
     nursery: trio.Nursery
+    other: Arbiter  # "another process": its own open file descriptions of the arena
 
 
 @asynccontextmanager
 async def stack(
     model: Path, arena: Path | None, cfg: SleepConfig, n_seq: int = 1
 ) -> AsyncIterator[Stack]:
+    # every thread call (opening files here) happens before the controller starts:
+    # autojump would otherwise move the clock past its deadlines meanwhile
+    other = await open_arbiter(arena)
     arbiter = await open_arbiter(arena)
     await arbiter.take()  # coordinated load: the token before the weights
     gg = load_gguf(model)
@@ -62,11 +68,12 @@ async def stack(
             await nursery.start(residency.run)
             ctl = SleepController(cfg, residency, arbiter)
             await nursery.start(ctl.run)
-            yield Stack(ctl, residency, arbiter, client, backend, nursery)
+            yield Stack(ctl, residency, arbiter, client, backend, nursery, other)
             nursery.cancel_scope.cancel()
     finally:
         backend.close()
         arbiter.close()
+        other.close()
 
 
 async def released_at(res: Residency) -> float:
@@ -187,7 +194,7 @@ async def test_probe_cadence_and_yield_time(
 ) -> None:
     async with stack(tiny_model, tmp_path, SleepConfig(Level.WEIGHTS)) as s:
         t0 = s.ctl.statistics().woke_at
-        other = await open_arbiter(tmp_path)
+        other = s.other
         await trio.sleep_until(t0 + 0.2035)  # probes at +0.100, +0.110, ... +0.200
         async with trio.open_nursery() as nursery:
             nursery.start_soon(other.take)
@@ -205,7 +212,7 @@ async def test_no_yield_within_grace_of_a_wake(
 ) -> None:
     async with stack(tiny_model, tmp_path, SleepConfig(Level.WEIGHTS)) as s:
         t0 = s.ctl.statistics().woke_at
-        other = await open_arbiter(tmp_path)
+        other = s.other
         async with trio.open_nursery() as nursery:
             nursery.start_soon(other.take)  # registers at once, inside the start-up grace
             assert await released_at(s.residency) == pytest.approx(t0 + 0.1, abs=EPS)
@@ -228,7 +235,7 @@ async def test_holder_keeps_the_gpu_while_busy(
     tiny_model: Path, tmp_path: Path, autojump_clock: object
 ) -> None:
     async with stack(tiny_model, tmp_path, SleepConfig(Level.WEIGHTS)) as s:
-        other = await open_arbiter(tmp_path)
+        other = s.other
         s.ctl.set_busy(True)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(other.take)
@@ -247,7 +254,7 @@ async def test_a_waiter_that_left_is_not_latched(
 ) -> None:
     """A waiter that registers and leaves before the probe causes no release later."""
     async with stack(tiny_model, tmp_path, SleepConfig(Level.WEIGHTS)) as s:
-        other = await open_arbiter(tmp_path)
+        other = s.other
         with trio.move_on_after(0.05):
             await other.take()  # gives up inside the grace period
         await trio.sleep(5)
@@ -272,7 +279,7 @@ async def test_waiter_registered_during_restore_is_seen(
     async with stack(tiny_model, tmp_path, cfg) as s:
         await s.ctl.request_sleep(None)
         assert s.residency.state is State.UNLOADED and not s.arbiter.holding
-        other = await open_arbiter(tmp_path)
+        other = s.other
         async with trio.open_nursery() as nursery:
             nursery.start_soon(s.ctl.wait_until_no_sleep)
             await s.residency.wait_for(lambda st: st is State.RESTORING)
@@ -282,6 +289,29 @@ async def test_waiter_registered_during_restore_is_seen(
         # seen by the first probe after the grace: state, not an event we could miss
         assert t_release == pytest.approx(s.ctl.statistics().woke_at + 0.1, abs=EPS)
         assert other.holding and s.ctl.statistics().yields == 1
+        other.close()
+
+
+async def test_a_request_during_a_yield_lets_the_waiter_go_first(
+    tiny_model: Path, tmp_path: Path, autojump_clock: object
+) -> None:
+    """A request that arrives while we release for a waiter must not snatch the token
+    back before that waiter (polling every 5 ms) has had it."""
+    async with stack(tiny_model, tmp_path, SleepConfig(Level.WEIGHTS)) as s:
+        other = s.other
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other.take)
+            await s.residency.wait_for(lambda st: st is State.RELEASING)
+            nursery.start_soon(s.ctl.wait_until_no_sleep)  # demand while releasing
+            while not other.holding:
+                await trio.sleep(0.001)
+            # the waiter got the token, though our request came first
+            assert s.residency.state is State.COLD and not s.arbiter.holding
+            await trio.sleep(1)
+            assert s.arbiter.statistics().waiting  # now we wait for them, registered
+            assert other.probe() is True
+            other.give_back()
+        assert s.residency.state is State.RESIDENT and s.arbiter.holding
         other.close()
 
 
@@ -304,10 +334,11 @@ async def test_every_waiter_returns_under_eager_sleep(
             assert s.residency.state is State.RESIDENT  # resident when it returns
             returned.append(i)
 
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                for i in range(12):
-                    nursery.start_soon(request, i, 0.001 * (i % 4))
+        # no fail_after here: autojump would jump to its deadline while a restore runs
+        # on the backend's worker thread (pytest-timeout guards against a hang)
+        async with trio.open_nursery() as nursery:
+            for i in range(12):
+                nursery.start_soon(request, i, 0.001 * (i % 4))
         assert sorted(returned) == list(range(12))
         await settled(s.residency, State.COLD)
         wakes = s.ctl.statistics().wakes
@@ -320,7 +351,7 @@ async def test_cancelled_wait_withdraws_demand(
     tiny_model: Path, tmp_path: Path, autojump_clock: object
 ) -> None:
     async with stack(tiny_model, tmp_path, SleepConfig(Level.WEIGHTS)) as s:
-        other = await open_arbiter(tmp_path)
+        other = s.other
         await other.take()
         assert s.residency.state is State.COLD
         with trio.move_on_after(2):

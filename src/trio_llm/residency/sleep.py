@@ -54,6 +54,9 @@ class SleepConfig:
     probe_interval: float = PROBE_INTERVAL
     grace: float = GRACE
     cleanup_timeout: float = 10.0  # bound on the shielded cleanup at shutdown
+    #: after a yield, how long a wake lets the processes we yielded to take the token
+    #: first (see ``SleepController._let_waiters_go_first``)
+    handoff_window: float = 0.5
 
 
 # ---- the decision: a pure function of live state --------------------------------------
@@ -152,6 +155,7 @@ class SleepController:
     _idle_since: float = 0.0
     _woke_at: float = -math.inf
     _last_probe: float = -math.inf
+    _yielded_at: float = -math.inf
     _changed: trio.Event = attrs.field(factory=trio.Event)
     _wakes: int = 0
     _idle_sleeps: int = 0
@@ -377,11 +381,27 @@ class SleepController:
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(cancel_when_undemanded)
+            await self._let_waiters_go_first()
             await self._arbiter.take()
             nursery.cancel_scope.cancel()
         if self._arbiter.holding and not self._demand:
             self._arbiter.give_back()  # won it just as the last waiter left
         return self._arbiter.holding
+
+    async def _let_waiters_go_first(self) -> None:
+        """Right after a yield, a request for us must not snatch the token back before
+        the waiter we yielded to has had it: our take tries at once, theirs may be a
+        5 ms poll away, and a busy server would starve it. So while somebody still
+        waits (live want.lock state; we are not registered yet), give them the lead,
+        for at most ``handoff_window`` after the yield (a frozen waiter cannot hold us
+        up for longer)."""
+        cfg = self._cfg
+        deadline = self._yielded_at + cfg.handoff_window
+        if trio.current_time() >= deadline:
+            return
+        with trio.move_on_at(deadline):
+            while self._arbiter.probe():
+                await trio.sleep(cfg.probe_interval / 2)
 
     async def _sleep(self, level: Level, reason: str) -> None:
         t0 = trio.current_time()
@@ -399,6 +419,7 @@ class SleepController:
             self._idle_sleeps += 1
         elif reason == "yield":
             self._yields += 1
+            self._yielded_at = trio.current_time()
         else:
             self._requested_sleeps += 1
         self._sleep_gen += 1
