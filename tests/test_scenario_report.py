@@ -117,7 +117,11 @@ def test_failures_are_found() -> None:
     analysis = report.analyse(r)
     assert not analysis.passed
     assert not _check(analysis, "no release in the middle").passed
-    assert "#1 b: read cold mid-decode" in _check(analysis, "no release in the middle").detail
+    preempted = _check(analysis, "no release in the middle")
+    assert preempted.requests == (1,)
+    assert preempted.detail == (
+        "#1 b: read cold at 1.500–1.505 s, after its first token (1.400 s), before its last (1.750 s)"
+    )
     assert _check(analysis, "stranded").detail.startswith("1 stranded")
     assert not _check(analysis, "every request answered").passed
     assert "reference" in _check(analysis, "answers equal").detail

@@ -91,9 +91,9 @@ class StateRun:
     def key(self) -> tuple[Any, ...]:
         return (self.state, self.level, self.device_bytes, self.token_held)
 
-    def read_within(self, lo: float, hi: float) -> bool:
-        """Some poll of this run surely read the server's state inside [lo, hi]."""
-        return any(sent >= lo and recv <= hi for sent, recv in self.polls)
+    def read_within(self, lo: float, hi: float) -> tuple[float, float] | None:
+        """The first poll of this run that surely read the server's state inside [lo, hi]."""
+        return next(((s, r) for s, r in self.polls if s >= lo and r <= hi), None)
 
 
 @attrs.define

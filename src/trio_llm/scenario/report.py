@@ -50,6 +50,8 @@ class Check:
     name: str
     passed: bool
     detail: str
+    #: the requests that broke it, marked on the timeline
+    requests: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -210,7 +212,7 @@ def analyse(record: Record) -> Analysis:
     checks.append(Check("the run completed", not problems, _few(problems) or "script ran to its end"))
 
     if expect.all_answered:
-        bad = []
+        bad, ids = [], []
         for r in requests:
             if r.expect_ok and r.outcome != "ok":
                 bad.append(f"#{r.id} {r.server}: {r.outcome} ({r.error})")
@@ -218,21 +220,26 @@ def analyse(record: Record) -> Analysis:
                 bad.append(f"#{r.id} {r.server}: answered though the step expected a failure")
             elif r.outcome == "ok" and r.expect_content is not None and r.content != r.expect_content:
                 bad.append(f"#{r.id} {r.server}: content {r.content[:40]!r} ≠ {r.expect_content[:40]!r}")
+            else:
+                continue
+            ids.append(r.id)
         expected_ok = sum(r.expect_ok for r in requests)
         checks.append(Check(
             "every request answered as expected", not bad and bool(requests),
             _few(bad) or f"{expected_ok} answered, {len(requests) - expected_ok} failed as planned",
+            tuple(ids),
         ))
 
     stranded = [r for r in requests if r.expect_ok and r.outcome in ("timeout", "cancelled", "pending")]
     checks.append(Check(
         f"stranded ≤ {expect.stranded}", len(stranded) <= expect.stranded,
         f"{len(stranded)} stranded" + (": " + _few([f"#{r.id} {r.server}" for r in stranded]) if stranded else ""),
+        tuple(r.id for r in stranded),
     ))
 
     if expect.answers_match_reference:
         refs = {x.key(): x for x in record.references}
-        bad, compared = [], 0
+        bad, ids, compared = [], [], 0
         for r in requests:
             if r.outcome != "ok":
                 continue
@@ -241,11 +248,12 @@ def analyse(record: Record) -> Analysis:
                 bad.append(f"#{r.id}: no reference answer ({ref.error if ref else 'not asked'})")
             elif ref.content != r.content:
                 bad.append(f"#{r.id} {r.server}: {r.content[:30]!r} ≠ reference {ref.content[:30]!r}")
+                ids.append(r.id)
             else:
                 compared += 1
         checks.append(Check(
             "answers equal the reference run's", not bad and compared > 0,
-            _few(bad) or f"{compared} answers equal, {len(refs)} distinct prompts",
+            _few(bad) or f"{compared} answers equal, {len(refs)} distinct prompts", tuple(ids),
         ))
 
     if expect.min_handoffs is not None:
@@ -322,7 +330,7 @@ def analyse(record: Record) -> Analysis:
 def _check_no_preemption(record: Record) -> Check:
     """A streaming request's server must read as resident from its first token to its
     second-to-last one (after that the server may legitimately be finishing)."""
-    watched, bad = 0, []
+    watched, bad, ids = 0, [], []
     for r in record.requests:
         if not (r.stream and r.arena and r.outcome == "ok" and r.first_token is not None):
             continue
@@ -330,22 +338,28 @@ def _check_no_preemption(record: Record) -> Check:
             continue
         watched += 1
         for run in record.runs:
-            if run.server == r.server and run.state in NOT_RESIDENT and run.read_within(
-                r.first_token, r.penultimate
-            ):
-                bad.append(f"#{r.id} {r.server}: read {run.state} mid-decode")
+            if run.server != r.server or run.state not in NOT_RESIDENT:
+                continue
+            poll = run.read_within(r.first_token, r.penultimate)
+            if poll is not None:
+                bad.append(
+                    f"#{r.id} {r.server}: read {run.state} at {poll[0]:.3f}–{poll[1]:.3f} s, after "
+                    f"its first token ({r.first_token:.3f} s), before its last ({r.penultimate:.3f} s)"
+                )
+                ids.append(r.id)
                 break
     return Check(
         "no release in the middle of a decode", watched > 0 and not bad,
         _few(bad) or (f"{watched} streams watched, none released mid-decode" if watched
                       else "no streamed answer of several tokens to watch"),
+        tuple(ids),
     )
 
 
 def _check_served_after(pair: Any, by_step: dict[str, list[RequestRecord]]) -> Check:
     name = f"{pair.waiter} served after {pair.holder}, within {pair.max_gap_s:g} s"
     holders = {r.round: r for r in by_step.get(pair.holder, [])}
-    bad, seen = [], 0
+    bad, ids, seen = [], [], 0
     for w in by_step.get(pair.waiter, []):
         h = holders.get(w.round)
         if h is None or h.done is None or h.outcome != "ok":
@@ -358,8 +372,10 @@ def _check_served_after(pair: Any, by_step: dict[str, list[RequestRecord]]) -> C
         holder_busy_until = h.penultimate if h.penultimate is not None else h.sent
         if w.answered_at < holder_busy_until:
             bad.append(f"round {w.round}: waiter answered at {w.answered_at:.3f} s while the holder decoded")
+            ids.append(w.id)
         elif w.answered_at - h.done > pair.max_gap_s:
             bad.append(f"round {w.round}: waiter answered {w.answered_at - h.done:.3f} s after the holder")
+            ids.append(w.id)
     gaps = [
         w.answered_at - holders[w.round].done  # type: ignore[operator]
         for w in by_step.get(pair.waiter, [])
@@ -368,6 +384,7 @@ def _check_served_after(pair: Any, by_step: dict[str, list[RequestRecord]]) -> C
     return Check(
         name, seen > 0 and not bad,
         _few(bad) or f"{seen} round(s); gap after the holder finished: max {_fmt_s(max(gaps, default=None))}",
+        tuple(ids),
     )
 
 
@@ -532,8 +549,9 @@ def markdown(record: Record, analysis: Analysis, png: str | None = "timeline.png
     return "\n".join(lines)
 
 
-def timeline(record: Record, path: Path) -> None:
-    """Residency lanes with requests on top, and device memory per server below."""
+def timeline(record: Record, path: Path, flagged: Iterable[int] = ()) -> None:
+    """Residency lanes with requests on top, and device memory per server below.
+    ``flagged`` requests (those that broke a check) are drawn in red."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -573,6 +591,7 @@ def timeline(record: Record, path: Path) -> None:
                 facecolors=STATE_COLOURS.get(run.state, "#cccccc"), edgecolor="none",
             )
     # requests: waiting as a thin grey line, answering as a thick black one
+    marked = set(flagged)
     for name in names:
         mine = sorted((r for r in record.requests if r.server == name), key=lambda r: r.sent)
         rows: list[float] = []
@@ -588,9 +607,10 @@ def timeline(record: Record, path: Path) -> None:
             answered = r.answered_at if r.answered_at is not None else finish
             lanes.plot([r.sent, answered], [yr, yr], color="#555555", lw=0.8, solid_capstyle="butt")
             if r.outcome == "ok":
-                lanes.plot([answered, max(finish, answered + 1e-3)], [yr, yr], color="black",
+                ink = "#c0392b" if r.id in marked else "black"
+                lanes.plot([answered, max(finish, answered + 1e-3)], [yr, yr], color=ink,
                            lw=2.2, solid_capstyle="butt")
-                lanes.plot([answered], [yr], marker="|", color="black", ms=7)
+                lanes.plot([answered], [yr], marker="|", color=ink, ms=7)
             else:
                 lanes.plot([finish], [yr], marker="x", color="#c0392b", ms=6, mew=1.6)
     for e in record.events:
@@ -609,7 +629,7 @@ def timeline(record: Record, path: Path) -> None:
     lanes.set_ylim(-0.7, n - 0.25)
     lanes.set_title(
         f"{record.scenario.get('name')}: residency per server (polled), requests "
-        "(grey: waiting, black: answering, x: failed)", fontsize=10, loc="left",
+        "(grey: waiting, black: answering, red: broke a check, x: failed)", fontsize=10, loc="left",
     )
     handles = [Patch(color=STATE_COLOURS.get(s, "#ccc"), label=s) for s in STATE_COLOURS if s in used_states]
     if handles:
@@ -642,7 +662,8 @@ def write(record: Record, out: Path) -> Summary:
     # the derived figures too, so tools can read them without re-running the analysis
     data["analysis"] = {**attrs.asdict(analysis), "passed": analysis.passed}
     (out / "report.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    timeline(record, out / "timeline.png")
+    flagged = {i for c in analysis.checks if not c.passed for i in c.requests}
+    timeline(record, out / "timeline.png", flagged)
     (out / "report.md").write_text(markdown(record, analysis), encoding="utf-8")
     f = analysis.figures
     lines = [
