@@ -15,6 +15,7 @@ import pytest
 import trio
 import trio.testing
 
+from trio_llm.errors import ArenaUnavailable
 from trio_llm.residency.arbiter import ARENA_ENV, Arbiter, arena_from, open_arbiter
 
 POLL = 0.005
@@ -168,6 +169,17 @@ async def test_read_only_arena_is_uncoordinated(tmp_path: Path) -> None:
         arb.close()
     finally:
         arena.chmod(0o755)
+
+
+async def test_a_failing_flock_is_a_typed_error(tmp_path: Path) -> None:
+    """A flock that fails for another reason than contention (here: a descriptor
+    closed behind the arbiter's back, as a broken mount would) is ArenaUnavailable."""
+    arb = await open_arbiter(tmp_path)
+    os.close(arb._probe_fd)  # fault injection on the real descriptor
+    with pytest.raises(ArenaUnavailable):
+        arb.probe()
+    arb._probe_fd = -1  # already closed above
+    arb.close()
 
 
 def test_arena_from_flag_and_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ deadline pending across a backend call."""
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,7 +28,7 @@ import trio.testing
 from trio_llm.engine.actor import BackendActor, BackendClient
 from trio_llm.engine.backend import Level, SeqBatch
 from trio_llm.engine.reference import NumpyBackend
-from trio_llm.errors import InvalidRequest, ModelLoadError
+from trio_llm.errors import ArenaUnavailable, InvalidRequest, ModelLoadError
 from trio_llm.model.gguf import load_gguf
 from trio_llm.residency.arbiter import Arbiter, open_arbiter
 from trio_llm.residency.residency import Residency, State
@@ -381,6 +382,19 @@ async def test_failed_restore_reaches_the_waiter(
         shutil.copy(tiny_model, copy)
         await s.ctl.wait_until_no_sleep()  # the next request tries again
         assert s.residency.state is State.RESIDENT
+
+
+async def test_a_broken_arena_fails_the_wake_not_the_server(
+    tiny_model: Path, tmp_path: Path, autojump_clock: object
+) -> None:
+    async with stack(tiny_model, tmp_path, SleepConfig(Level.WEIGHTS)) as s:
+        await s.ctl.request_sleep(None)
+        os.close(s.arbiter._token_fd)  # fault injection: flock on it now fails (EBADF)
+        with pytest.raises(ArenaUnavailable):
+            await s.ctl.wait_until_no_sleep()
+        assert s.ctl.statistics().wake_failures == 1
+        assert s.ctl.props()["state"] == "cold"  # the controller is still there
+        s.arbiter._token_fd = -1  # closed above: nothing left for close() to do
 
 
 async def test_requests_sleep_and_wake(tiny_model: Path, autojump_clock: object) -> None:

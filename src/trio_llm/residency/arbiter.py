@@ -33,6 +33,8 @@ from pathlib import Path
 import attrs
 import trio
 
+from trio_llm.errors import ArenaUnavailable
+
 log = logging.getLogger(__name__)
 
 #: the environment variable the reference fork reads for the arena directory
@@ -52,7 +54,8 @@ def arena_from(flag: str | os.PathLike[str] | None) -> Path | None:
 def _try_flock(fd: int, operation: int) -> bool:
     """One non-blocking flock: True if granted, False if somebody else holds a conflicting
     lock. EINTR is retried here (Python retries it too, PEP 475, but a signal handler
-    that raises must not be mistaken for contention); any other error propagates."""
+    that raises must not be mistaken for contention); any other failure (a file
+    system without flock, a closed fd) is ``ArenaUnavailable``."""
     while True:
         try:
             fcntl.flock(fd, operation | fcntl.LOCK_NB)
@@ -64,7 +67,7 @@ def _try_flock(fd: int, operation: int) -> bool:
         except OSError as exc:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 return False
-            raise
+            raise ArenaUnavailable(f"flock failed: {exc.strerror or exc}") from exc
 
 
 def _unlock(fd: int) -> None:
@@ -249,6 +252,10 @@ def _open_arena(arena: Path) -> tuple[int, int, int]:
     try:
         for name in (TOKEN_FILE, WANT_FILE, WANT_FILE):
             fds.append(os.open(arena / name, flags, 0o666))
+        # a file system without flock (some network mounts) fails here, at open,
+        # rather than in the middle of a hand-off
+        if _try_flock(fds[2], fcntl.LOCK_SH):
+            _unlock(fds[2])
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -267,11 +274,12 @@ async def open_arbiter(
     path = Path(arena)
     try:
         token_fd, want_fd, probe_fd = await trio.to_thread.run_sync(_open_arena, path)
-    except OSError as exc:
+    except (OSError, ArenaUnavailable) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         log.warning(
             "VRAM arbiter: cannot use arena %s (%s); running without cross-process coordination",
             path,
-            exc.strerror or exc,
+            reason,
         )
         return Arbiter(path, poll_interval=poll_interval)
     log.info("VRAM arbiter: sharing the GPU through %s", path)

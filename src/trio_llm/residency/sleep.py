@@ -37,7 +37,7 @@ import attrs
 import trio
 
 from trio_llm.engine.backend import Level
-from trio_llm.errors import InvalidRequest
+from trio_llm.errors import ArenaUnavailable, InvalidRequest
 from trio_llm.residency.arbiter import Arbiter
 from trio_llm.residency.residency import DEPTH, Residency, State
 
@@ -337,7 +337,7 @@ class SleepController:
                     await self._sleep(decision.level, decision.reason)
                 elif decision.act is Act.PROBE:
                     self._last_probe = trio.current_time()
-                    if self._arbiter.probe():
+                    if self._probe():
                         assert decision.level is not None
                         await self._sleep(decision.level, decision.reason)
                 else:
@@ -348,20 +348,38 @@ class SleepController:
             with trio.CancelScope(shield=True), trio.move_on_after(self._cfg.cleanup_timeout):
                 await self._shutdown()
 
+    def _probe(self) -> bool:
+        try:
+            return self._arbiter.probe()
+        except ArenaUnavailable as exc:
+            # keep the GPU rather than crash: waiters still get it on our idle sleep
+            log.warning("VRAM arbiter: probe failed (%s); not yielding", exc)
+            return False
+
+    def _wake_failed(self, exc: Exception) -> None:
+        """Hand the error to the requests waiting for this wake; they stop counting as
+        demand, so a failing wake is not retried in a loop on their behalf."""
+        self._wake_failures += 1
+        self._failure = exc
+        self._failure_gen += 1
+        self._notify()
+
     async def _wake(self) -> None:
         t0 = trio.current_time()
-        if not self._arbiter.holding and not await self._take_while_demanded():
-            return  # everyone who wanted the model went away while we waited
+        try:
+            if not self._arbiter.holding and not await self._take_while_demanded():
+                return  # everyone who wanted the model went away while we waited
+        except ArenaUnavailable as exc:
+            log.error("VRAM arbiter: cannot take the token: %s", exc)
+            self._wake_failed(exc)
+            return
         try:
             await self._residency.restore()
         except Exception as exc:
             # leave as we came: released (the residency state was repaired), token back
             log.error("residency: restore failed: %s", exc)
             self._arbiter.give_back()
-            self._wake_failures += 1
-            self._failure = exc
-            self._failure_gen += 1
-            self._notify()
+            self._wake_failed(exc)
             return
         now = trio.current_time()
         self._woke_at = self._idle_since = now
@@ -373,6 +391,7 @@ class SleepController:
     async def _take_while_demanded(self) -> bool:
         """Wait for the token while somebody still needs the model; give up when the
         demand goes away (clients gone), so we never take the GPU for nobody."""
+        error: ArenaUnavailable | None = None
         async with trio.open_nursery() as nursery:
 
             async def cancel_when_undemanded() -> None:
@@ -381,9 +400,14 @@ class SleepController:
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(cancel_when_undemanded)
-            await self._let_waiters_go_first()
-            await self._arbiter.take()
+            try:
+                await self._let_waiters_go_first()
+                await self._arbiter.take()
+            except ArenaUnavailable as exc:
+                error = exc  # raised bare below, not wrapped in the nursery's group
             nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
         if self._arbiter.holding and not self._demand:
             self._arbiter.give_back()  # won it just as the last waiter left
         return self._arbiter.holding
@@ -400,7 +424,7 @@ class SleepController:
         if trio.current_time() >= deadline:
             return
         with trio.move_on_at(deadline):
-            while self._arbiter.probe():
+            while self._probe():
                 await trio.sleep(cfg.probe_interval / 2)
 
     async def _sleep(self, level: Level, reason: str) -> None:
