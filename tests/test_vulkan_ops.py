@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
 
-from trio_llm.vulkan.device import Device, open_device
+from trio_llm.vulkan.device import Device, shared_device
 from trio_llm.vulkan.graph import Barrier, Graph, Op
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import Allocator, View, whole
@@ -78,13 +78,12 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
-    device = open_device()
+    device = shared_device()
     alloc = Allocator(device)
     kernels = KernelCache(device)
     yield Env(device, alloc, Ops(kernels, subgroup=device.limits.subgroup_size))
     kernels.close()
     alloc.free_all()
-    device.close()
 
 
 def make_weights(qtype: str, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -27,7 +27,7 @@ from trio_llm.errors import (
 )
 from trio_llm.model.config import ModelConfig
 from trio_llm.model.gguf import GGUFModel
-from trio_llm.vulkan.device import Device, open_device, vk_errors
+from trio_llm.vulkan.device import Device, shared_device, vk_errors
 from trio_llm.vulkan.forward import Activations, KVCache, build_ops
 from trio_llm.vulkan.graph import Graph
 from trio_llm.vulkan.kernels import KernelCache
@@ -88,9 +88,9 @@ class VulkanBackend:
         self._graphs: dict[int, Graph] = {}
         self._forwards = self._tokens = self._submits = self._recorded = 0
         self._releases = self._restores = 0
-        self._device: Device | None = open_device(device)
+        self._device: Device | None = shared_device(device)
         try:
-            with vk_errors("load model"):
+            with self._device.lock, vk_errors("load model"):
                 self._setup(model)
         except BaseException:
             self.close()
@@ -101,7 +101,10 @@ class VulkanBackend:
         device = self._device
         assert device is not None
         self._alloc = Allocator(device)
-        self._kernels = KernelCache(device)
+        kernels = device.extras.get("kernels")
+        if kernels is None:
+            kernels = device.extras["kernels"] = KernelCache(device)
+        self._kernels: KernelCache = kernels
         self._ops = Ops(self._kernels, subgroup=device.limits.subgroup_size,
                         matvec_rows=max(1, 64 // device.limits.subgroup_size))
         # the largest bucket: a forward with more tokens runs as several chunks
@@ -226,21 +229,16 @@ class VulkanBackend:
         device, self._device = self._device, None
         if device is None:
             return
-        with contextlib.suppress(Exception):
-            device.vk.vkDeviceWaitIdle(device.handle)
-        for step in (self._drop_graphs, self._close_memory):
+        with device.lock:
+            with contextlib.suppress(Exception):
+                device.vk.vkQueueWaitIdle(device.queue)
             try:
-                step()
-            except Exception as exc:  # close must not raise: log and keep freeing
+                self._drop_graphs()
+                if hasattr(self, "_alloc"):
+                    self._alloc.free_all()
+            except Exception as exc:  # close must not raise: log and go on
                 log.warning("vulkan close: %s", exc)
-        with contextlib.suppress(Exception):
-            device.close()
-
-    def _close_memory(self) -> None:
-        if hasattr(self, "_alloc"):
-            self._alloc.free_all()
-        if hasattr(self, "_kernels"):
-            self._kernels.close()
+        # the device and its pipelines stay for the next backend (shared_device)
 
     # -- extras ----------------------------------------------------------------------
 
@@ -271,8 +269,9 @@ class VulkanBackend:
     def _guard(self, what: str):  # type: ignore[no-untyped-def]
         if self._lost:
             raise DeviceLost("the Vulkan device was lost earlier; restart the server")
+        assert self._device is not None
         try:
-            with vk_errors(what):
+            with self._device.lock, vk_errors(what):
                 yield
         except DeviceLost:
             self._lost = True

@@ -9,9 +9,11 @@ exception. A machine without a Vulkan loader, or with a loader and no device, ra
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,6 +89,15 @@ class Device:
     fence: Any
     _fns: dict[str, Any] = attrs.field(factory=dict)
     _closed: bool = False
+    # the queue, the fence and the command pool need external synchronization; a
+    # backend holds this for each of its operations (uncontended with one model)
+    lock: threading.RLock = attrs.field(factory=threading.RLock)
+    # per-device objects that outlive one backend (the pipeline cache)
+    extras: dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     # -- helpers ------------------------------------------------------------------
 
@@ -185,6 +196,43 @@ class Device:
         vk.vkDestroyCommandPool(self.handle, self.command_pool, None)
         vk.vkDestroyDevice(self.handle, None)
         vk.vkDestroyInstance(self.instance, None)
+
+
+_SHARED: dict[str, Device] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_device(selector: str | None = None) -> Device:
+    """The process's device for ``selector``: opened on first use, kept until exit.
+
+    A backend's ``close`` frees all of its device memory but leaves the (nearly
+    memoryless) VkDevice and its pipelines to the next backend of the process: some
+    drivers (NVIDIA 580 under gVisor) fail instance creation after a dozen
+    create/destroy cycles, and lavapipe compiles every pipeline again for a new device.
+    """
+    if selector is None:
+        selector = os.environ.get("TRIO_LLM_VK_DEVICE") or ""
+    with _SHARED_LOCK:
+        device = _SHARED.get(selector)
+        if device is None or device.closed:
+            device = open_device(selector or None)
+            _SHARED[selector] = device
+        return device
+
+
+def _close_shared() -> None:
+    with _SHARED_LOCK:
+        for device in _SHARED.values():
+            kernels = device.extras.pop("kernels", None)
+            if kernels is not None:
+                with contextlib.suppress(Exception):
+                    kernels.close()
+            with contextlib.suppress(Exception):
+                device.close()
+        _SHARED.clear()
+
+
+atexit.register(_close_shared)
 
 
 def _device_extensions(vk: Any, physical: Any) -> frozenset[str]:
