@@ -208,7 +208,7 @@ async def build_gate(
     if config.sleep_idle_seconds < 0 and config.vram_arena is None:
         return AlwaysAwake()
     flag = None if config.sleep_mode == ServerConfig().sleep_mode else config.sleep_mode
-    level = resolve_level(flag, arena=arbiter.active)
+    level = resolve_level(flag)
     idle = config.sleep_idle_seconds if config.sleep_idle_seconds >= 0 else None
     residency = Residency(client)
     await nursery.start(residency.run)
@@ -250,6 +250,38 @@ class ServerHandle:
         self._stop.set()
 
 
+@attrs.define(eq=False)
+class _InFlight:
+    """ASGI wrapper counting HTTP requests in flight.
+
+    Hypercorn's graceful shutdown waits for every *connection* to close, so one idle
+    keep-alive connection (llama-swap and other proxies keep them) holds a stop for
+    the whole ``--shutdown-timeout``. What must finish is the requests, not the
+    connections: once none is in flight after the stop, the HTTP server is ended.
+    """
+
+    app: Any
+    n: int = 0
+    _drained: trio.Event = attrs.Factory(trio.Event)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        self.n += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.n -= 1
+            if self.n == 0:
+                self._drained.set()
+                self._drained = trio.Event()
+
+    async def wait_drained(self) -> None:
+        while self.n:
+            await self._drained.wait()
+
+
 async def _serve_http(
     app: Any, config: ServerConfig, stop: trio.Event, done: trio.Event,
     *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
@@ -260,8 +292,21 @@ async def _serve_http(
     hc.graceful_timeout = config.shutdown_timeout
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
+    counted = _InFlight(app)
+
+    async def end_when_drained(scope: trio.CancelScope) -> None:
+        await stop.wait()
+        with trio.move_on_after(config.shutdown_timeout):
+            await counted.wait_drained()
+        scope.cancel()
+
     try:
-        await hypercorn.trio.serve(app, hc, shutdown_trigger=stop.wait, task_status=task_status)
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(
+                partial(hypercorn.trio.serve, counted, hc, shutdown_trigger=stop.wait)
+            )
+            nursery.start_soon(end_when_drained, nursery.cancel_scope)
+            task_status.started(binds)
     finally:
         done.set()
 
