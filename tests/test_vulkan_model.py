@@ -180,3 +180,39 @@ def test_bad_batches_raise_typed_errors(model_path) -> None:  # type: ignore[no-
         assert info["backend"] == "vulkan" and info["name"]
     finally:
         vk.close()
+
+
+@pytest.mark.parametrize(("preset", "quant"), [("tiny-qwen3", "Q8_0"), ("tiny", "Q4_K")])
+def test_tensors_beyond_the_storage_range_are_bound_in_pieces(model_path, preset: str, quant: str) -> None:  # type: ignore[no-untyped-def]
+    """With a binding limit of 128 KiB the 1024-row embedding and output head are
+    split into row ranges (as llama-1b's 279 MB embedding is on lavapipe); the
+    logits must not change."""
+    import attrs
+
+    from trio_llm.vulkan.device import shared_device
+
+    model = load_gguf(model_path(preset, quant))
+    whole = VulkanBackend(model, n_ctx=24, n_seq=2)
+    try:
+        want = whole.forward([SeqBatch(0, PROMPTS[0], 0), SeqBatch(1, PROMPTS[1], 0)])
+    finally:
+        whole.close()
+    device = shared_device()
+    limits = device.limits
+    device.limits = attrs.evolve(limits, max_storage_buffer_range=128 << 10)
+    try:
+        split = VulkanBackend(model, n_ctx=24, n_seq=2)
+        try:
+            pieces = split._weights.pieces("token_embd.weight")
+            assert len(pieces) > 1 and pieces[-1][2] == model.config.n_vocab
+            got = split.forward([SeqBatch(0, PROMPTS[0], 0), SeqBatch(1, PROMPTS[1], 0)])
+            step = split.forward([SeqBatch(1, np.array([7], np.int32), 5)])
+        finally:
+            split.close()
+    finally:
+        device.limits = limits
+    np.testing.assert_array_equal(got, want)
+    ref = NumpyBackend(model, n_ctx=24, n_seq=2)
+    ref.forward([SeqBatch(1, PROMPTS[1], 0)])
+    want_step = ref.forward([SeqBatch(1, np.array([7], np.int32), 5)])
+    np.testing.assert_allclose(step, want_step, atol=1e-4 * np.abs(want_step).max())

@@ -107,8 +107,18 @@ class VulkanBackend:
         self._kernels: KernelCache = kernels
         self._ops = Ops(self._kernels, subgroup=device.limits.subgroup_size,
                         matvec_rows=max(1, 64 // device.limits.subgroup_size))
-        # the largest bucket: a forward with more tokens runs as several chunks
+        # the largest bucket: a forward with more tokens runs as several chunks; every
+        # activation of a chunk must fit one binding (128 MiB on lavapipe)
+        limit = device.limits.max_storage_buffer_range
         self._cap = min(self._max_chunk, _pow2(self.n_ctx * self.n_seq))
+        widest = max(cfg.n_embd, cfg.q_dim, cfg.n_ff)
+        while self._cap > 1 and 4 * self._cap * widest > limit:
+            self._cap //= 2
+        if 4 * min(self.n_seq, self._cap) * cfg.n_vocab > limit:
+            raise BackendError(
+                f"the logits of {min(self.n_seq, self._cap)} slots exceed this device's storage "
+                f"buffer range ({limit >> 20} MiB): use fewer slots"
+            )
         layer_bytes = self.n_seq * self.n_ctx * cfg.kv_dim * 4
         if layer_bytes > device.limits.max_storage_buffer_range:
             raise BackendError(

@@ -20,12 +20,13 @@ gives them.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import attrs
 import numpy as np
 
-from trio_llm.errors import UnsupportedModelError
+from trio_llm.errors import BackendError, UnsupportedModelError
 from trio_llm.model.gguf import GGUFModel
 from trio_llm.vulkan.memory import Allocator, Buffer, View, host_span
 from trio_llm.vulkan.ops import BLOCK_BYTES, row_bytes
@@ -196,7 +197,12 @@ class WeightStore:
         if slot.nbytes <= limit:
             return [(view, 0, slot.shape[0])]
         rb = row_bytes(slot.qtype, slot.shape[-1])
-        per = (limit // rb) // 256 * 256
+        # each piece must start on the storage offset alignment: rows in multiples of m
+        align = self.alloc.device.limits.min_storage_offset_alignment
+        m = align // math.gcd(rb, align)
+        per = (limit // rb) // m * m
+        if per == 0:
+            raise BackendError(f"{name}: a row of {rb} bytes cannot be bound within {limit} bytes")
         out = []
         for r0 in range(0, slot.shape[0], per):
             r1 = min(slot.shape[0], r0 + per)

@@ -1,0 +1,97 @@
+"""Device choice, the shader cache and compile-shaders, on the real driver and glslc."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from trio_llm.errors import BackendUnavailable, ShaderCompileError
+from trio_llm.vulkan import shaders
+from trio_llm.vulkan.device import choose, open_device, shared_device
+
+pytestmark = pytest.mark.vulkan
+
+DISCRETE, INTEGRATED, VIRTUAL, CPU = 2, 1, 3, 4
+
+
+def test_choose_prefers_discrete_then_integrated_then_cpu() -> None:
+    devs = [(0, "llvmpipe", CPU), (1, "Intel UHD", INTEGRATED), (2, "NVIDIA H200", DISCRETE)]
+    assert choose(devs, None) == 2
+    assert choose(devs[:2], None) == 1
+    assert choose([(0, "llvmpipe", CPU), (1, "virgl", VIRTUAL)], None) == 1
+    assert choose([(0, "llvmpipe", CPU)], None) == 0
+
+
+def test_choose_by_index_or_name_substring() -> None:
+    devs = [(0, "llvmpipe (LLVM 15)", CPU), (1, "AMD Radeon RX 580", DISCRETE)]
+    assert choose(devs, "0") == 0
+    assert choose(devs, "rx 580") == 1
+    assert choose(devs, "LLVMPIPE") == 0
+    with pytest.raises(BackendUnavailable, match="index 7"):
+        choose(devs, "7")
+    with pytest.raises(BackendUnavailable, match="no Vulkan device matches"):
+        choose(devs, "geforce")
+    with pytest.raises(BackendUnavailable):
+        choose([], None)
+
+
+def test_selector_env_and_device_info(monkeypatch: pytest.MonkeyPatch) -> None:
+    device = shared_device()
+    info = device.info()
+    assert info["name"] and info["type"] in ("cpu", "discrete", "integrated", "virtual", "other")
+    assert device.limits.max_storage_buffer_range > 0 and device.limits.subgroup_size > 0
+    # select the same device by a piece of its name, through the environment
+    monkeypatch.setenv("TRIO_LLM_VK_DEVICE", device.name.split()[0])
+    other = open_device()
+    try:
+        assert other.name == device.name
+    finally:
+        other.close()
+    monkeypatch.setenv("TRIO_LLM_VK_DEVICE", "no-such-gpu-anywhere")
+    with pytest.raises(BackendUnavailable):
+        open_device()
+
+
+@pytest.fixture
+def shader_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    src = tmp_path / "shaders"
+    shutil.copytree(shaders.shader_dir(), src, ignore=shutil.ignore_patterns("build"))
+    monkeypatch.setenv("TRIO_LLM_SHADER_DIR", str(src))
+    monkeypatch.setenv("TRIO_LLM_SHADER_CACHE", str(tmp_path / "cache"))
+    return src
+
+
+def test_cache_rebuilds_when_an_include_changes(shader_tree: Path) -> None:
+    defines = shaders.qtype_defines("Q8_0")
+    key = shaders.cache_key("matvec", defines)
+    first = shaders.spirv("matvec", defines)
+    assert first[:4] == b"\x03\x02\x23\x07"  # the SPIR-V magic, little endian
+    assert (shaders.cache_dir() / f"matvec-{key}.spv").exists()
+    assert shaders.spirv("matvec", defines) == first  # served from the cache
+    # an edit to a shared include changes the key of every shader that includes it
+    quant = shader_tree / "quant.glsl"
+    quant.write_text(quant.read_text() + "\n// edited\n")
+    assert shaders.cache_key("matvec", defines) != key
+    assert shaders.cache_key("swiglu") == shaders.cache_key("swiglu")
+    shaders.spirv("matvec", defines)
+    assert len(list(shaders.cache_dir().glob("matvec-*.spv"))) == 2
+    # defines are part of the key too
+    assert shaders.cache_key("matvec", shaders.qtype_defines("Q4_K")) != shaders.cache_key("matvec", defines)
+
+
+def test_broken_shader_raises_typed_error(shader_tree: Path) -> None:
+    (shader_tree / "swiglu.comp").write_text("#version 450\nvoid main() { this is not glsl }\n")
+    with pytest.raises(ShaderCompileError, match="swiglu"):
+        shaders.spirv("swiglu")
+    assert not list(shaders.cache_dir().glob("swiglu-*"))  # no half-written file left
+
+
+def test_compile_shaders_command(shader_tree: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert shaders.main([]) == 0
+    n = len(list(shaders.all_variants()))
+    assert f"{n} shader variants ready" in capsys.readouterr().out
+    assert len(list(shaders.cache_dir().glob("*.spv"))) == n
+    (shader_tree / "add.comp").write_text("#version 450\nbroken\n")
+    assert shaders.main(["-q"]) == 1
