@@ -85,17 +85,18 @@ def test_repairs_never_claim_cold_too_early() -> None:
 
 
 def test_resolve_level() -> None:
-    assert resolve_level("all", arena=False, env={}) is Level.ALL
-    assert resolve_level(None, arena=False, env={}) is Level.UNLOAD
-    assert resolve_level(None, arena=True, env={}) is Level.WEIGHTS
+    assert resolve_level("all", env={}) is Level.ALL
+    assert resolve_level(None, env={}) is Level.WEIGHTS
     env = {"LLAMA_SLEEP_VRAM_ONLY": "1"}
-    assert resolve_level(None, arena=False, env=env) is Level.WEIGHTS
+    assert resolve_level(None, env=env) is Level.WEIGHTS
     env["LLAMA_SLEEP_EVICT_KV"] = "1"
-    assert resolve_level(None, arena=False, env=env) is Level.ALL
-    assert resolve_level("unload", arena=True, env=env) is Level.UNLOAD
-    assert resolve_level(None, arena=True, env={"LLAMA_SLEEP_VRAM_ONLY": "0"}) is Level.WEIGHTS
+    assert resolve_level(None, env=env) is Level.ALL
+    assert resolve_level("unload", env=env) is Level.UNLOAD
+    assert resolve_level(None, env={"LLAMA_SLEEP_VRAM_ONLY": "0", "LLAMA_SLEEP_EVICT_KV": "1"}) is (
+        Level.WEIGHTS
+    )
     with pytest.raises(ValueError):
-        resolve_level("deep", arena=False, env={})
+        resolve_level("deep", env={})
 
 
 async def _with_residency(path: Path, body):  # type: ignore[no-untyped-def]
@@ -169,3 +170,53 @@ async def test_failed_restore_is_repaired_and_raised(tiny_model: Path, tmp_path:
         assert res.state is State.RESIDENT
 
     await _with_residency(copy, body)
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "expected"),
+    [
+        ({"sleep_idle_seconds": 30.0}, {}, ("weights", 30.0)),
+        ({"sleep_idle_seconds": 5.0, "sleep_mode": "unload"}, {}, ("unload", 5.0)),
+        ({"sleep_idle_seconds": 60.0}, {"LLAMA_SLEEP_VRAM_ONLY": "1"}, ("weights", 60.0)),
+        ({"vram_arena": "arena"}, {"LLAMA_SLEEP_VRAM_ONLY": "1", "LLAMA_SLEEP_EVICT_KV": "1"},
+         ("all", None)),
+        ({}, {"LLAMA_SLEEP_VRAM_ONLY": "1"}, None),  # neither idle sleep nor arena
+    ],
+)
+async def test_runtime_builds_the_gate_from_flags_and_env(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    flags: dict[str, object], env: dict[str, str], expected: tuple[str, float | None] | None,
+) -> None:
+    from trio_llm.config import ServerConfig
+    from trio_llm.residency.arbiter import open_arbiter
+    from trio_llm.runtime import build_gate
+    from trio_llm.server.gate import AlwaysAwake
+
+    for name in ("LLAMA_SLEEP_VRAM_ONLY", "LLAMA_SLEEP_EVICT_KV"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if "vram_arena" in flags:
+        flags = flags | {"vram_arena": tmp_path / "arena"}
+    config = ServerConfig(**flags)  # type: ignore[arg-type]
+    arbiter = await open_arbiter(config.vram_arena)
+    await arbiter.take()
+    gg = load_gguf(tiny_model)
+    backend = NumpyBackend(gg, n_ctx=16, n_seq=1)
+    gg.close()
+    actor = BackendActor(backend)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.run)
+            gate = await build_gate(config, actor.client(), nursery, arbiter)
+            props = gate.props()
+            if expected is None:
+                assert isinstance(gate, AlwaysAwake)
+            else:
+                assert (props["sleep_mode"], props["sleep_idle_seconds"]) == expected
+                assert props["arbiter"]["active"] is ("vram_arena" in flags)
+                assert props["state"] == "resident" and props["token_held"]
+            nursery.cancel_scope.cancel()
+    finally:
+        backend.close()
+        arbiter.close()

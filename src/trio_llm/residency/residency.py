@@ -118,17 +118,16 @@ def needs_release(s: ResidencyState, level: Level) -> bool:
 # ---- the level, from flags and the reference fork's environment ---------------------
 
 
-def resolve_level(flag: str | None, *, arena: bool, env: dict[str, str] | None = None) -> Level:
+def resolve_level(flag: str | None, *, env: dict[str, str] | None = None) -> Level:
     """``--sleep-mode`` wins; else the reference fork's variables
     (``LLAMA_SLEEP_VRAM_ONLY=1`` → weights, with ``LLAMA_SLEEP_EVICT_KV=1`` → all);
-    else weights when sharing an arena (a fast swap that keeps the prompt cache) and
-    unload otherwise (llama-server's idle sleep)."""
+    else weights, the CLI's default: a fast swap that keeps the prompt cache."""
     if flag:
         return Level(flag)
     env = dict(os.environ) if env is None else env
     if env.get("LLAMA_SLEEP_VRAM_ONLY", "") not in ("", "0"):
         return Level.ALL if env.get("LLAMA_SLEEP_EVICT_KV", "") not in ("", "0") else Level.WEIGHTS
-    return Level.WEIGHTS if arena else Level.UNLOAD
+    return Level.WEIGHTS
 
 
 # ---- the actor ----------------------------------------------------------------------
