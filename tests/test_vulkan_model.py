@@ -216,3 +216,29 @@ def test_tensors_beyond_the_storage_range_are_bound_in_pieces(model_path, preset
     ref.forward([SeqBatch(1, PROMPTS[1], 0)])
     want_step = ref.forward([SeqBatch(1, np.array([7], np.int32), 5)])
     np.testing.assert_allclose(step, want_step, atol=1e-4 * np.abs(want_step).max())
+
+
+@pytest.mark.parametrize("host_import", ["1", "0"])
+def test_weight_shadow_imported_or_copied(model_path, monkeypatch: pytest.MonkeyPatch, host_import: str) -> None:  # type: ignore[no-untyped-def]
+    """Both shadows (the file's pages imported, or a one-time host copy, which is what
+    GPUs use) restore the same weights; the copy is made once and kept across cycles."""
+    monkeypatch.setenv("TRIO_LLM_VK_HOST_IMPORT", host_import)
+    model = load_gguf(model_path("tiny-qwen3", "Q4_K_M"))
+    vk = VulkanBackend(model, n_ctx=16, n_seq=1)
+    try:
+        want = vk.forward([SeqBatch(0, PROMPTS[1], 0)])
+        imported = vk.device_info()["weights_shadow"] == "imported"
+        if host_import == "0":
+            assert not imported
+        if imported:
+            assert vk.host_memory()["weights"] == 0
+        else:
+            assert vk.host_memory()["weights"] >= model.weight_bytes()
+        shadows = [s.shadow for s in vk._weights.segments]
+        for level in (Level.WEIGHTS, Level.ALL):
+            vk.release(level)
+            vk.restore()
+            assert [s.shadow for s in vk._weights.segments] == shadows  # captured once
+            np.testing.assert_array_equal(vk.forward([SeqBatch(0, PROMPTS[1], 0)]), want)
+    finally:
+        vk.close()
