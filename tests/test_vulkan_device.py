@@ -95,3 +95,25 @@ def test_compile_shaders_command(shader_tree: Path, capsys: pytest.CaptureFixtur
     assert len(list(shaders.cache_dir().glob("*.spv"))) == n
     (shader_tree / "add.comp").write_text("#version 450\nbroken\n")
     assert shaders.main(["-q"]) == 1
+
+
+def test_no_driver_is_backend_unavailable(tmp_path: Path) -> None:
+    """A loader that finds no driver gives BackendUnavailable, not a crash (in a real
+    process whose loader is pointed at a driver manifest that does not exist)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from trio_llm.errors import BackendUnavailable\n"
+        "from trio_llm.vulkan.device import open_device\n"
+        "try:\n"
+        "    open_device()\n"
+        "except BackendUnavailable as exc:\n"
+        "    print('unavailable:', exc)\n"
+    )
+    env = dict(os.environ, VK_DRIVER_FILES=str(tmp_path / "none.json"), VK_ICD_FILENAMES=str(tmp_path / "none.json"))
+    env.pop("TRIO_LLM_VK_DEVICE", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("unavailable:"), (out.stdout, out.stderr)
