@@ -172,3 +172,15 @@ def test_random_arrivals_repeat_with_the_seed() -> None:
     assert offsets == sorted(offsets)
     # exponential gaps: the mean over 200 draws is near mean_gap_s
     assert 0.6 * step.mean_gap_s < offsets[-1] / 200 < 1.4 * step.mean_gap_s
+
+
+def test_model_override_applies_to_every_server(tmp_path):
+    from trio_llm.scenario.runner import with_model
+
+    scenario = fmt.load(next(p for p in SHIPPED if p.stem == "alternating"))
+    specs = [with_model(s, "llama-1b:Q4_K_M") for s in scenario.servers]
+    assert [(s.preset, s.quant, s.model) for s in specs] == [("llama-1b", "Q4_K_M", None)] * 2
+    assert len({s.model_key for s in specs}) == 1
+    file = tmp_path / "m.gguf"
+    assert with_model(scenario.servers[0], str(file)).model == file.resolve()
+    assert with_model(scenario.servers[0], None) == scenario.servers[0]

@@ -42,7 +42,7 @@ from trio_llm.errors import ScenarioError, TrioLLMError
 from trio_llm.scenario import format as fmt
 from trio_llm.scenario import record as rec
 from trio_llm.scenario.client import ask_plain, ask_stream
-from trio_llm.scenario.format import Scenario, Step
+from trio_llm.scenario.format import Scenario, ServerSpec, Step
 from trio_llm.scenario.servers import ServerSlot, default_model_dir, ensure_model, free_port, tail
 
 #: where shipped scenarios live, for `trio-llm scenario run alternating`
@@ -56,6 +56,7 @@ class Options:
     length: int | None = None  # overrides the scenario's short/full length
     backend: str | None = None  # overrides the scenario's backend
     model_dir: Path | None = None  # where synthetic models are kept between runs
+    model: str | None = None  # PRESET:QUANT or a GGUF path for every server (H200 runs)
     verbose: bool = True
 
 
@@ -449,8 +450,8 @@ class Runner:
             if r.outcome == "ok":
                 wanted.setdefault(r.model_key, {})[r.reference_key()] = None
         for model_key, prompts in wanted.items():
-            spec = next(s for s in self.scenario.servers if s.model_key == model_key)
-            base = self._servers[spec.name]
+            base = next(s for s in list(self._servers.values()) if s.spec.model_key == model_key)
+            spec = base.spec
             ref = ServerSlot(
                 spec=attrs.evolve(spec, name=f"reference-{spec.name}", arena=False,
                                   sleep_idle_seconds=None, np=1),
@@ -565,6 +566,16 @@ async def run_scenario(
     return record
 
 
+def with_model(spec: ServerSpec, model: str | None) -> ServerSpec:
+    """``--model``: the same scenario on another model (``llama-1b:Q8_0`` on the H200)."""
+    if model is None:
+        return spec
+    if model.endswith(".gguf"):
+        return attrs.evolve(spec, model=Path(model).resolve())
+    preset, _, quant = model.partition(":")
+    return attrs.evolve(spec, model=None, preset=preset, quant=quant or spec.quant)
+
+
 async def _run_body(
     runner: Runner, scenario: Scenario, model_dir: Path, backend: str, logs: Path,
     arena: Path, timeout: float,
@@ -572,6 +583,7 @@ async def _run_body(
     record = runner.record
     try:
         for spec in scenario.servers:
+            spec = with_model(spec, runner.options.model)
             model = await ensure_model(spec, model_dir)
             server = ServerSlot(spec, model, spec.backend or backend, arena, logs / f"{spec.name}.log")
             runner._servers[spec.name] = server
@@ -645,6 +657,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--length", type=int, help="an explicit length (rounds, requests...)")
     run.add_argument("--backend", choices=fmt.BACKENDS, help="override the scenario's backend")
     run.add_argument("--model-dir", type=Path, help="where synthetic models are made and kept")
+    run.add_argument("--model", help="run every server on this model: PRESET:QUANT or a .gguf file")
     run.add_argument("-q", "--quiet", action="store_true", help="only the summary")
     check = sub.add_parser("check", help="validate scenario files")
     check.add_argument("files", nargs="+")
@@ -679,7 +692,7 @@ def main(argv: Sequence[str]) -> int:
         out = args.out or Path("out") / "scenarios" / scenario.name
         options = Options(
             out=out, full=args.full, length=args.length, backend=args.backend,
-            model_dir=args.model_dir, verbose=not args.quiet,
+            model_dir=args.model_dir, model=args.model, verbose=not args.quiet,
         )
         record = new_record(scenario, options)
         try:
