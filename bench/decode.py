@@ -38,27 +38,134 @@ def weight_bytes_per_token(model) -> int:  # type: ignore[no-untyped-def]
     return total
 
 
+def raw_copy_bandwidth(be, nbytes: int = 1 << 30, repeats: int = 3) -> dict:  # type: ignore[no-untyped-def]
+    """Bytes per second of one ``vkCmdCopyBuffer`` from a host buffer of the weight
+    shadows' memory type into device memory, and back: the bound a restore can reach."""
+    alloc = be._alloc
+    vk = alloc.device.vk
+    host = alloc.create(nbytes, "scratch", "host")
+    dev = alloc.create(nbytes, "scratch", "device")
+    out = {}
+    try:
+        for name, src, dst in (("host_to_device", host, dev), ("device_to_host", dev, host)):
+            times = []
+            for _ in range(repeats + 1):
+                t0 = common.now()
+                with alloc.device.one_shot("raw copy") as cmd:
+                    vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, 1, [vk.VkBufferCopy(size=nbytes)])
+                times.append(common.now() - t0)
+            out[name + "_bytes_per_s"] = common.stats([nbytes / t for t in times[1:]])
+        t0 = common.now()
+        alloc.free(dev)
+        out["free_1gib_s"] = common.now() - t0
+        t0 = common.now()
+        dev = alloc.create(nbytes, "scratch", "device")
+        out["alloc_1gib_s"] = common.now() - t0
+        # the same bytes in four buffers, allocated and freed in four threads
+        from concurrent.futures import ThreadPoolExecutor
+
+        alloc.free(dev)
+        with ThreadPoolExecutor(4) as pool:
+            t0 = common.now()
+            quarters = list(pool.map(lambda _: alloc.create(nbytes // 4, "scratch", "device"), range(4)))
+            out["alloc_4x_threads_s"] = common.now() - t0
+            t0 = common.now()
+            list(pool.map(alloc.free, quarters))
+            out["free_4x_threads_s"] = common.now() - t0
+        dev = alloc.create(256, "scratch", "device")
+    finally:
+        alloc.free(host)
+        alloc.free(dev)
+    return out
+
+
+def residency_phases(be) -> dict:  # type: ignore[no-untyped-def]
+    """One release/restore of the weights taken apart: dropping graphs, freeing,
+    allocating, copying, and the first forward after (which records its graph)."""
+    w = be._weights
+    out: dict[str, float] = {}
+    step = [SeqBatch(0, np.array([1], np.int32), 0)]
+    out["forward_warm_s"] = common.timed(lambda: be.forward(step))[0]
+    with be._device.lock:
+        out["drop_graphs_s"] = common.timed(be._drop_graphs)[0]
+        out["free_weights_s"] = common.timed(w.release_device)[0]
+
+        out["alloc_and_copy_weights_s"] = common.timed(w.upload)[0]
+    out["first_forward_s"] = common.timed(lambda: be.forward(step))[0]
+    out["weight_bytes"] = w.total_bytes()
+    return out
+
+
 def measure_residency(be, repeats: int) -> dict:  # type: ignore[no-untyped-def]
     """Release and restore at each level: seconds each way and the device bytes left."""
     from trio_llm.engine.backend import Level
 
-    out = {}
+    raw_bytes = min(1 << 30, be._weights.total_bytes())
+    out: dict = {"raw_copy": raw_copy_bandwidth(be, raw_bytes), "phases": residency_phases(be)}
+    step = [SeqBatch(0, np.array([1], np.int32), 0)]
     resident = sum(be.memory().values())
     for level in (Level.WEIGHTS, Level.ALL):
         rel: list[float] = []
         res: list[float] = []
+        first: list[float] = []
         cold = 0
         for _ in range(repeats):
             rel.append(common.timed(lambda lv=level: be.release(lv))[0])
             cold = sum(be.memory().values())
             res.append(common.timed(be.restore)[0])
+            first.append(common.timed(lambda: be.forward(step))[0])
         out[level.value] = {"release_s": common.stats(rel), "restore_s": common.stats(res),
+                            "first_forward_s": common.stats(first),
                             "cold_bytes": cold, "resident_bytes": resident}
     return out
 
 
+def gpu_breakdown(be, model, replays: int = 20) -> dict:  # type: ignore[no-untyped-def]
+    """GPU time of the decode graph and of parts of it, each recorded as its own graph
+    and replayed with the step buffer of the last decode step: all of it, all of it
+    without barriers (what the barriers cost), and each kernel alone without barriers.
+    Parts run without their barriers compute garbage; only their time matters."""
+    import attrs
+
+    from trio_llm.vulkan.forward import build_ops
+    from trio_llm.vulkan.graph import Barrier, Dispatch, Graph
+
+    ops = build_ops(be._ops, be.config, be._weights, be._act, be._kv, bucket=1, n_ctx=be.n_ctx)
+    dispatches = [op for op in ops if isinstance(op, Dispatch)]
+    parts = {"all": ops, "no_barriers": [op for op in ops if not isinstance(op, Barrier)]}
+    for name in sorted({d.kernel.name for d in dispatches}):
+        parts["only_" + name] = [d for d in dispatches if d.kernel.name == name]
+        # the same dispatches one after another: the latency each adds to the chain
+        parts["serial_" + name] = [x for d in parts["only_" + name] for x in (d, Barrier())]
+    for rs in (1, 4):  # rows per matvec subgroup other than the default
+        alt = build_ops(attrs.evolve(be._ops, matvec_rs=rs), be.config, be._weights, be._act, be._kv,
+                        bucket=1, n_ctx=be.n_ctx)
+        parts[f"only_matvec_rs{rs}"] = [d for d in alt if isinstance(d, Dispatch) and d.kernel.name == "matvec"]
+        parts[f"no_barriers_rs{rs}"] = [d for d in alt if not isinstance(d, Barrier)]
+        parts[f"all_rs{rs}"] = alt
+    out: dict = {"dispatches": len(dispatches), "barriers": sum(isinstance(op, Barrier) for op in ops)}
+    device = be._device
+    with device.lock:
+        for name, part in parts.items():
+            graph = Graph.record(device, part)
+            try:
+                graph.run()
+                times = []
+                for _ in range(replays):
+                    t0 = common.now()
+                    graph.run()
+                    times.append(common.now() - t0)
+            finally:
+                graph.close()
+            out[name + "_ms"] = 1e3 * sorted(times)[len(times) // 2]
+    mv_bytes = sum(d.views[0].size for d in dispatches if d.kernel.name == "matvec")
+    out["matvec_bytes"] = mv_bytes
+    out["matvec_bytes_per_s"] = mv_bytes / (out["only_matvec_ms"] / 1e3)
+    return out
+
+
 def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  # type: ignore[no-untyped-def]
-                residency_too: bool = False) -> dict:
+                residency_too: bool = False, breakdown_too: bool = False) -> dict:
     n_ctx = max(pp, tg) + 8
     if kind == "vulkan":
         from trio_llm.vulkan.backend import VulkanBackend
@@ -114,6 +221,7 @@ def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  
               + (" (warm-up)" if i < warmup else ""), file=sys.stderr, flush=True)
     info = be.device_info()
     mem = be.memory()
+    breakdown = gpu_breakdown(be, model) if kind == "vulkan" and breakdown_too else None
     residency = measure_residency(be, repeats) if kind == "vulkan" and residency_too else None
     be.close()
     out = {
@@ -127,6 +235,8 @@ def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  
     }
     if residency is not None:
         out["residency"] = residency
+    if breakdown is not None:
+        out["breakdown"] = breakdown
     if kind == "vulkan":
         out["gpu_ms_per_token"] = common.stats([1e3 * t / tg for t in replay_t])
         out["python_us_per_token"] = common.stats([1e6 * t / tg for t in python_t])
@@ -144,13 +254,16 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--residency", action="store_true", help="also time release/restore (Vulkan)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the decode graph's parts (Vulkan): without barriers, per kernel")
     args = ap.parse_args()
     path = args.model or common.model_file(args.preset, args.quant)
     model = load_gguf(path)
     per_token = weight_bytes_per_token(model)
     rows = []
     for kind in args.backends.split(","):
-        r = run_backend(kind.strip(), model, args.pp, args.tg, args.repeats, args.warmup, args.residency)
+        r = run_backend(kind.strip(), model, args.pp, args.tg, args.repeats, args.warmup, args.residency,
+                        args.breakdown)
         r["bytes_per_token"] = per_token
         r["hbm_share"] = common.stats([v * per_token / HBM_BYTES_PER_S for v in r["tg_tps"].values])
         rows.append(r)
@@ -166,9 +279,14 @@ def main() -> int:
     ]
     common.print_table(table)
     for r in rows:
+        if "breakdown" in r:
+            print(f"{r['backend']} breakdown: {r['breakdown']}")
         for level, fig in (r.get("residency") or {}).items():
+            if level in ("raw_copy", "phases"):
+                print(f"{r['backend']} {level}: {fig}")
+                continue
             print(f"{r['backend']} release({level}): {fig['release_s'].median * 1e3:.1f} ms, "
-                  f"restore {fig['restore_s'].median * 1e3:.1f} ms, cold {fig['cold_bytes'] / 2**20:.1f} MiB "
+                  f"restore {fig['restore_s'].median * 1e3:.1f} ms, first forward {fig['first_forward_s'].median * 1e3:.1f} ms, cold {fig['cold_bytes'] / 2**20:.1f} MiB "
                   f"of {fig['resident_bytes'] / 2**20:.1f} MiB")
     params = {"model": str(path), "preset": args.preset, "quant": args.quant, "pp": args.pp,
               "tg": args.tg, "repeats": args.repeats, "warmup": args.warmup}
