@@ -1,14 +1,26 @@
 #version 450
 // Matrix-vector products for decode: y[c][row] (+)= W[row] . x[c] for up to MAXC
 // columns (tokens) at once, so a batch of a few sequences reads each weight once.
-// One subgroup per row, NR rows per work group; weights are dequantized on the fly
-// in groups of eight, adjacent lanes taking adjacent groups, so a warp's loads cover
-// one contiguous stretch of the row. (A variant giving each lane a whole block
-// through 32-bit loads measured slower on the H200: 283 against 361 tok/s on
-// llama-1b Q8_0; docs/vulkan.md has the figures.)
+// One subgroup per RS rows, NR subgroups per work group, reduced with subgroupAdd
+// alone (no shared memory, no barrier).
+//
+// Decode is bound by how fast the weights stream in, so the common quantized types
+// have their own inner loops that give each lane a larger piece of a block through
+// few, wide loads (a lane's "task"), with adjacent lanes on adjacent pieces so a
+// warp's loads cover one contiguous stretch of the row:
+//   Q4_K  8 lanes per 144-byte super-block; a lane reads 32 nibbles as one 128-bit
+//         load and the block header (d, dmin, 12 scale bytes) as another
+//   Q6_K  16 lanes per 210-byte super-block; a lane reads 4 bytes each of ql (twice)
+//         and qh, 16 values (the block is only 2-byte aligned: 16-bit loads, paired)
+// Other types use the generic loop: eight values per lane through quant.glsl's
+// dequant8, adjacent lanes on adjacent groups. (For Q8_0 a path giving each lane 16
+// values of a block measured slower on the H200: 1.03 against 0.76 ms of matvec per
+// llama-1b token; a block per lane with 32-bit loads was slower still.) With the K-quants, a sub-block's scale and min multiply the
+// sums of q*x and of x once instead of every value.
 #include "common.glsl"
 
 layout(binding = 0, std430) readonly buffer W16 { uint16_t w16[]; };
+layout(binding = 0, std430) readonly buffer W128 { uvec4 w128[]; };
 layout(binding = 1, std430) readonly buffer X { vec4 x4[]; };
 layout(binding = 2, std430) buffer Y { float y[]; };
 DECLARE_STEP(3)
@@ -24,44 +36,170 @@ layout(push_constant) uniform Push {
 } pc;
 
 layout(constant_id = 1) const uint MAXC = 8;
-layout(constant_id = 2) const uint NR = 4;  // rows per work group: one subgroup per row
+layout(constant_id = 2) const uint NR = 4;  // subgroups per work group
+// rows per subgroup: each x value a lane loads serves RS rows (the loads of x from
+// L1 otherwise outnumber the weight bytes four to one)
+layout(constant_id = 3) const uint RS = 2;
 
 #include "quant.glsl"
 
+// the four bytes of a word as exact floats
+vec4 bytes4(uint w) {
+    return vec4(uvec4(w, w >> 8, w >> 16, w >> 24) & 0xFFu);
+}
+
+uint pair16(uint i) {
+    return uint(w16[i]) | (uint(w16[i + 1u]) << 16);
+}
+
 void main() {
     uint ncols = min(STEP_COUNT(pc.count_sel), MAXC);
-    uint groups = pc.n_in / 8u;
-    // A subgroup owns a row and reduces it with subgroupAdd alone: no shared memory
-    // and no barrier, which is what makes the kernel cheap on CPU drivers too. The
-    // loop also covers a driver that runs fewer, wider subgroups than planned.
+    uint lane = gl_SubgroupInvocationID;
+    uint sg = gl_SubgroupSize;
+    // The loop also covers a driver that runs fewer, wider subgroups than planned.
     for (uint r = gl_SubgroupID; r < NR; r += gl_NumSubgroups) {
-        uint row = FLAT_GROUP * NR + r;
-        if (row >= pc.n_rows) {
+        uint row0 = (FLAT_GROUP * NR + r) * RS;
+        if (row0 >= pc.n_rows) {
             break;
         }
-        uint row16 = row * row_words(pc.n_in);
-        float acc[MAXC];
-        [[unroll]] for (uint c = 0; c < MAXC; c++) {
+        // rows past the end read the last row again; their sums are dropped
+        uint rows[RS];
+        [[unroll]] for (uint k = 0; k < RS; k++) {
+            rows[k] = min(row0 + k, pc.n_rows - 1u);
+        }
+        float acc[MAXC * RS];
+        [[unroll]] for (uint c = 0; c < MAXC * RS; c++) {
             acc[c] = 0.0;
         }
-        for (uint g = gl_SubgroupInvocationID; g < groups; g += gl_SubgroupSize) {
-            float w[8];
-            dequant8(row16, g, w);
-            vec4 wa = vec4(w[0], w[1], w[2], w[3]);
-            vec4 wb = vec4(w[4], w[5], w[6], w[7]);
+#if defined(QTYPE_Q4_K)
+        uint nb = pc.n_in / 256u;
+        for (uint t = lane; t < nb * 8u; t += sg) {
+            uint blk = t >> 3;
+            uint j = t & 7u;
+            uint cidx = j >> 1;     // 64-value chunk
+            uint half_ = j & 1u;    // which 16 bytes of the chunk's 32
+            vec4 lo[RS][4];
+            vec4 hi[RS][4];
+            vec4 dsm[RS];  // d*scale and dmin*min of the low and the high sub-block
+            [[unroll]] for (uint k = 0; k < RS; k++) {
+                uint b128 = (rows[k] * nb + blk) * 9u;  // 144-byte blocks are 9 uvec4
+                uvec4 hdr = w128[b128];                   // d|dmin, scales[0..12)
+                uvec4 qs = w128[b128 + 1u + 2u * cidx + half_];
+                vec2 dm = unpackHalf2x16(hdr.x);
+                // scales and mins of sub-blocks 2*cidx (low nibbles) and 2*cidx+1 (high
+                // nibbles): 6-bit fields, the last four split between bytes
+                uint sh = 16u * (cidx & 1u);
+                uint ya = hdr.y >> sh;
+                uint za = hdr.z >> sh;
+                uint wa = hdr.w >> sh;
+                vec4 sm;
+                if (cidx < 2u) {
+                    sm = vec4(uvec4(ya, za, ya >> 8, za >> 8) & 63u);
+                } else {
+                    sm = vec4(uvec4(
+                        (wa & 0xFu) | (((ya >> 6) & 3u) << 4),
+                        ((wa >> 4) & 0xFu) | (((za >> 6) & 3u) << 4),
+                        ((wa >> 8) & 0xFu) | (((ya >> 14) & 3u) << 4),
+                        ((wa >> 12) & 0xFu) | (((za >> 14) & 3u) << 4)));
+                }
+                dsm[k] = sm * dm.xyxy;
+                [[unroll]] for (uint i = 0; i < 4; i++) {
+                    lo[k][i] = bytes4(qs[i] & 0x0F0F0F0Fu);
+                    hi[k][i] = bytes4((qs[i] >> 4) & 0x0F0F0F0Fu);
+                }
+            }
+            // value index of the first low nibble: 256 blk + 64 cidx + 16 half_
+            uint x0 = (blk * 256u + cidx * 64u + half_ * 16u) / 4u;
             [[unroll]] for (uint c = 0; c < MAXC; c++) {
                 if (c < ncols) {
-                    uint xi = (c * pc.x_stride) / 4u + 2u * g;
-                    acc[c] += dot(wa, x4[xi]) + dot(wb, x4[xi + 1]);
+                    uint xb = (c * pc.x_stride) / 4u + x0;
+                    vec4 xa[4];
+                    vec4 xh[4];
+                    float sx0 = 0.0, sx1 = 0.0;
+                    [[unroll]] for (uint i = 0; i < 4; i++) {
+                        xa[i] = x4[xb + i];
+                        xh[i] = x4[xb + 8u + i];  // 32 values further
+                        sx0 += dot(xa[i], vec4(1.0));
+                        sx1 += dot(xh[i], vec4(1.0));
+                    }
+                    [[unroll]] for (uint k = 0; k < RS; k++) {
+                        float qx0 = 0.0, qx1 = 0.0;
+                        [[unroll]] for (uint i = 0; i < 4; i++) {
+                            qx0 += dot(lo[k][i], xa[i]);
+                            qx1 += dot(hi[k][i], xh[i]);
+                        }
+                        acc[c * RS + k] += dsm[k].x * qx0 - dsm[k].y * sx0 + dsm[k].z * qx1 - dsm[k].w * sx1;
+                    }
                 }
             }
         }
+#elif defined(QTYPE_Q6_K)
+        uint nb = pc.n_in / 256u;
+        for (uint t = lane; t < nb * 16u; t += sg) {
+            uint blk = t >> 4;
+            uint j = t & 15u;
+            uint h = j >> 3;           // which 128-value half
+            uint l0 = (j & 7u) * 4u;   // 4 positions l0..l0+3 of the half's 32
+            uint ssh = (l0 >> 4) * 8u;  // scale byte (l0 / 16) within each 16-bit word
+            vec4 q[RS][4];
+            vec4 scs[RS];
+            [[unroll]] for (uint k = 0; k < RS; k++) {
+                uint b = (rows[k] * nb + blk) * BLOCK16;
+                uint qla = pair16(b + 32u * h + l0 / 2u);        // ql[64h + l0 ..]
+                uint qlb = pair16(b + 32u * h + 16u + l0 / 2u);  // ql[64h + 32 + l0 ..]
+                uint qh = pair16(b + 64u + 16u * h + l0 / 2u);   // qh[32h + l0 ..]
+                uint sb = b + 96u + 4u * h;  // scales[8h ..]
+                ivec4 sc = ivec4(uvec4(w16[sb], w16[sb + 1u], w16[sb + 2u], w16[sb + 3u]) << (24u - ssh)) >> 24;
+                scs[k] = whalf(b + 104u) * vec4(sc);
+                q[k][0] = bytes4((qla & 0x0F0F0F0Fu) | ((qh & 0x03030303u) << 4)) - 32.0;
+                q[k][1] = bytes4((qlb & 0x0F0F0F0Fu) | (((qh >> 2) & 0x03030303u) << 4)) - 32.0;
+                q[k][2] = bytes4(((qla >> 4) & 0x0F0F0F0Fu) | (((qh >> 4) & 0x03030303u) << 4)) - 32.0;
+                q[k][3] = bytes4(((qlb >> 4) & 0x0F0F0F0Fu) | (((qh >> 6) & 0x03030303u) << 4)) - 32.0;
+            }
+            uint x0 = (blk * 256u + h * 128u + l0) / 4u;
+            [[unroll]] for (uint c = 0; c < MAXC; c++) {
+                if (c < ncols) {
+                    uint xb = (c * pc.x_stride) / 4u + x0;
+                    vec4 xv[4] = vec4[4](x4[xb], x4[xb + 8u], x4[xb + 16u], x4[xb + 24u]);
+                    [[unroll]] for (uint k = 0; k < RS; k++) {
+                        acc[c * RS + k] += dot(scs[k], vec4(dot(q[k][0], xv[0]), dot(q[k][1], xv[1]),
+                                                            dot(q[k][2], xv[2]), dot(q[k][3], xv[3])));
+                    }
+                }
+            }
+        }
+#else
+        uint groups = pc.n_in / 8u;
+        uint rw = row_words(pc.n_in);
+        for (uint g = lane; g < groups; g += sg) {
+            vec4 wa[RS];
+            vec4 wb[RS];
+            [[unroll]] for (uint k = 0; k < RS; k++) {
+                float w[8];
+                dequant8(rows[k] * rw, g, w);
+                wa[k] = vec4(w[0], w[1], w[2], w[3]);
+                wb[k] = vec4(w[4], w[5], w[6], w[7]);
+            }
+            [[unroll]] for (uint c = 0; c < MAXC; c++) {
+                if (c < ncols) {
+                    uint xi = (c * pc.x_stride) / 4u + 2u * g;
+                    vec4 xa = x4[xi];
+                    vec4 xb = x4[xi + 1u];
+                    [[unroll]] for (uint k = 0; k < RS; k++) {
+                        acc[c * RS + k] += dot(wa[k], xa) + dot(wb[k], xb);
+                    }
+                }
+            }
+        }
+#endif
         [[unroll]] for (uint c = 0; c < MAXC; c++) {
             if (c < ncols) {
-                float s = subgroupAdd(acc[c]);
-                if (subgroupElect()) {
-                    uint o = c * pc.y_stride + pc.y_off + row;
-                    y[o] = pc.mode == 1u ? y[o] + s : s;
+                [[unroll]] for (uint k = 0; k < RS; k++) {
+                    float s = subgroupAdd(acc[c * RS + k]);
+                    if (subgroupElect() && row0 + k < pc.n_rows) {
+                        uint o = c * pc.y_stride + pc.y_off + row0 + k;
+                        y[o] = pc.mode == 1u ? y[o] + s : s;
+                    }
                 }
             }
         }

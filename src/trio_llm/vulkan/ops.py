@@ -69,7 +69,8 @@ def grid(n: int, limit: int = 65535) -> tuple[int, int, int]:
 class Ops:
     kernels: KernelCache
     subgroup: int = 32  # the device's subgroup size
-    matvec_rows: int = 4  # rows per matvec work group (one subgroup each)
+    matvec_rows: int = 4  # subgroups per matvec work group
+    matvec_rs: int = 2  # rows per matvec subgroup
     norm_wg: int = 64
     attn_wg: int = 64
     rows_wg: int = 64
@@ -82,13 +83,13 @@ class Ops:
     ) -> Dispatch:
         """y[c, y_off + r] (+)= W[r] . x[c] for the live columns c (at most ``maxc``)."""
         assert n_in % 8 == 0 and x_stride % 4 == 0
-        nr = self.matvec_rows
+        nr, rs = self.matvec_rows, self.matvec_rs
         k = self.kernels.get(
             "matvec", n_bindings=4, n_push=7, local_size=nr * self.subgroup,
-            defines=qtype_defines(qtype), spec={1: maxc, 2: nr},
+            defines=qtype_defines(qtype), spec={1: maxc, 2: nr, 3: rs},
         )
         push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add))
-        return Dispatch(k, (w, x, y, step), push, grid(math.ceil(n_rows / nr)))
+        return Dispatch(k, (w, x, y, step), push, grid(math.ceil(n_rows / (nr * rs))))
 
     def matmul(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
