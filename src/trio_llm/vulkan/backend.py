@@ -338,8 +338,8 @@ def _check_shapes(model: GGUFModel, cfg: ModelConfig) -> None:
     for what, n in (("n_embd", cfg.n_embd), ("q_dim", cfg.q_dim), ("n_ff", cfg.n_ff)):
         if n % 32:
             problems.append(f"{what} {n} is not a multiple of 32")
-    if cfg.head_dim % 2 or cfg.head_dim > 256:
-        problems.append(f"head_dim {cfg.head_dim} must be even and at most 256")
+    if cfg.head_dim % 4 or cfg.head_dim > 256:
+        problems.append(f"head_dim {cfg.head_dim} must be a multiple of 4 and at most 256")
     if cfg.kv_dim % 4:
         problems.append(f"kv_dim {cfg.kv_dim} is not a multiple of 4")
     if problems:

@@ -113,7 +113,10 @@ class Ops:
         self, x: View, w: View, y: View, step: View, *, n: int, x_stride: int, y_stride: int,
         eps: float, cap: int, rows_per_tok: int = 1, count_sel: int = COUNT_TOKENS,
     ) -> Dispatch:
-        k = self.kernels.get("rms_norm", n_bindings=4, n_push=6, local_size=self.norm_wg)
+        # a row is one work group, on the critical path of every layer: wide groups
+        # keep its latency down (few loads per lane before the reduction)
+        wg = self.norm_wg if n < 1024 else 4 * self.norm_wg
+        k = self.kernels.get("rms_norm", n_bindings=4, n_push=6, local_size=wg)
         push = (n, rows_per_tok, x_stride, y_stride, count_sel, float(eps))
         return Dispatch(k, (x, w, y, step), push, grid(cap * rows_per_tok))
 
