@@ -57,9 +57,10 @@ async def make_rig(path: Path, nursery: trio.Nursery, *, n_seq: int, n_ctx: int,
     await nursery.start(actor.run)
     client = actor.client()
     send, recv = trio.open_memory_channel[SlotsMessage](outbox_size(n_seq))
-    queue = TaskQueue.create(n_seq, send)
+    gate = AlwaysAwake()  # one gate for both, as runtime wires them: the queue reports busy
+    queue = TaskQueue.create(n_seq, send, gate)
     tok = Tokenizer.from_metadata(model.metadata)
-    slots = SlotsEngine(client, AlwaysAwake(), tok, queue.inbox(), recv, n_ctx=n_ctx, n_batch=512)
+    slots = SlotsEngine(client, gate, tok, queue.inbox(), recv, n_ctx=n_ctx, n_batch=512)
     await nursery.start(queue.start_loop)
     if start_slots:
         await nursery.start(slots.start_loop)

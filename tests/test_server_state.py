@@ -119,6 +119,22 @@ def test_release_after_cancel_frees_the_slot_for_the_next_waiter() -> None:
     assert [a.task.id_task for a in dispatch(state)] == [2]
 
 
+def test_a_task_is_work_until_its_slot_lets_go_even_when_cancelled() -> None:
+    """``has_tasks`` is what the queue reports to the residency gate as busy: a
+    cancelled task still runs in its slot until the slots loop says it let go."""
+    state = QueueState.initial(1)
+    assert not state.has_tasks()
+    state.pending.extend([task(1), task(2)])
+    assert state.has_tasks()
+    dispatch(state)
+    assert cancel(state, 2) is not None  # dropped while waiting
+    assert cancel(state, 1) == CancelSlot(1, 0)
+    assert state.active == {} and state.has_tasks()  # told to stop, still in slot 0
+    assert cancel(state, 1) is None  # a second cancel sends nothing more
+    release(state, SlotReleased(0, 1, (1, 2)))
+    assert not state.has_tasks()
+
+
 def test_dispatch_repairs_the_state_when_it_fails() -> None:
     class Boom(Exception):
         pass

@@ -108,6 +108,8 @@ def test_decide_is_a_function_of_live_state() -> None:
     assert decide(idle5, live(state=State.COLD)).act is Act.WAIT
     assert decide(off, live(state=State.UNLOADED, demand=1)).act is Act.WAKE
     assert decide(idle5, live(busy=True)).act is Act.WAIT
+    assert decide(idle5, live(now=50.0, passes=1)).act is Act.WAIT  # a forward pass in flight
+    assert decide(off, live(sleep_request=Level.ALL, passes=1)).act is Act.WAIT
     assert decide(idle5, live(demand=2)).act is Act.WAIT
     assert decide(idle5, live(state=State.RESTORING)).act is Act.WAIT
     d = decide(idle5, live(now=4.0))

@@ -355,7 +355,7 @@ async def _run_loaded(
             async with trio.open_nursery() as actors:
                 gate = await build_gate(config, client, actors, arbiter)
                 assign_send, assign_recv = trio.open_memory_channel[SlotsMessage](outbox_size(backend.n_seq))
-                queue = TaskQueue.create(backend.n_seq, assign_send)
+                queue = TaskQueue.create(backend.n_seq, assign_send, gate)
                 slots = SlotsEngine(
                     client, gate, tokenizer, queue.inbox(), assign_recv,
                     n_ctx=backend.n_ctx, n_batch=config.batch_size,
@@ -363,9 +363,11 @@ async def _run_loaded(
                 await actors.start(queue.start_loop)
                 await actors.start(slots.start_loop)
                 if config.warmup:
-                    await gate.wait_until_no_sleep()
                     first = tokenizer.bos_id if tokenizer.bos_id is not None else 0
-                    await client.forward([SeqBatch(0, np.array([first], dtype=np.int32), 0)])
+                    # a forward pass like any other: no release (a waiter's yield after
+                    # the start-up grace) may begin under it
+                    async with gate.resident():
+                        await client.forward([SeqBatch(0, np.array([first], dtype=np.int32), 0)])
                 device = await client.call(lambda b: b.device_info(), "device_info")
                 registry = make_registry(
                     StatisticsSources(slots.statistics, queue.statistics, actor.statistics, gate.is_sleeping)

@@ -3,9 +3,11 @@
 Implements ``trio_llm.server.gate.ResidencyGate`` over a ``Residency`` (what is
 where) and an ``Arbiter`` (who may be resident). See ``docs/residency.md``.
 
-Inbox: ``set_busy`` from the slots loop; ``wait_until_no_sleep``/``request_wake``
-(callers that need the model resident) and ``request_sleep`` (``POST /sleep``),
-each of which registers live *demand* for as long as its caller waits.
+Inbox: ``set_busy`` from the task queue (a task queued, assigned or in a slot);
+``resident()`` around every forward pass of the slots loop; ``wait_until_no_sleep``/
+``request_wake`` (callers that need the model resident) and ``request_sleep``
+(``POST /sleep``), each of which registers live *demand* for as long as its caller
+waits.
 Outbox: residency commands (release/restore) and arbiter calls, all from the one
 ``run`` task; a change broadcast the waiters re-check on.
 
@@ -17,8 +19,14 @@ Invariants:
 - Resident iff the token is held, at every point where no transition is running
   (asserted under ``__debug__``): a wake takes the token before restoring, a sleep
   releases before giving the token back.
-- Never sleeps while busy or while anyone waits for the model; never yields within
-  ``grace`` (100 ms) of a wake, because the request that woke us is not queued yet.
+- Never sleeps while busy (any task in the server), while a forward pass is in
+  flight, or while anyone waits for the model; never yields within ``grace`` (100 ms)
+  of a wake, because the request that woke us is not queued yet.
+- A forward pass and a release exclude each other. ``resident()`` registers the pass
+  in the same step (no checkpoint) that finds the model resident and no release
+  decided; ``run`` marks a release as decided in the same step that decides it, before
+  the first checkpoint on the way to the residency actor. So a pass either started
+  first (and the release is not decided until it ends) or waits for the wake.
 - Idle time is measured from the last moment the engine went idle (or woke): time
   spent busy never counts, and the idle timer is a deadline re-armed on every
   change, not a poll. The one poll is the 10 ms probe of want.lock while idle and
@@ -30,6 +38,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from enum import StrEnum
 from typing import Any
 
@@ -73,13 +83,14 @@ class Act(StrEnum):
 class Live:
     now: float
     state: State
-    busy: bool
+    busy: bool  # a task queued, assigned or in a slot (the task queue's report)
     demand: int  # tasks waiting for the model to be resident
     sleep_request: Level | None  # deepest level asked for by pending POST /sleep callers
     idle_since: float  # when the engine last went idle (or the model last woke)
     woke_at: float  # when the model last became resident
     last_probe: float
     arbiter_active: bool
+    passes: int = 0  # forward passes in flight (inside ``resident()``)
 
 
 @attrs.frozen
@@ -93,7 +104,7 @@ class Decision:
 def decide(cfg: SleepConfig, live: Live) -> Decision:
     if live.state in (State.COLD, State.UNLOADED):
         return Decision(Act.WAKE, reason="demand") if live.demand else Decision(Act.WAIT)
-    if live.state is not State.RESIDENT or live.busy or live.demand:
+    if live.state is not State.RESIDENT or live.busy or live.passes or live.demand:
         return Decision(Act.WAIT)  # invariant 3: only an idle holder sleeps or yields
     if live.sleep_request is not None:
         return Decision(Act.SLEEP, live.sleep_request, "requested")
@@ -118,6 +129,7 @@ def decide(cfg: SleepConfig, live: Live) -> Decision:
 class SleepStatistics:
     state: State
     busy: bool
+    passes: int  # forward passes in flight
     demand: int
     token_held: bool
     wakes: int
@@ -146,6 +158,8 @@ class SleepController:
     _residency: Residency
     _arbiter: Arbiter
     _busy: bool = False
+    _passes: int = 0  # forward passes in flight (``resident()``)
+    _leaving: bool = False  # a release is decided and not over: no pass may start
     _demand_by_gen: dict[int, int] = attrs.field(factory=dict)  # failure_gen → waiters
     _sleep_requests: dict[int, Level] = attrs.field(factory=dict)
     _request_ids: itertools.count[int] = attrs.field(factory=itertools.count)
@@ -168,11 +182,13 @@ class SleepController:
     # -- the gate (called by the slots loop and the HTTP edge) --
 
     async def wait_until_no_sleep(self) -> None:
-        """Return once the model is resident, waking it if needed. Cancellable: a
-        cancelled caller withdraws its demand (the wake stops if nobody else wants it).
-        Raises the backend's error if the wake it waited for failed."""
+        """Return once the model is resident and no release is decided, waking it if
+        needed. Cancellable: a cancelled caller withdraws its demand (the wake stops if
+        nobody else wants it). Raises the backend's error if the wake it waited for
+        failed. Returns in the step that saw the model usable (no checkpoint after the
+        check), which ``resident()`` relies on."""
         await trio.lowlevel.checkpoint()
-        if self._residency.state is State.RESIDENT:
+        if self._usable():
             return
         gen = self._failure_gen
         self._demand_by_gen[gen] = self._demand_by_gen.get(gen, 0) + 1
@@ -180,7 +196,7 @@ class SleepController:
         try:
             # re-ask on every wake-up: the loop may have slept again since the last
             # change, and only the live state says whether we can go
-            while self._residency.state is not State.RESIDENT:
+            while not self._usable():
                 if self._failure_gen != gen and self._failure is not None:
                     raise self._failure
                 await self._changed.wait()
@@ -189,6 +205,24 @@ class SleepController:
             if not self._demand_by_gen[gen]:
                 del self._demand_by_gen[gen]
             self._notify()
+
+    @asynccontextmanager
+    async def resident(self) -> AsyncIterator[None]:
+        """Hold the model resident for one forward pass: wait (waking it) like
+        ``wait_until_no_sleep``, then no release can begin until the block exits."""
+        await self.wait_until_no_sleep()
+        # the same step as the check that found the model usable: a release decided
+        # from now on sees this pass; one decided before it made the check fail
+        self._passes += 1
+        try:
+            yield
+        finally:
+            self._passes -= 1
+            if not self._passes:
+                self._notify()  # the controller may be waiting for the pass to end
+
+    def _usable(self) -> bool:
+        return self._residency.state is State.RESIDENT and not self._leaving
 
     @property
     def _demand(self) -> int:
@@ -206,7 +240,7 @@ class SleepController:
         self._notify()
 
     def is_sleeping(self) -> bool:
-        return self._residency.state is not State.RESIDENT
+        return not self._usable()
 
     async def request_sleep(self, level: str | None) -> None:
         """``POST /sleep``: release now, or as soon as the engine is idle. Returns once a
@@ -246,6 +280,7 @@ class SleepController:
         return SleepStatistics(
             state=self._residency.state,
             busy=self._busy,
+            passes=self._passes,
             demand=self._demand,
             token_held=self._arbiter.holding,
             wakes=self._wakes,
@@ -309,6 +344,7 @@ class SleepController:
             woke_at=self._woke_at,
             last_probe=self._last_probe,
             arbiter_active=self._arbiter.active,
+            passes=self._passes,
         )
 
     def _check_invariant(self) -> None:
@@ -428,6 +464,17 @@ class SleepController:
                 await trio.sleep(cfg.probe_interval / 2)
 
     async def _sleep(self, level: Level, reason: str) -> None:
+        """Release, then give the token back. Called in the step that decided it (no
+        checkpoint in between), so ``_leaving`` is set before any pass could start."""
+        assert not self._passes, "a release decided under a forward pass"
+        self._leaving = True
+        try:
+            await self._release(level, reason)
+        finally:
+            self._leaving = False
+            self._notify()  # waiters re-check: cold now, or resident again after a failure
+
+    async def _release(self, level: Level, reason: str) -> None:
         t0 = trio.current_time()
         try:
             await self._residency.release(level)

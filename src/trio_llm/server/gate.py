@@ -1,13 +1,22 @@
 """The residency gate: how the slots loop and the HTTP edge talk to sleep/residency.
 
-The slots/engine loop never touches residency directly. Before every forward pass
-it awaits ``wait_until_no_sleep()``, which returns at once while the model is
+The slots/engine loop never touches residency directly. It runs every forward pass
+inside ``async with gate.resident():``, which returns at once while the model is
 resident and otherwise wakes it (takes the arbiter token, restores the device
-memory) first. It reports activity with ``set_busy(True/False)``: the sleep
-controller counts idle time only while not busy, and decides to sleep (idle timer or
-an arbiter waiter) only then, from live state. ``AlwaysAwake`` is the gate of a
-server without sleep or arbiter; ``trio_llm.residency.sleep.SleepController``
-implements the same protocol for real.
+memory) first, and which keeps any release from beginning until the pass is over:
+the check that the model is resident and the registration of the pass happen in one
+step, so a release decided a moment earlier makes the pass wait for the wake instead
+of running on a model being released (arbiter protocol, invariant 1).
+
+The task queue reports work with ``set_busy(True/False)``: True from the moment a task
+is posted (before the queue loop or the slots loop has seen it) until no task is
+queued, assigned or in a slot. The sleep controller counts idle time only while not
+busy, and decides to sleep (idle timer or an arbiter waiter) only then, from live
+state (invariant 3: the holder yields only when idle). The queue owns that state, not
+the slots loop: between two tasks the slots loop has nothing in its slots for a moment
+while the next task is already on its way, and a release decided there cut answers in
+two. ``AlwaysAwake`` is the gate of a server without sleep or arbiter;
+``trio_llm.residency.sleep.SleepController`` implements the same protocol for real.
 
 Optional: a gate whose releases can lose the KV cache (level "unload") exposes
 ``kv_epoch() -> int``, a counter of such releases. The slots loop reads it after every
@@ -18,18 +27,26 @@ never to lose the KV cache.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
 
 import attrs
+import trio
 
 
 class ResidencyGate(Protocol):
+    def resident(self) -> AbstractAsyncContextManager[None]:
+        """Around one forward pass: wait until resident (waking it if needed;
+        cancellable), then hold off any release until the block exits."""
+        ...
+
     async def wait_until_no_sleep(self) -> None:
         """Return when the model is resident; wake it if needed. Cancellable."""
         ...
 
     def set_busy(self, busy: bool) -> None:
-        """The engine has work in flight (True) or has gone idle (False)."""
+        """A task is queued, assigned or in a slot (True), or none is (False)."""
         ...
 
     def is_sleeping(self) -> bool: ...
@@ -52,6 +69,11 @@ class AlwaysAwake:
     """The gate of a server with neither idle sleep nor an arena: always resident."""
 
     _busy: bool = False
+
+    @asynccontextmanager
+    async def resident(self) -> AsyncIterator[None]:
+        await trio.lowlevel.checkpoint()
+        yield
 
     async def wait_until_no_sleep(self) -> None:
         return None

@@ -2,14 +2,19 @@
 
 Inbox (``_inbox``, finite): ``Post`` from HTTP handlers, ``Cancel`` from handlers
 whose client went away, ``SlotReleased`` from the slots loop when a slot goes idle.
-Outbox (``assign``): ``Assign`` and ``CancelSlot`` messages to the slots loop.
+Outbox (``assign``): ``Assign`` and ``CancelSlot`` messages to the slots loop;
+``gate.set_busy`` whenever the answer to "is any task in the server?" may change.
 
 Invariants: a slot runs at most one task; a task is in exactly one of pending,
 deferred or active until it finishes or is cancelled; tasks start in arrival order
 except that a task pinned to a busy slot (``id_slot``) lets later ones pass. The
 outbox never fills: per slot at most one ``Assign`` and two ``CancelSlot`` can be in
 flight (see ``outbox_size``), so this actor never blocks on the slots loop, and the
-slots loop may block briefly on our inbox without a cycle.
+slots loop may block briefly on our inbox without a cycle. A task counts as work
+(``has_work``) from the step its ``Post`` enters the inbox until the queue has handled
+its slot's ``SlotReleased`` (or dropped it while waiting): the residency gate may
+release the device only when nothing is queued, assigned or in a slot (arbiter
+protocol, invariant 3), and this actor is the one that sees the whole path.
 
 The decisions are the pure functions at the top (``select_slot``, ``dispatch``),
 tested without trio; ``TaskQueue`` is the thin async shell around them. Names follow
@@ -25,6 +30,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 import trio
 
+from trio_llm.server.gate import AlwaysAwake, ResidencyGate
 from trio_llm.server.tasks import ServerTask
 
 # ---------------------------------------------------------------------------
@@ -122,12 +128,18 @@ class QueueState:
     pending: deque[ServerTask] = attrs.field(factory=deque)  # posted, not yet looked at
     deferred: deque[ServerTask] = attrs.field(factory=deque)  # looked at, no slot free
     active: dict[int, int] = attrs.field(factory=dict)  # id_task -> id_slot
+    #: cancelled while active: id_task -> id_slot until the slot says it let go
+    cancelling: dict[int, int] = attrs.field(factory=dict)
     clock: int = 0  # counts releases, for least-recently-used order
     deferrals: int = 0  # tasks that found no free slot when first looked at
 
     @classmethod
     def initial(cls, n_slots: int) -> QueueState:
         return cls(idle={i: IdleSlot((), i - n_slots) for i in range(n_slots)})  # slot 0 first
+
+    def has_tasks(self) -> bool:
+        """A task waits, runs in a slot, or is being stopped there."""
+        return bool(self.pending or self.deferred or self.active or self.cancelling)
 
 
 def dispatch(state: QueueState) -> list[Assign]:
@@ -161,6 +173,8 @@ def release(state: QueueState, msg: SlotReleased) -> None:
     """A slot went idle: it is free again and remembers what its cache holds."""
     if state.active.get(msg.id_task) == msg.id_slot:
         del state.active[msg.id_task]
+    if state.cancelling.get(msg.id_task) == msg.id_slot:
+        del state.cancelling[msg.id_task]
     state.clock += 1
     state.idle[msg.id_slot] = IdleSlot(msg.cache, state.clock)
 
@@ -174,7 +188,10 @@ def cancel(state: QueueState, id_task: int) -> ServerTask | CancelSlot | None:
                 q.remove(task)
                 return task
     id_slot = state.active.pop(id_task, None)
-    return None if id_slot is None else CancelSlot(id_task, id_slot)
+    if id_slot is None:
+        return None
+    state.cancelling[id_task] = id_slot  # still in its slot until SlotReleased
+    return CancelSlot(id_task, id_slot)
 
 
 # ---------------------------------------------------------------------------
@@ -198,6 +215,7 @@ class TaskQueue:
 
     _state: QueueState
     _assign: trio.MemorySendChannel[SlotsMessage]
+    _gate: ResidencyGate = attrs.field(factory=AlwaysAwake)
     _send: trio.MemorySendChannel[QueueMessage] = attrs.field(init=False)
     _inbox: trio.MemoryReceiveChannel[QueueMessage] = attrs.field(init=False)
     _ids: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
@@ -205,8 +223,10 @@ class TaskQueue:
     _cancelled: int = 0
 
     @classmethod
-    def create(cls, n_slots: int, assign: trio.MemorySendChannel[SlotsMessage]) -> TaskQueue:
-        return cls(QueueState.initial(n_slots), assign)
+    def create(
+        cls, n_slots: int, assign: trio.MemorySendChannel[SlotsMessage], gate: ResidencyGate | None = None
+    ) -> TaskQueue:
+        return cls(QueueState.initial(n_slots), assign, AlwaysAwake() if gate is None else gate)
 
     def __attrs_post_init__(self) -> None:
         self._send, self._inbox = trio.open_memory_channel[QueueMessage](64)
@@ -221,11 +241,31 @@ class TaskQueue:
     async def post(self, task: ServerTask) -> None:
         """Queue ``task``; its answers come on ``task.results``. Waits only while the
         inbox is full. If cancelled, the task was not posted."""
-        await self._send.send(Post(task))
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self._send.send_nowait(Post(task))
+        except trio.WouldBlock:
+            await self._send.send(Post(task))  # the inbox is full: busy already
+            self._report()
+            return
+        # busy in the same step the task entered the inbox: a release decided after
+        # this sees it, however long the queue loop takes to get to it
+        self._report()
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def cancel(self, id_task: int) -> None:
         """Stop ``id_task`` wherever it is; harmless if it already finished."""
         await self._send.send(Cancel(id_task))
+
+    def has_work(self) -> bool:
+        """Is any task in the server? Live state: queued here (or still in the inbox),
+        assigned, in a slot, or being stopped there. Any message in the inbox counts
+        too (conservatively: the loop reports again once it has handled it)."""
+        inbox = self._send.statistics()
+        return self._state.has_tasks() or bool(inbox.current_buffer_used or inbox.tasks_waiting_send)
+
+    def _report(self) -> None:
+        self._gate.set_busy(self.has_work())
 
     def statistics(self) -> QueueStatistics:
         s = self._state
@@ -247,6 +287,7 @@ class TaskQueue:
                     self._handle(msg)
                     for a in dispatch(self._state):
                         self._assign.send_nowait(a)
+                    self._report()
         finally:
             # waiting handlers learn at once that their task will never run
             for task in (*self._state.pending, *self._state.deferred):

@@ -7,8 +7,11 @@ never waits: a slow client must not stall the other slots).
 
 Invariants: each step runs exactly one ``BackendClient.forward`` holding, for every
 active slot, either its next prompt chunk or its one token to decode (at most ``-b``
-prompt tokens in all); the gate is awaited before every forward; ``set_busy(True)``
-holds from the first assignment until every slot is idle again. A slot's KV cache
+prompt tokens in all); every forward runs inside ``gate.resident()``, entered in the
+step that plans it (so the KV epoch and the plan are read on a resident model that
+no release can touch until the pass is over). Busy/idle is the task queue's report
+to the gate, not ours: with our slots empty the next task may already be on its way
+(in our inbox, or in the queue's), and only the queue sees all of it. A slot's KV cache
 holds ``seq[:n_past]``, which is also what the slot reports as its prompt cache when
 it goes idle, so the next request reuses the longest common prefix.
 
@@ -19,6 +22,7 @@ it goes idle, so the next request reuses the longest common prefix.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from enum import Enum
 from typing import Any, Protocol
 
@@ -221,7 +225,6 @@ class SlotsEngine:
     _released: list[SlotReleased] = attrs.field(init=False, factory=list)
     _order: int = 0
     _kv_epoch: int = 0
-    _busy: bool = False
     # statistics
     _n_prompt: int = 0
     _t_prompt: float = 0.0
@@ -281,13 +284,11 @@ class SlotsEngine:
         try:
             while True:
                 if not self._active():
-                    self._set_busy(False)
                     self._handle(await self._inbox.receive())
                 self._drain_inbox()
                 await self._flush_releases()
                 if not self._active():
                     continue
-                self._set_busy(True)
                 await self._step()
                 await self._flush_releases()
         finally:
@@ -301,11 +302,6 @@ class SlotsEngine:
 
     def _active(self) -> list[Slot]:
         return [s for s in self._slots if s.task is not None]
-
-    def _set_busy(self, busy: bool) -> None:
-        if busy != self._busy:
-            self._busy = busy
-            self._gate.set_busy(busy)
 
     def _gate_epoch(self) -> int:
         # A gate counts the releases that lost the KV cache (level "unload"); a gate
@@ -365,11 +361,11 @@ class SlotsEngine:
         return True
 
     async def _wait_resident(self) -> bool:
-        """Wait for the gate. While a wake takes time (a restore, another server holding
-        the GPU), keep serving the inbox: a cancelled request must free its slot at once
-        and a new one joins this pass. Returns False when the plan changed first."""
+        """Wait for the model to be resident. While a wake takes time (a restore, another
+        server holding the GPU), keep serving the inbox: a cancelled request must free
+        its slot at once and a new one joins this pass. Returns False when the plan
+        changed first. Only a wait: the pass itself holds ``gate.resident()``."""
         if not self._gate.is_sleeping():
-            await self._gate.wait_until_no_sleep()
             return True
         woke = False
         async with trio.open_nursery() as nursery:
@@ -389,12 +385,30 @@ class SlotsEngine:
         return woke
 
     async def _step(self) -> None:
-        try:
-            if not await self._wait_resident():
+        async with AsyncExitStack() as stack:
+            try:
+                if not await self._wait_resident():
+                    return
+                # from here to the end of the forward: resident, and no release begins
+                await stack.enter_async_context(self._gate.resident())
+            except TrioLLMError as exc:
+                self._fail_all(f"the model could not be made resident: {exc}")
                 return
-        except TrioLLMError as exc:
-            self._fail_all(f"the model could not be made resident: {exc}")
-            return
+            plan = self._plan()
+            if not plan:
+                return
+            batch = [SeqBatch(w.id_slot, np.asarray(w.tokens, dtype=np.int32), w.pos0) for w in plan]
+            t0 = trio.current_time()
+            try:
+                logits = await self._client.forward(batch)  # [len(plan), n_vocab]
+            except TrioLLMError as exc:
+                self._fail_all(f"the backend failed: {exc}")
+                return
+            t1 = trio.current_time()
+        await self._after_forward(plan, logits, t0, t1)
+
+    def _plan(self) -> list[Work]:
+        """This step's forward pass, read on a resident model (inside ``resident()``)."""
         epoch = self._gate_epoch()
         if epoch != self._kv_epoch:
             # the KV cache was lost while the model slept: every slot starts over
@@ -405,16 +419,10 @@ class SlotsEngine:
                     s.n_cached = 0
         active = sorted(self._active(), key=lambda s: s.started_order)
         if not active:
-            return
-        plan = plan_batch([s.want() for s in active], self.n_batch)
-        batch = [SeqBatch(w.id_slot, np.asarray(w.tokens, dtype=np.int32), w.pos0) for w in plan]
-        t0 = trio.current_time()
-        try:
-            logits = await self._client.forward(batch)  # [len(plan), n_vocab]
-        except TrioLLMError as exc:
-            self._fail_all(f"the backend failed: {exc}")
-            return
-        now = trio.current_time()
+            return []
+        return plan_batch([s.want() for s in active], self.n_batch)
+
+    async def _after_forward(self, plan: list[Work], logits: np.ndarray, t0: float, now: float) -> None:
         self._n_decode += 1
         self._n_busy_total += len(plan)
         n_prompt_tokens = sum(len(w.tokens) for w in plan if not w.decoding)
