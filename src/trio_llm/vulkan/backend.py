@@ -86,6 +86,7 @@ class VulkanBackend:
         self._closed = False
         self._lost = False
         self._graphs: dict[int, Graph] = {}
+        self._rerecord: list[int] = []  # buckets to record again on restore
         self._forwards = self._tokens = self._submits = self._recorded = 0
         self._releases = self._restores = 0
         self._device: Device | None = shared_device(device)
@@ -207,6 +208,9 @@ class VulkanBackend:
         if self._level is not None and _DEPTH[self._level] >= depth:
             return
         with self._guard("release"):
+            # the buckets in use come back with the weights (restore records them
+            # while the weights copy)
+            self._rerecord = sorted(set(self._rerecord) | set(self._graphs))
             self._drop_graphs()
             self._weights.release_device()
             if depth >= _DEPTH[Level.ALL]:
@@ -226,9 +230,9 @@ class VulkanBackend:
             return
         with self._guard("restore"):
             self._weights.ensure_shadow()
-            self._weights.upload()
             self._act.allocate()
             self._kv.from_host()
+            self._weights.upload(during=self._record_while_copying)
         self._level = None
         self._restores += 1
 
@@ -297,6 +301,17 @@ class VulkanBackend:
             self._graphs[bucket] = graph
             self._recorded += 1
         return graph
+
+    def _record_while_copying(self) -> None:
+        """Record the graphs that were in use before the release while the weights are
+        still copying (recording a llama-1b graph takes about as long as copying its
+        weights): the decode graph always, the others only until the copy is done."""
+        buckets, self._rerecord = self._rerecord, []
+        assert self._device is not None
+        for i, bucket in enumerate(buckets):
+            if i and self._device.fence_done():
+                break
+            self._graph(bucket)
 
     def _drop_graphs(self) -> None:
         graphs, self._graphs = self._graphs, {}

@@ -52,6 +52,14 @@ def vk_errors(what: str) -> Iterator[None]:
         raise BackendError(f"{what}: {type(exc).__name__}") from exc
 
 
+def _check(vk: Any, result: int) -> None:
+    """Raise the binding's exception for a VkResult error code (inside ``vk_errors``)."""
+    if result < 0:
+        import vulkan._vulkan as raw  # the binding's code -> exception table
+
+        raise raw.exception_codes.get(result, vk.VkError)()
+
+
 _TYPE_RANK = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}  # discrete, integrated, virtual, cpu, other
 _TYPE_NAME = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
 
@@ -155,6 +163,47 @@ class Device:
             )
             vk.vkResetFences(self.handle, 1, [self.fence])
             vk.vkQueueSubmit(self.queue, 1, [submit], self.fence)
+            vk.vkWaitForFences(self.handle, 1, [self.fence], vk.VK_TRUE, 0xFFFFFFFFFFFFFFFF)
+
+    def submit_prepared(self, submit_info: Any, what: str) -> None:
+        """``submit_and_wait`` for a ``VkSubmitInfo*`` built once (a recorded graph's):
+        straight through the loader's entry points, since the binding's wrappers cost
+        tens of microseconds per call in Python, per decoded token."""
+        vk = self.vk
+        lib = vk.lib
+        fences = self.extras.get("fence_array")
+        if fences is None:
+            fences = self.extras["fence_array"] = vk.ffi.new("VkFence[1]", [self.fence])
+        with vk_errors(what):
+            _check(vk, lib.vkResetFences(self.handle, 1, fences))
+            _check(vk, lib.vkQueueSubmit(self.queue, 1, submit_info, self.fence))
+            _check(vk, lib.vkWaitForFences(self.handle, 1, fences, vk.VK_TRUE, 0xFFFFFFFFFFFFFFFF))
+
+    def submit(self, command_buffers: list[Any], what: str, *, signal: bool = False) -> None:
+        """Submit without waiting; with ``signal`` the fence is reset and signalled when
+        this and everything submitted before it has finished (``wait``)."""
+        vk = self.vk
+        with vk_errors(what):
+            submit = vk.VkSubmitInfo(
+                commandBufferCount=len(command_buffers), pCommandBuffers=command_buffers
+            )
+            if signal:
+                vk.vkResetFences(self.handle, 1, [self.fence])
+            vk.vkQueueSubmit(self.queue, 1, [submit], self.fence if signal else None)
+
+    def fence_done(self) -> bool:
+        """Whether the last signalling submit has finished (the binding's wrapper
+        raises on VK_NOT_READY, so this calls the loader's entry point)."""
+        vk = self.vk
+        with vk_errors("fence status"):
+            result = vk.lib.vkGetFenceStatus(self.handle, self.fence)
+            _check(vk, result)
+        return bool(result == vk.VK_SUCCESS)
+
+    def wait(self, what: str) -> None:
+        """Block until the fence of the last signalling ``submit`` is signalled."""
+        vk = self.vk
+        with vk_errors(what):
             vk.vkWaitForFences(self.handle, 1, [self.fence], vk.VK_TRUE, 0xFFFFFFFFFFFFFFFF)
 
     def allocate_command_buffer(self) -> Any:
