@@ -152,6 +152,8 @@ class VulkanBackend:
         entries = list(batch)
         self._check_batch(entries)
         cfg = self.config
+        if len(entries) == 1 and len(entries[0].tokens) <= self._cap:
+            return self._forward_one(entries[0])
         lens = [len(e.tokens) for e in entries]
         tokens = np.concatenate([np.asarray(e.tokens, np.uint32) for e in entries])  # [T]
         pos = np.concatenate([e.pos0 + np.arange(n, dtype=np.uint32) for e, n in zip(entries, lens, strict=True)])  # [T]
@@ -171,6 +173,22 @@ class VulkanBackend:
                     logits[wanted] = self._act.logits(len(wanted))
         self._forwards += 1
         self._tokens += len(tokens)
+        return logits
+
+    def _forward_one(self, e: SeqBatch) -> np.ndarray:
+        """One sequence in one chunk (every decode step of a single slot): the general
+        path's bookkeeping arrays cost more Python time than the step itself needs."""
+        n = len(e.tokens)
+        with self._guard("forward"):
+            graph = self._graph(_pow2(n))
+            fill_step(self._act.step_words, np.asarray(e.tokens, np.uint32),
+                      np.arange(e.pos0, e.pos0 + n, dtype=np.uint32), np.full(n, e.seq_id, np.uint32),
+                      np.array([n - 1], np.uint32))
+            graph.run()
+            self._submits += 1
+            logits = self._act.logits(1).copy()  # [1, n_vocab]
+        self._forwards += 1
+        self._tokens += n
         return logits
 
     def memory(self) -> dict[str, int]:

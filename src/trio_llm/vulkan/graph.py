@@ -69,6 +69,7 @@ class Graph:
     pool: Any
     n_dispatches: int
     _closed: bool = False
+    _submit: Any = None  # (VkSubmitInfo*, VkCommandBuffer[1]) built on first run
 
     @classmethod
     def record(cls, device: Device, ops: Sequence[Op], *, final_host_read: bool = True) -> Graph:
@@ -98,22 +99,32 @@ class Graph:
                         pSetLayouts=[op.kernel.set_layout for op in dispatches],
                     ),
                 ) if dispatches else []
-                writes = []
+                # One flat cffi array of descriptor writes filled field by field: the
+                # binding's struct constructors cost ~20 us a struct, which made
+                # recording a llama-1b graph (~1000 writes) slower than copying its
+                # weights on a restore.
+                ffi = vk.ffi
+                n_writes = sum(len(op.views) for op in dispatches)
+                infos = ffi.new("VkDescriptorBufferInfo[]", max(1, n_writes))
+                writes = ffi.new("VkWriteDescriptorSet[]", max(1, n_writes))
+                w = 0
                 for dset, op in zip(sets, dispatches, strict=True):
                     assert len(op.views) == op.kernel.n_bindings, (op.kernel.name, len(op.views))
                     for i, view in enumerate(op.views):
-                        info = vk.VkDescriptorBufferInfo(buffer=view.buffer.handle, offset=view.offset, range=view.size)
-                        writes.append(
-                            vk.VkWriteDescriptorSet(
-                                dstSet=dset,
-                                dstBinding=i,
-                                descriptorCount=1,
-                                descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
-                                pBufferInfo=[info],
-                            )
-                        )
-                if writes:
-                    vk.vkUpdateDescriptorSets(dev, len(writes), writes, 0, None)
+                        info = infos[w]
+                        info.buffer = view.buffer.handle
+                        info.offset = view.offset
+                        info.range = view.size
+                        wr = writes[w]
+                        wr.sType = vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET
+                        wr.dstSet = dset
+                        wr.dstBinding = i
+                        wr.descriptorCount = 1
+                        wr.descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
+                        wr.pBufferInfo = infos + w
+                        w += 1
+                if n_writes:
+                    vk.lib.vkUpdateDescriptorSets(dev, n_writes, writes, 0, ffi.NULL)
                 cmd = device.allocate_command_buffer()
             except BaseException:
                 vk.vkDestroyDescriptorPool(dev, pool, None)
@@ -130,7 +141,16 @@ class Graph:
         vk = self.device.vk
         cmd = self.command_buffer
         compute = vk.VK_PIPELINE_BIND_POINT_COMPUTE
-        stages = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+        shader = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
+        stages = shader | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+        # Between two dispatches the barrier names the compute stage and shader access
+        # only: on the H200 a barrier that also named the transfer stage and its
+        # accesses cost about 15 us each (148 of them were 2.3 of a llama-1b step's
+        # 3.1 ms). A barrier next to a copy keeps the transfer stage.
+        shader_barrier = vk.VkMemoryBarrier(
+            srcAccessMask=vk.VK_ACCESS_SHADER_WRITE_BIT,
+            dstAccessMask=vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT,
+        )
         barrier = vk.VkMemoryBarrier(
             srcAccessMask=vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
             dstAccessMask=vk.VK_ACCESS_SHADER_READ_BIT
@@ -139,27 +159,46 @@ class Graph:
             | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
         )
         vk.vkBeginCommandBuffer(cmd, vk.VkCommandBufferBeginInfo())
+        # the commands go straight to the loader's entry points (lib): the binding's
+        # wrappers convert every argument in Python, ~10 us a call
+        lib = vk.lib
+        ffi = vk.ffi
+        set_arr = ffi.new("VkDescriptorSet[1]")
+        shader_b = ffi.new("VkMemoryBarrier*", {"sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+                                                "srcAccessMask": shader_barrier.srcAccessMask,
+                                                "dstAccessMask": shader_barrier.dstAccessMask})
+        full_b = ffi.new("VkMemoryBarrier*", {"sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+                                              "srcAccessMask": barrier.srcAccessMask,
+                                              "dstAccessMask": barrier.dstAccessMask})
+        region = ffi.new("VkBufferCopy*")
         it = iter(sets)
         bound = None
-        for op in ops:
+        for i, op in enumerate(ops):
             if isinstance(op, Dispatch):
                 k = op.kernel
                 if bound is not k.pipeline:
-                    vk.vkCmdBindPipeline(cmd, compute, k.pipeline)
+                    lib.vkCmdBindPipeline(cmd, compute, k.pipeline)
                     bound = k.pipeline
-                vk.vkCmdBindDescriptorSets(cmd, compute, k.layout, 0, 1, [next(it)], 0, None)
+                set_arr[0] = next(it)
+                lib.vkCmdBindDescriptorSets(cmd, compute, k.layout, 0, 1, set_arr, 0, ffi.NULL)
                 if k.n_push:
                     data = pack_push(op.push)
                     assert len(data) == 4 * k.n_push, (k.name, len(op.push), k.n_push)
-                    vk.vkCmdPushConstants(
-                        cmd, k.layout, vk.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(data), vk.ffi.from_buffer(data)
+                    lib.vkCmdPushConstants(
+                        cmd, k.layout, vk.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(data), ffi.from_buffer(data)
                     )
-                vk.vkCmdDispatch(cmd, *op.groups)
+                lib.vkCmdDispatch(cmd, *op.groups)
             elif isinstance(op, Barrier):
-                vk.vkCmdPipelineBarrier(cmd, stages, stages, 0, 1, [barrier], 0, None, 0, None)
+                near_copy = any(isinstance(o, Copy) for o in ops[max(0, i - 1) : i + 2])
+                if near_copy:
+                    lib.vkCmdPipelineBarrier(cmd, stages, stages, 0, 1, full_b, 0, ffi.NULL, 0, ffi.NULL)
+                else:
+                    lib.vkCmdPipelineBarrier(cmd, shader, shader, 0, 1, shader_b, 0, ffi.NULL, 0, ffi.NULL)
             else:
-                region = vk.VkBufferCopy(srcOffset=op.src.offset, dstOffset=op.dst.offset, size=op.src.size)
-                vk.vkCmdCopyBuffer(cmd, op.src.buffer.handle, op.dst.buffer.handle, 1, [region])
+                region.srcOffset = op.src.offset
+                region.dstOffset = op.dst.offset
+                region.size = op.src.size
+                lib.vkCmdCopyBuffer(cmd, op.src.buffer.handle, op.dst.buffer.handle, 1, region)
         if final_host_read:
             host = vk.VkMemoryBarrier(
                 srcAccessMask=vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
@@ -172,7 +211,13 @@ class Graph:
 
     def run(self, what: str = "forward") -> None:
         """Submit the recorded work and wait for it (one submit, one fence)."""
-        self.device.submit_and_wait([self.command_buffer], what)
+        if self._submit is None:
+            ffi = self.device.vk.ffi
+            cmds = ffi.new("VkCommandBuffer[1]", [self.command_buffer])
+            info = ffi.new("VkSubmitInfo*", {"sType": self.device.vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
+                                             "commandBufferCount": 1, "pCommandBuffers": cmds})
+            self._submit = (info, cmds)  # cmds must live as long as info points at it
+        self.device.submit_prepared(self._submit[0], what)
 
     def close(self) -> None:
         if self._closed:
