@@ -9,15 +9,26 @@ set -u
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT" /tmp/h200/res /tmp/m
 RES=/tmp/h200/res; touch /tmp/h200/start
-STAGES=${*:-decode residency handoff server scen1b scen8b}
+STAGES=${*:-residency handoff scen1b server scen8b}
 
-for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
-export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
-PY=python3
+if ! ldconfig -p | grep -q libvulkan.so.1; then  # the H200 image has no loader
+  for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+fi
+NV=/usr/local/nvidia/share
+if [ -f $NV/vulkan/icd.d/nvidia_icd.json ]; then
+  export VK_DRIVER_FILES=$NV/vulkan/icd.d/nvidia_icd.json
+  export __EGL_VENDOR_LIBRARY_FILENAMES=$NV/glvnd/egl_vendor.d/10_nvidia.json
+fi
+if [ -x .venv/bin/python ]; then PY=.venv/bin/python  # a local dry run
+else
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD/src
+  PY=python3
+fi
+export PYTHONUNBUFFERED=1
+# SMALL=1: the same stages on tiny models, to check the script anywhere
+if [ "${SMALL:-0}" = 1 ]; then B1=tiny; B8=tiny-qwen3; else B1=llama-1b; B8=llama-8b; fi
 
 pack() {
   find bench/results -name "*.json" -newer /tmp/h200/start -exec cp {} "$RES/" \;
@@ -33,10 +44,10 @@ model() { # preset quant -> path, made once
 say "start; stages: $STAGES"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader | tee -a "$OUT/summary.txt"
 # the big model is made in the background while the small ones are measured
-( model llama-8b Q4_K_M > /dev/null ) 2> "$RES/make-8b.log" &
+( model $B8 Q4_K_M > /dev/null ) 2> "$RES/make-8b.log" &
 M8=$!
-M1=$(model llama-1b Q8_0); M1K=$(model llama-1b Q4_K_M)
-say "llama-1b models made"
+M1=$(model $B1 Q8_0)
+say "$B1 model made"
 
 stage() { # name timeout command...
   local name=$1 limit=$2; shift 2
@@ -44,32 +55,31 @@ stage() { # name timeout command...
   timeout -k 10 "$limit" "$@" > "$RES/$name.log" 2>&1
   say "stage $name rc=$?"; tail -n 25 "$RES/$name.log" >> "$OUT/summary.txt"; pack
 }
-wait8b() { wait $M8 2>/dev/null; M8B=/tmp/m/llama-8b-Q4_K_M.gguf; }
+wait8b() { wait $M8 2>/dev/null; M8B=/tmp/m/$B8-Q4_K_M.gguf; }
 
 for s in $STAGES; do case $s in
   decode)
     stage decode-1b-q8 120 $PY bench/decode.py --model "$M1" --backends vulkan --repeats 3 --residency
-    stage decode-1b-q4km 100 $PY bench/decode.py --model "$M1K" --backends vulkan --repeats 3
+    stage decode-1b-q4km 100 $PY bench/decode.py --model "$(model $B1 Q4_K_M)" --backends vulkan --repeats 3
     wait8b
     stage decode-8b-q4km 150 $PY bench/decode.py --model "$M8B" --backends vulkan --repeats 3 --residency ;;
   residency)
     wait8b
-    stage residency-1b 90 $PY bench/residency.py --model "$M1" --backend vulkan --repeats 5
-    stage residency-8b 120 $PY bench/residency.py --model "$M8B" --backend vulkan --repeats 3 ;;
+    stage residency-1b 60 $PY bench/residency.py --model "$M1" --backend vulkan --repeats 5
+    stage residency-8b 80 $PY bench/residency.py --model "$M8B" --backend vulkan --repeats 3 ;;
   handoff)
-    stage handoff-1b-weights 120 $PY bench/handoff.py --model "$M1" --backend vulkan --handoffs 60 --sleep-mode weights
-    stage handoff-1b-all 120 $PY bench/handoff.py --model "$M1" --backend vulkan --handoffs 60 --sleep-mode all ;;
+    stage handoff-1b-weights 90 $PY bench/handoff.py --model "$M1" --backend vulkan --handoffs 60 --sleep-mode weights ;;
   server)
-    stage server-1b 150 $PY bench/server.py --model llama-1b:Q8_0 --backend vulkan --clients 4 --repeats 2 ;;
+    stage server-1b 90 $PY bench/server.py --model $B1:Q8_0 --backend vulkan --clients 4 --repeats 2 ;;
   scen1b)
     for sc in alternating three-way; do
-      stage "scenario-$sc-1b" 240 $PY -m trio_llm scenario run "$sc" --full --backend vulkan \
+      stage "scenario-$sc-1b" 120 $PY -m trio_llm scenario run "$sc" --full --backend vulkan \
         --model "$M1" --out "$RES/scenario-$sc-1b" -q
     done ;;
   scen8b)
     wait8b
     for sc in alternating three-way; do
-      stage "scenario-$sc-8b" 300 $PY -m trio_llm scenario run "$sc" --full --backend vulkan \
+      stage "scenario-$sc-8b" 120 $PY -m trio_llm scenario run "$sc" --length "${L8:-12}" --backend vulkan \
         --model "$M8B" --out "$RES/scenario-$sc-8b" -q
     done ;;
 esac; done
