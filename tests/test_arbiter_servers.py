@@ -116,7 +116,9 @@ async def test_three_servers_every_level_and_cold_sigterm(
         servers.append(await start(tiny_model, tmp_path, "--sleep-mode", level))
     for _ in range(2):
         for s in servers:
-            out = await s.complete("Hello there, my friend", n=3)
+            # ignore_eos: the default seed is random, and an early end-of-generation
+            # token (about one run in ten on the tiny model) would stop short of 3
+            out = await s.complete("Hello there, my friend", n=3, ignore_eos=True)
             assert out["tokens_predicted"] == 3
             res = await s.residency()
             assert res["state"] == "resident" and res["token_held"]
