@@ -364,10 +364,15 @@ async def _run_loaded(
                 await actors.start(slots.start_loop)
                 if config.warmup:
                     first = tokenizer.bos_id if tokenizer.bos_id is not None else 0
-                    # a forward pass like any other: no release (a waiter's yield after
-                    # the start-up grace) may begin under it
-                    async with gate.resident():
-                        await client.forward([SeqBatch(0, np.array([first], dtype=np.int32), 0)])
+                    # One pass per shape the Vulkan backend specialises (matrix-vector
+                    # products for 1, 2, 4 and 8 columns, the tiled product beyond), so
+                    # its pipelines exist before the first request rather than under it:
+                    # on the H200 a first prefill cost 4-6 s of pipeline creation, the
+                    # GPU held all the while. Each is a forward pass like any other: no
+                    # release (a waiter's yield after the start-up grace) begins under it.
+                    for n in warmup_sizes(backend.n_ctx, config.batch_size):
+                        async with gate.resident():
+                            await client.forward([SeqBatch(0, np.full(n, first, np.int32), 0)])
                 device = await client.call(lambda b: b.device_info(), "device_info")
                 registry = make_registry(
                     StatisticsSources(slots.statistics, queue.statistics, actor.statistics, gate.is_sleeping)
@@ -398,6 +403,12 @@ async def _run_loaded(
         finally:
             await _close_backend(client, backend)
             backend_nursery.cancel_scope.cancel()
+
+
+def warmup_sizes(n_ctx: int, n_batch: int) -> list[int]:
+    """Token counts of the warm-up passes: 1, 2, 4, 8 and 16, within the context and
+    the batch size."""
+    return [n for n in (1, 2, 4, 8, 16) if n <= min(n_ctx, n_batch)]
 
 
 async def _close_backend(client: BackendClient, backend: Backend) -> None:
