@@ -180,17 +180,17 @@ async def test_failed_restore_is_repaired_and_raised(tiny_model: Path, tmp_path:
         ({"sleep_idle_seconds": 60.0}, {"LLAMA_SLEEP_VRAM_ONLY": "1"}, ("weights", 60.0)),
         ({"vram_arena": "arena"}, {"LLAMA_SLEEP_VRAM_ONLY": "1", "LLAMA_SLEEP_EVICT_KV": "1"},
          ("all", None)),
-        ({}, {"LLAMA_SLEEP_VRAM_ONLY": "1"}, None),  # neither idle sleep nor arena
+        # neither idle sleep nor arena: still a controller, for POST /sleep
+        ({}, {"LLAMA_SLEEP_VRAM_ONLY": "1"}, ("weights", None)),
     ],
 )
 async def test_runtime_builds_the_gate_from_flags_and_env(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-    flags: dict[str, object], env: dict[str, str], expected: tuple[str, float | None] | None,
+    flags: dict[str, object], env: dict[str, str], expected: tuple[str, float | None],
 ) -> None:
     from trio_llm.config import ServerConfig
     from trio_llm.residency.arbiter import open_arbiter
     from trio_llm.runtime import build_gate
-    from trio_llm.server.gate import AlwaysAwake
 
     for name in ("LLAMA_SLEEP_VRAM_ONLY", "LLAMA_SLEEP_EVICT_KV"):
         monkeypatch.delenv(name, raising=False)
@@ -210,12 +210,9 @@ async def test_runtime_builds_the_gate_from_flags_and_env(
             await nursery.start(actor.run)
             gate = await build_gate(config, actor.client(), nursery, arbiter)
             props = gate.props()
-            if expected is None:
-                assert isinstance(gate, AlwaysAwake)
-            else:
-                assert (props["sleep_mode"], props["sleep_idle_seconds"]) == expected
-                assert props["arbiter"]["active"] is ("vram_arena" in flags)
-                assert props["state"] == "resident" and props["token_held"]
+            assert (props["sleep_mode"], props["sleep_idle_seconds"]) == expected
+            assert props["arbiter"]["active"] is ("vram_arena" in flags)
+            assert props["state"] == "resident" and props["token_held"]
             nursery.cancel_scope.cancel()
     finally:
         backend.close()

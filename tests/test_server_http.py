@@ -428,15 +428,24 @@ async def test_api_key_protects_everything_but_health(start: Start) -> None:
     await oai.close()
 
 
-async def test_sleep_endpoints_without_sleep_support(start: Start) -> None:
+async def test_sleep_endpoints_without_any_sleep_flag(start: Start) -> None:
+    """No --sleep-idle-seconds, no arena: POST /sleep and /wake_up still work (vLLM's
+    names), a bad level is refused, and a request after a sleep wakes the model."""
     h = await start()
     async with client(h) as c:
-        r = await c.post("/sleep")
-        assert r.status_code == 400 and "not enabled" in r.json()["error"]["message"]
         r = await c.post("/sleep?level=deep")
         assert r.status_code == 400
+        r = await c.post("/sleep?level=all")
+        assert r.status_code == 200
+        props = (await c.get("/props")).json()
+        assert props["is_sleeping"] is True and props["residency"]["state"] == "cold"
         r = await c.post("/wake_up")
         assert r.status_code == 200 and r.json()["is_sleeping"] is False
+        await c.post("/sleep")
+        assert (await c.get("/props")).json()["is_sleeping"] is True
+        r = await c.post("/completion", json={"prompt": "x", "n_predict": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["tokens_predicted"] == 2
+        assert (await c.get("/props")).json()["residency"]["state"] == "resident"
 
 
 async def test_prompt_cache_across_sleep_levels(start: Start) -> None:

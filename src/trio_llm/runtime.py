@@ -38,7 +38,7 @@ from trio_llm.residency.arbiter import Arbiter, open_arbiter
 from trio_llm.residency.residency import Residency, resolve_level
 from trio_llm.residency.sleep import SleepConfig, SleepController
 from trio_llm.server.context import Engine, ServerContext
-from trio_llm.server.gate import AlwaysAwake, ResidencyGate
+from trio_llm.server.gate import ResidencyGate
 from trio_llm.server.http import create_app
 from trio_llm.server.metrics import StatisticsSources, make_registry
 from trio_llm.server.queue import SlotsMessage, TaskQueue, outbox_size
@@ -203,10 +203,9 @@ async def build_gate(
     and are cancelled with it). The arbiter already holds the token here (coordinated
     load, in ``_run_engine``). The reference fork's ``LLAMA_SLEEP_VRAM_ONLY`` /
     ``LLAMA_SLEEP_EVICT_KV`` pick the level when ``--sleep-mode`` is left at its default.
-    With neither idle sleep nor an arena the model simply stays resident.
+    With neither idle sleep nor an arena the model stays resident until ``POST /sleep``
+    (as vLLM's sleep endpoints do); the controller then costs one check per forward.
     """
-    if config.sleep_idle_seconds < 0 and config.vram_arena is None:
-        return AlwaysAwake()
     flag = None if config.sleep_mode == ServerConfig().sleep_mode else config.sleep_mode
     level = resolve_level(flag)
     idle = config.sleep_idle_seconds if config.sleep_idle_seconds >= 0 else None
