@@ -27,6 +27,7 @@ from typing import Protocol
 import attrs
 import numpy as np
 
+from trio_llm.errors import ContextOverflow, InvalidRequest
 from trio_llm.model.config import ModelConfig
 
 
@@ -49,6 +50,30 @@ class SeqBatch:
     seq_id: int  # 0 .. n_seq-1 (the server's slot id)
     tokens: np.ndarray  # [n] int32 token ids
     pos0: int  # position of tokens[0]; 0 <= pos0 and pos0 + n <= n_ctx
+
+
+def check_batch(entries: Sequence[SeqBatch], *, n_seq: int, n_ctx: int, n_vocab: int) -> None:
+    """The checks every backend's ``forward`` makes before touching its KV cache:
+    typed errors for what a caller got wrong, never an index error deep inside."""
+    if not entries:
+        raise InvalidRequest("empty batch")
+    seen: set[int] = set()
+    for e in entries:
+        n = len(e.tokens)
+        if not 0 <= e.seq_id < n_seq:
+            raise InvalidRequest(f"seq_id {e.seq_id} outside 0..{n_seq - 1}")
+        if e.seq_id in seen:
+            raise InvalidRequest(f"seq_id {e.seq_id} appears twice in one batch")
+        seen.add(e.seq_id)
+        if n == 0:
+            raise InvalidRequest(f"no tokens for seq_id {e.seq_id}")
+        if e.pos0 < 0:
+            raise InvalidRequest(f"negative pos0 {e.pos0}")
+        if e.pos0 + n > n_ctx:
+            raise ContextOverflow(e.pos0 + n, n_ctx)
+        toks = np.asarray(e.tokens)
+        if toks.min() < 0 or toks.max() >= n_vocab:
+            raise InvalidRequest(f"token id outside 0..{n_vocab - 1}")
 
 
 #: progress callback while loading: (bytes done, bytes total)

@@ -17,10 +17,9 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch
+from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch, check_batch
 from trio_llm.errors import (
     BackendError,
-    ContextOverflow,
     DeviceLost,
     InvalidRequest,
     UnsupportedModelError,
@@ -344,25 +343,7 @@ class VulkanBackend:
         self._check_open()
         if self._level is not None:
             raise BackendError(f"forward while released (level {self._level.value}); restore first")
-        if not entries:
-            raise InvalidRequest("empty batch")
-        seen: set[int] = set()
-        for e in entries:
-            n = len(e.tokens)
-            if not 0 <= e.seq_id < self.n_seq:
-                raise InvalidRequest(f"seq_id {e.seq_id} outside 0..{self.n_seq - 1}")
-            if e.seq_id in seen:
-                raise InvalidRequest(f"seq_id {e.seq_id} appears twice in one batch")
-            seen.add(e.seq_id)
-            if n == 0:
-                raise InvalidRequest(f"no tokens for seq_id {e.seq_id}")
-            if e.pos0 < 0:
-                raise InvalidRequest(f"negative pos0 {e.pos0}")
-            if e.pos0 + n > self.n_ctx:
-                raise ContextOverflow(e.pos0 + n, self.n_ctx)
-            toks = np.asarray(e.tokens)
-            if toks.min() < 0 or toks.max() >= self.config.n_vocab:
-                raise InvalidRequest(f"token id outside 0..{self.config.n_vocab - 1}")
+        check_batch(entries, n_seq=self.n_seq, n_ctx=self.n_ctx, n_vocab=self.config.n_vocab)
 
 
 def _check_shapes(model: GGUFModel, cfg: ModelConfig) -> None:
