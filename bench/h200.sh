@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# One consolidated run on the device tool's H200 (see docs/benchmarks.md):
-#   run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl"])
+# One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
+#   bash bench/h200-prepare.sh
+# then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
+# Stages: verify (the Vulkan correctness tests on the H200), decode, residency, handoff,
+# server, scen1b, scen8b.
 # Unpacks the Vulkan loader (.gl/*.deb) and the Python wheels the image lacks (.whl),
 # makes the synthetic models, then runs the stages in order, each bounded by `timeout`.
 # Everything lands in $OUT/h200.tar.gz (re-packed after every stage, so a run cut
@@ -58,6 +61,8 @@ stage() { # name timeout command...
 wait8b() { wait $M8 2>/dev/null; M8B=/tmp/m/$B8-Q4_K_M.gguf; }
 
 for s in $STAGES; do case $s in
+  verify)
+    stage verify 300 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_ops.py tests/test_vulkan_model.py ;;
   decode)
     stage decode-1b-q8 120 $PY bench/decode.py --model "$M1" --backends vulkan --repeats 3 --residency
     stage decode-1b-q4km 100 $PY bench/decode.py --model "$(model $B1 Q4_K_M)" --backends vulkan --repeats 3
