@@ -198,7 +198,7 @@ class StandIn:
 
     def __init__(self, arena: Path, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trio_llm.residency.standin", "--arena", str(arena), *args],
+            [sys.executable, str(Path(__file__).with_name("standin.py")), "--arena", str(arena), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -18,7 +18,7 @@ import trio
 pytestmark = pytest.mark.slow
 
 SERVE = [sys.executable, "-m", "trio_llm", "serve", "--backend", "numpy", "--port", "0"]
-STANDIN = [sys.executable, "-m", "trio_llm.residency.standin"]
+STANDIN = [sys.executable, str(Path(__file__).with_name("standin.py"))]
 
 
 class Server:

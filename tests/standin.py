@@ -7,15 +7,15 @@ ours), holds it, and optionally yields like a resident holder when its probe see
 waiter. A trio-llm server must yield to it, and it must wait while trio-llm holds.
 
 It is a separate process with no trio loop, so its waits are plain ``select``
-timeouts and its clock ``time.monotonic`` (the src/ ban on both exists for
+timeouts and its clock ``time.monotonic`` (the ban on both in src/ exists for
 MockClock tests, which never run this module in-process).
 
 Events go to stdout, one line each, flushed: ``waiting``, ``token``,
 ``released``. With ``--until-stdin`` a line on stdin (or EOF) ends the hold,
 so tests control it without real-time sleeps.
 
-    python -m trio_llm.residency.standin --arena DIR --hold 5
-    python -m trio_llm.residency.standin --arena DIR --yield-when-wanted --hold 60
+    python tests/standin.py --arena DIR --hold 5
+    python tests/standin.py --arena DIR --yield-when-wanted --hold 60
 """
 
 from __future__ import annotations
@@ -74,9 +74,9 @@ def run(args: argparse.Namespace) -> int:
             _flock(token, fcntl.LOCK_EX)  # blocks until the holder unlocks
         _flock(want, fcntl.LOCK_UN)
         _say("token")
-        start = time.monotonic()  # noqa: TID251 - trio-free process, see module docstring
+        start = time.monotonic()
         while True:
-            elapsed = time.monotonic() - start  # noqa: TID251
+            elapsed = time.monotonic() - start
             left = args.hold - elapsed
             if left <= 0:
                 break
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trio_llm.residency.standin")
+    parser = argparse.ArgumentParser(prog="python tests/standin.py")
     parser.add_argument("--arena", required=True, help="the arena directory")
     parser.add_argument("--hold", type=float, default=1.0, help="seconds to hold the token")
     parser.add_argument(
