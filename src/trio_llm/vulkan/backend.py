@@ -317,6 +317,7 @@ class VulkanBackend:
             graph = Graph.record(self._device, ops)
             self._graphs[bucket] = graph
             self._recorded += 1
+            self._kernels.save()  # a new bucket may have compiled pipelines: keep them
         return graph
 
     def _record_while_copying(self) -> None:

@@ -4,10 +4,23 @@ Every kernel binds only storage buffers (bindings 0..n-1, in the order the shade
 declares them) and takes its static parameters as 32-bit push constants, which are
 baked into the recorded command buffer. Values that change per step are not push
 constants: they live in the step buffer (see ``graph.py``).
+
+Pipelines are compiled through a ``VkPipelineCache`` kept on disk (the user cache
+directory, one file per device name and driver version), so only the first process
+on a machine pays the driver's compile: on the H200 a model's pipelines took seconds,
+and every ``trio-llm serve`` of a group would pay them again at start-up. The
+driver checks the file's header itself and starts empty on a mismatch; a missing,
+unreadable or corrupt file only costs the compile. ``TRIO_LLM_PIPELINE_CACHE=0``
+turns it off.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import re
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -28,12 +41,70 @@ class Kernel:
     module: Any
 
 
+log = logging.getLogger(__name__)
+
+
+def default_cache_path(device: Device) -> Path | None:
+    """Where the device's pipeline cache lives; None when turned off."""
+    if os.environ.get("TRIO_LLM_PIPELINE_CACHE", "1") == "0":
+        return None
+    import platformdirs
+
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device.name).strip("-")[:60] or "device"
+    base = Path(platformdirs.user_cache_dir("trio-llm")) / "pipelines"
+    return base / f"{slug}-{device.driver_version:x}.bin"
+
+
 @attrs.define(eq=False)
 class KernelCache:
     """Pipelines of one device, keyed by everything that makes them differ."""
 
     device: Device
+    cache_path: Path | None = attrs.field(
+        default=attrs.Factory(lambda self: default_cache_path(self.device), takes_self=True)
+    )
     _kernels: dict[tuple[object, ...], Kernel] = attrs.field(factory=dict)
+    _pcache: Any = None
+    loaded_bytes: int = 0  # pipeline-cache bytes read from disk at creation
+    dirty: bool = False  # pipelines were compiled since the last save
+
+    def __attrs_post_init__(self) -> None:
+        vk = self.device.vk
+        data = b""
+        if self.cache_path is not None:
+            with contextlib.suppress(OSError):
+                data = self.cache_path.read_bytes()
+        for initial in (data, b""):  # a file the driver refuses: start empty instead
+            try:
+                info = vk.VkPipelineCacheCreateInfo(
+                    initialDataSize=len(initial),
+                    pInitialData=vk.ffi.from_buffer(initial) if initial else vk.ffi.NULL,
+                )
+                self._pcache = vk.vkCreatePipelineCache(self.device.handle, info, None)
+                self.loaded_bytes = len(initial)
+                return
+            except vk.VkError as exc:
+                log.info("pipeline cache %s not used: %s", self.cache_path, type(exc).__name__)
+        self._pcache = None
+
+    def save(self) -> None:
+        """Write the pipeline cache to disk (atomically) if pipelines were compiled
+        since the last save. Failures only lose the cache, so they are logged."""
+        if not self.dirty or self.cache_path is None or self._pcache is None:
+            return
+        self.dirty = False
+        vk = self.device.vk
+        size = vk.ffi.new("size_t*")
+        try:
+            _ok(vk, vk.lib.vkGetPipelineCacheData(self.device.handle, self._pcache, size, vk.ffi.NULL))
+            buf = vk.ffi.new("char[]", size[0])
+            _ok(vk, vk.lib.vkGetPipelineCacheData(self.device.handle, self._pcache, size, buf))
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.cache_path.with_name(f".{self.cache_path.name}.{os.getpid()}")
+            tmp.write_bytes(bytes(vk.ffi.buffer(buf, size[0])))
+            os.replace(tmp, self.cache_path)
+        except (OSError, RuntimeError) as exc:
+            log.info("pipeline cache not saved to %s: %s", self.cache_path, exc)
 
     def get(
         self,
@@ -109,16 +180,26 @@ class KernelCache:
                 stage=vk.VK_SHADER_STAGE_COMPUTE_BIT, module=module, pName="main", pSpecializationInfo=spec_info
             )
             pipeline = vk.vkCreateComputePipelines(
-                dev, None, 1, [vk.VkComputePipelineCreateInfo(stage=stage, layout=layout)], None
+                dev, self._pcache, 1, [vk.VkComputePipelineCreateInfo(stage=stage, layout=layout)], None
             )[0]
+        self.dirty = True
         return Kernel(name, n_bindings, n_push, local_size, pipeline, layout, set_layout, module)
 
     def close(self) -> None:
+        self.save()
         vk = self.device.vk
         dev = self.device.handle
+        if self._pcache is not None:
+            vk.vkDestroyPipelineCache(dev, self._pcache, None)
+            self._pcache = None
         for k in self._kernels.values():
             vk.vkDestroyPipeline(dev, k.pipeline, None)
             vk.vkDestroyPipelineLayout(dev, k.layout, None)
             vk.vkDestroyDescriptorSetLayout(dev, k.set_layout, None)
             vk.vkDestroyShaderModule(dev, k.module, None)
         self._kernels.clear()
+
+
+def _ok(vk: Any, result: int) -> None:
+    if result not in (vk.VK_SUCCESS, vk.VK_INCOMPLETE):
+        raise RuntimeError(f"vkGetPipelineCacheData returned {result}")
