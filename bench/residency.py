@@ -9,7 +9,10 @@ worker thread), and the first forward pass after the restore timed on its own (a
 lazy backend would show its deferred work there; compare with ``forward_s``, a
 forward pass of a model that never slept). Bytes moved are from ``memory()``: device bytes before minus after
 a release (what left the device) and after minus before a restore (what came back).
-GB/s = bytes moved / seconds; "cold" is what a released model still holds.
+GB/s = bytes moved / seconds; "cold" is what a released model still holds. On Vulkan
+the raw host-to-device copy bandwidth (one ``vkCmdCopyBuffer`` of up to 1 GiB, from
+``decode.py``) is measured in the same run, and each level's restore is given as a
+share of it.
 
 On the numpy backend the "device" is host memory and a release only hands arrays
 over, so its GB/s figures are bookkeeping, not bandwidth; they are printed to check
@@ -55,6 +58,13 @@ def main() -> int:
     figures: dict[str, object] = {
         "resident_bytes": resident, "device": backend.device_info(), "forward_s": warm_fwd
     }
+    raw_h2d = None  # the bound a restore can reach: one plain copy into device memory
+    if backend.name == "vulkan":
+        from decode import raw_copy_bandwidth
+
+        raw = raw_copy_bandwidth(backend, min(1 << 30, resident["weights"]))
+        figures["raw_copy"] = raw
+        raw_h2d = raw["host_to_device_bytes_per_s"].median
     for name in args.levels.split(","):
         level = Level(name)
         rel_s, res_s, fwd_s, rel_b, res_b, cold = [], [], [], [], [], {}
@@ -81,6 +91,9 @@ def main() -> int:
             "release_GB/s": rel_b[-1] / common.stats(rel_s[1:]).median / 1e9,
             "restore_GB/s": res_b[-1] / common.stats(res_s[1:]).median / 1e9,
         }
+        if raw_h2d is not None:
+            row["raw_h2d_GB/s"] = raw_h2d / 1e9
+            row["restore/raw"] = row["restore_GB/s"] / row["raw_h2d_GB/s"]
         rows.append(row)
         figures[name] = row | {"cold_bytes": cold}
     backend.close()
