@@ -242,3 +242,32 @@ def test_weight_shadow_imported_or_copied(model_path, monkeypatch: pytest.Monkey
             np.testing.assert_array_equal(vk.forward([SeqBatch(0, PROMPTS[1], 0)]), want)
     finally:
         vk.close()
+
+
+def test_twenty_release_restore_cycles_keep_greedy_output(model_path) -> None:  # type: ignore[no-untyped-def]
+    """Twenty cycles, alternating the levels that keep the KV cache (weights, all):
+    after each one the greedy continuation of a prompt evaluated *before* the release
+    is the one computed with no release at all (weights and KV both came back)."""
+    model = load_gguf(model_path("tiny", "Q4_K_M"))
+    vk = VulkanBackend(model, n_ctx=64, n_seq=1)
+
+    def greedy_from(logits: np.ndarray, pos: int, n: int = 8) -> list[int]:
+        out = []
+        for _ in range(n):
+            tok = int(np.argmax(logits[0]))
+            out.append(tok)
+            logits = vk.forward([SeqBatch(0, np.array([tok], np.int32), pos)])
+            pos += 1
+        return out
+
+    try:
+        prompt = PROMPTS[0]
+        want = greedy_from(vk.forward([SeqBatch(0, prompt, 0)]), len(prompt))
+        for cycle in range(20):
+            first = vk.forward([SeqBatch(0, prompt, 0)])
+            vk.release(Level.WEIGHTS if cycle % 2 == 0 else Level.ALL)
+            vk.restore()
+            assert greedy_from(first, len(prompt)) == want, f"cycle {cycle}"
+        assert vk.statistics().restores == 20
+    finally:
+        vk.close()
