@@ -462,3 +462,28 @@ async def test_prompt_cache_across_sleep_levels(start: Start) -> None:
             again = (await c.post("/completion", json=body)).json()
             assert again["tokens"] == first["tokens"], level
             assert (again["timings"]["cache_n"] > 0) is cached, level
+
+
+async def test_read_only_endpoints_answer_while_asleep_and_do_not_wake(start: Start) -> None:
+    """/health, /props, /v1/models, /models, /metrics and /slots answer a sleeping
+    server (at every level) and leave it asleep; the next completion wakes it."""
+    h = await start(parallel=1, metrics=True)
+    read_only = ["/health", "/props", "/v1/models", "/models", "/metrics", "/slots"]
+    async with client(h) as c:
+        for level in ("weights", "all", "unload"):
+            assert (await c.post(f"/sleep?level={level}")).status_code == 200
+            before = (await c.get("/props")).json()["residency"]
+            assert before["state"] in ("cold", "unloaded"), before
+            for _ in range(3):
+                for path in read_only:
+                    r = await c.get(path)
+                    assert r.status_code == 200, (path, r.text)
+            after = (await c.get("/props")).json()
+            assert after["is_sleeping"] is True
+            assert after["residency"]["state"] == before["state"]
+            assert after["residency"]["cycles"] == before["cycles"], level  # no restore ran
+            r = await c.post("/completion", json={"prompt": PROMPT, "n_predict": 2})
+            assert r.status_code == 200
+            woke = (await c.get("/props")).json()["residency"]
+            assert woke["state"] == "resident"
+            assert woke["cycles"]["restores"] == before["cycles"]["restores"] + 1
