@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from contextlib import aclosing
 from typing import Any
 
@@ -154,6 +154,30 @@ async def _final(engine: Engine, prompt: tuple[int, ...], params: TaskParams) ->
             if isinstance(msg, TaskFinal):
                 return msg
     raise ApiError(503, "the server is shutting down", "unavailable_error")
+
+
+async def _task_events(
+    engine: Engine,
+    prompt: tuple[int, ...],
+    params: TaskParams,
+    on_partial: Callable[[TaskPartial], Iterable[bytes]],
+    on_final: Callable[[TaskFinal], Iterable[bytes]],
+) -> AsyncIterator[bytes]:
+    """The server-sent events of one streamed task, in each API's shape: a task
+    error, or the server going away, becomes an error event instead of a cut stream."""
+    try:
+        async with aclosing(run_task(engine, prompt, params)) as results:
+            async for msg in results:
+                if isinstance(msg, TaskPartial):
+                    for event in on_partial(msg):
+                        yield event
+                elif isinstance(msg, TaskFinal):
+                    for event in on_final(msg):
+                        yield event
+                else:
+                    yield _sse(R.error_body(msg.message, msg.code, msg.type))
+    except TrioLLMError as exc:
+        yield _sse(R.error_body(str(exc), 503, "unavailable_error"))
 
 
 def _stream(body: AsyncIterator[bytes]) -> Response:
@@ -337,20 +361,11 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             final = await _final(e, req.prompt, req.params)
             return _json(R.native_final(final, piece, model=ctx.model_id, settings=settings, stream=False, n_probs=n_probs))
 
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                async with aclosing(run_task(e, req.prompt, req.params)) as results:
-                    async for msg in results:
-                        if isinstance(msg, TaskPartial):
-                            yield _sse(R.native_partial(msg, piece, n_probs=n_probs))
-                        elif isinstance(msg, TaskFinal):
-                            yield _sse(R.native_final(msg, piece, model=ctx.model_id, settings=settings, stream=True, n_probs=n_probs))
-                        else:
-                            yield _sse(R.error_body(msg.message, msg.code, msg.type))
-            except TrioLLMError as exc:
-                yield _sse(R.error_body(str(exc), 503, "unavailable_error"))
-
-        return _stream(events())
+        return _stream(_task_events(
+            e, req.prompt, req.params,
+            lambda msg: [_sse(R.native_partial(msg, piece, n_probs=n_probs))],
+            lambda msg: [_sse(R.native_final(msg, piece, model=ctx.model_id, settings=settings, stream=True, n_probs=n_probs))],
+        ))
 
     @app.post("/v1/completions")
     async def oai_completions() -> Response:
@@ -362,31 +377,31 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             final = await _final(e, req.prompt, req.params)
             return _json(R.completion_response(final, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs, top=top))
 
+        created = R.unix_now()
+        offset = 0
+
+        def on_partial(msg: TaskPartial) -> list[bytes]:
+            nonlocal offset
+            lp = None
+            if req.logprobs and msg.prob is not None:
+                lp = R.completion_logprobs([msg.prob], piece, top, offset)
+            offset += len(msg.text)
+            return [_sse(R.completion_chunk(id_=id_, model=ctx.model_id, created=created, text=msg.text, logprobs=lp))]
+
+        def on_final(msg: TaskFinal) -> list[bytes]:
+            chunk = R.completion_chunk(
+                id_=id_, model=ctx.model_id, created=created, text=msg.text_tail,
+                finish_reason=R.FINISH_REASON[msg.stop_type],
+            )
+            chunk["timings"] = msg.timings.to_json()
+            out = [_sse(chunk)]
+            if req.include_usage:
+                out.append(_sse(R.completion_chunk(id_=id_, model=ctx.model_id, created=created, text="") | {"choices": [], "usage": R.usage(msg)}))
+            return out
+
         async def events() -> AsyncIterator[bytes]:
-            created = R.unix_now()
-            offset = 0
-            try:
-                async with aclosing(run_task(e, req.prompt, req.params)) as results:
-                    async for msg in results:
-                        if isinstance(msg, TaskPartial):
-                            lp = None
-                            if req.logprobs and msg.prob is not None:
-                                lp = R.completion_logprobs([msg.prob], piece, top, offset)
-                            offset += len(msg.text)
-                            yield _sse(R.completion_chunk(id_=id_, model=ctx.model_id, created=created, text=msg.text, logprobs=lp))
-                        elif isinstance(msg, TaskFinal):
-                            chunk = R.completion_chunk(
-                                id_=id_, model=ctx.model_id, created=created, text=msg.text_tail,
-                                finish_reason=R.FINISH_REASON[msg.stop_type],
-                            )
-                            chunk["timings"] = msg.timings.to_json()
-                            yield _sse(chunk)
-                            if req.include_usage:
-                                yield _sse(R.completion_chunk(id_=id_, model=ctx.model_id, created=created, text="") | {"choices": [], "usage": R.usage(msg)})
-                        else:
-                            yield _sse(R.error_body(msg.message, msg.code, msg.type))
-            except TrioLLMError as exc:
-                yield _sse(R.error_body(str(exc), 503, "unavailable_error"))
+            async for event in _task_events(e, req.prompt, req.params, on_partial, on_final):
+                yield event
             yield SSE_DONE
 
         return _stream(events())
@@ -403,38 +418,34 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             final = await _final(e, req.prompt, req.params)
             return _json(R.chat_response(final, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs, top=top))
 
+        created = R.unix_now()
+
+        def chunk(delta: dict[str, Any], **kw: Any) -> bytes:
+            return _sse(R.chat_chunk(id_=id_, model=ctx.model_id, created=created, delta=delta, **kw))
+
+        def on_partial(msg: TaskPartial) -> list[bytes]:
+            lp = None
+            if req.logprobs and msg.prob is not None:
+                lp = R.chat_logprobs([msg.prob], piece, top)
+            return [chunk({"content": msg.text}, logprobs=lp)] if msg.text or lp is not None else []
+
+        def on_final(msg: TaskFinal) -> list[bytes]:
+            out = [chunk({"content": msg.text_tail})] if msg.text_tail else []
+            last = R.chat_chunk(
+                id_=id_, model=ctx.model_id, created=created, delta={},
+                finish_reason=R.FINISH_REASON[msg.stop_type],
+            )
+            last["timings"] = msg.timings.to_json()
+            out.append(_sse(last))
+            if req.include_usage:
+                usage = R.chat_chunk(id_=id_, model=ctx.model_id, created=created, delta={})
+                out.append(_sse(usage | {"choices": [], "usage": R.usage(msg)}))
+            return out
+
         async def events() -> AsyncIterator[bytes]:
-            created = R.unix_now()
-
-            def chunk(delta: dict[str, Any], **kw: Any) -> bytes:
-                return _sse(R.chat_chunk(id_=id_, model=ctx.model_id, created=created, delta=delta, **kw))
-
             yield chunk({"role": "assistant", "content": ""})
-            try:
-                async with aclosing(run_task(e, req.prompt, req.params)) as results:
-                    async for msg in results:
-                        if isinstance(msg, TaskPartial):
-                            lp = None
-                            if req.logprobs and msg.prob is not None:
-                                lp = R.chat_logprobs([msg.prob], piece, top)
-                            if msg.text or lp is not None:
-                                yield chunk({"content": msg.text}, logprobs=lp)
-                        elif isinstance(msg, TaskFinal):
-                            if msg.text_tail:
-                                yield chunk({"content": msg.text_tail})
-                            last = R.chat_chunk(
-                                id_=id_, model=ctx.model_id, created=created, delta={},
-                                finish_reason=R.FINISH_REASON[msg.stop_type],
-                            )
-                            last["timings"] = msg.timings.to_json()
-                            yield _sse(last)
-                            if req.include_usage:
-                                usage = R.chat_chunk(id_=id_, model=ctx.model_id, created=created, delta={})
-                                yield _sse(usage | {"choices": [], "usage": R.usage(msg)})
-                        else:
-                            yield _sse(R.error_body(msg.message, msg.code, msg.type))
-            except TrioLLMError as exc:
-                yield _sse(R.error_body(str(exc), 503, "unavailable_error"))
+            async for event in _task_events(e, req.prompt, req.params, on_partial, on_final):
+                yield event
             yield SSE_DONE
 
         return _stream(events())
