@@ -133,9 +133,16 @@ def chat_response(
         "finish_reason": FINISH_REASON[final.stop_type],
         "logprobs": chat_logprobs(final.probs, piece, top) if logprobs else None,
     }
+    return _final_body("chat.completion", final, choice, id_=id_, model=model)
+
+
+def _final_body(
+    object_: str, final: TaskFinal, choice: dict[str, Any], *, id_: str, model: str
+) -> dict[str, Any]:
+    """The envelope both OpenAI endpoints put around their one non-streamed choice."""
     return {
         "id": id_,
-        "object": "chat.completion",
+        "object": object_,
         "created": unix_now(),
         "model": model,
         "system_fingerprint": "trio-llm",
@@ -171,16 +178,7 @@ def completion_response(
         "finish_reason": FINISH_REASON[final.stop_type],
         "logprobs": completion_logprobs(final.probs, piece, top) if logprobs else None,
     }
-    return {
-        "id": id_,
-        "object": "text_completion",
-        "created": unix_now(),
-        "model": model,
-        "system_fingerprint": "trio-llm",
-        "choices": [choice],
-        "usage": usage(final),
-        "timings": final.timings.to_json(),
-    }
+    return _final_body("text_completion", final, choice, id_=id_, model=model)
 
 
 def completion_chunk(
