@@ -2,7 +2,8 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: verify (the Vulkan correctness tests on the H200), decode, residency, handoff,
+# Stages: verify (the Vulkan correctness tests on the H200), decode, decode1b, vkmem,
+# residency, handoff,
 # server, scen1b, scen8b.
 # Unpacks the Vulkan loader (.gl/*.deb) and the Python wheels the image lacks (.whl),
 # makes the synthetic models, then runs the stages in order, each bounded by `timeout`.
@@ -68,6 +69,20 @@ for s in $STAGES; do case $s in
     stage decode-1b-q4km 100 $PY bench/decode.py --model "$(model $B1 Q4_K_M)" --backends vulkan --repeats 3
     wait8b
     stage decode-8b-q4km 150 $PY bench/decode.py --model "$M8B" --backends vulkan --repeats 3 --residency ;;
+  decode1b)  # llama-1b Q4_K_M only
+    stage decode-1b-q4km 100 $PY bench/decode.py --model "$(model $B1 Q4_K_M)" --backends vulkan --repeats 3 ;;
+  vkmem)
+    stage vkmem 120 $PY bench/vkmem.py --repeats 3
+    # the same allocation and free through CUDA (cupy), for comparison
+    stage cudamem 60 $PY -c '
+import time, cupy
+rt, n = cupy.cuda.runtime, 1280 << 20
+for i in range(4):
+    t0 = time.perf_counter(); p = rt.malloc(n); rt.deviceSynchronize(); t1 = time.perf_counter()
+    rt.memset(p, 0, n); rt.deviceSynchronize(); t2 = time.perf_counter()
+    rt.free(p); rt.deviceSynchronize(); t3 = time.perf_counter()
+    print(f"cuda 1280 MiB: malloc {1e3*(t1-t0):.2f} ms, memset {1e3*(t2-t1):.2f} ms, free {1e3*(t3-t2):.2f} ms")
+' ;;
   residency)
     wait8b
     stage residency-1b 60 $PY bench/residency.py --model "$M1" --backend vulkan --repeats 5

@@ -263,11 +263,14 @@ def test_twenty_release_restore_cycles_keep_greedy_output(model_path) -> None:  
     try:
         prompt = PROMPTS[0]
         want = greedy_from(vk.forward([SeqBatch(0, prompt, 0)]), len(prompt))
+        recorded = vk.statistics().graphs_recorded
         for cycle in range(20):
             first = vk.forward([SeqBatch(0, prompt, 0)])
             vk.release(Level.WEIGHTS if cycle % 2 == 0 else Level.ALL)
             vk.restore()
             assert greedy_from(first, len(prompt)) == want, f"cycle {cycle}"
         assert vk.statistics().restores == 20
+        # the graphs survived every cycle (pointed at the new buffers, not recorded again)
+        assert vk.statistics().graphs_recorded == recorded
     finally:
         vk.close()

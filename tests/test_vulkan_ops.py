@@ -16,7 +16,7 @@ import pytest
 from gguf.quants import dequantize, quantize
 
 from trio_llm.vulkan.device import Device, shared_device
-from trio_llm.vulkan.graph import Barrier, Graph, Op
+from trio_llm.vulkan.graph import Barrier, Copy, Graph, Op
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import Allocator, View, whole
 from trio_llm.vulkan.ops import (
@@ -358,3 +358,34 @@ def test_barrier_orders_dependent_dispatches(env: Env) -> None:
     want = np_rms_norm(x, w, 1e-5) @ m.T
     np.testing.assert_allclose(env.get(y).reshape(2, rows), want, rtol=1e-4, atol=1e-4)
     assert whole(xv.buffer).size >= xv.size
+
+
+def test_rebind_points_a_recorded_graph_at_new_buffers(env: Env) -> None:
+    """A graph recorded over buffers A (an add, then a copy of its result) and rebound
+    to buffers B of the same sizes computes from B and copies into B's target, while
+    A's buffers still hold their own (different) contents: the descriptors and the
+    copy moved, not just the data."""
+    n = 300
+    a1, b1 = np.arange(n, dtype=np.float32), np.full(n, 2.0, np.float32)
+    a2, b2 = -np.arange(n, dtype=np.float32), np.full(n, 5.0, np.float32)
+    av, bv, yv, cv = env.put(a1), env.put(b1), env.zeros(n), env.zeros(n)
+    av2, bv2, yv2, cv2 = env.put(a2), env.put(b2), env.zeros(n), env.zeros(n)
+    st = env.step([0])
+    graph = Graph.record(env.device, [
+        env.ops.add(av, bv, yv, st, n=n, stride=n, cap=1), Barrier(), Copy(yv, cv), Barrier(),
+    ])
+    try:
+        graph.run("test")
+        np.testing.assert_array_equal(env.get(cv), a1 + b1)
+        graph.rebind({av.buffer: av2.buffer, bv.buffer: bv2.buffer, yv.buffer: yv2.buffer, cv.buffer: cv2.buffer})
+        assert graph.stale
+        assert graph.buffers() == {av2.buffer, bv2.buffer, yv2.buffer, cv2.buffer, st.buffer}
+        graph.run("test")  # re-encodes first
+        assert not graph.stale
+        np.testing.assert_array_equal(env.get(cv2), a2 + b2)
+        np.testing.assert_array_equal(env.get(yv2), a2 + b2)
+        np.testing.assert_array_equal(env.get(cv), a1 + b1)  # the old target untouched
+        graph.rebind({})  # nothing to move: stays encoded
+        assert not graph.stale
+    finally:
+        graph.close()

@@ -30,7 +30,7 @@ from trio_llm.vulkan.device import Device, shared_device, vk_errors
 from trio_llm.vulkan.forward import Activations, KVCache, build_ops
 from trio_llm.vulkan.graph import Graph
 from trio_llm.vulkan.kernels import KernelCache
-from trio_llm.vulkan.memory import Allocator
+from trio_llm.vulkan.memory import Allocator, Buffer, allocate_and_copy
 from trio_llm.vulkan.ops import Ops, fill_step
 from trio_llm.vulkan.shaders import STEP_CAP
 from trio_llm.vulkan.weights import WeightStore
@@ -86,6 +86,7 @@ class VulkanBackend:
         self._lost = False
         self._graphs: dict[int, Graph] = {}
         self._rerecord: list[int] = []  # buckets to record again on restore
+        self._before: dict[tuple[str, object], Buffer] = {}  # role -> buffer freed by a release
         self._forwards = self._tokens = self._submits = self._recorded = 0
         self._releases = self._restores = 0
         self._device: Device | None = shared_device(device)
@@ -225,10 +226,15 @@ class VulkanBackend:
         if self._level is not None and _DEPTH[self._level] >= depth:
             return
         with self._guard("release"):
-            # the buckets in use come back with the weights (restore records them
-            # while the weights copy)
-            self._rerecord = sorted(set(self._rerecord) | set(self._graphs))
-            self._drop_graphs()
+            # the graphs stay (descriptor pools and command buffers are small): restore
+            # points them at the new buffers. Remember which buffer had which role.
+            self._before.update(self._roles())
+            if depth >= _DEPTH[Level.UNLOAD]:
+                # upstream's idle unload keeps nothing: the graphs are recorded again
+                # (the buckets in use while the weights copy, see _rebind)
+                self._rerecord = sorted(set(self._rerecord) | set(self._graphs))
+                self._drop_graphs()
+                self._before.clear()
             self._weights.release_device()
             if depth >= _DEPTH[Level.ALL]:
                 if depth < _DEPTH[Level.UNLOAD]:
@@ -248,10 +254,53 @@ class VulkanBackend:
         with self._guard("restore"):
             self._weights.ensure_shadow()
             self._act.allocate()
-            self._kv.from_host()
-            self._weights.upload(during=self._record_while_copying)
+            # weights largest first, then the KV cache's per-layer buffers (small): one
+            # pipeline of allocations and copies
+            jobs = self._weights.restore_jobs() + self._kv.restore_jobs()
+            allocate_and_copy(self._alloc, jobs, during=self._rebind)
+            self._kv.restored()
         self._level = None
         self._restores += 1
+
+    def _roles(self) -> dict[tuple[str, object], Buffer]:
+        """The device buffers a graph can reference, by role."""
+        out: dict[tuple[str, object], Buffer] = {}
+        for i, seg in enumerate(self._weights.segments):
+            if seg.device is not None:
+                out[("w", i)] = seg.device
+        for i, (k, v) in enumerate(zip(self._kv.k, self._kv.v, strict=True)):
+            out[("k", i)] = k
+            out[("v", i)] = v
+        for name, buf in self._act.bufs.items():
+            out[("a", name)] = buf
+        return out
+
+    def _rebind(self) -> None:
+        """Runs while the last copies of a restore are in flight: point the kept graphs
+        at the new buffers and re-encode them, the decode graph first and the others
+        until the copies are done (the rest on first use); then record the graphs an
+        unload dropped, likewise."""
+        assert self._device is not None
+        now = self._roles()
+        new = {old: now[role] for role, old in self._before.items() if role in now}
+        self._before.clear()
+        for bucket, graph in list(self._graphs.items()):
+            graph.rebind(new)
+            if not all(self._alloc.is_live(b) for b in graph.buffers()):
+                log.warning("graph of bucket %d references a freed buffer: recording it again", bucket)
+                graph.close()
+                del self._graphs[bucket]
+                self._rerecord.append(bucket)
+        first = True
+        for graph in (self._graphs[b] for b in sorted(self._graphs)):
+            if graph.stale and (first or not self._device.fence_done()):
+                graph.encode()
+                first = False
+        buckets, self._rerecord = sorted(set(self._rerecord)), []
+        for i, bucket in enumerate(buckets):
+            if i and self._device.fence_done():
+                break
+            self._graph(bucket)
 
     def close(self) -> None:
         if self._closed:
@@ -319,17 +368,6 @@ class VulkanBackend:
             self._recorded += 1
             self._kernels.save()  # a new bucket may have compiled pipelines: keep them
         return graph
-
-    def _record_while_copying(self) -> None:
-        """Record the graphs that were in use before the release while the weights are
-        still copying (recording a llama-1b graph takes about as long as copying its
-        weights): the decode graph always, the others only until the copy is done."""
-        buckets, self._rerecord = self._rerecord, []
-        assert self._device is not None
-        for i, bucket in enumerate(buckets):
-            if i and self._device.fence_done():
-                break
-            self._graph(bucket)
 
     def _drop_graphs(self) -> None:
         graphs, self._graphs = self._graphs, {}

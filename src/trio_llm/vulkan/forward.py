@@ -19,7 +19,7 @@ import numpy as np
 
 from trio_llm.model.config import ModelConfig
 from trio_llm.vulkan.graph import Barrier, Copy, Op
-from trio_llm.vulkan.memory import Allocator, Buffer, View, whole
+from trio_llm.vulkan.memory import Allocator, Buffer, CopyJob, View, whole
 from trio_llm.vulkan.ops import (
     COUNT_OUT,
     COUNT_TOKENS,
@@ -117,6 +117,7 @@ class KVCache:
     k: list[Buffer] = attrs.field(factory=list)
     v: list[Buffer] = attrs.field(factory=list)
     host: list[Buffer] = attrs.field(factory=list)  # the ALL-level copy, K then V per layer
+    saved: bool = False  # the host copy holds the cache (the device has none)
 
     @property
     def on_device(self) -> bool:
@@ -142,16 +143,22 @@ class KVCache:
         for buf in self.host:
             self.alloc.free(buf)
         self.host = []
+        self.saved = False
 
     def to_host(self) -> None:
-        """Copy the device cache into host buffers and free the device cache."""
+        """Copy the device cache into host buffers and free the device cache. The host
+        buffers are made on the first release and kept (host memory, like the weights'
+        shadow): allocating pinned host memory on every release would cost the driver
+        as much as the copy."""
         if not self.k:
             return
         device = self.alloc.device
         vk = device.vk
         pairs = [b for kv in zip(self.k, self.v, strict=True) for b in kv]
         try:
-            self.host = [self.alloc.create(b.size, "kv_cache", "host") for b in pairs]
+            if [b.size for b in self.host] != [b.size for b in pairs]:
+                self.free_host()
+                self.host = [self.alloc.create(b.size, "kv_cache", "host") for b in pairs]
             with device.one_shot("copy KV cache to host") as cmd:
                 for src, dst in zip(pairs, self.host, strict=True):
                     vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, 1, [vk.VkBufferCopy(size=src.size)])
@@ -159,19 +166,24 @@ class KVCache:
             self.free_host()
             raise
         self.free_device()
+        self.saved = True
 
-    def from_host(self) -> None:
-        """Re-create the device cache, from the host copy when there is one."""
-        self.allocate()
-        if not self.host:
-            return
-        device = self.alloc.device
-        vk = device.vk
-        pairs = [b for kv in zip(self.k, self.v, strict=True) for b in kv]
-        with device.one_shot("copy KV cache to device") as cmd:
-            for src, dst in zip(self.host, pairs, strict=True):
-                vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, 1, [vk.VkBufferCopy(size=src.size)])
-        self.free_host()
+    def restore_jobs(self) -> list[CopyJob]:
+        """Copy jobs that re-create the device cache from the host copy (K and V of
+        each layer in order); with no saved copy, the cache is allocated empty here."""
+        if not self.saved:
+            self.allocate()  # nothing when the cache stayed on the device
+            return []
+        self.free_device()  # what a failed restore left behind
+        jobs = []
+        for i, src in enumerate(self.host):
+            side = self.k if i % 2 == 0 else self.v
+            jobs.append(CopyJob(src.size, "kv_cache", src, side.append))
+        return jobs
+
+    def restored(self) -> None:
+        """The jobs of ``restore_jobs`` have all finished: the device holds the cache."""
+        self.saved = False
 
 
 def build_ops(

@@ -19,31 +19,49 @@ gives them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import attrs
 import numpy as np
 
 from trio_llm.errors import BackendError, UnsupportedModelError
 from trio_llm.model.gguf import GGUFModel
-from trio_llm.vulkan.memory import Allocator, Buffer, View, host_span
+from trio_llm.vulkan.memory import Allocator, Buffer, CopyJob, View, allocate_and_copy, host_span
 from trio_llm.vulkan.ops import BLOCK_BYTES, row_bytes
 
 log = logging.getLogger(__name__)
 
 PAGE = 4096
-# Segments of 256 MiB rather than one huge allocation: a restore allocates the next
-# segments (in parallel threads) while the copies of the first ones already run.
+# Segments of 256 MiB rather than one huge allocation: a restore copies each segment
+# while it allocates the next (see memory.allocate_and_copy); on the H200 chunks of
+# 64 MiB and more allocate at the same rate per byte, 16 MiB ones 50 % slower.
 SEGMENT_BYTES = 256 << 20
-#: threads that allocate and free segments: the driver spends ~17 ms per GiB in each
-#: (H200, 580), outside the GIL, and the calls are independent
-ALLOC_THREADS = 4
+#: the last segment of the file is split so that at most this much is left to copy
+#: after the last allocation of a restore
+TAIL_BYTES = 64 << 20
 MAX_GAP = 1 << 20  # tensors further apart than this start a new segment
+
+
+def _split_tail(groups: list[list]) -> None:
+    """Make a small segment of the last group's trailing (else leading) tensors, at
+    most ``TAIL_BYTES``, when the model is big enough for it to matter."""
+    total = sum(t.n_bytes for g in groups for t in g)
+    if not groups or total <= 4 * TAIL_BYTES or len(groups[-1]) < 2:
+        return
+    last = groups[-1]
+    for part in (last[::-1], last):
+        k, size = 0, 0
+        while k < len(part) - 1 and size + part[k].n_bytes <= TAIL_BYTES:
+            size += part[k].n_bytes
+            k += 1
+        if k:
+            if part is last:  # leading tensors
+                groups[-1:] = [last[:k], last[k:]]
+            else:
+                groups[-1:] = [last[:-k], last[-k:]]
+            return
 
 
 @attrs.frozen
@@ -106,6 +124,7 @@ class WeightStore:
                     g.append(t)
                     continue
             groups.append([t])
+        _split_tail(groups)
         for g in groups:
             base = int(g[0].raw.ctypes.data) & ~(PAGE - 1)
             offsets = [int(t.raw.ctypes.data) - base for t in g]
@@ -162,65 +181,31 @@ class WeightStore:
         kinds = {("imported" if s.shadow.imported else "copy") for s in self.segments if s.shadow is not None}
         return "+".join(sorted(kinds)) or "none"
 
-    def upload(self, during: Callable[[], None] | None = None) -> None:
-        """Allocate the device segments and copy every shadow into them.
+    def restore_jobs(self) -> list[CopyJob]:
+        """A copy job per segment not on the device, largest first (the last copy of a
+        pipelined restore is what the allocations cannot hide: keep it small)."""
+        todo = sorted((s for s in self.segments if s.device is None), key=lambda s: -s.size)
+        jobs = []
+        for seg in todo:
+            assert seg.shadow is not None, "ensure_shadow() first"
 
-        Allocation costs the driver about as much as the copy itself, so the two
-        overlap: worker threads allocate segments while each allocated one is already
-        copying (one submit per segment, no wait in between). ``during`` runs after the
-        last submit and before the wait (the backend records its graphs there, while
-        the copies run)."""
-        device = self.alloc.device
-        vk = device.vk
-        todo = [seg for seg in self.segments if seg.device is None]
-        cmds: list[Any] = []
-        submitted = False
-        with ThreadPoolExecutor(max_workers=ALLOC_THREADS) as pool:
-            futures = [pool.submit(self.alloc.create, seg.size, "weights", "device") for seg in todo]
-            try:
-                for seg, fut in zip(todo, futures, strict=True):
-                    seg.device = fut.result()
-                for i, seg in enumerate(self.segments):
-                    assert seg.shadow is not None and seg.device is not None
-                    cmd = device.allocate_command_buffer()
-                    cmds.append(cmd)
-                    vk.vkBeginCommandBuffer(
-                        cmd, vk.VkCommandBufferBeginInfo(flags=vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT)
-                    )
-                    region = vk.VkBufferCopy(srcOffset=0, dstOffset=0, size=min(seg.size, seg.shadow.size))
-                    vk.vkCmdCopyBuffer(cmd, seg.shadow.handle, seg.device.handle, 1, [region])
-                    vk.vkEndCommandBuffer(cmd)
-                    last = i == len(self.segments) - 1
-                    device.submit([cmd], "upload weights", signal=last)
-                    submitted = True
-                if during is not None:
-                    during()
-                device.wait("upload weights")
-            except BaseException:
-                # nothing may still be allocating behind our back, and whatever was
-                # allocated belongs to its segment (so release_device frees it)
-                for seg, fut in zip(todo, futures, strict=True):
-                    if not fut.cancel():
-                        with contextlib.suppress(BaseException):
-                            seg.device = fut.result()
-                if submitted:
-                    with contextlib.suppress(Exception):
-                        vk.vkQueueWaitIdle(device.queue)
-                raise
-            finally:
-                for cmd in cmds:
-                    device.free_command_buffer(cmd)
+            def assign(buf: Buffer, seg: Segment = seg) -> None:
+                seg.device = buf
+
+            jobs.append(CopyJob(seg.size, "weights", seg.shadow, assign))
+        return jobs
+
+    def upload(self, during: Callable[[], None] | None = None) -> None:
+        """Allocate the device segments and copy every shadow into them (see
+        ``allocate_and_copy``)."""
+        allocate_and_copy(self.alloc, self.restore_jobs(), during)
 
     def release_device(self) -> None:
-        bufs = [seg.device for seg in self.segments if seg.device is not None]
+        # one thread: the driver serializes frees (bench/vkmem.py: 1, 2, 4, 8 or 16
+        # threads free 1.25 GiB in the same 26-28 ms on the H200)
         for seg in self.segments:
-            seg.device = None
-        if len(bufs) > 1:
-            with ThreadPoolExecutor(max_workers=ALLOC_THREADS) as pool:
-                list(pool.map(self.alloc.free, bufs))
-        else:
-            for buf in bufs:
-                self.alloc.free(buf)
+            buf, seg.device = seg.device, None
+            self.alloc.free(buf)
 
     def release_shadow(self) -> None:
         for seg in self.segments:
