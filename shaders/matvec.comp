@@ -17,14 +17,6 @@
 // values of a block measured slower on the H200: 1.03 against 0.76 ms of matvec per
 // llama-1b token; a block per lane with 32-bit loads was slower still.) With the K-quants, a sub-block's scale and min multiply the
 // sums of q*x and of x once instead of every value.
-//
-// X_NORM: the RMSNorm before a projection is fused into how it reads x, which saves
-// a dispatch and a barrier (a stage of the dependent chain that bounds decode): each
-// subgroup sums x^2 over the column, reads x * g (g the norm weight, binding 4) and
-// scales its dot products by 1 / sqrt(mean(x^2) + eps) at the end. (Fusing SwiGLU
-// into the down projection the same way, silu(gate) * up read per value, made
-// llama-1b decode 6 % slower on the H200: every subgroup recomputes 8192 exp() and
-// reads two vectors instead of one.)
 #include "common.glsl"
 
 layout(binding = 0, std430) readonly buffer W16 { uint16_t w16[]; };
@@ -32,9 +24,6 @@ layout(binding = 0, std430) readonly buffer W128 { uvec4 w128[]; };
 layout(binding = 1, std430) readonly buffer X { vec4 x4[]; };
 layout(binding = 2, std430) buffer Y { float y[]; };
 DECLARE_STEP(3)
-#if defined(X_NORM)
-layout(binding = 4, std430) readonly buffer G { vec4 g4[]; };
-#endif
 
 layout(push_constant) uniform Push {
     uint n_in;      // row length
@@ -44,7 +33,6 @@ layout(push_constant) uniform Push {
     uint y_off;     // first output row (a split matrix writes in pieces)
     uint count_sel; // which step count says how many columns are live
     uint mode;      // 0: y = Wx, 1: y += Wx (fused residual add)
-    float eps;      // X_NORM's epsilon
 } pc;
 
 layout(constant_id = 1) const uint MAXC = 8;
@@ -60,15 +48,6 @@ vec4 bytes4(uint w) {
     return vec4(uvec4(w, w >> 8, w >> 16, w >> 24) & 0xFFu);
 }
 
-// x's values i*4 .. i*4+3 of the column starting at vec4 cb, as the product reads them
-vec4 xl(uint cb, uint i) {
-#if defined(X_NORM)
-    return x4[cb + i] * g4[i];
-#else
-    return x4[cb + i];
-#endif
-}
-
 uint pair16(uint i) {
     return uint(w16[i]) | (uint(w16[i + 1u]) << 16);
 }
@@ -77,22 +56,6 @@ void main() {
     uint ncols = min(STEP_COUNT(pc.count_sel), MAXC);
     uint lane = gl_SubgroupInvocationID;
     uint sg = gl_SubgroupSize;
-#if defined(X_NORM)
-    // every subgroup normalises for itself: no shared memory, no barrier
-    float xs[MAXC];
-    [[unroll]] for (uint c = 0; c < MAXC; c++) {
-        xs[c] = 0.0;
-        if (c < ncols) {
-            uint cb = (c * pc.x_stride) / 4u;
-            float ss = 0.0;
-            for (uint i = lane; i < pc.n_in / 4u; i += sg) {
-                vec4 v = x4[cb + i];
-                ss += dot(v, v);
-            }
-            xs[c] = inversesqrt(subgroupAdd(ss) / float(pc.n_in) + pc.eps);
-        }
-    }
-#endif
     // The loop also covers a driver that runs fewer, wider subgroups than planned.
     for (uint r = gl_SubgroupID; r < NR; r += gl_NumSubgroups) {
         uint row0 = (FLAT_GROUP * NR + r) * RS;
@@ -149,13 +112,13 @@ void main() {
             uint x0 = (blk * 256u + cidx * 64u + half_ * 16u) / 4u;
             [[unroll]] for (uint c = 0; c < MAXC; c++) {
                 if (c < ncols) {
-                    uint cb = (c * pc.x_stride) / 4u;
+                    uint xb = (c * pc.x_stride) / 4u + x0;
                     vec4 xa[4];
                     vec4 xh[4];
                     float sx0 = 0.0, sx1 = 0.0;
                     [[unroll]] for (uint i = 0; i < 4; i++) {
-                        xa[i] = xl(cb, x0 + i);
-                        xh[i] = xl(cb, x0 + 8u + i);  // 32 values further
+                        xa[i] = x4[xb + i];
+                        xh[i] = x4[xb + 8u + i];  // 32 values further
                         sx0 += dot(xa[i], vec4(1.0));
                         sx1 += dot(xh[i], vec4(1.0));
                     }
@@ -196,8 +159,8 @@ void main() {
             uint x0 = (blk * 256u + h * 128u + l0) / 4u;
             [[unroll]] for (uint c = 0; c < MAXC; c++) {
                 if (c < ncols) {
-                    uint cb = (c * pc.x_stride) / 4u;
-                    vec4 xv[4] = vec4[4](xl(cb, x0), xl(cb, x0 + 8u), xl(cb, x0 + 16u), xl(cb, x0 + 24u));
+                    uint xb = (c * pc.x_stride) / 4u + x0;
+                    vec4 xv[4] = vec4[4](x4[xb], x4[xb + 8u], x4[xb + 16u], x4[xb + 24u]);
                     [[unroll]] for (uint k = 0; k < RS; k++) {
                         acc[c * RS + k] += dot(scs[k], vec4(dot(q[k][0], xv[0]), dot(q[k][1], xv[1]),
                                                             dot(q[k][2], xv[2]), dot(q[k][3], xv[3])));
@@ -219,9 +182,9 @@ void main() {
             }
             [[unroll]] for (uint c = 0; c < MAXC; c++) {
                 if (c < ncols) {
-                    uint cb = (c * pc.x_stride) / 4u;
-                    vec4 xa = xl(cb, 2u * g);
-                    vec4 xb = xl(cb, 2u * g + 1u);
+                    uint xi = (c * pc.x_stride) / 4u + 2u * g;
+                    vec4 xa = x4[xi];
+                    vec4 xb = x4[xi + 1u];
                     [[unroll]] for (uint k = 0; k < RS; k++) {
                         acc[c * RS + k] += dot(wa[k], xa) + dot(wb[k], xb);
                     }
@@ -233,9 +196,6 @@ void main() {
             if (c < ncols) {
                 [[unroll]] for (uint k = 0; k < RS; k++) {
                     float s = subgroupAdd(acc[c * RS + k]);
-#if defined(X_NORM)
-                    s *= xs[c];
-#endif
                     if (subgroupElect() && row0 + k < pc.n_rows) {
                         uint o = c * pc.y_stride + pc.y_off + row0 + k;
                         y[o] = pc.mode == 1u ? y[o] + s : s;

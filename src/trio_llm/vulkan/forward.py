@@ -199,16 +199,15 @@ def build_ops(
     out: list[Op] = []
 
     def proj(name: str, x: View, y: View, n_in: int, n_out: int, *, add: bool = False,
-             count_sel: int = COUNT_TOKENS, cap: int = bucket, norm: View | None = None) -> None:
+             count_sel: int = COUNT_TOKENS, cap: int = bucket) -> None:
         qtype = weights.slots[name].qtype
         for w, r0, r1 in weights.pieces(name):
             if cap <= MATVEC_MAX_COLS:
                 out.append(ops.matvec(
                     qtype, w, x, y, st, n_in=n_in, n_rows=r1 - r0, x_stride=n_in, y_stride=n_out,
-                    y_off=r0, count_sel=count_sel, add=add, maxc=cap, norm=norm, eps=cfg.rms_eps,
+                    y_off=r0, count_sel=count_sel, add=add, maxc=cap,
                 ))
             else:
-                assert norm is None, "only matvec reads a normed input"
                 out.append(ops.matmul(
                     qtype, w, x, y, st, n_in=n_in, n_rows=r1 - r0, x_stride=n_in, y_stride=n_out,
                     cap=cap, y_off=r0, count_sel=count_sel, add=add,
@@ -217,21 +216,6 @@ def build_ops(
     def vec(name: str) -> View:
         return weights.view(name)
 
-    # Decode buckets (matvec) read the RMSNorm inside the projections that consume it
-    # (matvec.comp's X_NORM); prefill keeps it apart.
-    fuse = bucket <= MATVEC_MAX_COLS
-
-    def normed(norm: str, projs: list[tuple[str, View, int]]) -> None:
-        """rms_norm(x) * norm, then each projection (name, output, rows) of it."""
-        if fuse:
-            for name, y, n_out in projs:
-                proj(name, a("x"), y, E, n_out, norm=vec(norm))
-            return
-        out.append(ops.rms_norm(a("x"), vec(norm), a("xn"), st, n=E, x_stride=E, y_stride=E, eps=cfg.rms_eps, cap=bucket))
-        out.append(Barrier())
-        for name, y, n_out in projs:
-            proj(name, a("xn"), y, E, n_out)
-
     embd = "token_embd.weight"
     for w, r0, r1 in weights.pieces(embd):
         out.append(ops.get_rows(weights.slots[embd].qtype, w, a("x"), st, n_in=E, y_stride=E, cap=bucket, row0=r0, row1=r1))
@@ -239,9 +223,11 @@ def build_ops(
     rope_mode = ROPE_NORMAL if cfg.rope_mode == "normal" else ROPE_NEOX
     for il in range(cfg.n_layer):
         b = f"blk.{il}."
-        normed(b + "attn_norm.weight", [(b + "attn_q.weight", a("q"), Q),  # [T, q_dim]
-                                        (b + "attn_k.weight", a("k"), KVD),  # [T, kv_dim]
-                                        (b + "attn_v.weight", a("v"), KVD)])  # [T, kv_dim]
+        out.append(ops.rms_norm(a("x"), vec(b + "attn_norm.weight"), a("xn"), st, n=E, x_stride=E, y_stride=E, eps=cfg.rms_eps, cap=bucket))
+        out.append(Barrier())
+        proj(b + "attn_q.weight", a("xn"), a("q"), E, Q)  # [T, q_dim]
+        proj(b + "attn_k.weight", a("xn"), a("k"), E, KVD)  # [T, kv_dim]
+        proj(b + "attn_v.weight", a("xn"), a("v"), E, KVD)  # [T, kv_dim]
         out.append(Barrier())
         if cfg.attn_bias:
             for t, n in (("q", Q), ("k", KVD), ("v", KVD)):
@@ -261,8 +247,10 @@ def build_ops(
         out.append(Barrier())
         proj(b + "attn_output.weight", a("att"), a("x"), Q, E, add=True)  # x += att @ wo.T
         out.append(Barrier())
-        normed(b + "ffn_norm.weight", [(b + "ffn_gate.weight", a("g"), F),  # [T, n_ff]
-                                       (b + "ffn_up.weight", a("u"), F)])  # [T, n_ff]
+        out.append(ops.rms_norm(a("x"), vec(b + "ffn_norm.weight"), a("xn"), st, n=E, x_stride=E, y_stride=E, eps=cfg.rms_eps, cap=bucket))
+        out.append(Barrier())
+        proj(b + "ffn_gate.weight", a("xn"), a("g"), E, F)  # [T, n_ff]
+        proj(b + "ffn_up.weight", a("xn"), a("u"), E, F)  # [T, n_ff]
         out.append(Barrier())
         out.append(ops.swiglu(a("g"), a("u"), a("g"), st, n=F, stride=F, cap=bucket))
         out.append(Barrier())
@@ -271,13 +259,10 @@ def build_ops(
     # the head, only for the rows whose logits are wanted
     out.append(ops.get_rows("F32", a("x"), a("hid"), st, n_in=E, y_stride=E, cap=out_cap, id_sel=COUNT_OUT))
     out.append(Barrier())
+    out.append(ops.rms_norm(a("hid"), vec("output_norm.weight"), a("hid"), st, n=E, x_stride=E, y_stride=E, eps=cfg.rms_eps, cap=out_cap, count_sel=COUNT_OUT))
+    out.append(Barrier())
     head = "token_embd.weight" if cfg.tied_embeddings or "output.weight" not in weights.slots else "output.weight"
-    if out_cap <= MATVEC_MAX_COLS:  # the norm read inside the product
-        proj(head, a("hid"), a("logits"), E, V, count_sel=COUNT_OUT, cap=out_cap, norm=vec("output_norm.weight"))
-    else:
-        out.append(ops.rms_norm(a("hid"), vec("output_norm.weight"), a("hid"), st, n=E, x_stride=E, y_stride=E, eps=cfg.rms_eps, cap=out_cap, count_sel=COUNT_OUT))
-        out.append(Barrier())
-        proj(head, a("hid"), a("logits"), E, V, count_sel=COUNT_OUT, cap=out_cap)  # [n_out, n_vocab]
+    proj(head, a("hid"), a("logits"), E, V, count_sel=COUNT_OUT, cap=out_cap)  # [n_out, n_vocab]
     out.append(Barrier())
     n_bytes = 4 * out_cap * V
     out.append(Copy(a("logits").sub(0, n_bytes), a("readback").sub(0, n_bytes)))

@@ -16,7 +16,7 @@ import numpy as np
 from trio_llm.vulkan.graph import Dispatch
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import View
-from trio_llm.vulkan.shaders import MATVEC_INPUTS, STEP_CAP, qtype_defines
+from trio_llm.vulkan.shaders import STEP_CAP, qtype_defines
 
 #: the step buffer: [n_tokens, n_out, 0, 0] then tokens, positions, seq ids, output rows
 STEP_HEADER = 4
@@ -79,23 +79,17 @@ class Ops:
     def matvec(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
         x_stride: int, y_stride: int, y_off: int = 0, count_sel: int = COUNT_TOKENS,
-        add: bool = False, maxc: int = 8, norm: View | None = None, eps: float = 0.0,
+        add: bool = False, maxc: int = 8,
     ) -> Dispatch:
-        """y[c, y_off + r] (+)= W[r] . x[c] for the live columns c (at most ``maxc``).
-
-        With ``norm`` (an RMSNorm weight) the product reads rms_norm(x[c]) * norm
-        instead of x[c]: matvec.comp's X_NORM variant, which spares the graph the
-        norm's dispatch and barrier."""
+        """y[c, y_off + r] (+)= W[r] . x[c] for the live columns c (at most ``maxc``)."""
         assert n_in % 8 == 0 and x_stride % 4 == 0
         nr, rs = self.matvec_rows, self.matvec_rs
-        xmode = "plain" if norm is None else "norm"
         k = self.kernels.get(
-            "matvec", n_bindings=4 if norm is None else 5, n_push=8, local_size=nr * self.subgroup,
-            defines={**qtype_defines(qtype), **MATVEC_INPUTS[xmode]}, spec={1: maxc, 2: nr, 3: rs},
+            "matvec", n_bindings=4, n_push=7, local_size=nr * self.subgroup,
+            defines=qtype_defines(qtype), spec={1: maxc, 2: nr, 3: rs},
         )
-        push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add), float(eps))
-        views = (w, x, y, step) if norm is None else (w, x, y, step, norm)
-        return Dispatch(k, views, push, grid(math.ceil(n_rows / (nr * rs))))
+        push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add))
+        return Dispatch(k, (w, x, y, step), push, grid(math.ceil(n_rows / (nr * rs))))
 
     def matmul(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,

@@ -33,8 +33,6 @@ QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
 
 #: shaders with one variant per weight type
 QUANT_SHADERS = ("matvec", "matmul", "get_rows")
-#: how matvec can read its input (see matvec.comp): each a variant per weight type
-MATVEC_INPUTS = {"plain": {}, "norm": {"X_NORM": 1}}
 #: shaders with a single variant
 PLAIN_SHADERS = ("rms_norm", "rope", "attention", "swiglu", "add", "argmax", "transpose")
 
@@ -134,10 +132,6 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for name in QUANT_SHADERS:
         for q in QTYPES:
             yield name, qtype_defines(q)
-    for xdefs in MATVEC_INPUTS.values():
-        if xdefs:
-            for q in QTYPES:
-                yield "matvec", {**qtype_defines(q), **xdefs}
     for name in PLAIN_SHADERS:
         yield name, {}
 
