@@ -274,3 +274,47 @@ def test_twenty_release_restore_cycles_keep_greedy_output(model_path) -> None:  
         assert vk.statistics().graphs_recorded == recorded
     finally:
         vk.close()
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 4])
+def test_a_restore_that_runs_out_of_memory_midway_can_be_retried(model_path, monkeypatch: pytest.MonkeyPatch,
+                                                                 fail_at: int) -> None:  # type: ignore[no-untyped-def]
+    """The device refuses the ``fail_at``-th allocation of a restore at level all (some
+    weights and KV buffers already made, copies in flight): restore raises the typed
+    error, and the next restore brings everything back, the graphs pointing at the
+    right buffers and the KV cache intact (the continuation of a prompt evaluated
+    before the release is unchanged)."""
+    from trio_llm.errors import DeviceOutOfMemory
+    from trio_llm.vulkan.memory import Allocator
+
+    model = load_gguf(model_path("tiny", "Q8_0"))
+    vk = VulkanBackend(model, n_ctx=32, n_seq=1)
+    try:
+        prompt = PROMPTS[0]
+        vk.forward([SeqBatch(0, prompt, 0)])
+        step = [SeqBatch(0, np.array([9], np.int32), len(prompt))]
+        want = vk.forward(step)
+        resident = vk.memory()
+        vk.release(Level.ALL)
+        real_create = Allocator.create
+        calls = {"n": 0}
+
+        def refusing(self, size: int, category: str, place: str = "device"):  # type: ignore[no-untyped-def]
+            if place == "device" and category in ("weights", "kv_cache"):
+                calls["n"] += 1
+                if calls["n"] == fail_at:
+                    raise DeviceOutOfMemory(f"refused allocation {fail_at} (test)")
+            return real_create(self, size, category, place)
+
+        monkeypatch.setattr(Allocator, "create", refusing)
+        with pytest.raises(DeviceOutOfMemory):
+            vk.restore()
+        assert vk.level is Level.ALL  # still released
+        with pytest.raises(BackendError):
+            vk.forward(step)
+        monkeypatch.setattr(Allocator, "create", real_create)
+        vk.restore()
+        assert vk.memory() == resident  # nothing leaked, nothing missing
+        np.testing.assert_array_equal(vk.forward(step), want)
+    finally:
+        vk.close()
