@@ -17,6 +17,11 @@
 // values of a block measured slower on the H200: 1.03 against 0.76 ms of matvec per
 // llama-1b token; a block per lane with 32-bit loads was slower still.) With the K-quants, a sub-block's scale and min multiply the
 // sums of q*x and of x once instead of every value.
+//
+// ROPE_OUT: the epilogue of llama's q/k/v projections. Llama's rope rotates adjacent
+// pairs of rows (2i, 2i+1), which are two rows of one subgroup (RS even), so the
+// rotation and the KV-cache write (rope.comp's work) happen here, and the graph loses
+// a dispatch stage per layer without touching the loads of the inner loops.
 #include "common.glsl"
 
 layout(binding = 0, std430) readonly buffer W16 { uint16_t w16[]; };
@@ -24,6 +29,9 @@ layout(binding = 0, std430) readonly buffer W128 { uvec4 w128[]; };
 layout(binding = 1, std430) readonly buffer X { vec4 x4[]; };
 layout(binding = 2, std430) buffer Y { float y[]; };
 DECLARE_STEP(3)
+#if defined(ROPE_OUT)
+layout(binding = 4, std430) readonly buffer F { float factors[]; };
+#endif
 
 layout(push_constant) uniform Push {
     uint n_in;      // row length
@@ -33,6 +41,14 @@ layout(push_constant) uniform Push {
     uint y_off;     // first output row (a split matrix writes in pieces)
     uint count_sel; // which step count says how many columns are live
     uint mode;      // 0: y = Wx, 1: y += Wx (fused residual add)
+#if defined(ROPE_OUT)
+    uint head_dim;
+    uint rope;      // 1: rotate pairs (2i, 2i+1) at the token's position; 0: store only
+    uint to_cache;  // 1: y is the KV cache [seq * n_ctx + pos, kv_dim]
+    uint n_ctx;
+    uint kv_dim;
+    float log2_theta;  // as in rope.comp
+#endif
 } pc;
 
 layout(constant_id = 1) const uint MAXC = 8;
@@ -192,6 +208,35 @@ void main() {
             }
         }
 #endif
+#if defined(ROPE_OUT)
+        [[unroll]] for (uint c = 0; c < MAXC; c++) {
+            if (c < ncols) {
+                [[unroll]] for (uint k = 0; k < RS; k += 2u) {
+                    float a = subgroupAdd(acc[c * RS + k]);
+                    float b = subgroupAdd(acc[c * RS + k + 1u]);
+                    uint row = pc.y_off + row0 + k;  // even: the pair is (row, row + 1)
+                    uint pos = STEP_POS(c);
+                    if (pc.rope == 1u) {  // the same arithmetic as rope.comp
+                        uint i = (row % pc.head_dim) / 2u;
+                        float freq = exp2(-2.0 * float(i) / float(pc.head_dim) * pc.log2_theta) / factors[i];
+                        float ang = float(pos) * freq;
+                        float cs = cos(ang);
+                        float sn = sin(ang);
+                        float a2 = a * cs - b * sn;
+                        b = a * sn + b * cs;
+                        a = a2;
+                    }
+                    if (subgroupElect() && row0 + k < pc.n_rows) {
+                        uint o = pc.to_cache == 1u
+                            ? (STEP_SEQ(c) * pc.n_ctx + pos) * pc.kv_dim + row
+                            : c * pc.y_stride + row;
+                        y[o] = a;
+                        y[o + 1u] = b;
+                    }
+                }
+            }
+        }
+#else
         [[unroll]] for (uint c = 0; c < MAXC; c++) {
             if (c < ncols) {
                 [[unroll]] for (uint k = 0; k < RS; k++) {
@@ -203,5 +248,6 @@ void main() {
                 }
             }
         }
+#endif
     }
 }

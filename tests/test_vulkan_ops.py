@@ -243,6 +243,39 @@ def test_rope_in_place_and_into_cache(env: Env, mode: int) -> None:
         np.testing.assert_array_equal(v[seq[i], pos[i]], x[i])
 
 
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_K", "Q6_K"])
+def test_matvec_rope_rotates_and_writes_the_cache(env: Env, qtype: str) -> None:
+    """ROPE_OUT: a q/k/v projection that rotates its output (llama's adjacent pairs) at
+    each token's position, in place or into the KV cache row of (sequence, position),
+    equals the product followed by rope; without rotation it is the V write."""
+    rng = np.random.default_rng(8)
+    ntok, heads, hd, cols, n_ctx, n_seq = 3, 4, 16, 512, 40, 2
+    rows = heads * hd
+    raw, ref = make_weights(qtype, rows, cols, seed=5)
+    x = rng.standard_normal((ntok, cols)).astype(np.float32)
+    pos, seq = np.array([0, 39, 7]), np.array([0, 1, 1])
+    factors = np.linspace(1.0, 4.0, hd // 2).astype(np.float32)
+    w, xv, fv = env.put(raw), env.put(x), env.put(factors)
+    yq, kc, vc = env.zeros(ntok * rows), env.zeros(n_seq * n_ctx * rows), env.zeros(n_seq * n_ctx * rows)
+    st = env.step([0] * ntok, pos, seq)
+    kw = {"n_in": cols, "n_rows": rows, "x_stride": cols, "y_stride": rows, "head_dim": hd, "theta": 500000.0}
+    env.run([
+        env.ops.matvec_rope(qtype, w, xv, yq, st, fv, rope=True, **kw),
+        env.ops.matvec_rope(qtype, w, xv, kc, st, fv, rope=True, to_cache=True, n_ctx=n_ctx, **kw),
+        env.ops.matvec_rope(qtype, w, xv, vc, st, fv, rope=False, to_cache=True, n_ctx=n_ctx, **kw),
+    ])
+    plain = x @ ref.T  # [ntok, rows]
+    want = np_rope(plain.reshape(ntok, heads, hd), pos, 500000.0, ROPE_NORMAL, factors).reshape(ntok, rows)
+    tol = 3e-5 * np.abs(plain).max()
+    np.testing.assert_allclose(env.get(yq).reshape(ntok, rows), want, atol=tol, rtol=0)
+    k = env.get(kc).reshape(n_seq, n_ctx, rows)
+    v = env.get(vc).reshape(n_seq, n_ctx, rows)
+    for t in range(ntok):
+        np.testing.assert_allclose(k[seq[t], pos[t]], want[t], atol=tol, rtol=0)
+        np.testing.assert_allclose(v[seq[t], pos[t]], plain[t], atol=tol, rtol=0)
+    assert not k[0, 1:].any() and not v[1, 8:39].any()  # nothing else written
+
+
 def np_attention(q, kc, vc, pos, seq, n_head_kv):  # type: ignore[no-untyped-def]
     """q [ntok, n_head, hd]; caches [n_seq, n_ctx, n_head_kv, hd]; causal by position."""
     ntok, n_head, hd = q.shape

@@ -216,18 +216,15 @@ def build_ops(
     def vec(name: str) -> View:
         return weights.view(name)
 
-    embd = "token_embd.weight"
-    for w, r0, r1 in weights.pieces(embd):
-        out.append(ops.get_rows(weights.slots[embd].qtype, w, a("x"), st, n_in=E, y_stride=E, cap=bucket, row0=r0, row1=r1))
-    out.append(Barrier())
-    rope_mode = ROPE_NORMAL if cfg.rope_mode == "normal" else ROPE_NEOX
-    for il in range(cfg.n_layer):
+    def separate_qkv(il: int, kc: View, vc: View) -> None:
+        """The q, k, v projections, then bias, QK-norm and rope with the KV write, each
+        its own dispatch (prefill, and the architectures ROPE_OUT does not cover)."""
         b = f"blk.{il}."
-        out.append(ops.rms_norm(a("x"), vec(b + "attn_norm.weight"), a("xn"), st, n=E, x_stride=E, y_stride=E, eps=cfg.rms_eps, cap=bucket))
-        out.append(Barrier())
-        proj(b + "attn_q.weight", a("xn"), a("q"), E, Q)  # [T, q_dim]
-        proj(b + "attn_k.weight", a("xn"), a("k"), E, KVD)  # [T, kv_dim]
-        proj(b + "attn_v.weight", a("xn"), a("v"), E, KVD)  # [T, kv_dim]
+        qkv = [b + f"attn_{t}.weight" for t in "qkv"]
+        theta = cfg.rope_theta
+        proj(qkv[0], a("xn"), a("q"), E, Q)  # [T, q_dim]
+        proj(qkv[1], a("xn"), a("k"), E, KVD)  # [T, kv_dim]
+        proj(qkv[2], a("xn"), a("v"), E, KVD)  # [T, kv_dim]
         out.append(Barrier())
         if cfg.attn_bias:
             for t, n in (("q", Q), ("k", KVD), ("v", KVD)):
@@ -237,14 +234,13 @@ def build_ops(
             out.append(ops.rms_norm(a("q"), vec(b + "attn_q_norm.weight"), a("q"), st, n=hd, x_stride=hd, y_stride=hd, eps=cfg.rms_eps, cap=bucket, rows_per_tok=cfg.n_head))
             out.append(ops.rms_norm(a("k"), vec(b + "attn_k_norm.weight"), a("k"), st, n=hd, x_stride=hd, y_stride=hd, eps=cfg.rms_eps, cap=bucket, rows_per_tok=cfg.n_head_kv))
             out.append(Barrier())
-        kc, vc = whole(kv.k[il]), whole(kv.v[il])
-        theta = cfg.rope_theta
         out.append(ops.rope(a("q"), a("q"), a("factors"), st, n_heads=cfg.n_head, head_dim=hd, x_stride=Q, mode=rope_mode, theta=theta, cap=bucket))
         out.append(ops.rope(a("k"), kc, a("factors"), st, n_heads=cfg.n_head_kv, head_dim=hd, x_stride=KVD, mode=rope_mode, theta=theta, cap=bucket, to_cache=True, n_ctx=n_ctx, kv_dim=KVD))
         out.append(ops.rope(a("v"), vc, a("factors"), st, n_heads=cfg.n_head_kv, head_dim=hd, x_stride=KVD, mode=ROPE_NONE, theta=theta, cap=bucket, to_cache=True, n_ctx=n_ctx, kv_dim=KVD))
-        out.append(Barrier())
-        out.append(ops.attention(a("q"), kc, vc, a("att"), st, n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=hd, n_ctx=n_ctx, q_stride=Q, o_stride=Q, cap=bucket))
-        out.append(Barrier())
+
+    def ffn_block(il: int) -> None:
+        """The attention output projection and the FFN of layer ``il``."""
+        b = f"blk.{il}."
         proj(b + "attn_output.weight", a("att"), a("x"), Q, E, add=True)  # x += att @ wo.T
         out.append(Barrier())
         out.append(ops.rms_norm(a("x"), vec(b + "ffn_norm.weight"), a("xn"), st, n=E, x_stride=E, y_stride=E, eps=cfg.rms_eps, cap=bucket))
@@ -256,6 +252,38 @@ def build_ops(
         out.append(Barrier())
         proj(b + "ffn_down.weight", a("g"), a("x"), F, E, add=True)  # x += swiglu @ w_down.T
         out.append(Barrier())
+
+    rope_mode = ROPE_NORMAL if cfg.rope_mode == "normal" else ROPE_NEOX
+    # llama's decode buckets rotate q and k (and store k, v) in the projections
+    rope_in_proj = (bucket <= MATVEC_MAX_COLS and cfg.rope_mode == "normal" and not cfg.attn_bias
+                    and not cfg.qk_norm and ops.matvec_rs % 2 == 0)
+    embd = "token_embd.weight"
+    for w, r0, r1 in weights.pieces(embd):
+        out.append(ops.get_rows(weights.slots[embd].qtype, w, a("x"), st, n_in=E, y_stride=E, cap=bucket, row0=r0, row1=r1))
+    out.append(Barrier())
+    for il in range(cfg.n_layer):
+        b = f"blk.{il}."
+        out.append(ops.rms_norm(a("x"), vec(b + "attn_norm.weight"), a("xn"), st, n=E, x_stride=E, y_stride=E, eps=cfg.rms_eps, cap=bucket))
+        out.append(Barrier())
+        kc, vc = whole(kv.k[il]), whole(kv.v[il])
+        theta = cfg.rope_theta
+        qkv = [b + f"attn_{t}.weight" for t in "qkv"]
+        if rope_in_proj and all(len(weights.pieces(n)) == 1 for n in qkv):
+            # llama decode: q rotated in place, k rotated into the cache, v stored in
+            # it, by the projections themselves (matvec.comp's ROPE_OUT)
+            for name, dst, n, rot, cache in ((qkv[0], a("q"), Q, True, False), (qkv[1], kc, KVD, True, True),
+                                             (qkv[2], vc, KVD, False, True)):
+                out.append(ops.matvec_rope(
+                    weights.slots[name].qtype, weights.view(name), a("xn"), dst, st, a("factors"),
+                    n_in=E, n_rows=n, x_stride=E, y_stride=n, head_dim=hd, rope=rot, theta=theta,
+                    to_cache=cache, n_ctx=n_ctx, maxc=bucket,
+                ))
+        else:
+            separate_qkv(il, kc, vc)
+        out.append(Barrier())
+        out.append(ops.attention(a("q"), kc, vc, a("att"), st, n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=hd, n_ctx=n_ctx, q_stride=Q, o_stride=Q, cap=bucket))
+        out.append(Barrier())
+        ffn_block(il)
     # the head, only for the rows whose logits are wanted
     out.append(ops.get_rows("F32", a("x"), a("hid"), st, n_in=E, y_stride=E, cap=out_cap, id_sel=COUNT_OUT))
     out.append(Barrier())

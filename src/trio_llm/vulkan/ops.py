@@ -16,7 +16,7 @@ import numpy as np
 from trio_llm.vulkan.graph import Dispatch
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import View
-from trio_llm.vulkan.shaders import STEP_CAP, qtype_defines
+from trio_llm.vulkan.shaders import ROPE_OUT, STEP_CAP, qtype_defines
 
 #: the step buffer: [n_tokens, n_out, 0, 0] then tokens, positions, seq ids, output rows
 STEP_HEADER = 4
@@ -90,6 +90,26 @@ class Ops:
         )
         push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add))
         return Dispatch(k, (w, x, y, step), push, grid(math.ceil(n_rows / (nr * rs))))
+
+    def matvec_rope(
+        self, qtype: str, w: View, x: View, y: View, step: View, factors: View, *, n_in: int,
+        n_rows: int, x_stride: int, y_stride: int, head_dim: int, rope: bool, theta: float,
+        to_cache: bool = False, n_ctx: int = 0, y_off: int = 0, maxc: int = 8,
+    ) -> Dispatch:
+        """``matvec`` of a q, k or v projection that finishes rope.comp's work itself:
+        the output rows rotated in llama's adjacent pairs (``rope``) at each token's
+        position, written in place or (``to_cache``) into the KV cache row of (sequence,
+        position) whose width is ``n_rows``."""
+        assert n_in % 8 == 0 and x_stride % 4 == 0 and n_rows % 2 == 0 and y_off % 2 == 0
+        nr, rs = self.matvec_rows, self.matvec_rs
+        assert rs % 2 == 0, "a rope pair must be two rows of one subgroup"
+        k = self.kernels.get(
+            "matvec", n_bindings=5, n_push=13, local_size=nr * self.subgroup,
+            defines={**qtype_defines(qtype), **ROPE_OUT}, spec={1: maxc, 2: nr, 3: rs},
+        )
+        push = (n_in, n_rows, x_stride, y_stride, y_off, COUNT_TOKENS, 0,
+                head_dim, int(rope), int(to_cache), n_ctx, n_rows, float(math.log2(theta)))
+        return Dispatch(k, (w, x, y, step, factors), push, grid(math.ceil(n_rows / (nr * rs))))
 
     def matmul(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,

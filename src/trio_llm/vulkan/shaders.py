@@ -33,6 +33,8 @@ QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
 
 #: shaders with one variant per weight type
 QUANT_SHADERS = ("matvec", "matmul", "get_rows")
+#: matvec with rope and the KV-cache write in its epilogue (see matvec.comp)
+ROPE_OUT = {"ROPE_OUT": 1}
 #: shaders with a single variant
 PLAIN_SHADERS = ("rms_norm", "rope", "attention", "swiglu", "add", "argmax", "transpose")
 
@@ -132,6 +134,8 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for name in QUANT_SHADERS:
         for q in QTYPES:
             yield name, qtype_defines(q)
+    for q in QTYPES:
+        yield "matvec", {**qtype_defines(q), **ROPE_OUT}
     for name in PLAIN_SHADERS:
         yield name, {}
 
