@@ -148,8 +148,7 @@ class KVCache:
     def to_host(self) -> None:
         """Copy the device cache into host buffers and free the device cache. The host
         buffers are made on the first release and kept (host memory, like the weights'
-        shadow): allocating pinned host memory on every release would cost the driver
-        as much as the copy."""
+        shadow), so later cycles allocate no host memory."""
         if not self.k:
             return
         device = self.alloc.device
