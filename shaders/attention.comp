@@ -6,15 +6,17 @@
 // block, the one the position cuts, has dead lanes at all.
 //
 // Decode runs one work group per head, so what counts is latency, not throughput:
-// each lane reads its key row as 128-bit loads, four at a time, and the value loop
-// takes eight keys per round, so a lane always has several loads in flight instead
-// of one dependent load per dimension (the scalar loops measured ~10 us per block
-// on the H200).
+// each lane reads its key row as 128-bit loads, four at a time. The value loop splits
+// the work group into KG = WG / (head_dim / 4) key groups: a lane owns four output
+// dimensions (one 128-bit load per key) for every KG-th key of the block, so a block
+// of 64 keys is 16 loads per lane (head_dim 64) instead of 64; the key groups' partial
+// sums are added once, at the end (the softmax scale m and sum l are the whole work
+// group's, so the partials rescale alike).
 #include "common.glsl"
 
 layout(binding = 0, std430) readonly buffer Q { float q[]; };
 layout(binding = 1, std430) readonly buffer K { vec4 kc4[]; };
-layout(binding = 2, std430) readonly buffer V { float vc[]; };
+layout(binding = 2, std430) readonly buffer V { vec4 vc4[]; };
 layout(binding = 3, std430) writeonly buffer O { float o[]; };
 DECLARE_STEP(4)
 
@@ -31,11 +33,11 @@ layout(push_constant) uniform Push {
 
 #include "reduce.glsl"
 
-const uint MAX_HEAD_DIM = 256;
-const uint DPT = 4;  // output dims per thread: head_dim <= DPT * WG
+const uint MAX_HEAD_DIM = 256;  // head_dim / 4 <= WG: a lane's four dims cover it
 
 shared vec4 qs4[MAX_HEAD_DIM / 4];
 shared float ps[WG];
+shared vec4 part[WG];  // the key groups' partial outputs
 
 void main() {
     uint h = gl_WorkGroupID.x;
@@ -55,12 +57,15 @@ void main() {
     }
     barrier();
 
+    uint kg_n = max(1u, WG / hd4);  // key groups
+    uint kg = tid / hd4;             // this lane's key group (>= kg_n: idle in the V loop)
+    uint d4 = tid % hd4;             // and its four output dims
+    bool vlane = kg < kg_n;
+    uint vkoff = koff / 4u + d4;
+
     float m = -1.0e30;
     float l = 0.0;
-    float acc[DPT];
-    [[unroll]] for (uint a = 0; a < DPT; a++) {
-        acc[a] = 0.0;
-    }
+    vec4 acc = vec4(0.0);
     for (uint b0 = 0; b0 < len; b0 += WG) {
         uint j = b0 + tid;
         bool live = j < len;
@@ -78,25 +83,19 @@ void main() {
             s = dv.x + dv.y + dv.z + dv.w;
         }
         float mn = max(m, wg_max(s));
-        ps[tid] = live ? exp(s - mn) : 0.0;
+        float p = live ? exp(s - mn) : 0.0;
+        ps[tid] = p;
         float corr = exp(m - mn);
-        barrier();
+        float lsum = wg_sum(p);  // its barriers also publish ps
         uint nvalid = min(WG, len - b0);
-        float lsum = 0.0;
-        [[unroll]] for (uint a = 0; a < DPT; a++) {
-            acc[a] *= corr;
-        }
-        for (uint j0 = 0; j0 < nvalid; j0 += 8u) {
-            [[unroll]] for (uint i = 0; i < 8; i++) {
-                uint jj = min(j0 + i, nvalid - 1u);
-                // past nvalid: the last live key again, weighted 0
-                float pj = j0 + i < nvalid ? ps[jj] : 0.0;
-                lsum += pj;
-                uint vb = (base + b0 + jj) * pc.kv_dim + koff;
-                [[unroll]] for (uint a = 0; a < DPT; a++) {
-                    uint d = tid + a * WG;
-                    if (d < hd) {
-                        acc[a] += pj * vc[vb + d];
+        acc *= corr;
+        if (vlane) {
+            // keys kg, kg + kg_n, ... of the block, four per round
+            for (uint j0 = kg; j0 < nvalid; j0 += 4u * kg_n) {
+                [[unroll]] for (uint i = 0; i < 4; i++) {
+                    uint jj = j0 + i * kg_n;
+                    if (jj < nvalid) {
+                        acc += ps[jj] * vc4[(base + b0 + jj) * (pc.kv_dim / 4u) + vkoff];
                     }
                 }
             }
@@ -105,11 +104,18 @@ void main() {
         m = mn;
         barrier();
     }
-    float inv = 1.0 / l;
-    [[unroll]] for (uint a = 0; a < DPT; a++) {
-        uint d = tid + a * WG;
-        if (d < hd) {
-            o[t * pc.o_stride + h * hd + d] = acc[a] * inv;
+    part[tid] = acc;
+    barrier();
+    if (tid < hd4) {
+        vec4 sum = vec4(0.0);
+        for (uint g = 0; g < kg_n; g++) {
+            sum += part[g * hd4 + tid];
         }
+        sum /= l;
+        uint ob = t * pc.o_stride + h * hd + 4u * tid;
+        o[ob] = sum.x;
+        o[ob + 1u] = sum.y;
+        o[ob + 2u] = sum.z;
+        o[ob + 3u] = sum.w;
     }
 }

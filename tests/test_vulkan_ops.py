@@ -291,9 +291,12 @@ def np_attention(q, kc, vc, pos, seq, n_head_kv):  # type: ignore[no-untyped-def
     return out.astype(np.float32)
 
 
-def test_attention_causal_blocks_gqa_and_sequences(env: Env) -> None:
+@pytest.mark.parametrize("hd", [32, 64, 96, 128, 256])
+def test_attention_causal_blocks_gqa_and_sequences(env: Env, hd: int) -> None:
+    """Head dims that split the work group into 8, 4, 2 (with idle lanes), 2 and 1
+    key groups for the value loop."""
     rng = np.random.default_rng(7)
-    n_head, n_head_kv, hd, n_ctx, n_seq = 4, 2, 32, 200, 3
+    n_head, n_head_kv, n_ctx, n_seq = 4, 2, 200, 3
     # positions cover: first key only, a block edge (63, 64), several blocks, other seqs
     pos = np.array([0, 63, 64, 130, 199, 5, 64, 100])
     seq = np.array([0, 0, 0, 0, 0, 1, 2, 2])
