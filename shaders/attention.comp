@@ -6,7 +6,7 @@
 // block, the one the position cuts, has dead lanes at all.
 //
 // Decode runs one work group per head, so what counts is latency, not throughput:
-// each lane reads its key row as 128-bit loads, four at a time. The value loop splits
+// each lane reads its key row as 128-bit loads, eight at a time. The value loop splits
 // the work group into KG = WG / (head_dim / 4) key groups: a lane owns four output
 // dimensions (one 128-bit load per key) for every KG-th key of the block, so a block
 // of 64 keys is 16 loads per lane (head_dim 64) instead of 64; the key groups' partial
@@ -73,8 +73,8 @@ void main() {
         if (live) {
             uint kb = ((base + j) * pc.kv_dim + koff) / 4u;
             vec4 dv = vec4(0.0);
-            for (uint d0 = 0; d0 < hd4; d0 += 4u) {
-                [[unroll]] for (uint i = 0; i < 4; i++) {
+            for (uint d0 = 0; d0 < hd4; d0 += 8u) {
+                [[unroll]] for (uint i = 0; i < 8; i++) {
                     if (d0 + i < hd4) {
                         dv += qs4[d0 + i] * kc4[kb + d0 + i];
                     }

@@ -22,6 +22,12 @@
 // pairs of rows (2i, 2i+1), which are two rows of one subgroup (RS even), so the
 // rotation and the KV-cache write (rope.comp's work) happen here, and the graph loses
 // a dispatch stage per layer without touching the loads of the inner loops.
+//
+// GATE_UP: the FFN's gate and up projections in one dispatch, with SwiGLU in the
+// epilogue: a subgroup's two rows (RS = 2) are gate row i and up row i, both in the one
+// bound weight view (row offsets row_a and row_b), each x value loaded serving both as
+// in the plain kernel, and it writes silu(gate_i) * up_i: the SwiGLU dispatch stage
+// goes away without adding loads.
 #include "common.glsl"
 
 layout(binding = 0, std430) readonly buffer W16 { uint16_t w16[]; };
@@ -49,6 +55,10 @@ layout(push_constant) uniform Push {
     uint kv_dim;
     float log2_theta;  // as in rope.comp
 #endif
+#if defined(GATE_UP)
+    uint row_a;     // first gate row in the bound view
+    uint row_b;     // first up row in it
+#endif
 } pc;
 
 layout(constant_id = 1) const uint MAXC = 8;
@@ -74,6 +84,15 @@ void main() {
     uint sg = gl_SubgroupSize;
     // The loop also covers a driver that runs fewer, wider subgroups than planned.
     for (uint r = gl_SubgroupID; r < NR; r += gl_NumSubgroups) {
+#if defined(GATE_UP)
+        uint row0 = FLAT_GROUP * NR + r;  // the output row
+        if (row0 >= pc.n_rows) {
+            break;
+        }
+        uint rows[RS];
+        rows[0] = pc.row_a + row0;
+        rows[1] = pc.row_b + row0;
+#else
         uint row0 = (FLAT_GROUP * NR + r) * RS;
         if (row0 >= pc.n_rows) {
             break;
@@ -83,6 +102,7 @@ void main() {
         [[unroll]] for (uint k = 0; k < RS; k++) {
             rows[k] = min(row0 + k, pc.n_rows - 1u);
         }
+#endif
         float acc[MAXC * RS];
         [[unroll]] for (uint c = 0; c < MAXC * RS; c++) {
             acc[c] = 0.0;
@@ -208,7 +228,17 @@ void main() {
             }
         }
 #endif
-#if defined(ROPE_OUT)
+#if defined(GATE_UP)
+        [[unroll]] for (uint c = 0; c < MAXC; c++) {
+            if (c < ncols) {
+                float g = subgroupAdd(acc[c * RS]);
+                float u = subgroupAdd(acc[c * RS + 1u]);
+                if (subgroupElect()) {
+                    y[c * pc.y_stride + row0] = g / (1.0 + exp(-g)) * u;
+                }
+            }
+        }
+#elif defined(ROPE_OUT)
         [[unroll]] for (uint c = 0; c < MAXC; c++) {
             if (c < ncols) {
                 [[unroll]] for (uint k = 0; k < RS; k += 2u) {

@@ -28,6 +28,7 @@ from trio_llm.vulkan.ops import (
     ROPE_NORMAL,
     STEP_BYTES,
     Ops,
+    row_bytes,
 )
 from trio_llm.vulkan.weights import WeightStore
 
@@ -237,6 +238,24 @@ def build_ops(
         out.append(ops.rope(a("k"), kc, a("factors"), st, n_heads=cfg.n_head_kv, head_dim=hd, x_stride=KVD, mode=rope_mode, theta=theta, cap=bucket, to_cache=True, n_ctx=n_ctx, kv_dim=KVD))
         out.append(ops.rope(a("v"), vc, a("factors"), st, n_heads=cfg.n_head_kv, head_dim=hd, x_stride=KVD, mode=ROPE_NONE, theta=theta, cap=bucket, to_cache=True, n_ctx=n_ctx, kv_dim=KVD))
 
+    def gate_up_view(gate: str, up: str) -> tuple[View, int, int] | None:
+        """One view over both FFN matrices and the row where each starts in it, when a
+        GATE_UP dispatch can read them: same type and segment, whole rows apart, within
+        one binding, and a subgroup's two rows are the pair (rows per subgroup 2)."""
+        sg, su = weights.slots[gate], weights.slots[up]
+        if sg.qtype != su.qtype or sg.segment != su.segment or sg.shape != su.shape or ops.matvec_rs != 2:
+            return None
+        rb = row_bytes(sg.qtype, sg.shape[-1])
+        start = min(sg.offset, su.offset)
+        end = max(sg.offset + sg.nbytes, su.offset + su.nbytes)
+        if (sg.offset - start) % rb or (su.offset - start) % rb:
+            return None
+        if end - start > weights.alloc.device.limits.max_storage_buffer_range:
+            return None
+        seg = weights.segments[sg.segment].device
+        assert seg is not None
+        return View(seg, start, end - start), (sg.offset - start) // rb, (su.offset - start) // rb
+
     def ffn_block(il: int) -> None:
         """The attention output projection and the FFN of layer ``il``."""
         b = f"blk.{il}."
@@ -244,11 +263,19 @@ def build_ops(
         out.append(Barrier())
         out.append(ops.rms_norm(a("x"), vec(b + "ffn_norm.weight"), a("xn"), st, n=E, x_stride=E, y_stride=E, eps=cfg.rms_eps, cap=bucket))
         out.append(Barrier())
-        proj(b + "ffn_gate.weight", a("xn"), a("g"), E, F)  # [T, n_ff]
-        proj(b + "ffn_up.weight", a("xn"), a("u"), E, F)  # [T, n_ff]
-        out.append(Barrier())
-        out.append(ops.swiglu(a("g"), a("u"), a("g"), st, n=F, stride=F, cap=bucket))
-        out.append(Barrier())
+        both = gate_up_view(b + "ffn_gate.weight", b + "ffn_up.weight") if bucket <= MATVEC_MAX_COLS else None
+        if both is not None:  # g = silu(gate) * up from one dispatch (matvec.comp's GATE_UP)
+            view, row_a, row_b = both
+            out.append(ops.matvec_gate_up(weights.slots[b + "ffn_gate.weight"].qtype, view, a("xn"), a("g"), st,
+                                          n_in=E, n_rows=F, row_a=row_a, row_b=row_b, x_stride=E, y_stride=F,
+                                          maxc=bucket))
+            out.append(Barrier())
+        else:
+            proj(b + "ffn_gate.weight", a("xn"), a("g"), E, F)  # [T, n_ff]
+            proj(b + "ffn_up.weight", a("xn"), a("u"), E, F)  # [T, n_ff]
+            out.append(Barrier())
+            out.append(ops.swiglu(a("g"), a("u"), a("g"), st, n=F, stride=F, cap=bucket))
+            out.append(Barrier())
         proj(b + "ffn_down.weight", a("g"), a("x"), F, E, add=True)  # x += swiglu @ w_down.T
         out.append(Barrier())
 

@@ -16,7 +16,7 @@ import numpy as np
 from trio_llm.vulkan.graph import Dispatch
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import View
-from trio_llm.vulkan.shaders import ROPE_OUT, STEP_CAP, qtype_defines
+from trio_llm.vulkan.shaders import GATE_UP, ROPE_OUT, STEP_CAP, qtype_defines
 
 #: the step buffer: [n_tokens, n_out, 0, 0] then tokens, positions, seq ids, output rows
 STEP_HEADER = 4
@@ -110,6 +110,21 @@ class Ops:
         push = (n_in, n_rows, x_stride, y_stride, y_off, COUNT_TOKENS, 0,
                 head_dim, int(rope), int(to_cache), n_ctx, n_rows, float(math.log2(theta)))
         return Dispatch(k, (w, x, y, step, factors), push, grid(math.ceil(n_rows / (nr * rs))))
+
+    def matvec_gate_up(
+        self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
+        row_a: int, row_b: int, x_stride: int, y_stride: int, maxc: int = 8,
+    ) -> Dispatch:
+        """y[c, i] = silu(G[i] . x[c]) * (U[i] . x[c]) for i < ``n_rows``, where G's rows
+        start at row ``row_a`` of ``w`` and U's at ``row_b`` (both in the one view)."""
+        assert n_in % 8 == 0 and x_stride % 4 == 0
+        nr = self.matvec_rows
+        k = self.kernels.get(
+            "matvec", n_bindings=4, n_push=9, local_size=nr * self.subgroup,
+            defines={**qtype_defines(qtype), **GATE_UP}, spec={1: maxc, 2: nr, 3: 2},
+        )
+        push = (n_in, n_rows, x_stride, y_stride, 0, COUNT_TOKENS, 0, row_a, row_b)
+        return Dispatch(k, (w, x, y, step), push, grid(math.ceil(n_rows / nr)))
 
     def matmul(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,

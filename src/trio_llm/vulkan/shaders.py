@@ -35,6 +35,8 @@ QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
 QUANT_SHADERS = ("matvec", "matmul", "get_rows")
 #: matvec with rope and the KV-cache write in its epilogue (see matvec.comp)
 ROPE_OUT = {"ROPE_OUT": 1}
+#: matvec of the FFN's gate and up at once, SwiGLU in the epilogue
+GATE_UP = {"GATE_UP": 1}
 #: shaders with a single variant
 PLAIN_SHADERS = ("rms_norm", "rope", "attention", "swiglu", "add", "argmax", "transpose")
 
@@ -136,6 +138,7 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
             yield name, qtype_defines(q)
     for q in QTYPES:
         yield "matvec", {**qtype_defines(q), **ROPE_OUT}
+        yield "matvec", {**qtype_defines(q), **GATE_UP}
     for name in PLAIN_SHADERS:
         yield name, {}
 
