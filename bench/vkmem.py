@@ -130,35 +130,26 @@ def main() -> int:
             record(f"alloc_{threads}threads", chunk, at[1:])
             record(f"free_{threads}threads", chunk, ft[1:])
 
-    # other memory types for the same bytes (resizable BAR: DEVICE_LOCAL | HOST_VISIBLE)
-    bar = device.find_memory_type(0xFFFFFFFF, DEVICE_LOCAL | HOST_VISIBLE)
-    if bar is not None and device.device_type != "cpu":
+    def other_allocator(name: str, other: Allocator) -> None:
+        """alloc_NAME / free_NAME: the same bytes in 256 MiB buffers from ``other``."""
         al, fr = [], []
-        bar_alloc = OneType(device, mtype=bar)
         for _ in range(args.repeats + 1):
-            t, bufs = common.timed(lambda: [bar_alloc.create(256 * MIB, "weights") for _ in range(0, total, 256 * MIB)])
+            t, bufs = common.timed(lambda: [other.create(256 * MIB, "weights") for _ in range(0, total, 256 * MIB)])
             al.append(t)
             copy_into(bufs)
             t0 = common.now()
             for b in bufs:
-                bar_alloc.free(b)
+                other.free(b)
             fr.append(common.now() - t0)
-        record("alloc_rebar_type", 256 * MIB, al[1:])
-        record("free_rebar_type", 256 * MIB, fr[1:])
+        record(f"alloc_{name}", 256 * MIB, al[1:])
+        record(f"free_{name}", 256 * MIB, fr[1:])
 
+    # another memory type for the same bytes (resizable BAR: DEVICE_LOCAL | HOST_VISIBLE)
+    bar = device.find_memory_type(0xFFFFFFFF, DEVICE_LOCAL | HOST_VISIBLE)
+    if bar is not None and device.device_type != "cpu":
+        other_allocator("rebar_type", OneType(device, mtype=bar))
     # the allocator's buffers each get a dedicated allocation; the same without
-    al, fr = [], []
-    ded = NotDedicated(device)
-    for _ in range(args.repeats + 1):
-        t, bufs = common.timed(lambda: [ded.create(256 * MIB, "weights") for _ in range(0, total, 256 * MIB)])
-        al.append(t)
-        copy_into(bufs)
-        t0 = common.now()
-        for b in bufs:
-            ded.free(b)
-        fr.append(common.now() - t0)
-    record("alloc_not_dedicated", 256 * MIB, al[1:])
-    record("free_not_dedicated", 256 * MIB, fr[1:])
+    other_allocator("not_dedicated", NotDedicated(device))
 
     for chunk in [c for c in (16 * MIB, 32 * MIB, 64 * MIB, 128 * MIB, 256 * MIB) if c <= total]:
         record("pipelined", chunk, rep(lambda chunk=chunk: pipelined(alloc, host, total, chunk, threaded=False)))
