@@ -91,8 +91,8 @@ for i in range(4):
     stage handoff-1b-weights 90 $PY bench/handoff.py --model "$M1" --backend vulkan --handoffs 60 --sleep-mode weights ;;
   server)
     stage server-1b 90 $PY bench/server.py --model $B1:Q8_0 --backend vulkan --clients 4 --repeats 2 ;;
-  scen1b)
-    for sc in alternating three-way; do
+  scen1b)  # SCEN1B="alternating" to run fewer
+    for sc in ${SCEN1B:-alternating three-way}; do
       stage "scenario-$sc-1b" 120 $PY -m trio_llm scenario run "$sc" --full --backend vulkan \
         --model "$M1" --out "$RES/scenario-$sc-1b" -q
     done ;;
