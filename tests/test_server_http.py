@@ -428,6 +428,32 @@ async def test_api_key_protects_everything_but_health(start: Start) -> None:
     await oai.close()
 
 
+async def test_cors_preflight_and_origin_headers(start: Start) -> None:
+    """A browser front end on another origin: the preflight is answered without the
+    key (browsers send none), every answer (a refusal, a stream) echoes the origin,
+    and a request without Origin gets no CORS headers."""
+    h = await start(api_key="sekrit")
+    origin = "http://localhost:5173"
+    async with client(h) as c:
+        r = await c.options("/v1/chat/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert r.status_code == 204
+        assert r.headers["access-control-allow-origin"] == origin
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert r.headers["access-control-allow-headers"] == "authorization, content-type"
+        r = await c.get("/props", headers={"Origin": origin})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == origin
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+        r = await c.post("/v1/chat/completions", json=body,
+                         headers={"Origin": origin, "Authorization": "Bearer sekrit"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+        assert r.headers["access-control-allow-credentials"] == "true"
+        assert sse_events(r.text)[-1] == "[DONE]"
+        r = await c.get("/health")
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
 async def test_sleep_endpoints_without_any_sleep_flag(start: Start) -> None:
     """No --sleep-idle-seconds, no arena: POST /sleep and /wake_up still work (vLLM's
     names), a bad level is refused, and a request after a sleep wakes the model."""

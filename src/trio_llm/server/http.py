@@ -205,6 +205,15 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
     @app.before_request
     async def gatekeeper() -> Response | None:
+        if request.method == "OPTIONS":
+            # a browser's CORS preflight carries no credentials: answer it before the
+            # key check, as llama-server does (the request that follows is checked)
+            resp = Response("", status=204)
+            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            resp.headers["Access-Control-Allow-Headers"] = request.headers.get(
+                "Access-Control-Request-Headers", "Authorization, Content-Type, X-Api-Key")
+            resp.headers["Access-Control-Max-Age"] = "600"
+            return resp
         if request.path in PUBLIC_PATHS:
             return None
         key = ctx.config.api_key
@@ -220,6 +229,17 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     @app.errorhandler(Exception)
     async def on_error(exc: Exception) -> Response:
         return _error_of(exc)
+
+    @app.after_request
+    async def cors(resp: Response) -> Response:
+        # web front ends on another origin (llama-server's CORS: the origin echoed,
+        # credentials allowed); without an Origin header nothing is added
+        origin = request.headers.get("Origin")
+        if origin:
+            resp.headers["Access-Control-Allow-Origin"] = origin
+            resp.headers["Access-Control-Allow-Credentials"] = "true"
+            resp.headers["Vary"] = "Origin"
+        return resp
 
     # -- state ------------------------------------------------------------------
 
