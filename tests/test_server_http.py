@@ -428,6 +428,51 @@ async def test_api_key_protects_everything_but_health(start: Start) -> None:
     await oai.close()
 
 
+async def test_n_choices_through_the_openai_client(start: Start) -> None:
+    """OpenAI's ``n``: with a fixed seed and sampling, each choice draws its own stream
+    (seed + i), and each one equals the single-choice answer for its seed; greedy
+    choices are identical; streamed, the chunks of the choices interleave by index,
+    each ends with its finish_reason, and usage counts the prompt once and every
+    choice's tokens. More choices than slots is a 400."""
+    h = await start(parallel=3, temp=1.0)
+    oai = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="none", max_retries=0)
+    msgs = [{"role": "user", "content": "tell me"}]
+    try:
+        many = await oai.chat.completions.create(model="m", messages=msgs, max_tokens=12, n=3, seed=40)
+        assert [c.index for c in many.choices] == [0, 1, 2]
+        texts = [c.message.content for c in many.choices]
+        n_tokens = 0
+        for i, text in enumerate(texts):  # choice i is what seed 40 + i gives alone
+            one = await oai.chat.completions.create(model="m", messages=msgs, max_tokens=12, seed=40 + i)
+            assert one.choices[0].message.content == text
+            n_tokens += one.usage.completion_tokens
+            assert one.usage.prompt_tokens == many.usage.prompt_tokens  # the prompt counted once
+        assert len(set(texts)) > 1, texts  # random weights, temperature 1: distinct draws
+        assert many.usage.completion_tokens == n_tokens
+        greedy = await oai.completions.create(model="m", prompt="once upon", max_tokens=8, n=2, temperature=0)
+        assert greedy.choices[0].text == greedy.choices[1].text
+        stream = await oai.chat.completions.create(model="m", messages=msgs, max_tokens=12, n=3, seed=40, stream=True,
+                                                   stream_options={"include_usage": True})
+        parts: dict[int, str] = {0: "", 1: "", 2: ""}
+        finished: dict[int, str] = {}
+        usage = None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                assert c.index not in finished, "a chunk after its choice's finish"
+                parts[c.index] += c.delta.content or ""
+                if c.finish_reason is not None:
+                    finished[c.index] = c.finish_reason
+        assert [parts[i] for i in range(3)] == texts
+        assert sorted(finished) == [0, 1, 2]
+        assert usage is not None and usage.completion_tokens == many.usage.completion_tokens
+        with pytest.raises(openai.BadRequestError):
+            await oai.chat.completions.create(model="m", messages=msgs, max_tokens=2, n=4)
+    finally:
+        await oai.close()
+
+
 async def test_cors_preflight_and_origin_headers(start: Start) -> None:
     """A browser front end on another origin: the preflight is answered without the
     key (browsers send none), every answer (a refusal, a stream) echoes the origin,

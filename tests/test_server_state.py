@@ -286,8 +286,14 @@ def test_parse_oai_and_chat_options(tok: Tokenizer) -> None:
                                   "stream_options": {"include_usage": True}}, enc, LIMITS)
     assert req.params.n_predict == 3 and req.n_logprobs == 2 and req.params.sampling.n_probs == 2
     assert req.include_usage and req.params.stream
-    with pytest.raises(InvalidRequest, match="'n'"):
-        P.parse_oai_completion({"prompt": "hi", "n": 2}, enc, LIMITS)
+    # n: up to the slots (2 here), each choice its own seed when one is fixed
+    req = P.parse_oai_completion({"prompt": "hi", "n": 2, "seed": 7}, enc, LIMITS)
+    assert req.n == 2 and [c.sampling.seed for c in req.choices()] == [7, 8]
+    random = P.parse_chat({"messages": [], "n": 2}, enc, LIMITS, "r")
+    assert [c.sampling.seed for c in random.choices()] == [DEFAULT_SEED] * 2  # drawn per task
+    for bad in ({"n": 3}, {"n": 0}, {"n": "2"}, {"n": 2, "id_slot": 1}):
+        with pytest.raises(InvalidRequest, match="'n'|id_slot"):
+            P.parse_oai_completion({"prompt": "hi", **bad}, enc, LIMITS)
     req = P.parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, enc, LIMITS, "rendered")
     assert req.logprobs and req.params.sampling.n_probs == 1
     with pytest.raises(InvalidRequest, match="top_logprobs"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -116,63 +116,90 @@ async def _body() -> Any:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
 
 
-async def run_task(
-    engine: Engine, prompt: tuple[int, ...], params: TaskParams
-) -> AsyncGenerator[TaskResult, None]:
-    """Post a task and yield its results up to the final one. Leaving early (the
-    client went away, the handler was cancelled) cancels the task in the queue."""
+async def run_tasks(
+    engine: Engine, prompt: tuple[int, ...], choices: Sequence[TaskParams]
+) -> AsyncGenerator[tuple[int, TaskResult], None]:
+    """Post one task per entry of ``choices`` (the same prompt) and yield (choice
+    index, result) as they come, up to every task's final one. All answers share one
+    channel (each task holds a clone of its sending end), so no nursery is needed to
+    merge them. Leaving early (the client went away, the handler was cancelled)
+    cancels the unfinished tasks in the queue."""
     queue = engine.queue
-    id_task = queue.new_id_task()
-    # a buffer no sender can fill: one partial per position plus the final answer
-    size = engine.n_ctx + 4 if params.stream else 4
-    send, recv = trio.open_memory_channel[TaskResult](size)
-    finished = False
+    ids = [queue.new_id_task() for _ in choices]
+    index = {id_task: i for i, id_task in enumerate(ids)}
+    # a buffer no sender can fill: per task one partial per position plus the final
+    per_task = engine.n_ctx + 4 if any(p.stream for p in choices) else 4
+    send, recv = trio.open_memory_channel[TaskResult](per_task * len(choices))
+    unfinished: set[int] = set()
     try:
         async with recv:
-            try:
-                await queue.post(ServerTask(id_task, prompt, params, send))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                finished = True  # the queue is gone: nothing to cancel
-                raise ApiError(503, "the server is shutting down", "unavailable_error") from None
+            with send:  # only the tasks' clones stay open: the channel ends with them
+                for id_task, params in zip(ids, choices, strict=True):
+                    try:
+                        await queue.post(ServerTask(id_task, prompt, params, send.clone()))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        # the queue is gone: nothing of this task to cancel
+                        raise ApiError(503, "the server is shutting down", "unavailable_error") from None
+                    unfinished.add(id_task)
             async for msg in recv:
-                finished = not isinstance(msg, TaskPartial)
-                yield msg
-                if finished:
+                if not isinstance(msg, TaskPartial):
+                    unfinished.discard(msg.id_task)
+                yield index[msg.id_task], msg
+                if not unfinished:
                     return
         raise ApiError(503, "the server is shutting down", "unavailable_error")
     finally:
-        if not finished:
+        if unfinished:
             with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                await queue.cancel(id_task)
+                for id_task in sorted(unfinished):
+                    await queue.cancel(id_task)
 
 
-async def _final(engine: Engine, prompt: tuple[int, ...], params: TaskParams) -> TaskFinal:
-    async with aclosing(run_task(engine, prompt, params)) as results:
-        async for msg in results:
+async def run_task(
+    engine: Engine, prompt: tuple[int, ...], params: TaskParams
+) -> AsyncGenerator[TaskResult, None]:
+    """``run_tasks`` of one task: its results up to the final one."""
+    async with aclosing(run_tasks(engine, prompt, [params])) as results:
+        async for _, msg in results:
+            yield msg
+
+
+async def _finals(engine: Engine, prompt: tuple[int, ...], choices: Sequence[TaskParams]) -> list[TaskFinal]:
+    """Every choice's final answer, in choice order (the first error is raised)."""
+    finals: dict[int, TaskFinal] = {}
+    async with aclosing(run_tasks(engine, prompt, choices)) as results:
+        async for i, msg in results:
             if isinstance(msg, TaskError):
                 raise ApiError(msg.code, msg.message, msg.type)
             if isinstance(msg, TaskFinal):
-                return msg
-    raise ApiError(503, "the server is shutting down", "unavailable_error")
+                finals[i] = msg
+    if len(finals) < len(choices):
+        raise ApiError(503, "the server is shutting down", "unavailable_error")
+    return [finals[i] for i in range(len(choices))]
+
+
+async def _final(engine: Engine, prompt: tuple[int, ...], params: TaskParams) -> TaskFinal:
+    return (await _finals(engine, prompt, [params]))[0]
 
 
 async def _task_events(
     engine: Engine,
     prompt: tuple[int, ...],
-    params: TaskParams,
-    on_partial: Callable[[TaskPartial], Iterable[bytes]],
-    on_final: Callable[[TaskFinal], Iterable[bytes]],
+    choices: Sequence[TaskParams],
+    on_partial: Callable[[int, TaskPartial], Iterable[bytes]],
+    on_final: Callable[[int, TaskFinal], Iterable[bytes]],
 ) -> AsyncIterator[bytes]:
-    """The server-sent events of one streamed task, in each API's shape: a task
-    error, or the server going away, becomes an error event instead of a cut stream."""
+    """The server-sent events of streamed tasks (one per choice, interleaved as the
+    tokens come), in each API's shape: a task error, or the server going away, becomes
+    an error event instead of a cut stream."""
     try:
-        async with aclosing(run_task(engine, prompt, params)) as results:
-            async for msg in results:
+        async with aclosing(run_tasks(engine, prompt, choices)) as results:
+            async for i, msg in results:
                 if isinstance(msg, TaskPartial):
-                    for event in on_partial(msg):
+                    for event in on_partial(i, msg):
                         yield event
                 elif isinstance(msg, TaskFinal):
-                    for event in on_final(msg):
+                    for event in on_final(i, msg):
                         yield event
                 else:
                     yield _sse(R.error_body(msg.message, msg.code, msg.type))
@@ -382,9 +409,9 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             return _json(R.native_final(final, piece, model=ctx.model_id, settings=settings, stream=False, n_probs=n_probs))
 
         return _stream(_task_events(
-            e, req.prompt, req.params,
-            lambda msg: [_sse(R.native_partial(msg, piece, n_probs=n_probs))],
-            lambda msg: [_sse(R.native_final(msg, piece, model=ctx.model_id, settings=settings, stream=True, n_probs=n_probs))],
+            e, req.prompt, [req.params],
+            lambda _, msg: [_sse(R.native_partial(msg, piece, n_probs=n_probs))],
+            lambda _, msg: [_sse(R.native_final(msg, piece, model=ctx.model_id, settings=settings, stream=True, n_probs=n_probs))],
         ))
 
     @app.post("/v1/completions")
@@ -394,33 +421,35 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         id_ = f"cmpl-{e.queue.new_id_task()}"
         top = req.n_logprobs
         if not req.params.stream:
-            final = await _final(e, req.prompt, req.params)
-            return _json(R.completion_response(final, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs, top=top))
+            finals = await _finals(e, req.prompt, req.choices())
+            return _json(R.completion_response(finals, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs, top=top))
 
         created = R.unix_now()
-        offset = 0
+        offsets = [0] * req.n
+        done: dict[int, TaskFinal] = {}
 
-        def on_partial(msg: TaskPartial) -> list[bytes]:
-            nonlocal offset
+        def on_partial(i: int, msg: TaskPartial) -> list[bytes]:
             lp = None
             if req.logprobs and msg.prob is not None:
-                lp = R.completion_logprobs([msg.prob], piece, top, offset)
-            offset += len(msg.text)
-            return [_sse(R.completion_chunk(id_=id_, model=ctx.model_id, created=created, text=msg.text, logprobs=lp))]
+                lp = R.completion_logprobs([msg.prob], piece, top, offsets[i])
+            offsets[i] += len(msg.text)
+            return [_sse(R.completion_chunk(id_=id_, model=ctx.model_id, created=created, text=msg.text, logprobs=lp, index=i))]
 
-        def on_final(msg: TaskFinal) -> list[bytes]:
+        def on_final(i: int, msg: TaskFinal) -> list[bytes]:
             chunk = R.completion_chunk(
                 id_=id_, model=ctx.model_id, created=created, text=msg.text_tail,
-                finish_reason=R.FINISH_REASON[msg.stop_type],
+                finish_reason=R.FINISH_REASON[msg.stop_type], index=i,
             )
             chunk["timings"] = msg.timings.to_json()
             out = [_sse(chunk)]
-            if req.include_usage:
-                out.append(_sse(R.completion_chunk(id_=id_, model=ctx.model_id, created=created, text="") | {"choices": [], "usage": R.usage(msg)}))
+            done[i] = msg
+            if req.include_usage and len(done) == req.n:
+                usage = R.usage(*(done[j] for j in range(req.n)))
+                out.append(_sse(R.completion_chunk(id_=id_, model=ctx.model_id, created=created, text="") | {"choices": [], "usage": usage}))
             return out
 
         async def events() -> AsyncIterator[bytes]:
-            async for event in _task_events(e, req.prompt, req.params, on_partial, on_final):
+            async for event in _task_events(e, req.prompt, req.choices(), on_partial, on_final):
                 yield event
             yield SSE_DONE
 
@@ -435,36 +464,39 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         id_ = f"chatcmpl-{e.queue.new_id_task()}"
         top = req.n_logprobs
         if not req.params.stream:
-            final = await _final(e, req.prompt, req.params)
-            return _json(R.chat_response(final, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs, top=top))
+            finals = await _finals(e, req.prompt, req.choices())
+            return _json(R.chat_response(finals, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs, top=top))
 
         created = R.unix_now()
+        done: dict[int, TaskFinal] = {}
 
-        def chunk(delta: dict[str, Any], **kw: Any) -> bytes:
-            return _sse(R.chat_chunk(id_=id_, model=ctx.model_id, created=created, delta=delta, **kw))
+        def chunk(delta: dict[str, Any], index: int, **kw: Any) -> bytes:
+            return _sse(R.chat_chunk(id_=id_, model=ctx.model_id, created=created, delta=delta, index=index, **kw))
 
-        def on_partial(msg: TaskPartial) -> list[bytes]:
+        def on_partial(i: int, msg: TaskPartial) -> list[bytes]:
             lp = None
             if req.logprobs and msg.prob is not None:
                 lp = R.chat_logprobs([msg.prob], piece, top)
-            return [chunk({"content": msg.text}, logprobs=lp)] if msg.text or lp is not None else []
+            return [chunk({"content": msg.text}, i, logprobs=lp)] if msg.text or lp is not None else []
 
-        def on_final(msg: TaskFinal) -> list[bytes]:
-            out = [chunk({"content": msg.text_tail})] if msg.text_tail else []
+        def on_final(i: int, msg: TaskFinal) -> list[bytes]:
+            out = [chunk({"content": msg.text_tail}, i)] if msg.text_tail else []
             last = R.chat_chunk(
                 id_=id_, model=ctx.model_id, created=created, delta={},
-                finish_reason=R.FINISH_REASON[msg.stop_type],
+                finish_reason=R.FINISH_REASON[msg.stop_type], index=i,
             )
             last["timings"] = msg.timings.to_json()
             out.append(_sse(last))
-            if req.include_usage:
+            done[i] = msg
+            if req.include_usage and len(done) == req.n:
                 usage = R.chat_chunk(id_=id_, model=ctx.model_id, created=created, delta={})
-                out.append(_sse(usage | {"choices": [], "usage": R.usage(msg)}))
+                out.append(_sse(usage | {"choices": [], "usage": R.usage(*(done[j] for j in range(req.n)))}))
             return out
 
         async def events() -> AsyncIterator[bytes]:
-            yield chunk({"role": "assistant", "content": ""})
-            async for event in _task_events(e, req.prompt, req.params, on_partial, on_final):
+            for i in range(req.n):
+                yield chunk({"role": "assistant", "content": ""}, i)
+            async for event in _task_events(e, req.prompt, req.choices(), on_partial, on_final):
                 yield event
             yield SSE_DONE
 

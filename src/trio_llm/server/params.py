@@ -223,8 +223,24 @@ def _require_object(body: Any) -> Mapping[str, Any]:
     return body
 
 
-def _check_n(body: Mapping[str, Any]) -> None:
-    get_int(body, "n", 1, 1, 1)
+def _get_n(body: Mapping[str, Any], limits: Limits) -> int:
+    """OpenAI's ``n``: that many choices, each in its own slot at the same time (so at
+    most the server's slots), each with its own random stream."""
+    n = get_int(body, "n", 1, 1, limits.n_slots)
+    if n > 1 and get_int(body, "id_slot", -1, -1, limits.n_slots - 1) >= 0:
+        raise InvalidRequest("'id_slot' pins one slot; it cannot serve 'n' > 1 choices")
+    return n
+
+
+def choice_params(params: TaskParams, n: int) -> list[TaskParams]:
+    """The task parameters of each of ``n`` choices: a fixed seed becomes seed + i for
+    choice i (the same seed would give n copies of one answer); a random seed is
+    drawn per task anyway."""
+    seed = params.sampling.seed
+    if n == 1 or seed < 0 or seed == DEFAULT_SEED:
+        return [params] * n
+    return [attrs.evolve(params, sampling=attrs.evolve(params.sampling, seed=(seed + i) % DEFAULT_SEED))
+            for i in range(n)]
 
 
 @attrs.frozen
@@ -235,6 +251,10 @@ class CompletionRequest:
     logprobs: bool = False  # chat: return the chosen tokens' logprobs
     include_usage: bool = False  # stream_options.include_usage
     prompt_text: str = ""  # chat: the rendered template
+    n: int = 1  # OpenAI's choices
+
+    def choices(self) -> list[TaskParams]:
+        return choice_params(self.params, self.n)
 
 
 def parse_completion(body: Any, tok: Encoder, limits: Limits) -> CompletionRequest:
@@ -251,7 +271,7 @@ def parse_completion(body: Any, tok: Encoder, limits: Limits) -> CompletionReque
 def parse_oai_completion(body: Any, tok: Encoder, limits: Limits) -> CompletionRequest:
     """``POST /v1/completions`` (OpenAI legacy completions)."""
     body = _require_object(body)
-    _check_n(body)
+    n = _get_n(body, limits)
     if get_bool(body, "echo", False):
         raise InvalidRequest("'echo' is not supported")
     if "prompt" not in body:
@@ -264,7 +284,7 @@ def parse_oai_completion(body: Any, tok: Encoder, limits: Limits) -> CompletionR
     )
     return CompletionRequest(
         tuple(prompt), params, n_logprobs=logprobs, logprobs=logprobs >= 0,
-        include_usage=_include_usage(body),
+        include_usage=_include_usage(body), n=n,
     )
 
 
@@ -289,7 +309,7 @@ def messages_of(body: Mapping[str, Any]) -> list[dict[str, Any]]:
 def parse_chat(body: Any, tok: Encoder, limits: Limits, rendered: str) -> CompletionRequest:
     """``POST /v1/chat/completions``, once the messages are rendered by the template."""
     body = _require_object(body)
-    _check_n(body)
+    n = _get_n(body, limits)
     logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:
@@ -303,5 +323,5 @@ def parse_chat(body: Any, tok: Encoder, limits: Limits, rendered: str) -> Comple
     )
     return CompletionRequest(
         tuple(prompt), params, n_logprobs=top, logprobs=logprobs,
-        include_usage=_include_usage(body), prompt_text=rendered,
+        include_usage=_include_usage(body), prompt_text=rendered, n=n,
     )

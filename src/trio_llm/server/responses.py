@@ -88,13 +88,15 @@ def native_final(
 # -- OpenAI -------------------------------------------------------------------------
 
 
-def usage(final: TaskFinal) -> dict[str, Any]:
-    n_out = len(final.tokens)
+def usage(*finals: TaskFinal) -> dict[str, Any]:
+    """OpenAI's usage of one request: the prompt once, every choice's tokens."""
+    first = finals[0]
+    n_out = sum(len(f.tokens) for f in finals)
     return {
-        "prompt_tokens": final.n_prompt,
+        "prompt_tokens": first.n_prompt,
         "completion_tokens": n_out,
-        "total_tokens": final.n_prompt + n_out,
-        "prompt_tokens_details": {"cached_tokens": final.timings.cache_n},
+        "total_tokens": first.n_prompt + n_out,
+        "prompt_tokens_details": {"cached_tokens": first.timings.cache_n},
     }
 
 
@@ -125,38 +127,42 @@ def completion_logprobs(probs: Sequence[TokenProb], piece: Piece, top: int, offs
 
 
 def chat_response(
-    final: TaskFinal, piece: Piece, *, id_: str, model: str, logprobs: bool, top: int
+    finals: Sequence[TaskFinal], piece: Piece, *, id_: str, model: str, logprobs: bool, top: int
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": {"role": "assistant", "content": final.content},
-        "finish_reason": FINISH_REASON[final.stop_type],
-        "logprobs": chat_logprobs(final.probs, piece, top) if logprobs else None,
-    }
-    return _final_body("chat.completion", final, choice, id_=id_, model=model)
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": final.content},
+            "finish_reason": FINISH_REASON[final.stop_type],
+            "logprobs": chat_logprobs(final.probs, piece, top) if logprobs else None,
+        }
+        for i, final in enumerate(finals)
+    ]
+    return _final_body("chat.completion", finals, choices, id_=id_, model=model)
 
 
 def _final_body(
-    object_: str, final: TaskFinal, choice: dict[str, Any], *, id_: str, model: str
+    object_: str, finals: Sequence[TaskFinal], choices: list[dict[str, Any]], *, id_: str, model: str
 ) -> dict[str, Any]:
-    """The envelope both OpenAI endpoints put around their one non-streamed choice."""
+    """The envelope both OpenAI endpoints put around their non-streamed choices; with
+    several choices the timings are the first's and the usage counts the prompt once."""
     return {
         "id": id_,
         "object": object_,
         "created": unix_now(),
         "model": model,
         "system_fingerprint": "trio-llm",
-        "choices": [choice],
-        "usage": usage(final),
-        "timings": final.timings.to_json(),
+        "choices": choices,
+        "usage": usage(*finals),
+        "timings": finals[0].timings.to_json(),
     }
 
 
 def chat_chunk(
     *, id_: str, model: str, created: int, delta: dict[str, Any],
-    finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
+    finish_reason: str | None = None, logprobs: dict[str, Any] | None = None, index: int = 0,
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason}
     if logprobs is not None:
         choice["logprobs"] = logprobs
     return {
@@ -170,20 +176,23 @@ def chat_chunk(
 
 
 def completion_response(
-    final: TaskFinal, piece: Piece, *, id_: str, model: str, logprobs: bool, top: int
+    finals: Sequence[TaskFinal], piece: Piece, *, id_: str, model: str, logprobs: bool, top: int
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": final.content,
-        "finish_reason": FINISH_REASON[final.stop_type],
-        "logprobs": completion_logprobs(final.probs, piece, top) if logprobs else None,
-    }
-    return _final_body("text_completion", final, choice, id_=id_, model=model)
+    choices = [
+        {
+            "index": i,
+            "text": final.content,
+            "finish_reason": FINISH_REASON[final.stop_type],
+            "logprobs": completion_logprobs(final.probs, piece, top) if logprobs else None,
+        }
+        for i, final in enumerate(finals)
+    ]
+    return _final_body("text_completion", finals, choices, id_=id_, model=model)
 
 
 def completion_chunk(
     *, id_: str, model: str, created: int, text: str, finish_reason: str | None = None,
-    logprobs: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None, index: int = 0,
 ) -> dict[str, Any]:
     return {
         "id": id_,
@@ -191,5 +200,5 @@ def completion_chunk(
         "created": created,
         "model": model,
         "system_fingerprint": "trio-llm",
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+        "choices": [{"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
     }
