@@ -473,6 +473,36 @@ async def test_n_choices_through_the_openai_client(start: Start) -> None:
         await oai.close()
 
 
+async def test_several_prompts_in_one_openai_completion(start: Start) -> None:
+    """/v1/completions with a list of prompts (text and token ids): the choices come n
+    per prompt in order, each equal to that prompt's own answer, usage counts each
+    prompt once; streamed the same; more tasks than slots is a 400."""
+    h = await start(parallel=4)
+    oai = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="none", max_retries=0)
+    try:
+        prompts: list[Any] = ["once upon a time", [5, 6, 7, 8, 9]]
+        alone = [await oai.completions.create(model="m", prompt=p, max_tokens=6) for p in prompts]
+        both = await oai.completions.create(model="m", prompt=prompts, max_tokens=6, n=2)
+        assert [c.index for c in both.choices] == [0, 1, 2, 3]
+        assert [c.text for c in both.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+        assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+        assert both.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+        stream = await oai.completions.create(model="m", prompt=prompts, max_tokens=6, stream=True,
+                                              stream_options={"include_usage": True})
+        texts = ["", ""]
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for c in chunk.choices:
+                texts[c.index] += c.text
+        assert texts == [a.choices[0].text for a in alone]
+        assert usage is not None and usage.prompt_tokens == both.usage.prompt_tokens
+        with pytest.raises(openai.BadRequestError, match="slots"):
+            await oai.completions.create(model="m", prompt=prompts, max_tokens=2, n=3)
+    finally:
+        await oai.close()
+
+
 async def test_cors_preflight_and_origin_headers(start: Start) -> None:
     """A browser front end on another origin: the preflight is answered without the
     key (browsers send none), every answer (a refusal, a stream) echoes the origin,

@@ -116,11 +116,12 @@ async def _body() -> Any:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
 
 
-async def run_tasks(
-    engine: Engine, prompt: tuple[int, ...], choices: Sequence[TaskParams]
-) -> AsyncGenerator[tuple[int, TaskResult], None]:
-    """Post one task per entry of ``choices`` (the same prompt) and yield (choice
-    index, result) as they come, up to every task's final one. All answers share one
+Choice = tuple[tuple[int, ...], TaskParams]  # a task's prompt and parameters
+
+
+async def run_tasks(engine: Engine, choices: Sequence[Choice]) -> AsyncGenerator[tuple[int, TaskResult], None]:
+    """Post one task per entry of ``choices`` and yield (choice index, result) as they
+    come, up to every task's final one. All answers share one
     channel (each task holds a clone of its sending end), so no nursery is needed to
     merge them. Leaving early (the client went away, the handler was cancelled)
     cancels the unfinished tasks in the queue."""
@@ -128,13 +129,13 @@ async def run_tasks(
     ids = [queue.new_id_task() for _ in choices]
     index = {id_task: i for i, id_task in enumerate(ids)}
     # a buffer no sender can fill: per task one partial per position plus the final
-    per_task = engine.n_ctx + 4 if any(p.stream for p in choices) else 4
+    per_task = engine.n_ctx + 4 if any(p.stream for _, p in choices) else 4
     send, recv = trio.open_memory_channel[TaskResult](per_task * len(choices))
     unfinished: set[int] = set()
     try:
         async with recv:
             with send:  # only the tasks' clones stay open: the channel ends with them
-                for id_task, params in zip(ids, choices, strict=True):
+                for id_task, (prompt, params) in zip(ids, choices, strict=True):
                     try:
                         await queue.post(ServerTask(id_task, prompt, params, send.clone()))
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -159,15 +160,15 @@ async def run_task(
     engine: Engine, prompt: tuple[int, ...], params: TaskParams
 ) -> AsyncGenerator[TaskResult, None]:
     """``run_tasks`` of one task: its results up to the final one."""
-    async with aclosing(run_tasks(engine, prompt, [params])) as results:
+    async with aclosing(run_tasks(engine, [(prompt, params)])) as results:
         async for _, msg in results:
             yield msg
 
 
-async def _finals(engine: Engine, prompt: tuple[int, ...], choices: Sequence[TaskParams]) -> list[TaskFinal]:
+async def _finals(engine: Engine, choices: Sequence[Choice]) -> list[TaskFinal]:
     """Every choice's final answer, in choice order (the first error is raised)."""
     finals: dict[int, TaskFinal] = {}
-    async with aclosing(run_tasks(engine, prompt, choices)) as results:
+    async with aclosing(run_tasks(engine, choices)) as results:
         async for i, msg in results:
             if isinstance(msg, TaskError):
                 raise ApiError(msg.code, msg.message, msg.type)
@@ -179,13 +180,12 @@ async def _finals(engine: Engine, prompt: tuple[int, ...], choices: Sequence[Tas
 
 
 async def _final(engine: Engine, prompt: tuple[int, ...], params: TaskParams) -> TaskFinal:
-    return (await _finals(engine, prompt, [params]))[0]
+    return (await _finals(engine, [(prompt, params)]))[0]
 
 
 async def _task_events(
     engine: Engine,
-    prompt: tuple[int, ...],
-    choices: Sequence[TaskParams],
+    choices: Sequence[Choice],
     on_partial: Callable[[int, TaskPartial], Iterable[bytes]],
     on_final: Callable[[int, TaskFinal], Iterable[bytes]],
 ) -> AsyncIterator[bytes]:
@@ -193,7 +193,7 @@ async def _task_events(
     tokens come), in each API's shape: a task error, or the server going away, becomes
     an error event instead of a cut stream."""
     try:
-        async with aclosing(run_tasks(engine, prompt, choices)) as results:
+        async with aclosing(run_tasks(engine, choices)) as results:
             async for i, msg in results:
                 if isinstance(msg, TaskPartial):
                     for event in on_partial(i, msg):
@@ -409,7 +409,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             return _json(R.native_final(final, piece, model=ctx.model_id, settings=settings, stream=False, n_probs=n_probs))
 
         return _stream(_task_events(
-            e, req.prompt, [req.params],
+            e, [(req.prompt, req.params)],
             lambda _, msg: [_sse(R.native_partial(msg, piece, n_probs=n_probs))],
             lambda _, msg: [_sse(R.native_final(msg, piece, model=ctx.model_id, settings=settings, stream=True, n_probs=n_probs))],
         ))
@@ -421,11 +421,13 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         id_ = f"cmpl-{e.queue.new_id_task()}"
         top = req.n_logprobs
         if not req.params.stream:
-            finals = await _finals(e, req.prompt, req.choices())
-            return _json(R.completion_response(finals, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs, top=top))
+            finals = await _finals(e, req.choices())
+            return _json(R.completion_response(finals, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs,
+                                               top=top, n=req.n))
 
         created = R.unix_now()
-        offsets = [0] * req.n
+        choices = req.choices()
+        offsets = [0] * len(choices)
         done: dict[int, TaskFinal] = {}
 
         def on_partial(i: int, msg: TaskPartial) -> list[bytes]:
@@ -443,13 +445,13 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             chunk["timings"] = msg.timings.to_json()
             out = [_sse(chunk)]
             done[i] = msg
-            if req.include_usage and len(done) == req.n:
-                usage = R.usage(*(done[j] for j in range(req.n)))
+            if req.include_usage and len(done) == len(choices):
+                usage = R.usage([done[j] for j in range(len(choices))], req.n)
                 out.append(_sse(R.completion_chunk(id_=id_, model=ctx.model_id, created=created, text="") | {"choices": [], "usage": usage}))
             return out
 
         async def events() -> AsyncIterator[bytes]:
-            async for event in _task_events(e, req.prompt, req.choices(), on_partial, on_final):
+            async for event in _task_events(e, choices, on_partial, on_final):
                 yield event
             yield SSE_DONE
 
@@ -464,7 +466,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         id_ = f"chatcmpl-{e.queue.new_id_task()}"
         top = req.n_logprobs
         if not req.params.stream:
-            finals = await _finals(e, req.prompt, req.choices())
+            finals = await _finals(e, req.choices())
             return _json(R.chat_response(finals, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs, top=top))
 
         created = R.unix_now()
@@ -490,13 +492,13 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             done[i] = msg
             if req.include_usage and len(done) == req.n:
                 usage = R.chat_chunk(id_=id_, model=ctx.model_id, created=created, delta={})
-                out.append(_sse(usage | {"choices": [], "usage": R.usage(*(done[j] for j in range(req.n)))}))
+                out.append(_sse(usage | {"choices": [], "usage": R.usage([done[j] for j in range(req.n)], req.n)}))
             return out
 
         async def events() -> AsyncIterator[bytes]:
             for i in range(req.n):
                 yield chunk({"role": "assistant", "content": ""}, i)
-            async for event in _task_events(e, req.prompt, req.choices(), on_partial, on_final):
+            async for event in _task_events(e, req.choices(), on_partial, on_final):
                 yield event
             yield SSE_DONE
 

@@ -160,6 +160,14 @@ def encode_prompt(tok: Encoder, text: str, *, add_special: bool = True) -> list[
     return ids
 
 
+def prompt_list(value: Any, tok: Encoder, limits: Limits, key: str = "prompt") -> list[list[int]]:
+    """OpenAI's prompt: one prompt, or a list of several (strings or token-id lists),
+    each in ``prompt_tokens``'s forms."""
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, str | list) for v in value):
+        return [prompt_tokens(v, tok, limits, key) for v in value]
+    return [prompt_tokens(value, tok, limits, key)]
+
+
 def prompt_tokens(value: Any, tok: Encoder, limits: Limits, key: str = "prompt") -> list[int]:
     """A prompt as text, as token ids, or as a list mixing both (llama-server's forms)."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
@@ -251,10 +259,14 @@ class CompletionRequest:
     logprobs: bool = False  # chat: return the chosen tokens' logprobs
     include_usage: bool = False  # stream_options.include_usage
     prompt_text: str = ""  # chat: the rendered template
-    n: int = 1  # OpenAI's choices
+    n: int = 1  # OpenAI's choices per prompt
+    more_prompts: tuple[tuple[int, ...], ...] = ()  # /v1/completions: prompts after the first
 
-    def choices(self) -> list[TaskParams]:
-        return choice_params(self.params, self.n)
+    def choices(self) -> list[tuple[tuple[int, ...], TaskParams]]:
+        """(prompt, parameters) of every choice in OpenAI's order: the n choices of
+        the first prompt, then those of the next."""
+        each = choice_params(self.params, self.n)
+        return [(p, params) for p in (self.prompt, *self.more_prompts) for params in each]
 
 
 def parse_completion(body: Any, tok: Encoder, limits: Limits) -> CompletionRequest:
@@ -276,15 +288,20 @@ def parse_oai_completion(body: Any, tok: Encoder, limits: Limits) -> CompletionR
         raise InvalidRequest("'echo' is not supported")
     if "prompt" not in body:
         raise InvalidRequest("'prompt' is required")
-    prompt = prompt_tokens(body["prompt"], tok, limits)
+    prompts = prompt_list(body["prompt"], tok, limits)
+    if len(prompts) * n > limits.n_slots:
+        raise InvalidRequest(
+            f"{len(prompts)} prompts x 'n' {n} need {len(prompts) * n} slots at once; "
+            f"this server has {limits.n_slots} (-np)"
+        )
     logprobs = get_int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS) if _get(body, "logprobs") is not _MISSING else -1
     params = _task_params(
         body, limits, tok, n_predict=_n_predict(body, limits, "max_tokens", "n_predict"),
         n_probs=max(logprobs, 1) if logprobs >= 0 else 0,
     )
     return CompletionRequest(
-        tuple(prompt), params, n_logprobs=logprobs, logprobs=logprobs >= 0,
-        include_usage=_include_usage(body), n=n,
+        tuple(prompts[0]), params, n_logprobs=logprobs, logprobs=logprobs >= 0,
+        include_usage=_include_usage(body), n=n, more_prompts=tuple(tuple(p) for p in prompts[1:]),
     )
 
 

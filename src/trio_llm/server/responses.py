@@ -88,15 +88,17 @@ def native_final(
 # -- OpenAI -------------------------------------------------------------------------
 
 
-def usage(*finals: TaskFinal) -> dict[str, Any]:
-    """OpenAI's usage of one request: the prompt once, every choice's tokens."""
-    first = finals[0]
+def usage(finals: Sequence[TaskFinal], n: int = 1) -> dict[str, Any]:
+    """OpenAI's usage of one request whose choices come ``n`` per prompt: each prompt
+    once, every choice's tokens."""
+    firsts = finals[::n]
+    n_in = sum(f.n_prompt for f in firsts)
     n_out = sum(len(f.tokens) for f in finals)
     return {
-        "prompt_tokens": first.n_prompt,
+        "prompt_tokens": n_in,
         "completion_tokens": n_out,
-        "total_tokens": first.n_prompt + n_out,
-        "prompt_tokens_details": {"cached_tokens": first.timings.cache_n},
+        "total_tokens": n_in + n_out,
+        "prompt_tokens_details": {"cached_tokens": sum(f.timings.cache_n for f in firsts)},
     }
 
 
@@ -138,14 +140,16 @@ def chat_response(
         }
         for i, final in enumerate(finals)
     ]
-    return _final_body("chat.completion", finals, choices, id_=id_, model=model)
+    return _final_body("chat.completion", finals, choices, id_=id_, model=model, n=len(finals))  # one prompt
 
 
 def _final_body(
-    object_: str, finals: Sequence[TaskFinal], choices: list[dict[str, Any]], *, id_: str, model: str
+    object_: str, finals: Sequence[TaskFinal], choices: list[dict[str, Any]], *, id_: str, model: str,
+    n: int = 1,
 ) -> dict[str, Any]:
-    """The envelope both OpenAI endpoints put around their non-streamed choices; with
-    several choices the timings are the first's and the usage counts the prompt once."""
+    """The envelope both OpenAI endpoints put around their non-streamed choices (``n``
+    per prompt); with several choices the timings are the first's, and the usage
+    counts each prompt once."""
     return {
         "id": id_,
         "object": object_,
@@ -153,7 +157,7 @@ def _final_body(
         "model": model,
         "system_fingerprint": "trio-llm",
         "choices": choices,
-        "usage": usage(*finals),
+        "usage": usage(finals, n),
         "timings": finals[0].timings.to_json(),
     }
 
@@ -176,7 +180,7 @@ def chat_chunk(
 
 
 def completion_response(
-    finals: Sequence[TaskFinal], piece: Piece, *, id_: str, model: str, logprobs: bool, top: int
+    finals: Sequence[TaskFinal], piece: Piece, *, id_: str, model: str, logprobs: bool, top: int, n: int = 1,
 ) -> dict[str, Any]:
     choices = [
         {
@@ -187,7 +191,7 @@ def completion_response(
         }
         for i, final in enumerate(finals)
     ]
-    return _final_body("text_completion", finals, choices, id_=id_, model=model)
+    return _final_body("text_completion", finals, choices, id_=id_, model=model, n=n)
 
 
 def completion_chunk(
