@@ -288,9 +288,9 @@ def test_parse_oai_and_chat_options(tok: Tokenizer) -> None:
     assert req.include_usage and req.params.stream
     # n: up to the slots (2 here), each choice its own seed when one is fixed
     req = P.parse_oai_completion({"prompt": "hi", "n": 2, "seed": 7}, enc, LIMITS)
-    assert req.n == 2 and [c.sampling.seed for c in req.choices()] == [7, 8]
+    assert req.n == 2 and [c.sampling.seed for _, c in req.choices()] == [7, 8]
     random = P.parse_chat({"messages": [], "n": 2}, enc, LIMITS, "r")
-    assert [c.sampling.seed for c in random.choices()] == [DEFAULT_SEED] * 2  # drawn per task
+    assert [c.sampling.seed for _, c in random.choices()] == [DEFAULT_SEED] * 2  # drawn per task
     for bad in ({"n": 3}, {"n": 0}, {"n": "2"}, {"n": 2, "id_slot": 1}):
         with pytest.raises(InvalidRequest, match="'n'|id_slot"):
             P.parse_oai_completion({"prompt": "hi", **bad}, enc, LIMITS)
