@@ -503,6 +503,29 @@ async def test_several_prompts_in_one_openai_completion(start: Start) -> None:
         await oai.close()
 
 
+async def test_several_prompts_on_the_native_endpoint(start: Start) -> None:
+    """/completion with a list of prompts answers with a list, as llama-server does,
+    each entry (with its index) equal to that prompt's own answer; streamed, every
+    event carries its prompt's index."""
+    h = await start(parallel=2)
+    prompts: list[Any] = ["once upon a time", [5, 6, 7, 8, 9]]
+    async with client(h) as c:
+        alone = [(await c.post("/completion", json={"prompt": p, "n_predict": 6})).json() for p in prompts]
+        r = await c.post("/completion", json={"prompt": prompts, "n_predict": 6})
+        assert r.status_code == 200
+        both = r.json()
+        assert [a["index"] for a in both] == [0, 1]
+        assert [a["content"] for a in both] == [a["content"] for a in alone]
+        assert [a["tokens"] for a in both] == [a["tokens"] for a in alone]
+        r = await c.post("/completion", json={"prompt": prompts, "n_predict": 6, "stream": True})
+        texts = ["", ""]
+        for event in sse_events(r.text):
+            texts[event["index"]] += event["content"]
+        assert texts == [a["content"] for a in alone]
+        r = await c.post("/completion", json={"prompt": ["a", "b", "c"], "n_predict": 2})
+        assert r.status_code == 400 and "slots" in r.json()["error"]["message"]
+
+
 async def test_cors_preflight_and_origin_headers(start: Start) -> None:
     """A browser front end on another origin: the preflight is answered without the
     key (browsers send none), every answer (a refusal, a stream) echoes the origin,

@@ -404,14 +404,19 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         req = P.parse_completion(await _body(), e.tokenizer, limits())
         n_probs = req.params.sampling.n_probs
         settings = req.params.to_json()
+        choices = req.choices()
         if not req.params.stream:
-            final = await _final(e, req.prompt, req.params)
-            return _json(R.native_final(final, piece, model=ctx.model_id, settings=settings, stream=False, n_probs=n_probs))
+            finals = await _finals(e, choices)
+            answers = [R.native_final(f, piece, model=ctx.model_id, settings=settings, stream=False,
+                                      n_probs=n_probs, index=i) for i, f in enumerate(finals)]
+            # several prompts: a list of answers, as llama-server gives
+            return _json(answers[0] if len(answers) == 1 else answers)
 
         return _stream(_task_events(
-            e, [(req.prompt, req.params)],
-            lambda _, msg: [_sse(R.native_partial(msg, piece, n_probs=n_probs))],
-            lambda _, msg: [_sse(R.native_final(msg, piece, model=ctx.model_id, settings=settings, stream=True, n_probs=n_probs))],
+            e, choices,
+            lambda i, msg: [_sse(R.native_partial(msg, piece, n_probs=n_probs, index=i))],
+            lambda i, msg: [_sse(R.native_final(msg, piece, model=ctx.model_id, settings=settings, stream=True,
+                                                n_probs=n_probs, index=i))],
         ))
 
     @app.post("/v1/completions")

@@ -274,10 +274,14 @@ def parse_completion(body: Any, tok: Encoder, limits: Limits) -> CompletionReque
     body = _require_object(body)
     if "prompt" not in body:
         raise InvalidRequest("'prompt' is required")
-    prompt = prompt_tokens(body["prompt"], tok, limits)
+    prompts = prompt_list(body["prompt"], tok, limits)
+    if len(prompts) > limits.n_slots:
+        raise InvalidRequest(f"{len(prompts)} prompts need as many slots at once; this server has {limits.n_slots} (-np)")
     n_probs = get_int(body, "n_probs", 0, 0, MAX_N_PROBS)
     params = _task_params(body, limits, tok, n_predict=_n_predict(body, limits, "n_predict", "max_tokens"), n_probs=n_probs)
-    return CompletionRequest(tuple(prompt), params)
+    if len(prompts) > 1 and params.id_slot >= 0:
+        raise InvalidRequest("'id_slot' pins one slot; it cannot serve several prompts")
+    return CompletionRequest(tuple(prompts[0]), params, more_prompts=tuple(tuple(p) for p in prompts[1:]))
 
 
 def parse_oai_completion(body: Any, tok: Encoder, limits: Limits) -> CompletionRequest:
@@ -294,6 +298,8 @@ def parse_oai_completion(body: Any, tok: Encoder, limits: Limits) -> CompletionR
             f"{len(prompts)} prompts x 'n' {n} need {len(prompts) * n} slots at once; "
             f"this server has {limits.n_slots} (-np)"
         )
+    if len(prompts) > 1 and get_int(body, "id_slot", -1, -1, limits.n_slots - 1) >= 0:
+        raise InvalidRequest("'id_slot' pins one slot; it cannot serve several prompts")
     logprobs = get_int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS) if _get(body, "logprobs") is not _MISSING else -1
     params = _task_params(
         body, limits, tok, n_predict=_n_predict(body, limits, "max_tokens", "n_predict"),

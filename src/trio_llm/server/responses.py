@@ -47,9 +47,9 @@ def native_probs(probs: Sequence[TokenProb], piece: Piece) -> list[dict[str, Any
     return [one(p.id, p.logprob) | {"top_logprobs": [one(t, lp) for t, lp in p.top]} for p in probs]
 
 
-def native_partial(msg: TaskPartial, piece: Piece, *, n_probs: int) -> dict[str, Any]:
+def native_partial(msg: TaskPartial, piece: Piece, *, n_probs: int, index: int = 0) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "index": 0,
+        "index": index,
         "content": msg.text,
         "tokens": [msg.token],
         "stop": False,
@@ -61,10 +61,11 @@ def native_partial(msg: TaskPartial, piece: Piece, *, n_probs: int) -> dict[str,
 
 
 def native_final(
-    final: TaskFinal, piece: Piece, *, model: str, settings: dict[str, Any], stream: bool, n_probs: int
+    final: TaskFinal, piece: Piece, *, model: str, settings: dict[str, Any], stream: bool, n_probs: int,
+    index: int = 0,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "index": 0,
+        "index": index,
         "content": final.text_tail if stream else final.content,
         "tokens": [] if stream else list(final.tokens),
         "id_slot": final.id_slot,
