@@ -273,6 +273,28 @@ async def test_a_client_that_disconnects_frees_its_slot(start: Start) -> None:
     assert engine is not None and engine.slots.statistics().n_tasks_cancelled == 1
 
 
+async def test_a_client_that_disconnects_frees_every_choice_slot(start: Start) -> None:
+    """A streamed request of two prompts x n=2 takes four slots; closing the stream
+    cancels all four tasks and frees every slot."""
+    h = await start(parallel=4, ctx_size=4096)
+    body = {"prompt": [PROMPT, "another prompt"], "max_tokens": 3000, "n": 2, "stream": True,
+            "ignore_eos": True}
+    async with client(h) as c:
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            got = 0
+            async for line in r.aiter_lines():
+                got += line.startswith("data: ")
+                if got == 8:
+                    break
+            slots = (await c.get("/slots")).json()
+            assert [s["is_processing"] for s in slots] == [True] * 4
+        engine = h.context.engine
+        assert engine is not None
+        await wait_for(lambda: engine.slots.statistics().n_tasks_cancelled == 4)
+        slots = (await c.get("/slots")).json()
+    assert [s["is_processing"] for s in slots] == [False] * 4
+
+
 async def wait_for(predicate: Callable[[], bool]) -> None:
     """Wait for server state that a real socket event will bring about."""
     with trio.fail_after(20):
