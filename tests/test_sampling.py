@@ -174,6 +174,20 @@ def naive_candidates(logits: np.ndarray, p: SamplingParams) -> tuple[list[int], 
     if p.top_k > 0:
         order = order[: p.top_k]
     vals = x[order]
+    if p.typical_p < 1.0:  # llama_sampler_typical_apply, spelled out
+        pr = probs_of(list(vals))
+        entropy = -sum(q * np.log(q) for q in pr)
+        by_typ = sorted(range(len(order)), key=lambda i: (abs(-np.log(pr[i]) - entropy), i))
+        total, last = 0.0, len(by_typ)
+        for i, j in enumerate(by_typ):
+            total += pr[j]
+            if total > p.typical_p:
+                last = i + 1
+                break
+        kept = by_typ[:last]
+        order, vals = [order[j] for j in kept], vals[kept]
+        resort = sorted(range(len(order)), key=lambda i: (-vals[i], order[i]))
+        order, vals = [order[i] for i in resort], vals[resort]
     if p.top_p < 1.0:
         cum = np.cumsum(probs_of(list(vals)))
         keep = next((i + 1 for i, c in enumerate(cum) if c >= p.top_p), len(order))
@@ -187,14 +201,16 @@ def naive_candidates(logits: np.ndarray, p: SamplingParams) -> tuple[list[int], 
 
 @pytest.mark.parametrize("n_vocab", [50, 5000])
 @pytest.mark.parametrize(
-    ("top_k", "top_p", "min_p"),
-    [(40, 0.95, 0.05), (0, 0.95, 0.0), (0, 0.5, 0.0), (0, 0.999, 0.01), (7, 1.0, 0.2), (0, 1.0, 0.0)],
+    ("top_k", "top_p", "min_p", "typical_p"),
+    [(40, 0.95, 0.05, 1.0), (0, 0.95, 0.0, 1.0), (0, 0.5, 0.0, 1.0), (0, 0.999, 0.01, 1.0), (7, 1.0, 0.2, 1.0),
+     (0, 1.0, 0.0, 1.0), (40, 0.95, 0.05, 0.5), (0, 1.0, 0.0, 0.9), (0, 0.8, 0.1, 0.3), (10, 1.0, 0.0, 0.2)],
 )
-def test_fast_chain_equals_the_naive_chain(n_vocab: int, top_k: int, top_p: float, min_p: float) -> None:
+def test_fast_chain_equals_the_naive_chain(n_vocab: int, top_k: int, top_p: float, min_p: float,
+                                           typical_p: float) -> None:
     rng = np.random.default_rng(n_vocab + top_k)
     for scale in (0.5, 3.0, 8.0):
         logits = (rng.normal(size=n_vocab) * scale).astype(np.float32)
-        params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p)
+        params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p)
         ids, probs = candidates(logits, params)
         want_ids, want_probs = naive_candidates(logits, params)
         assert ids.tolist() == want_ids

@@ -36,7 +36,7 @@ def test_unknown_flag_is_one_line_and_exit_2() -> None:
 @pytest.mark.parametrize(
     "args",
     [["-np", "0"], ["--port", "x"], ["--backend", "cuda"], ["--sleep-mode", "deep"],
-     ["--top-p", "3"], ["-c"], ["--sleep-idle-seconds", "-5"], ["-ngl", "lots"]],
+     ["--top-p", "3"], ["--typical", "1.5"], ["-c"], ["--sleep-idle-seconds", "-5"], ["-ngl", "lots"]],
 )
 def test_bad_flag_values_are_one_line_and_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(args) == 2
@@ -49,6 +49,7 @@ def test_compatibility_flags_are_accepted() -> None:
     assert (config.n_gpu_layers, config.n_cpu_moe, config.parallel, config.ctx_size) == (99, 4, 3, 0)
     assert config.alias == "x" and config.warmup is False
     assert parse_config(["-ngl", "all"]).n_gpu_layers == -1
+    assert parse_config(["--typical", "0.7"]).typical_p == 0.7
 
 
 def test_a_bad_model_file_is_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -46,6 +46,7 @@ class ServerConfig:
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05
+    typical_p: float = 1.0  # --typical: 1 = off
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int = -1  # -1: a fresh random seed per request
@@ -71,6 +72,7 @@ class ServerConfig:
         _check(self.top_k >= 0, "--top-k", "must be >= 0 (0 disables it)")
         _check(0.0 <= self.top_p <= 1.0, "--top-p", f"{self.top_p} is not in [0, 1]")
         _check(0.0 <= self.min_p <= 1.0, "--min-p", f"{self.min_p} is not in [0, 1]")
+        _check(0.0 <= self.typical_p <= 1.0, "--typical", f"{self.typical_p} is not in [0, 1]")
         _check(0.0 < self.repeat_penalty <= 100.0, "--repeat-penalty", "must be in (0, 100]")
         _check(self.repeat_last_n >= -1, "--repeat-last-n", "must be >= -1")
         _check(-1 <= self.seed < 1 << 64, "--seed", "must be -1 (random) or a 64-bit unsigned integer")
@@ -99,6 +101,7 @@ class ServerConfig:
             "top_k": self.top_k,
             "top_p": self.top_p,
             "min_p": self.min_p,
+            "typical_p": self.typical_p,
             "repeat_penalty": self.repeat_penalty,
             "repeat_last_n": self.repeat_last_n,
             "seed": self.seed,

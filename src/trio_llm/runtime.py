@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--top-k", type=int, default=d.top_k)
     add("--top-p", type=float, default=d.top_p)
     add("--min-p", type=float, default=d.min_p)
+    add("--typical", dest="typical_p", type=float, default=d.typical_p, help="locally typical sampling (1: off)")
     add("--repeat-penalty", type=float, default=d.repeat_penalty)
     add("--repeat-last-n", type=int, default=d.repeat_last_n)
     add("-s", "--seed", type=int, default=d.seed, help="default sampling seed (-1: random)")

@@ -1,8 +1,8 @@
 """Token sampling: small pure functions of (logits, parameters, an explicit RNG).
 
 The chain follows llama.cpp's default sampler order (``common_sampler``): logit bias,
-repetition penalties, top-k, top-p, min-p, temperature, then a draw from the
-softmax. Top-p and min-p therefore see the *untempered* distribution, exactly as in
+repetition penalties, top-k, typical-p, top-p, min-p, temperature, then a draw from
+the softmax. Top-p and min-p therefore see the *untempered* distribution, exactly as in
 llama-server, so the same settings keep the same candidates in both programs.
 
 Every random draw comes from the ``np.random.Generator`` the caller passes in: a
@@ -60,6 +60,7 @@ class SamplingParams:
     top_k: int = 40  # <= 0: keep every token
     top_p: float = attrs.field(default=0.95, validator=_in_range("top_p", 0.0, 1.0))
     min_p: float = attrs.field(default=0.05, validator=_in_range("min_p", 0.0, 1.0))
+    typical_p: float = attrs.field(default=1.0, validator=_in_range("typical_p", 0.0, 1.0))  # 1: off
     repeat_penalty: float = attrs.field(default=1.0, validator=_in_range("repeat_penalty", 0.0, 1e9))
     repeat_last_n: int = attrs.field(default=64, validator=_at_least("repeat_last_n", -1))
     presence_penalty: float = attrs.field(default=0.0, validator=_finite("presence_penalty"))
@@ -134,6 +135,21 @@ def _sorted(ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ids[order], vals[order]
 
 
+def _typical(ids: np.ndarray, vals: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's locally typical sampler: order the candidates by how far their
+    surprise (-log prob) is from the distribution's entropy, keep the shortest such
+    prefix whose probability exceeds ``p``."""
+    v = vals.astype(np.float64)
+    logp = v - (float(np.max(v)) + float(np.log(np.exp(v - np.max(v)).sum())))  # [k]
+    probs = np.exp(logp)  # [k]
+    entropy = float(-(probs * logp).sum())
+    order = np.argsort(np.abs(-logp - entropy), kind="stable")  # [k]
+    cum = np.cumsum(probs[order])  # [k]
+    last = min(int(np.searchsorted(cum, p, side="right")) + 1, order.shape[0])  # first cum > p, kept
+    keep = order[:last]
+    return ids[keep], vals[keep]
+
+
 #: top-p first looks for its cut among this many of the best candidates, widening
 #: fourfold until their mass reaches p: a full sort of a 150k vocabulary costs ~50 ms
 TOP_P_PROBE = 256
@@ -176,6 +192,9 @@ def candidates(logits: np.ndarray, params: SamplingParams,
     else:
         ids = np.arange(n)  # [n]
     vals = x[ids]  # [k]
+    if params.typical_p < 1.0:
+        ids, vals = _typical(ids, vals, params.typical_p)
+        top = float(np.max(vals))  # the samplers after it see only its survivors
     # min-p: probability >= min_p x the top one's, i.e. logit >= top + log(min_p)
     if params.min_p > 0.0:
         keep = vals >= top + np.log(params.min_p)  # [k]

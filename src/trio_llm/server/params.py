@@ -141,6 +141,7 @@ def sampling_params(
         top_k=get_int(body, "top_k", d.top_k, -1, 1 << 31),
         top_p=get_float(body, "top_p", d.top_p, 0.0, 1.0),
         min_p=get_float(body, "min_p", d.min_p, 0.0, 1.0),
+        typical_p=get_float(body, "typical_p", d.typical_p, 0.0, 1.0),
         repeat_penalty=get_float(body, "repeat_penalty", d.repeat_penalty, 1e-3, 100.0),
         repeat_last_n=get_int(body, "repeat_last_n", d.repeat_last_n, -1, 1 << 31),
         presence_penalty=get_float(body, "presence_penalty", 0.0, -2.0, 2.0),

@@ -42,6 +42,7 @@ class TaskParams:
             "top_k": s.top_k,
             "top_p": s.top_p,
             "min_p": s.min_p,
+            "typical_p": s.typical_p,
             "repeat_penalty": s.repeat_penalty,
             "repeat_last_n": s.repeat_last_n,
             "presence_penalty": s.presence_penalty,
