@@ -318,3 +318,26 @@ def test_a_restore_that_runs_out_of_memory_midway_can_be_retried(model_path, mon
         np.testing.assert_array_equal(vk.forward(step), want)
     finally:
         vk.close()
+
+
+@pytest.mark.parametrize("kind", ["numpy", "vulkan"])
+def test_kv_of_a_sequence_copied_to_another_continues_it(model_path, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """read_kv of sequence 0 written into sequence 1 (what a slot save and restore
+    do): the next token of sequence 1 has the logits sequence 0 would give; the
+    cache read back equals what was written, on both backends."""
+    model = load_gguf(model_path("tiny", "Q8_0"))
+    be = VulkanBackend(model, n_ctx=32, n_seq=2) if kind == "vulkan" else NumpyBackend(model, n_ctx=32, n_seq=2)
+    try:
+        prompt = PROMPTS[0]
+        be.forward([SeqBatch(0, prompt, 0)])
+        kv = be.read_kv(0, len(prompt))
+        cfg = be.config
+        assert kv.shape == (cfg.n_layer, 2, len(prompt), cfg.n_head_kv * cfg.head_dim) and np.abs(kv).max() > 0
+        be.write_kv(1, kv)
+        np.testing.assert_array_equal(be.read_kv(1, len(prompt)), kv)
+        nxt = np.array([9], np.int32)
+        want = be.forward([SeqBatch(0, nxt, len(prompt))])
+        np.testing.assert_array_equal(be.forward([SeqBatch(1, nxt, len(prompt))]), want)
+        assert be.read_kv(1, 0).shape[2] == 0
+    finally:
+        be.close()

@@ -112,6 +112,12 @@ class BackendClient:
     async def restore(self) -> None:
         await self.call(lambda b: b.restore(), "restore")
 
+    async def read_kv(self, seq_id: int, n: int) -> np.ndarray:
+        return await self.call(lambda b: b.read_kv(seq_id, n), "read_kv")
+
+    async def write_kv(self, seq_id: int, kv: np.ndarray) -> None:
+        await self.call(lambda b: b.write_kv(seq_id, kv), "write_kv")
+
     async def close(self) -> None:
         with trio.CancelScope(shield=True), trio.move_on_after(30):
             await self.call(lambda b: b.close(), "close")

@@ -111,6 +111,16 @@ class Backend(Protocol):
         """Bring back what ``release`` gave away, so ``forward`` works again."""
         ...
 
+    def read_kv(self, seq_id: int, n: int) -> np.ndarray:
+        """The KV cache of positions 0..n-1 of sequence ``seq_id``:
+        ``[n_layer, 2 (K, V), n, kv_dim]`` float32, a copy. Only while resident."""
+        ...
+
+    def write_kv(self, seq_id: int, kv: np.ndarray) -> None:
+        """Overwrite positions 0..n-1 of sequence ``seq_id`` with ``kv`` (``read_kv``'s
+        shape). Only while resident."""
+        ...
+
     def close(self) -> None:
         """Free everything. Safe in every residency state, and more than once."""
         ...

@@ -323,6 +323,22 @@ class NumpyBackend:
 
     # -- internals -----------------------------------------------------------------
 
+    def read_kv(self, seq_id: int, n: int) -> np.ndarray:
+        if self._k is None or self._v is None:
+            raise BackendError("read_kv while released; restore first")
+        kv = np.stack([self._k[seq_id, :, :n], self._v[seq_id, :, :n]], axis=1)  # [L, 2, n, n_kv, hd]
+        cfg = self.config
+        return kv.reshape(cfg.n_layer, 2, n, cfg.n_head_kv * cfg.head_dim)  # [n_layer, 2, n, kv_dim]
+
+    def write_kv(self, seq_id: int, kv: np.ndarray) -> None:
+        if self._k is None or self._v is None:
+            raise BackendError("write_kv while released; restore first")
+        cfg = self.config
+        n = kv.shape[2]
+        kv = kv.reshape(cfg.n_layer, 2, n, cfg.n_head_kv, cfg.head_dim)
+        self._k[seq_id, :, :n] = kv[:, 0]
+        self._v[seq_id, :, :n] = kv[:, 1]
+
     def _new_kv(self) -> tuple[np.ndarray, np.ndarray]:
         cfg = self.config
         shape = (self.n_seq, cfg.n_layer, self.n_ctx, cfg.n_head_kv, cfg.head_dim)

@@ -302,6 +302,53 @@ class VulkanBackend:
                 break
             self._graph(bucket)
 
+    def read_kv(self, seq_id: int, n: int) -> np.ndarray:
+        self._check_open()
+        if self._level is not None:
+            raise BackendError(f"read_kv while released (level {self._level.value}); restore first")
+        kv_dim = self.config.kv_dim
+        row = kv_dim * 4
+        size = self.config.n_layer * 2 * n * row
+        with self._guard("read KV cache"):
+            host = self._alloc.create(max(size, 4), "scratch", "readback")
+            try:
+                vk = self._device.vk if self._device is not None else None
+                assert vk is not None and self._device is not None
+                with self._device.one_shot("read KV cache") as cmd:
+                    for i, buf in enumerate(b for kv in zip(self._kv.k, self._kv.v, strict=True) for b in kv):
+                        region = vk.VkBufferCopy(srcOffset=seq_id * self.n_ctx * row, dstOffset=i * n * row,
+                                                 size=n * row)
+                        if n:
+                            vk.vkCmdCopyBuffer(cmd, buf.handle, host.handle, 1, [region])
+                assert host.array is not None
+                out = host.array[:size].view(np.float32).reshape(self.config.n_layer, 2, n, kv_dim).copy()
+            finally:
+                self._alloc.free(host)
+        return out
+
+    def write_kv(self, seq_id: int, kv: np.ndarray) -> None:
+        self._check_open()
+        if self._level is not None:
+            raise BackendError(f"write_kv while released (level {self._level.value}); restore first")
+        data = np.ascontiguousarray(kv, dtype=np.float32)
+        n_layer, two, n, kv_dim = data.shape
+        assert (n_layer, two, kv_dim) == (self.config.n_layer, 2, self.config.kv_dim) and n <= self.n_ctx
+        row = kv_dim * 4
+        with self._guard("write KV cache"):
+            host = self._alloc.create(max(data.nbytes, 4), "scratch", "upload")
+            try:
+                assert host.array is not None and self._device is not None
+                host.array[: data.nbytes] = data.reshape(-1).view(np.uint8)
+                vk = self._device.vk
+                with self._device.one_shot("write KV cache") as cmd:
+                    for i, buf in enumerate(b for pair in zip(self._kv.k, self._kv.v, strict=True) for b in pair):
+                        region = vk.VkBufferCopy(srcOffset=i * n * row, dstOffset=seq_id * self.n_ctx * row,
+                                                 size=n * row)
+                        if n:
+                            vk.vkCmdCopyBuffer(cmd, host.handle, buf.handle, 1, [region])
+            finally:
+                self._alloc.free(host)
+
     def close(self) -> None:
         if self._closed:
             return
