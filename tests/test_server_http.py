@@ -548,6 +548,49 @@ async def test_several_prompts_on_the_native_endpoint(start: Start) -> None:
         assert r.status_code == 400 and "slots" in r.json()["error"]["message"]
 
 
+async def test_slot_save_erase_restore(start: Start, tmp_path: Path) -> None:
+    """llama-server's slot actions: a slot's cache saved to a file, erased, restored
+    into the same slot and into another one; each restored slot then reuses the whole
+    prompt (cache_n) and answers exactly as before. Bad names, missing or corrupt
+    files, unknown actions and slots are 400s; save without --slot-save-path is 501."""
+    h = await start(parallel=2, slot_save_path=tmp_path)
+    body = {"prompt": PROMPT, "n_predict": 8, "id_slot": 0}
+    async with client(h) as c:
+        first = (await c.post("/completion", json=body)).json()
+        r = await c.post("/slots/0?action=save", json={"filename": "s0.bin"})
+        assert r.status_code == 200, r.text
+        saved = r.json()
+        assert saved["id_slot"] == 0 and saved["filename"] == "s0.bin"
+        assert saved["n_saved"] == first["tokens_cached"] > 0 and saved["n_written"] == (tmp_path / "s0.bin").stat().st_size
+        erased = (await c.post("/slots/0?action=erase")).json()
+        assert erased == {"id_slot": 0, "n_erased": saved["n_saved"]}
+        assert (await c.get("/slots")).json()[0]["n_cached"] == 0
+        for slot in (0, 1):
+            r = await c.post(f"/slots/{slot}?action=restore", json={"filename": "s0.bin"})
+            assert r.status_code == 200 and r.json()["n_restored"] == saved["n_saved"], r.text
+            again = (await c.post("/completion", json=body | {"id_slot": slot})).json()
+            assert again["content"] == first["content"] and again["tokens"] == first["tokens"]
+            assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 1  # only the last prompt token ran
+        (tmp_path / "junk.bin").write_bytes(b"not a slot file")
+        for path, payload, needle in [
+            ("/slots/0?action=save", {"filename": "../escape.bin"}, "filename"),
+            ("/slots/0?action=save", {"filename": ".hidden"}, "filename"),
+            ("/slots/0?action=save", {"name": "x"}, "filename"),
+            ("/slots/0?action=restore", {"filename": "missing.bin"}, "missing.bin"),
+            ("/slots/0?action=restore", {"filename": "junk.bin"}, "not a slot file"),
+            ("/slots/0?action=dance", {"filename": "x"}, "action"),
+            ("/slots/7?action=erase", {}, "no slot 7"),
+        ]:
+            r = await c.post(path, json=payload)
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], (path, r.text)
+        assert not (tmp_path.parent / "escape.bin").exists()
+    h2 = await start(parallel=1)
+    async with client(h2) as c:
+        r = await c.post("/slots/0?action=save", json={"filename": "x.bin"})
+        assert r.status_code == 501 and "--slot-save-path" in r.json()["error"]["message"]
+        assert (await c.post("/slots/0?action=erase")).status_code == 200
+
+
 async def test_cors_preflight_and_origin_headers(start: Start) -> None:
     """A browser front end on another origin: the preflight is answered without the
     key (browsers send none), every answer (a refusal, a stream) echoes the origin,

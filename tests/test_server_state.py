@@ -342,3 +342,28 @@ def test_slot_ctx_splits_the_context_over_slots() -> None:
 def test_assign_is_a_value() -> None:
     t = task(1)
     assert Assign(t, 0) == Assign(t, 0)
+
+
+def test_a_slot_file_is_checked_against_the_model(tmp_path: Path) -> None:
+    """slot_file round-trips tokens and cache; another model's shape, a slot too small
+    for it, and tokens outside the vocabulary are refused with a clear message."""
+    import numpy as np
+
+    from trio_llm.model.synth import PRESETS
+    from trio_llm.server import slot_file
+
+    cfg, other = PRESETS["tiny"].config(), PRESETS["tiny-qwen3"].config()
+    kv = np.random.default_rng(0).standard_normal((cfg.n_layer, 2, 5, cfg.n_head_kv * cfg.head_dim)).astype(np.float32)
+    path = tmp_path / "s.bin"
+    assert slot_file.save(path, cfg, [1, 2, 3, 4, 5], kv) == path.stat().st_size
+    tokens, back = slot_file.load(path, cfg, n_ctx=16)
+    assert tokens == [1, 2, 3, 4, 5] and np.array_equal(back, kv)
+    with pytest.raises(InvalidRequest, match="another model"):
+        slot_file.load(path, other, n_ctx=16)
+    with pytest.raises(InvalidRequest, match="holds 5 tokens"):
+        slot_file.load(path, cfg, n_ctx=5)
+    slot_file.save(path, cfg, [1, 2, 3, 4, cfg.n_vocab], kv)
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        slot_file.load(path, cfg, n_ctx=16)
+    with pytest.raises(InvalidRequest, match="cannot write"):
+        slot_file.save(tmp_path / "no-such-dir" / "s.bin", cfg, [1], kv[:, :, :1])

@@ -51,6 +51,7 @@ class ServerConfig:
     repeat_last_n: int = 64
     seed: int = -1  # -1: a fresh random seed per request
     api_key: str | None = None
+    slot_save_path: Path | None = None  # --slot-save-path: where slot files go
     metrics: bool = False
     warmup: bool = True
     backend: BackendKind = "auto"

@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("-s", "--seed", type=int, default=d.seed, help="default sampling seed (-1: random)")
     add("--api-key", default=os.environ.get("LLAMA_API_KEY"), help="require 'Authorization: Bearer KEY'")
     add("--metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    add("--slot-save-path", type=Path, help="folder for POST /slots/{id}?action=save|restore files")
     add("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up forward pass")
     add("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=_gpu_layers,
         help="accepted for compatibility: the whole model always runs on the device")

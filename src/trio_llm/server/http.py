@@ -36,6 +36,8 @@ from trio_llm.server.context import Engine, ServerContext
 from trio_llm.server.metrics import CONTENT_TYPE, render
 from trio_llm.server.tasks import (
     ServerTask,
+    SlotAction,
+    TaskActionDone,
     TaskError,
     TaskFinal,
     TaskParams,
@@ -119,7 +121,9 @@ async def _body() -> Any:
 Choice = tuple[tuple[int, ...], TaskParams]  # a task's prompt and parameters
 
 
-async def run_tasks(engine: Engine, choices: Sequence[Choice]) -> AsyncGenerator[tuple[int, TaskResult], None]:
+async def run_tasks(
+    engine: Engine, choices: Sequence[Choice], *, action: SlotAction | None = None
+) -> AsyncGenerator[tuple[int, TaskResult], None]:
     """Post one task per entry of ``choices`` and yield (choice index, result) as they
     come, up to every task's final one. All answers share one
     channel (each task holds a clone of its sending end), so no nursery is needed to
@@ -137,7 +141,7 @@ async def run_tasks(engine: Engine, choices: Sequence[Choice]) -> AsyncGenerator
             with send:  # only the tasks' clones stay open: the channel ends with them
                 for id_task, (prompt, params) in zip(ids, choices, strict=True):
                     try:
-                        await queue.post(ServerTask(id_task, prompt, params, send.clone()))
+                        await queue.post(ServerTask(id_task, prompt, params, send.clone(), action))
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         # the queue is gone: nothing of this task to cancel
                         raise ApiError(503, "the server is shutting down", "unavailable_error") from None
@@ -201,7 +205,7 @@ async def _task_events(
                 elif isinstance(msg, TaskFinal):
                     for event in on_final(i, msg):
                         yield event
-                else:
+                elif isinstance(msg, TaskError):
                     yield _sse(R.error_body(msg.message, msg.code, msg.type))
     except TrioLLMError as exc:
         yield _sse(R.error_body(str(exc), 503, "unavailable_error"))
@@ -326,6 +330,35 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     @app.get("/slots")
     async def slots() -> Response:
         return _json(eng().slots.slot_views())
+
+    @app.post("/slots/<int:id_slot>")
+    async def slot_action(id_slot: int) -> Response:
+        """llama-server's slot save / restore / erase (``?action=``), run as a task
+        pinned to the slot: it waits for a generation in the slot to finish."""
+        e = eng()
+        kind = request.args.get("action", "")
+        if kind not in ("save", "restore", "erase"):
+            raise ApiError(400, "'action' must be save, restore or erase", "invalid_request_error")
+        if not 0 <= id_slot < ctx.config.parallel:
+            raise ApiError(400, f"no slot {id_slot}: this server has {ctx.config.parallel}", "invalid_request_error")
+        action = SlotAction("erase")
+        if kind != "erase":
+            folder = ctx.config.slot_save_path
+            if folder is None:
+                raise ApiError(501, "slot save and restore need --slot-save-path", "not_supported_error")
+            body = await _body()
+            name = body.get("filename") if isinstance(body, dict) else None
+            if not isinstance(name, str) or not P.valid_filename(name):
+                raise ApiError(400, "'filename' must be a plain file name (no folders)", "invalid_request_error")
+            action = SlotAction(kind, folder / name, name)  # type: ignore[arg-type]
+        params = TaskParams(n_predict=0, id_slot=id_slot, cache_prompt=False)
+        async with aclosing(run_tasks(e, [((), params)], action=action)) as results:
+            async for _, msg in results:
+                if isinstance(msg, TaskError):
+                    raise ApiError(msg.code, msg.message, msg.type)
+                if isinstance(msg, TaskActionDone):
+                    return _json(msg.body)
+        raise ApiError(503, "the server is shutting down", "unavailable_error")
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -226,6 +226,15 @@ def _task_params(body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_pre
     )
 
 
+def valid_filename(name: str) -> bool:
+    """A plain file name for ``--slot-save-path``: no folder part, nothing hidden or
+    special, printable (llama-server refuses the same)."""
+    return (
+        0 < len(name) <= 255 and name not in (".", "..") and not name.startswith(".")
+        and "/" not in name and "\\" not in name and name.isprintable()
+    )
+
+
 def _require_object(body: Any) -> Mapping[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")

@@ -33,7 +33,8 @@ import trio
 from trio_llm.engine.actor import BackendClient
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.sampling import log_softmax, make_rng, sample, top_logprobs
-from trio_llm.errors import ContextOverflow, TrioLLMError
+from trio_llm.errors import ContextOverflow, InvalidRequest, TrioLLMError
+from trio_llm.server import slot_file
 from trio_llm.server.gate import ResidencyGate
 from trio_llm.server.queue import (
     Assign,
@@ -46,7 +47,9 @@ from trio_llm.server.queue import (
 from trio_llm.server.stop import StopScanner
 from trio_llm.server.tasks import (
     ServerTask,
+    SlotAction,
     StopType,
+    TaskActionDone,
     TaskError,
     TaskFinal,
     TaskPartial,
@@ -286,6 +289,7 @@ class SlotsEngine:
                 if not self._active():
                     self._handle(await self._inbox.receive())
                 self._drain_inbox()
+                await self._run_actions()
                 await self._flush_releases()
                 if not self._active():
                     continue
@@ -301,7 +305,8 @@ class SlotsEngine:
     run = start_loop
 
     def _active(self) -> list[Slot]:
-        return [s for s in self._slots if s.task is not None]
+        """Slots with a generation to run (a slot action is run at once instead)."""
+        return [s for s in self._slots if s.task is not None and s.task.action is None]
 
     def _gate_epoch(self) -> int:
         # A gate counts the releases that lost the KV cache (level "unload"); a gate
@@ -322,6 +327,9 @@ class SlotsEngine:
         if isinstance(msg, Assign):
             slot = self._slots[msg.id_slot]
             assert slot.task is None, f"slot {slot.id} assigned while busy"
+            if msg.task.action is not None:
+                slot.task = msg.task  # run by _run_actions, before the next pass
+                return
             self._order += 1
             try:
                 slot.begin(msg.task, self._tokenizer.stream_decoder(), now, self._order)
@@ -359,6 +367,48 @@ class SlotsEngine:
             self._release(slot, cancelled=True)
             return False
         return True
+
+    async def _run_actions(self) -> None:
+        for slot in self._slots:
+            task = slot.task
+            if task is None or task.action is None:
+                continue
+            try:
+                result: TaskResult = TaskActionDone(task.id_task, await self._slot_action(slot, task.action))
+            except InvalidRequest as exc:
+                result = TaskError(task.id_task, str(exc), 400, "invalid_request_error")
+            except TrioLLMError as exc:
+                result = TaskError(task.id_task, str(exc), 500, "server_error")
+            if self._send(slot, result):
+                self._release(slot, cancelled=False)
+
+    async def _slot_action(self, slot: Slot, action: SlotAction) -> dict[str, Any]:
+        """Save, restore or erase ``slot``'s KV cache; llama-server's answer for it."""
+        t0 = trio.current_time()
+        if action.kind == "erase":
+            n = slot.n_past
+            slot.seq, slot.n_past = [], 0
+            return {"id_slot": slot.id, "n_erased": n}
+        assert action.path is not None
+        cfg = self._client.backend.config
+        if action.kind == "restore":
+            tokens, kv = await trio.to_thread.run_sync(slot_file.load, action.path, cfg, slot.n_ctx)
+            async with self._gate.resident():
+                self._check_epoch()
+                slot.seq, slot.n_past = [], 0  # nothing of the old cache is valid meanwhile
+                await self._client.write_kv(slot.id, kv)
+                slot.seq, slot.n_past = list(tokens), len(tokens)
+            ms = 1e3 * (trio.current_time() - t0)
+            return {"id_slot": slot.id, "filename": action.filename, "n_restored": len(tokens),
+                    "n_read": kv.nbytes, "timings": {"restore_ms": ms}}
+        async with self._gate.resident():
+            self._check_epoch()
+            tokens = slot.seq[: slot.n_past]
+            kv = await self._client.read_kv(slot.id, len(tokens))
+        n_written = await trio.to_thread.run_sync(slot_file.save, action.path, cfg, tokens, kv)
+        ms = 1e3 * (trio.current_time() - t0)
+        return {"id_slot": slot.id, "filename": action.filename, "n_saved": len(tokens),
+                "n_written": n_written, "timings": {"save_ms": ms}}
 
     async def _wait_resident(self) -> bool:
         """Wait for the model to be resident. While a wake takes time (a restore, another
@@ -407,16 +457,20 @@ class SlotsEngine:
             t1 = trio.current_time()
         await self._after_forward(plan, logits, t0, t1)
 
-    def _plan(self) -> list[Work]:
-        """This step's forward pass, read on a resident model (inside ``resident()``)."""
+    def _check_epoch(self) -> None:
+        """On a resident model: if the KV cache was lost while the model slept, every
+        slot starts over."""
         epoch = self._gate_epoch()
         if epoch != self._kv_epoch:
-            # the KV cache was lost while the model slept: every slot starts over
             self._kv_epoch = epoch
             for s in self._slots:
                 s.n_past = 0
                 if s.task is not None:
                     s.n_cached = 0
+
+    def _plan(self) -> list[Work]:
+        """This step's forward pass, read on a resident model (inside ``resident()``)."""
+        self._check_epoch()
         active = sorted(self._active(), key=lambda s: s.started_order)
         if not active:
             return []

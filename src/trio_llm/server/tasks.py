@@ -12,7 +12,8 @@ is, and that belongs to the queue and the slots loop.
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import attrs
 import trio
@@ -57,11 +58,23 @@ class TaskParams:
 
 
 @attrs.frozen
+class SlotAction:
+    """llama-server's ``POST /slots/{id}?action=...``: save the slot's KV cache to
+    ``path``, restore it from there, or erase it. Runs as a task pinned to the slot,
+    so it waits for the slot like any request and never meets a generation in it."""
+
+    kind: Literal["save", "restore", "erase"]
+    path: Path | None = None
+    filename: str = ""
+
+
+@attrs.frozen
 class ServerTask:
     id_task: int
     prompt: tuple[int, ...]
     params: TaskParams
     results: trio.MemorySendChannel[TaskResult] = attrs.field(eq=False, repr=False)
+    action: SlotAction | None = None  # a slot action instead of a generation
 
 
 @attrs.frozen
@@ -138,4 +151,12 @@ class TaskError:
     type: str = "server_error"
 
 
-TaskResult = TaskPartial | TaskFinal | TaskError
+@attrs.frozen
+class TaskActionDone:
+    """A slot action finished; ``body`` is llama-server's answer for it."""
+
+    id_task: int
+    body: dict[str, Any]
+
+
+TaskResult = TaskPartial | TaskFinal | TaskError | TaskActionDone
