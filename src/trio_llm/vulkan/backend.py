@@ -303,49 +303,45 @@ class VulkanBackend:
             self._graph(bucket)
 
     def read_kv(self, seq_id: int, n: int) -> np.ndarray:
-        self._check_open()
-        if self._level is not None:
-            raise BackendError(f"read_kv while released (level {self._level.value}); restore first")
-        kv_dim = self.config.kv_dim
-        row = kv_dim * 4
-        size = self.config.n_layer * 2 * n * row
-        with self._guard("read KV cache"):
-            host = self._alloc.create(max(size, 4), "scratch", "readback")
-            try:
-                vk = self._device.vk if self._device is not None else None
-                assert vk is not None and self._device is not None
-                with self._device.one_shot("read KV cache") as cmd:
-                    for i, buf in enumerate(b for kv in zip(self._kv.k, self._kv.v, strict=True) for b in kv):
-                        region = vk.VkBufferCopy(srcOffset=seq_id * self.n_ctx * row, dstOffset=i * n * row,
-                                                 size=n * row)
-                        if n:
-                            vk.vkCmdCopyBuffer(cmd, buf.handle, host.handle, 1, [region])
-                assert host.array is not None
-                out = host.array[:size].view(np.float32).reshape(self.config.n_layer, 2, n, kv_dim).copy()
-            finally:
-                self._alloc.free(host)
+        shape = (self.config.n_layer, 2, n, self.config.kv_dim)
+        out = np.empty(shape, np.float32)  # [n_layer, 2, n, kv_dim]
+        self._copy_kv(seq_id, n, out, to_device=False)
         return out
 
     def write_kv(self, seq_id: int, kv: np.ndarray) -> None:
+        data = np.ascontiguousarray(kv, dtype=np.float32)
+        n = data.shape[2]
+        assert data.shape == (self.config.n_layer, 2, n, self.config.kv_dim) and n <= self.n_ctx
+        self._copy_kv(seq_id, n, data, to_device=True)
+
+    def _copy_kv(self, seq_id: int, n: int, data: np.ndarray, *, to_device: bool) -> None:
+        """Positions 0..n-1 of one sequence, every layer's K then V, between the
+        cache and ``data`` [n_layer, 2, n, kv_dim], through one host buffer and one
+        submit of 2 x n_layer copies."""
         self._check_open()
         if self._level is not None:
-            raise BackendError(f"write_kv while released (level {self._level.value}); restore first")
-        data = np.ascontiguousarray(kv, dtype=np.float32)
-        n_layer, two, n, kv_dim = data.shape
-        assert (n_layer, two, kv_dim) == (self.config.n_layer, 2, self.config.kv_dim) and n <= self.n_ctx
-        row = kv_dim * 4
-        with self._guard("write KV cache"):
-            host = self._alloc.create(max(data.nbytes, 4), "scratch", "upload")
+            raise BackendError(f"slot KV access while released (level {self._level.value}); restore first")
+        row = self.config.kv_dim * 4
+        what = "write KV cache" if to_device else "read KV cache"
+        with self._guard(what):
+            assert self._device is not None
+            vk = self._device.vk
+            host = self._alloc.create(max(data.nbytes, 4), "scratch", "upload" if to_device else "readback")
             try:
-                assert host.array is not None and self._device is not None
-                host.array[: data.nbytes] = data.reshape(-1).view(np.uint8)
-                vk = self._device.vk
-                with self._device.one_shot("write KV cache") as cmd:
-                    for i, buf in enumerate(b for pair in zip(self._kv.k, self._kv.v, strict=True) for b in pair):
-                        region = vk.VkBufferCopy(srcOffset=i * n * row, dstOffset=seq_id * self.n_ctx * row,
-                                                 size=n * row)
+                assert host.array is not None
+                if to_device:
+                    host.array[: data.nbytes] = data.reshape(-1).view(np.uint8)
+                with self._device.one_shot(what) as cmd:
+                    layers = (b for pair in zip(self._kv.k, self._kv.v, strict=True) for b in pair)
+                    for i, buf in enumerate(layers):
+                        at_cache, at_host = seq_id * self.n_ctx * row, i * n * row
+                        src, dst = (host, buf) if to_device else (buf, host)
+                        region = vk.VkBufferCopy(srcOffset=at_host if to_device else at_cache,
+                                                 dstOffset=at_cache if to_device else at_host, size=n * row)
                         if n:
-                            vk.vkCmdCopyBuffer(cmd, host.handle, buf.handle, 1, [region])
+                            vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, 1, [region])
+                if not to_device:
+                    data.reshape(-1).view(np.uint8)[:] = host.array[: data.nbytes]
             finally:
                 self._alloc.free(host)
 
