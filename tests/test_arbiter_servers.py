@@ -15,6 +15,8 @@ import httpx
 import pytest
 import trio
 
+from serve_procs import wait_ready
+
 pytestmark = pytest.mark.slow
 
 SERVE = [sys.executable, "-m", "trio_llm", "serve", "--backend", "numpy", "--port", "0"]
@@ -60,20 +62,7 @@ async def start(model: Path, arena: Path, *extra: str) -> Server:
     proc = await trio.lowlevel.open_process(
         [*SERVE, "-m", str(model), "--vram-arena", str(arena), *extra], stderr=subprocess.PIPE
     )
-    assert proc.stderr is not None
-    log: list[str] = []
-    url, buf = "", b""
-    with trio.fail_after(90):
-        while "trio-llm: ready" not in log:
-            chunk = await proc.stderr.receive_some()
-            assert chunk, "the server exited during start-up: " + "\n".join(log)
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                text = line.decode().strip("\r")
-                log.append(text)
-                if m := re.search(r"listening on (http://\S+)", text):
-                    url = m.group(1)
+    url, log = await wait_ready(proc, 90)
     return Server(proc, url, log)
 
 

@@ -6,14 +6,13 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-import gguf
-import numpy as np
 import pytest
 
 from trio_llm.errors import InvalidRequest, TemplateError
 from trio_llm.model.chat import ChatTemplate, normalize_messages
 from trio_llm.model.tokenizer import Tokenizer
 from trio_llm.model.vocab import build_vocab
+from vocab_files import read_metadata, write_vocab_gguf
 
 FAMILIES = {"llama3": ("gpt2", "llama"), "chatml": ("gpt2", "qwen2"), "llama2": ("llama", "llama")}
 
@@ -25,14 +24,6 @@ CONVERSATION = [
 ]
 
 
-def _metadata(path: Path) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, field in gguf.GGUFReader(path).fields.items():
-        value = field.contents()
-        out[key] = value.item() if isinstance(value, np.generic) else value
-    return out
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A vocabulary-only GGUF per family, written and read back like a real model."""
@@ -40,20 +31,14 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
     for family, (style, arch) in FAMILIES.items():
         (root / family).mkdir()
-        path = root / family / "vocab.gguf"
-        writer = gguf.GGUFWriter(path, arch)
-        build_vocab(style, 1024, family).write(writer)  # type: ignore[arg-type]
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        out[family] = path
+        spec = build_vocab(style, 1024, family)  # type: ignore[arg-type]
+        out[family] = write_vocab_gguf(root / family / "vocab.gguf", spec, arch)
     return out
 
 
 @pytest.fixture(scope="module")
 def metadata(files: dict[str, Path]) -> dict[str, dict[str, Any]]:
-    return {family: _metadata(path) for family, path in files.items()}
+    return {family: read_metadata(path) for family, path in files.items()}
 
 
 def _template(md: dict[str, Any], **kwargs: Any) -> tuple[ChatTemplate, Tokenizer]:

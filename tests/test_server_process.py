@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import signal
 import socket
 import subprocess
@@ -13,6 +12,7 @@ import httpx
 import pytest
 import trio
 
+from serve_procs import wait_ready
 from trio_llm.runtime import main, parse_config
 
 SERVE = [sys.executable, "-m", "trio_llm", "serve"]
@@ -81,22 +81,7 @@ async def _start(model: Path, *extra: str) -> tuple[trio.Process, str, list[str]
         [*SERVE, "-m", str(model), "--port", "0", "--backend", "numpy", *extra],
         stderr=subprocess.PIPE,
     )
-    assert proc.stderr is not None
-    log: list[str] = []
-    url = ""
-    buf = b""
-    with trio.fail_after(60):
-        while "trio-llm: ready" not in log:
-            chunk = await proc.stderr.receive_some()
-            assert chunk, "the server exited during start-up: " + "\n".join(log)
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                text = line.decode().strip("\r")
-                log.append(text)
-                m = re.search(r"listening on (http://\S+)", text)
-                if m:
-                    url = m.group(1)
+    url, log = await wait_ready(proc, 60)
     return proc, url, log
 
 

@@ -13,14 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import pytest
 
 from trio_llm.errors import InvalidRequest, TokenizerError
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.tokenizer import Tokenizer
-from trio_llm.model.vocab import BYTE, CONTROL, UNUSED, USER_DEFINED, VocabSpec, build_vocab
+from trio_llm.model.vocab import BYTE, CONTROL, UNUSED, USER_DEFINED, build_vocab
+from vocab_files import read_metadata, write_vocab_gguf
 
 FAMILIES = {
     # family: (style, architecture written to general.architecture)
@@ -42,26 +42,6 @@ ROUND_TRIP = [
     "a" * 80,
     "mixed\u00a0nbsp and zero\u200bwidth",
 ]
-
-
-def write_vocab_gguf(path: Path, spec: VocabSpec, arch: str) -> Path:
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_name("vocab-only")
-    spec.write(writer)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def read_metadata(path: Path) -> dict[str, Any]:
-    """The file's key/values as plain Python values, as the model loader hands them over."""
-    out: dict[str, Any] = {}
-    for key, field in gguf.GGUFReader(path).fields.items():
-        value = field.contents()
-        out[key] = value.item() if isinstance(value, np.generic) else value
-    return out
 
 
 @pytest.fixture(scope="module")
