@@ -1,0 +1,118 @@
+"""Greedy continuations agree with llama.cpp's on the same file, on both backends.
+
+For every architecture preset x ``make-model`` weight type, the file is written by
+``make-model`` and loaded by llama.cpp (``xllamacpp``, CPU) and by our backends; each
+prompt's 24-token greedy continuation must satisfy ``llamacpp_ref.agree``: the same
+tokens with llama.cpp's top logprobs within 0.15 nats of ours, and where the paths part,
+both candidates within 0.1 nats in llama.cpp's distribution. A file llama.cpp refuses
+fails here too: that is a bug in our writer.
+
+The rows are (preset, quant) pairs, so a new architecture or type is one more entry in
+``PRESETS`` or ``synth.QUANTS``. The Vulkan rows (lavapipe) run fewer prompts: the
+op tests pin each kernel to numpy, this pins the whole path to llama.cpp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llamacpp_ref import Reference, agree, our_greedy
+from trio_llm.engine.reference import NumpyBackend
+from trio_llm.model.gguf import load_gguf
+from trio_llm.model.synth import QUANTS
+from trio_llm.model.tokenizer import Tokenizer
+from trio_llm.vulkan.backend import VulkanBackend
+
+PRESETS = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-spm"]
+N_CTX = 64
+N_PROMPTS = {"numpy": 3, "vulkan": 2}
+
+
+def _prompts(tok: Tokenizer, n: int) -> list[list[int]]:
+    """Random ordinary (non-special) token ids, 6 to 14 of them, fixed by the seed."""
+    rng = np.random.default_rng(11)
+    plain = [i for i in range(tok.n_vocab) if not tok.is_special(i) and not tok.is_eog(i)]
+    return [[int(t) for t in rng.choice(plain, int(rng.integers(6, 15)))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def llama(model_path) -> Iterator:  # type: ignore[no-untyped-def]
+    """(preset, quant) -> (path, Reference, Tokenizer), one llama.cpp load per file."""
+    made: dict[tuple[str, str], tuple[Path, Reference, Tokenizer]] = {}
+
+    def get(preset: str, quant: str) -> tuple[Path, Reference, Tokenizer]:
+        if (preset, quant) not in made:
+            path = model_path(preset, quant)
+            tok = Tokenizer.from_metadata(load_gguf(path).metadata)
+            made[(preset, quant)] = (path, Reference(path, n_ctx=N_CTX), tok)
+        return made[(preset, quant)]
+
+    yield get
+    for _, ref, _ in made.values():
+        ref.close()
+
+
+def _check(llama, preset: str, quant: str, kind: str) -> None:  # type: ignore[no-untyped-def]
+    path, ref, tok = llama(preset, quant)
+    model = load_gguf(path)
+    backend = NumpyBackend(model, n_ctx=N_CTX, n_seq=1) if kind == "numpy" else VulkanBackend(model, n_ctx=N_CTX, n_seq=1)
+    # llama-server renders control tokens as no text (it detokenizes without specials)
+    failures, report = [], []
+    try:
+        for prompt in _prompts(tok, N_PROMPTS[kind]):
+            theirs = ref.greedy(prompt, lambda t: b"" if tok.is_special(t) else tok.token_to_piece(t))
+            ours = our_greedy(backend, prompt, tok.is_eog)
+            v = agree(ours, theirs)
+            report.append(f"{v.compared} steps, parted at {v.parted_at}, max diff {v.max_diff:.4f}")
+            if not v.ok:
+                failures.append(f"prompt {prompt}: {v.why}\n  ours   {ours[0]}\n  theirs {theirs.tokens}")
+    finally:
+        backend.close()
+    print(f"{preset} {quant} {kind}: " + "; ".join(report))
+    assert not failures, f"{preset} {quant} on {kind}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("quant", list(QUANTS))
+@pytest.mark.parametrize("preset", PRESETS)
+def test_numpy_agrees_with_llamacpp(llama, preset: str, quant: str) -> None:  # type: ignore[no-untyped-def]
+    _check(llama, preset, quant, "numpy")
+
+
+@pytest.mark.vulkan
+@pytest.mark.parametrize("quant", list(QUANTS))
+@pytest.mark.parametrize("preset", PRESETS)
+def test_vulkan_agrees_with_llamacpp(llama, preset: str, quant: str) -> None:  # type: ignore[no-untyped-def]
+    _check(llama, preset, quant, "vulkan")
+
+
+def _lp(values: dict[int, float], n: int = 8) -> np.ndarray:
+    out = np.full(n, -9.0)
+    for k, v in values.items():
+        out[k] = v
+    return out
+
+
+def test_the_rule_accepts_near_ties_and_rejects_real_differences() -> None:
+    """``agree`` itself, on hand-made continuations: a parting between near-ties is
+    fine, one between clearly ranked tokens or with drifted logprobs is not, and a run
+    inside a UTF-8 character (no llama.cpp entry) falls back to our distribution."""
+    from llamacpp_ref import Continuation, Step
+
+    theirs = Continuation([Step(1, {1: -1.0, 2: -1.05}), Step(3, {3: -0.5, 4: -2.0})], "limit")
+    same = ([1, 3], [_lp({1: -1.01, 2: -1.04}), _lp({3: -0.52, 4: -2.1})])
+    assert agree(same, theirs).ok and agree(same, theirs).parted_at is None
+    tie = ([2], [_lp({1: -1.06, 2: -1.04})])  # we pick 2, llama.cpp 1: 0.05 apart
+    assert agree(tie, theirs).ok and agree(tie, theirs).parted_at == 0
+    ranked = ([1, 4], [_lp({1: -1.0, 2: -1.05}), _lp({3: -2.0, 4: -1.9})])
+    v = agree(ranked, theirs)
+    assert not v.ok and "logprob" in v.why  # token 3 is 1.5 nats off
+    drift = ([1, 3], [_lp({1: -1.0, 2: -1.3}), _lp({3: -0.5, 4: -2.0})])
+    assert not agree(drift, theirs).ok
+    run = Continuation([Step(5, None), Step(6, {6: -1.0})], "limit")
+    assert agree(([7], [_lp({5: -1.0, 7: -0.98})]), run).ok
+    assert not agree(([7], [_lp({5: -1.5, 7: -0.98})]), run).ok
+    assert not agree(([5, 6, 1], [_lp({5: -1.0}), _lp({6: -1.0}), _lp({})]), run).ok  # longer
