@@ -61,6 +61,36 @@ class ServerConfig:
     vram_arena: Path | None = None
     sleep_idle_seconds: float = -1.0  # -1: idle sleep off
     shutdown_timeout: float = 5.0  # SIGTERM: in-flight work gets this long, then is cancelled
+    # llama-server's flags beyond the basics (trio_llm.server.flags has the whole table)
+    threads: int = -1  # -t: BLAS threads of the numpy backend; -1: the library's default
+    prio: int = 0  # --prio: -1 low .. 3 realtime
+    ubatch_size: int = 512  # -ub: a forward pass takes at most min(-b, -ub) prompt tokens
+    flash_attn: str = "auto"  # -fa on|off|auto: validated; one attention path exists
+    cache_type_k: str = "f16"  # -ctk
+    cache_type_v: str = "f16"  # -ctv
+    fit: bool = True  # --fit: shrink the context the user did not set to fit the device
+    fit_target: int = 1024  # --fit-target: MiB left free on the device
+    fit_ctx: int = 4096  # --fit-ctx: the smallest context --fit chooses
+    hf_repo: str | None = None  # -hf REPO[:QUANT], resolved into model at parse time
+    hf_file: str | None = None  # -hff
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    cache_prompt: bool = True  # --no-cache-prompt: the request field's default
+    chat_template: str | None = None  # --chat-template(-file): Jinja source replacing the file's
+    chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)  # --chat-template-kwargs
+    reasoning: str = "auto"  # --reasoning on|off|auto: the template's enable_thinking
+    reasoning_effort: str = "default"  # --reasoning-effort: the template's reasoning_effort
+    reasoning_format: str = "auto"  # --reasoning-format
+    endpoint_slots: bool = True  # --slots / --no-slots
+    endpoint_props: bool = False  # --props: POST /props allowed
+    ssl_key_file: Path | None = None
+    ssl_cert_file: Path | None = None
+    log_file: Path | None = None
+    log_disable: bool = False
+    verbose: bool = False
+    verbosity: int = 3
+    set_by_user: frozenset[str] = frozenset()  # the fields a flag or variable set (for --fit)
 
     def __attrs_post_init__(self) -> None:
         _check(0 < self.port < 65536 or self.port == 0, "--port", f"{self.port} is not a TCP port")
@@ -86,9 +116,43 @@ class ServerConfig:
         )
         _check(self.shutdown_timeout >= 0, "shutdown timeout", "must be >= 0")
         _check(self.api_key is None or bool(self.api_key), "--api-key", "empty key")
+        _check(self.threads == -1 or self.threads >= 1, "-t/--threads", f"{self.threads} is not -1 or >= 1")
+        _check(1 <= self.ubatch_size <= 1 << 16, "-ub/--ubatch-size", f"{self.ubatch_size} is not in [1, 65536]")
+        _check(self.fit_ctx >= 1, "-fitc/--fit-ctx", "must be >= 1")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "--presence-penalty", "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "--frequency-penalty", "must be in [-2, 2]")
+        _check("," not in self.host and not self.host.endswith(".sock"), "--host",
+               f"{self.host!r}: one TCP address only (several addresses and UNIX sockets are not supported)")
+        _check((self.ssl_key_file is None) == (self.ssl_cert_file is None), "--ssl-key-file/--ssl-cert-file",
+               "give both or neither")
         if self.model is not None:
             # existence is checked by the loader, which can say what is wrong with the file
             _check(str(self.model) != "", "-m/--model", "empty path")
+
+    @property
+    def api_keys(self) -> frozenset[str]:
+        """--api-key takes several keys, comma-separated (as llama-server)."""
+        return frozenset(k for k in (self.api_key or "").split(",") if k)
+
+    @property
+    def model_ids(self) -> tuple[str, ...]:
+        """--alias takes several names, comma-separated; the first is the id."""
+        return tuple(a.strip() for a in (self.alias or "").split(",") if a.strip())
+
+    @property
+    def n_batch(self) -> int:
+        """Prompt tokens per forward pass: llama.cpp caps the logical batch by the physical."""
+        return min(self.batch_size, self.ubatch_size)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Template variables from the flags: --reasoning's enable_thinking and
+        --reasoning-effort under --chat-template-kwargs (which wins)."""
+        out: dict[str, Any] = {}
+        if self.reasoning != "auto":
+            out["enable_thinking"] = self.reasoning == "on"
+        if self.reasoning_effort != "default":
+            out["reasoning_effort"] = self.reasoning_effort
+        return out | self.chat_template_kwargs
 
     def slot_ctx(self, n_ctx_train: int) -> int:
         """Positions per slot: ``-c`` split evenly over ``-np``, as llama-server does."""
@@ -107,4 +171,7 @@ class ServerConfig:
             "repeat_last_n": self.repeat_last_n,
             "seed": self.seed,
             "n_predict": self.n_predict,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "ignore_eos": self.ignore_eos,
         }

@@ -14,15 +14,15 @@ the grace period. A load in progress is abandoned at its next progress report.
 
 from __future__ import annotations
 
-import argparse
+import inspect
 import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import attrs
 import hypercorn.config
@@ -30,14 +30,17 @@ import hypercorn.trio
 import numpy as np
 import trio
 
-from trio_llm.config import BACKEND_KINDS, SLEEP_MODES, ServerConfig
+from trio_llm import __version__
+from trio_llm.config import ServerConfig
 from trio_llm.engine.actor import BackendActor, BackendClient
 from trio_llm.engine.backend import Backend, SeqBatch
-from trio_llm.errors import ConfigError, TrioLLMError
+from trio_llm.errors import ConfigError, ModelLoadError, TrioLLMError
 from trio_llm.residency.arbiter import Arbiter, open_arbiter
 from trio_llm.residency.residency import Residency, resolve_level
 from trio_llm.residency.sleep import SleepConfig, SleepController
+from trio_llm.server import flags
 from trio_llm.server.context import Engine, ServerContext
+from trio_llm.server.flags import UsageError
 from trio_llm.server.gate import ResidencyGate
 from trio_llm.server.http import create_app
 from trio_llm.server.metrics import StatisticsSources, make_registry
@@ -50,75 +53,29 @@ log = logging.getLogger("trio_llm.serve")
 # flags
 
 
-class UsageError(Exception):
-    """A flag the parser cannot accept: one line on stderr, exit status 2."""
+def parse_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """Flags (and ``LLAMA_ARG_*`` variables) → a validated ``ServerConfig``;
+    ``UsageError`` or ``ConfigError`` otherwise (``trio_llm.server.flags``)."""
+    parsed = flags.parse(argv, environ)
+    if "_help" in parsed.values or "_version" in parsed.values:
+        raise _Exit(flags.usage() if "_help" in parsed.values else f"trio-llm {__version__}")
+    config: ServerConfig = flags.to_config(parsed, environ)
+    if (config.cache_type_k, config.cache_type_v) != ("f16", "f16") and not backend_takes_cache_types():
+        which = "-ctk" if config.cache_type_k != "f16" else "-ctv"
+        raise UsageError(f"{which} {config.cache_type_k if which == '-ctk' else config.cache_type_v}: "
+                         "the backends do not store a quantized KV cache yet (only f16)")
+    return config
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
+class _Exit(Exception):
+    """--help / --version: print this and exit 0."""
 
 
-def _gpu_layers(value: str) -> int:
-    """-ngl takes a count, or llama.cpp's "auto"/"all" (both: everything, as here)."""
-    if value in ("auto", "all"):
-        return -1
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r} (a number, 'auto' or 'all')") from None
+def backend_takes_cache_types() -> bool:
+    """Whether the backend loader accepts ``cache_type_k=``/``cache_type_v=``."""
+    from trio_llm.engine.loader import open_backend
 
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="trio-llm serve",
-        description="Serve a GGUF model over llama-server's and OpenAI's HTTP APIs.",
-        allow_abbrev=False,
-    )
-    d = ServerConfig()
-    add = p.add_argument
-    add("-m", "--model", type=Path, help="GGUF file (default: the embedded demo model)")
-    add("-a", "--alias", help="model name reported by /v1/models (default: the file name)")
-    add("--host", default=d.host, help=f"address to listen on (default {d.host})")
-    add("--port", type=int, default=d.port, help=f"port to listen on (default {d.port})")
-    add("-c", "--ctx-size", type=int, default=d.ctx_size, help="context positions over all slots; 0 = the model's")
-    add("-np", "--parallel", type=int, default=d.parallel, help="slots: requests decoded together")
-    add("-b", "--batch-size", type=int, default=d.batch_size, help="most prompt tokens per forward pass")
-    add("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=d.n_predict,
-        help="default tokens to predict (-1: until end of generation or context full)")
-    add("--temp", type=float, default=d.temp)
-    add("--top-k", type=int, default=d.top_k)
-    add("--top-p", type=float, default=d.top_p)
-    add("--min-p", type=float, default=d.min_p)
-    add("--typical", dest="typical_p", type=float, default=d.typical_p, help="locally typical sampling (1: off)")
-    add("--repeat-penalty", type=float, default=d.repeat_penalty)
-    add("--repeat-last-n", type=int, default=d.repeat_last_n)
-    add("-s", "--seed", type=int, default=d.seed, help="default sampling seed (-1: random)")
-    add("--api-key", default=os.environ.get("LLAMA_API_KEY"), help="require 'Authorization: Bearer KEY'")
-    add("--metrics", action="store_true", help="serve Prometheus metrics at /metrics")
-    add("--slot-save-path", type=Path, help="folder for POST /slots/{id}?action=save|restore files")
-    add("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up forward pass")
-    add("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=_gpu_layers,
-        help="accepted for compatibility: the whole model always runs on the device")
-    add("--n-cpu-moe", type=int, help="accepted for compatibility: no expert layers stay on the CPU")
-    add("--backend", choices=BACKEND_KINDS, default=d.backend, help="compute backend (auto: Vulkan, else numpy)")
-    add("--sleep-mode", choices=SLEEP_MODES, default=d.sleep_mode,
-        help="what an idle or yielding server releases (default weights)")
-    add("--vram-arena", type=Path, default=os.environ.get("LLAMA_VRAM_ARENA"),
-        help="directory shared by servers time-sharing one GPU")
-    add("--sleep-idle-seconds", type=float, default=d.sleep_idle_seconds,
-        help="release device memory after this many idle seconds (-1: never)")
-    add("--shutdown-timeout", type=float, default=d.shutdown_timeout,
-        help="seconds in-flight requests get after SIGTERM")
-    return p
-
-
-def parse_config(argv: Sequence[str]) -> ServerConfig:
-    """Flags → a validated ``ServerConfig``; ``UsageError`` or ``ConfigError`` otherwise."""
-    ns = build_parser().parse_args(list(argv))
-    fields = {f.name for f in attrs.fields(ServerConfig)}
-    values: dict[str, Any] = {k: v for k, v in vars(ns).items() if k in fields}
-    return ServerConfig(**values)
+    return "cache_type_k" in inspect.signature(open_backend).parameters
 
 
 # ---------------------------------------------------------------------------
@@ -184,10 +141,53 @@ def _load(config: ServerConfig, progress: LoadProgress) -> Loaded:
 
     model = load_gguf(_model_path(config))
     tokenizer = Tokenizer.from_metadata(model.metadata)
-    template = ChatTemplate.from_metadata(model.metadata, tokenizer)
-    n_ctx = config.slot_ctx(model.config.n_ctx_train)
-    backend = open_backend(config.backend, model, n_ctx=n_ctx, n_seq=config.parallel, progress=progress)
+    if config.chat_template is not None:  # --chat-template / --chat-template-file
+        template = ChatTemplate.from_source(config.chat_template, tokenizer)
+    else:
+        template = ChatTemplate.from_metadata(model.metadata, tokenizer)
+    n_ctx = fit_slot_ctx(config, model)
+    extra: dict[str, Any] = {}
+    if backend_takes_cache_types():
+        extra = {"cache_type_k": config.cache_type_k, "cache_type_v": config.cache_type_v}
+    if config.threads > 0:
+        # -t: the numpy backend's matrix products run in BLAS; its pool is process-wide
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(limits=config.threads, user_api="blas")
+    backend = open_backend(config.backend, model, n_ctx=n_ctx, n_seq=config.parallel, progress=progress, **extra)
     return Loaded(model, tokenizer, template, backend, os.stat(model.path))
+
+
+def fit_slot_ctx(config: ServerConfig, model: Any) -> int:
+    """Positions per slot, after ``--fit`` (``trio_llm.engine.fit``) has had its say."""
+    from trio_llm.engine import fit
+
+    if not config.fit or config.backend == "numpy":
+        return config.slot_ctx(model.config.n_ctx_train)
+    free = fit.device_free_bytes()
+    if free is None:
+        return config.slot_ctx(model.config.n_ctx_train)
+    cfg = model.config
+    choice = fit.choose_ctx(
+        ctx_size=config.ctx_size, ctx_set="ctx_size" in config.set_by_user, n_ctx_train=cfg.n_ctx_train,
+        parallel=config.parallel, weights=model.weight_bytes(),
+        per_position=fit.kv_bytes_per_position(cfg, config.cache_type_k, config.cache_type_v),
+        compute=fit.compute_bytes(cfg, config.n_batch), free=free, margin=config.fit_target * fit.MiB,
+        fit_ctx=config.fit_ctx,
+    )
+    mib = fit.MiB
+    if choice.changed:
+        log.info("fit: context %d -> %d positions (%d MiB projected, %d MiB free less %d MiB --fit-target)",
+                 config.ctx_size or cfg.n_ctx_train, choice.ctx_size, choice.need // mib, free // mib,
+                 config.fit_target)
+    elif not choice.fits:
+        log.warning("fit: %d positions need %d MiB, more than the %d MiB free less %d MiB --fit-target; "
+                    "loading anyway (%s)", choice.ctx_size, choice.need // mib, free // mib, config.fit_target,
+                    "the context was set by the user" if "ctx_size" in config.set_by_user else "at --fit-ctx")
+    else:
+        log.info("fit: %d positions fit (%d MiB projected, %d MiB free less %d MiB --fit-target)",
+                 choice.ctx_size, choice.need // mib, free // mib, config.fit_target)
+    return max(1, choice.ctx_size // config.parallel)
 
 
 # ---------------------------------------------------------------------------
@@ -293,6 +293,8 @@ async def _serve_http(
     hc.graceful_timeout = config.shutdown_timeout
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
+    if config.ssl_cert_file is not None and config.ssl_key_file is not None:
+        hc.certfile, hc.keyfile = str(config.ssl_cert_file), str(config.ssl_key_file)
     counted = _InFlight(app)
 
     async def end_when_drained(scope: trio.CancelScope) -> None:
@@ -359,7 +361,7 @@ async def _run_loaded(
                 queue = TaskQueue.create(backend.n_seq, assign_send, gate)
                 slots = SlotsEngine(
                     client, gate, tokenizer, queue.inbox(), assign_recv,
-                    n_ctx=backend.n_ctx, n_batch=config.batch_size,
+                    n_ctx=backend.n_ctx, n_batch=config.n_batch,
                 )
                 await actors.start(queue.start_loop)
                 await actors.start(slots.start_loop)
@@ -371,7 +373,7 @@ async def _run_loaded(
                     # on the H200 a first prefill cost 4-6 s of pipeline creation, the
                     # GPU held all the while. Each is a forward pass like any other: no
                     # release (a waiter's yield after the start-up grace) begins under it.
-                    for n in warmup_sizes(backend.n_ctx, config.batch_size):
+                    for n in warmup_sizes(backend.n_ctx, config.n_batch):
                         async with gate.resident():
                             await client.forward([SeqBatch(0, np.full(n, first, np.int32), 0)])
                 device = await client.call(lambda b: b.device_info(), "device_info")
@@ -465,16 +467,17 @@ def _first_leaf(group: BaseExceptionGroup[Any]) -> BaseException:
 def main(argv: list[str]) -> int:
     try:
         config = parse_config(argv)
-    except UsageError as exc:
+    except _Exit as exc:
+        print(exc)
+        return 0
+    except (UsageError, ConfigError) as exc:
         print(f"trio-llm serve: error: {exc}", file=sys.stderr)
         return 2
-    except ConfigError as exc:
+    except ModelLoadError as exc:  # -hf: not in the local cache
         print(f"trio-llm serve: error: {exc}", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
-    logging.basicConfig(level=logging.INFO, format="trio-llm: %(message)s", stream=sys.stderr)
-    logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
+        return 1
+    _setup_logging(config)
+    set_priority(config.prio)
     failure: BaseException | None = None
     try:
         trio.run(partial(serve, config, handle_signals=True, show_progress=True))
@@ -486,3 +489,31 @@ def main(argv: list[str]) -> int:
         print(f"trio-llm serve: error: {failure}", file=sys.stderr)
         return 1
     return 0
+
+
+def _setup_logging(config: ServerConfig) -> None:
+    """-v / -lv 4+: debug; --log-disable: nothing; --log-file: the same lines to a file too."""
+    level = logging.DEBUG if config.verbose or config.verbosity >= 4 else logging.INFO
+    if config.log_disable:
+        level = logging.CRITICAL + 1
+    logging.basicConfig(level=level, format="trio-llm: %(message)s", stream=sys.stderr)
+    if config.log_file is not None:
+        handler = logging.FileHandler(config.log_file)
+        handler.setFormatter(logging.Formatter("trio-llm: %(message)s"))
+        logging.getLogger().addHandler(handler)
+    logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
+
+
+#: --prio -1..3 -> the nice value ggml_set_process_priority gives on Linux
+PRIO_NICE = {-1: 5, 0: 0, 1: -5, 2: -10, 3: -20}
+
+
+def set_priority(prio: int) -> None:
+    """--prio, as llama-server: setpriority(PRIO_PROCESS); a refusal is a warning."""
+    if prio == 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, PRIO_NICE[prio])
+    except OSError as exc:
+        log.warning("--prio %d: failed to set process priority (nice %d): %s",
+                    prio, PRIO_NICE[prio], exc.strerror or exc)

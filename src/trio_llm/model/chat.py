@@ -37,6 +37,44 @@ FALLBACK_TEMPLATE = (
 )
 
 
+#: llama-server's built-in templates that ``--chat-template NAME`` may name here, as
+#: Jinja with the same output as llama.cpp's ``llm_chat_apply_template`` for them
+BUILTIN_TEMPLATES: dict[str, str] = {
+    "chatml": FALLBACK_TEMPLATE,
+    "llama3": (
+        "{%- for message in messages %}"
+        "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+        " + message['content'] | trim + '<|eot_id|>' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+    ),
+    "gemma": (
+        "{%- set ns = namespace(system='') %}"
+        "{%- for message in messages %}"
+        "{%- if message['role'] == 'system' %}{%- set ns.system = ns.system + message['content'] | trim + '\\n\\n' %}"
+        "{%- else %}"
+        "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+        "{{- '<start_of_turn>' + role + '\\n' + ns.system + message['content'] | trim + '<end_of_turn>\\n' }}"
+        "{%- set ns.system = '' %}"
+        "{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+    ),
+    "phi3": (
+        "{%- for message in messages %}"
+        "{{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
+    ),
+    "zephyr": (
+        "{%- for message in messages %}"
+        "{{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|endoftext|>\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
+    ),
+}
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateError(str(message))
 

@@ -53,8 +53,8 @@ class ServerContext:
 
     @property
     def model_id(self) -> str:
-        if self.config.alias:
-            return self.config.alias
+        if self.config.model_ids:
+            return self.config.model_ids[0]
         if self.engine is not None:
             return self.engine.model_path.name
         return self.config.model.name if self.config.model else "default"

@@ -247,11 +247,11 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             return resp
         if request.path in PUBLIC_PATHS:
             return None
-        key = ctx.config.api_key
-        if key is not None:
+        keys = ctx.config.api_keys
+        if keys:
             auth = request.headers.get("Authorization", "")
             given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("X-Api-Key")
-            if given != key:
+            if given not in keys:
                 return _error(401, "Invalid API Key", "authentication_error")
         if ctx.engine is None:
             return _error(503, "Loading model", "unavailable_error")
@@ -295,6 +295,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             "size": e.file_bytes,
         }
         model = {"id": ctx.model_id, "object": "model", "created": e.created, "owned_by": "llamacpp", "meta": meta}
+        if len(ctx.config.model_ids) > 1:
+            model["aliases"] = list(ctx.config.model_ids[1:])
         return _json({"object": "list", "data": [model]})
 
     def generation_settings() -> dict[str, Any]:
@@ -327,8 +329,20 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             }
         )
 
+    @app.post("/props")
+    async def set_props() -> Response:
+        # llama-server accepts the request and changes nothing ("update any props here")
+        if not ctx.config.endpoint_props:
+            return _error(501, "This server does not support changing global properties. Start it with `--props`",
+                          "not_supported_error")
+        await _body()
+        return _json({"success": True})
+
     @app.get("/slots")
     async def slots() -> Response:
+        if not ctx.config.endpoint_slots:
+            return _error(501, "This server does not support slots endpoint. Start it with `--slots`",
+                          "not_supported_error")
         return _json(eng().slots.slot_views())
 
     @app.post("/slots/<int:id_slot>")
@@ -422,11 +436,32 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object")
         messages = P.messages_of(body)
-        return str(eng().template.render(messages, add_generation_prompt=True))
+        kwargs = P.template_kwargs(body, ctx.config)
+        return str(eng().template.render(messages, add_generation_prompt=True, **kwargs))
 
     @app.post("/apply-template")
     async def apply_template() -> Response:
         return _json({"prompt": render_chat(await _body())})
+
+    # -- not built yet: a clear 501, not a 404 ------------------------------------------
+
+    @app.post("/embedding")
+    @app.post("/embeddings")
+    @app.post("/v1/embeddings")
+    async def embeddings() -> Response:
+        return _error(501, "embeddings are not implemented yet in trio-llm (--embeddings is refused)",
+                      "not_supported_error")
+
+    @app.post("/rerank")
+    @app.post("/reranking")
+    @app.post("/v1/rerank")
+    @app.post("/v1/reranking")
+    async def rerank() -> Response:
+        return _error(501, "reranking is not implemented yet in trio-llm (--rerank is refused)", "not_supported_error")
+
+    @app.post("/infill")
+    async def infill() -> Response:
+        return _error(501, "/infill is not implemented yet in trio-llm", "not_supported_error")
 
     # -- generation ----------------------------------------------------------------------
 

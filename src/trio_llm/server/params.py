@@ -133,7 +133,7 @@ def sampling_params(
 ) -> SamplingParams:
     d = limits.defaults
     bias = _logit_bias(body, limits.n_vocab)
-    if get_bool(body, "ignore_eos", False):
+    if get_bool(body, "ignore_eos", d.ignore_eos):
         bias += [(t, -math.inf) for t in sorted(tok.eog_ids)]
     seed = get_int(body, "seed", d.seed, -1, (1 << 64) - 1)
     return SamplingParams(
@@ -144,8 +144,8 @@ def sampling_params(
         typical_p=get_float(body, "typical_p", d.typical_p, 0.0, 1.0),
         repeat_penalty=get_float(body, "repeat_penalty", d.repeat_penalty, 1e-3, 100.0),
         repeat_last_n=get_int(body, "repeat_last_n", d.repeat_last_n, -1, 1 << 31),
-        presence_penalty=get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=get_float(body, "presence_penalty", d.presence_penalty, -2.0, 2.0),
+        frequency_penalty=get_float(body, "frequency_penalty", d.frequency_penalty, -2.0, 2.0),
         seed=DEFAULT_SEED if seed < 0 else seed,
         n_probs=n_probs,
         logit_bias=tuple(bias),
@@ -220,7 +220,7 @@ def _task_params(body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_pre
         n_predict=n_predict,
         sampling=sampling_params(body, limits, tok, n_probs=n_probs),
         stop=get_stop(body),
-        cache_prompt=get_bool(body, "cache_prompt", True),
+        cache_prompt=get_bool(body, "cache_prompt", limits.defaults.cache_prompt),
         id_slot=get_int(body, "id_slot", -1, -1, limits.n_slots - 1),
         stream=get_bool(body, "stream", False),
     )
@@ -337,6 +337,27 @@ def messages_of(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
         raise InvalidRequest("'messages' must be a non-empty list of objects")
     return msgs
+
+
+def template_kwargs(body: Mapping[str, Any], config: ServerConfig) -> dict[str, Any]:
+    """The chat template's extra variables: the server's (``--chat-template-kwargs``,
+    ``--reasoning``, ``--reasoning-effort``) under the request's ``chat_template_kwargs``
+    (and its ``reasoning_effort``), as llama-server merges them."""
+    out = config.template_kwargs()
+    effort = _get(body, "reasoning_effort")
+    if effort is not _MISSING:
+        if not isinstance(effort, str):
+            raise InvalidRequest("'reasoning_effort' must be a string")
+        out["reasoning_effort"] = effort
+    kwargs = _get(body, "chat_template_kwargs")
+    if kwargs is not _MISSING:
+        if not isinstance(kwargs, dict):
+            raise InvalidRequest("'chat_template_kwargs' must be an object")
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & kwargs.keys()
+        if reserved:
+            raise InvalidRequest(f"'chat_template_kwargs' cannot set {sorted(reserved)[0]!r}")
+        out |= kwargs
+    return out
 
 
 def parse_chat(body: Any, tok: Encoder, limits: Limits, rendered: str) -> CompletionRequest:

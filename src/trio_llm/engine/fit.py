@@ -1,0 +1,98 @@
+"""``--fit``: choose the context size the user did not set so the model fits the device.
+
+llama-server's ``--fit on`` (its default) adjusts the arguments the user left unset
+until the projected memory use fits the free device memory minus ``--fit-target``
+MiB; it lowers the context no further than ``--fit-ctx``. Here the whole model always
+runs on the device (no layers move to the CPU), so the context is the one thing to
+adjust: ``choose_ctx`` is that decision, a pure function over byte counts, and
+``device_free_bytes`` reads the free memory of the Vulkan device the backend will use.
+
+The projection: the weights as stored (``GGUFModel.weight_bytes``), the KV cache
+(``kv_bytes_per_position`` x positions, of the ``-ctk``/``-ctv`` types), and a compute
+reserve for one forward pass of ``n_batch`` tokens (activations and logits, float32).
+A context the user set is kept even when it does not fit (llama-server would move
+layers to the CPU, which cannot happen here): that is logged, and the load then fails
+or succeeds on the device's own terms.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+
+from trio_llm.errors import BackendError
+from trio_llm.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+#: bytes per element of each KV cache type (ggml's block sizes: 32 elements a block)
+CACHE_TYPE_BYTES: dict[str, float] = {
+    "f32": 4.0, "f16": 2.0, "bf16": 2.0,
+    "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32,
+}
+
+#: contexts are chosen in steps of this many positions per slot (llama.cpp pads to 256)
+CTX_STEP = 256
+
+
+def kv_bytes_per_position(cfg: ModelConfig, type_k: str, type_v: str) -> int:
+    """K and V of every layer for one position."""
+    return int(cfg.n_layer * cfg.kv_dim * (CACHE_TYPE_BYTES[type_k] + CACHE_TYPE_BYTES[type_v]))
+
+
+def compute_bytes(cfg: ModelConfig, n_batch: int) -> int:
+    """The reserve of one forward pass: per token the residual stream, attention and
+    feed-forward activations, and the logits, in float32."""
+    return 4 * n_batch * (4 * cfg.n_embd + 2 * cfg.n_ff + cfg.n_vocab)
+
+
+@attrs.frozen
+class FitChoice:
+    ctx_size: int  # total positions over all slots
+    fits: bool
+    need: int  # projected bytes at ctx_size
+    budget: int  # free bytes minus the margin
+    changed: bool
+
+
+def choose_ctx(
+    *, ctx_size: int, ctx_set: bool, n_ctx_train: int, parallel: int, weights: int,
+    per_position: int, compute: int, free: int, margin: int, fit_ctx: int,
+) -> FitChoice:
+    """The context to load with. ``ctx_size`` 0 means the model's training context."""
+    total = ctx_size or n_ctx_train
+    budget = free - margin
+
+    def need(ctx: int) -> int:
+        return weights + compute + per_position * ctx
+
+    if need(total) <= budget or ctx_set:
+        return FitChoice(total, need(total) <= budget, need(total), budget, False)
+    room = (budget - weights - compute) // max(per_position, 1)
+    step = CTX_STEP * parallel
+    chosen = (room // step) * step
+    floor = min(fit_ctx, total)
+    chosen = max(min(chosen, total), floor)
+    return FitChoice(chosen, need(chosen) <= budget, need(chosen), budget, chosen != total)
+
+
+def device_free_bytes() -> int | None:
+    """Free bytes of the device-local heap of the Vulkan device the backend uses
+    (VK_EXT_memory_budget: budget minus usage; else the heap's size); None without
+    a usable Vulkan device."""
+    try:
+        from trio_llm.vulkan.device import shared_device
+
+        device = shared_device()
+    except (ImportError, OSError, BackendError) as exc:  # no loader, no device: nothing to fit
+        log.debug("fit: no Vulkan device (%s)", exc)
+        return None
+    local = [i for i, (_size, flags) in enumerate(device.memory_heaps) if flags & 1] or [0]
+    heap = max(local, key=lambda i: device.memory_heaps[i][0])
+    budget = device.budget()
+    if budget:
+        return int(budget[heap]["budget"] - budget[heap]["usage"])
+    return int(device.memory_heaps[heap][0])

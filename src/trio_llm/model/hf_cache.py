@@ -1,0 +1,119 @@
+"""``-hf REPO[:QUANT]``: find the model in llama.cpp's local cache, never download.
+
+llama.cpp (October 2026, ``common/hf-cache.cpp``) keeps ``-hf`` downloads in the
+Hugging Face hub layout: the cache directory is the first of ``$LLAMA_CACHE``,
+``$HF_HUB_CACHE``, ``$HUGGINGFACE_HUB_CACHE``, ``$HF_HOME/hub``,
+``$XDG_CACHE_HOME/huggingface/hub``, ``~/.cache/huggingface/hub``; a repository
+lives in ``models--<owner>--<name>/``, ``refs/main`` (else any ref) holds the commit,
+and the files are under ``snapshots/<commit>/``. Older llama.cpp wrote one flat file,
+``<owner>_<name>_<file>.gguf``, into ``$LLAMA_CACHE`` or ``~/.cache/llama.cpp``: such a
+cache (the one USERS.md's deployment has on its volume) is searched too.
+
+Which file of the repository: ``-hff`` names it (case-insensitively); else the first
+model GGUF (not an mmproj, imatrix or speculative sidecar) whose name holds the quant
+tag followed by ``.`` or ``-`` (case-insensitively), the first part of a split model;
+without a tag, Q4_K_M, then Q8_0, then the first model file - llama.cpp's
+``find_best_model``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from trio_llm.errors import ModelLoadError
+
+_SIDECARS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
+_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+
+
+class NotCached(ModelLoadError):
+    """``-hf`` names a repository or file that is not in the local cache."""
+
+
+def hub_cache_dir(env: Mapping[str, str]) -> Path:
+    for var, sub in (("LLAMA_CACHE", ""), ("HF_HUB_CACHE", ""), ("HUGGINGFACE_HUB_CACHE", ""),
+                     ("HF_HOME", "hub"), ("XDG_CACHE_HOME", "huggingface/hub")):
+        if env.get(var):
+            return Path(env[var]) / sub if sub else Path(env[var])
+    return Path(env.get("HOME") or Path.home()) / ".cache" / "huggingface" / "hub"
+
+
+def flat_cache_dir(env: Mapping[str, str]) -> Path:
+    if env.get("LLAMA_CACHE"):
+        return Path(env["LLAMA_CACHE"])
+    return Path(env.get("HOME") or Path.home()) / ".cache" / "llama.cpp"
+
+
+def split_repo_tag(spec: str) -> tuple[str, str]:
+    repo, _, tag = spec.partition(":")
+    return repo, tag
+
+
+def _is_model(path: str) -> bool:
+    name = path.rsplit("/", 1)[-1]
+    return name.endswith(".gguf") and not any(s in name for s in _SIDECARS)
+
+
+def _first_part(path: str) -> bool:
+    m = _SPLIT.search(path)
+    return m is None or int(m.group(1)) == 1
+
+
+def pick(files: list[str], tag: str, hf_file: str | None) -> str | None:
+    """The file of a repository's ``files`` (relative paths) that ``-hf``/``-hff`` mean."""
+    if hf_file:
+        return next((f for f in files if f.lower() == hf_file.lower()), None)
+    for t in [tag] if tag else ["Q4_K_M", "Q8_0"]:
+        pattern = re.compile(re.escape(t) + r"[.-]", re.IGNORECASE)
+        for f in files:
+            if _is_model(f) and _first_part(f) and pattern.search(f):
+                return f
+    if not tag:
+        return next((f for f in files if _is_model(f) and _first_part(f)), None)
+    return None
+
+
+def _snapshot(repo_dir: Path) -> Path | None:
+    refs = repo_dir / "refs"
+    commits: list[str] = []
+    if refs.is_dir():
+        main = refs / "main"
+        ordered = [main] + sorted(p for p in refs.iterdir() if p != main)
+        for ref in ordered:
+            if ref.is_file():
+                commit = ref.read_text().strip()
+                if re.fullmatch(r"[0-9a-fA-F]{40}", commit):
+                    commits.append(commit)
+    for commit in commits:
+        snap = repo_dir / "snapshots" / commit
+        if snap.is_dir():
+            return snap
+    return None
+
+
+def resolve(spec: str, hf_file: str | None = None, env: Mapping[str, str] | None = None) -> Path:
+    """The cached file for ``-hf spec`` (and ``-hff``); ``NotCached`` names where it looked."""
+    env = os.environ if env is None else env
+    repo, tag = split_repo_tag(spec)
+    hub = hub_cache_dir(env)
+    repo_dir = hub / ("models--" + repo.replace("/", "--"))
+    snap = _snapshot(repo_dir) if repo_dir.is_dir() else None
+    if snap is not None:
+        files = sorted(str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file())
+        chosen = pick(files, tag, hf_file)
+        if chosen is not None:
+            return snap / chosen
+    flat = flat_cache_dir(env)
+    prefix = repo.replace("/", "_") + "_"
+    if flat.is_dir():
+        names = sorted(p.name[len(prefix):] for p in flat.iterdir()
+                       if p.name.startswith(prefix) and p.is_file())
+        chosen = pick(names, tag, hf_file)
+        if chosen is not None:
+            return flat / (prefix + chosen)
+    what = hf_file or (f"quant {tag}" if tag else "a GGUF model file")
+    raise NotCached(spec, f"-hf: {what} is not in the local cache ({repo_dir}, or {flat}/{prefix}*.gguf); "
+                          "nothing is downloaded: put the file there or use -m")

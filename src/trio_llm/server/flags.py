@@ -1,0 +1,816 @@
+"""llama-server's command line, flag for flag: the table and its parser.
+
+Every flag llama-server accepts (its ``--help`` of October 2026, from llama.cpp's
+``common/arg.cpp``: short and long names, negative spellings, ``LLAMA_ARG_*``
+variables) is one ``Flag`` row of ``FLAGS``, of one of three kinds:
+
+- ``works``: it does here what it does there;
+- ``noop``: accepted and validated, with no effect, because what it tunes does not
+  exist here (memory mapping, HTTP threads, a web UI...); its ``help`` says why;
+- ``refused``: a feature not built (LoRA, a projector, a draft model...): one line
+  naming the flag and why, exit status 2.
+
+A ``works`` or ``noop`` flag may still refuse one *value* (``--spec-type draft-mtp``,
+``-ctk iq4_nl``, ``--dry-multiplier 0.8``): what it asks for is then not silently
+dropped. ``docs/server.md`` shows this table (``markdown_table``; a test keeps the
+two equal).
+
+The parser is llama.cpp's, not argparse: an argument is looked up whole (no prefix
+matching, no bundling of short options, so ``-ctk`` is never ``-c tk``); after a
+leading ``--`` underscores read as dashes (``--presence_penalty``); variables are
+read first and a flag on the command line then wins; ``LLAMA_ARG_NO_X`` turns a
+switch with negative spellings off; a repeated flag keeps its last value. One
+extension: ``--name=value`` for a flag that takes a value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+Kind = Literal["works", "noop", "refused"]
+KINDS: tuple[Kind, ...] = ("works", "noop", "refused")
+
+#: KV cache types llama-server accepts for -ctk/-ctv
+LLAMA_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+#: those this server knows how to size and store
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+
+class UsageError(Exception):
+    """A flag the parser cannot accept: one line on stderr, exit status 2."""
+
+
+class FlagValueError(ValueError):
+    """A converter's complaint about a value; the parser prefixes the flag."""
+
+
+@attrs.frozen
+class Flag:
+    """One row of the table: names, what it takes, what happens to it."""
+
+    names: tuple[str, ...]
+    kind: Kind
+    help: str
+    value: str | None = None  # the value's hint; None: a switch
+    neg: tuple[str, ...] = ()  # a switch's negative spellings
+    env: str | None = None
+    dest: str | None = None  # the ServerConfig field (or a parser key starting "_")
+    conv: Callable[[str], Any] = str
+    refuse: Callable[[Any], str | None] | None = None  # why this value is not served
+
+    @property
+    def label(self) -> str:
+        return "/".join(self.names[:2])
+
+
+# ---------------------------------------------------------------------------
+# value converters (a FlagValueError names what was expected)
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise FlagValueError(f"invalid value {text!r} (an integer)") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise FlagValueError(f"invalid value {text!r} (a number)") from None
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def conv(text: str) -> str:
+        if text not in choices:
+            raise FlagValueError(f"invalid value {text!r} (one of {', '.join(choices)})")
+        return text
+
+    return conv
+
+
+TRUTHY = ("on", "enabled", "true", "1")
+FALSEY = ("off", "disabled", "false", "0")
+
+
+def _bool(text: str) -> bool:
+    """llama.cpp's is_truthy / is_falsey."""
+    if text in TRUTHY:
+        return True
+    if text in FALSEY:
+        return False
+    raise FlagValueError(f"invalid value {text!r} (on/off, true/false, 1/0, enabled/disabled)")
+
+
+def _on_off_auto(text: str) -> str:
+    if text in TRUTHY:
+        return "on"
+    if text in FALSEY:
+        return "off"
+    if text in ("auto", "-1"):
+        return "auto"
+    raise FlagValueError(f"invalid value {text!r} (on, off or auto)")
+
+
+def _gpu_layers(text: str) -> int:
+    """-ngl takes a count, or "auto"/"all" (both: everything, as here)."""
+    if text in ("auto", "all"):
+        return -1
+    try:
+        return int(text)
+    except ValueError:
+        raise FlagValueError(f"invalid value {text!r} (a number, 'auto' or 'all')") from None
+
+
+def _cache_type(text: str) -> str:
+    if text not in LLAMA_CACHE_TYPES:
+        raise FlagValueError(f"unsupported cache type {text!r} (one of {', '.join(LLAMA_CACHE_TYPES)})")
+    return text
+
+
+def _no_iq4_nl(value: str) -> str | None:
+    if value not in CACHE_TYPES:
+        return f"cache type {value!r} is not supported here (one of {', '.join(CACHE_TYPES)})"
+    return None
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FlagValueError(f"not valid JSON ({exc.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise FlagValueError(f"must be a JSON object, not {text!r}")
+    return value
+
+
+def _read_text(text: str) -> str:
+    try:
+        return Path(text).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise FlagValueError(f"cannot read {text!r}: {exc.strerror or exc}") from None
+
+
+def _api_key_file(text: str) -> str:
+    """One key per line; ``#`` starts a comment line (as llama-server)."""
+    keys = [ln.strip() for ln in _read_text(text).splitlines()]
+    keys = [k for k in keys if k and not k.startswith("#")]
+    if not keys:
+        raise FlagValueError(f"{text!r} holds no key")
+    return ",".join(keys)
+
+
+def _prio(text: str) -> int:
+    value = _int(text)
+    if not -1 <= value <= 3:
+        raise FlagValueError(f"invalid value {value} (-1 low, 0 normal, 1 medium, 2 high, 3 realtime)")
+    return value
+
+
+def _prio_batch(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 3:
+        raise FlagValueError(f"invalid value {value} (0 normal, 1 medium, 2 high, 3 realtime)")
+    return value
+
+
+def _fit_target(text: str) -> int:
+    """MiB per device, comma-separated; one device here, so one value (the first)."""
+    parts = [p for p in text.split(",") if p]
+    if not parts:
+        raise FlagValueError(f"invalid value {text!r} (MiB, or a comma-separated list)")
+    values = [_int(p) for p in parts]
+    if any(v < 0 for v in values):
+        raise FlagValueError(f"invalid value {text!r} (MiB must be >= 0)")
+    return values[0]
+
+
+def _hf_repo(text: str) -> str:
+    repo = text.split(":")[0]
+    if len(repo.split("/")) != 2 or not all(repo.split("/")):
+        raise FlagValueError(f"invalid HF repo {text!r}, expected <user>/<model>[:quant]")
+    return text
+
+
+def _template(text: str) -> str:
+    """Jinja source, or the name of a built-in template (its source then)."""
+    from trio_llm.model.chat import BUILTIN_TEMPLATES
+
+    if text in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[text]
+    if "{{" in text or "{%" in text:
+        return text
+    raise FlagValueError(
+        f"{text!r} is neither Jinja source nor a built-in template here ({', '.join(sorted(BUILTIN_TEMPLATES))})"
+    )
+
+
+def _not(default: Any, why: str) -> Callable[[Any], str | None]:
+    """Refuse every value but ``default`` (the one that asks for nothing)."""
+    return lambda value: None if value == default else why
+
+
+# ---------------------------------------------------------------------------
+# the table
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(text.split())
+
+
+def W(names: str, help: str, **kw: Any) -> Flag:
+    return Flag(_names(names), "works", help, neg=_names(kw.pop("neg", "")), **kw)
+
+
+def N(names: str, help: str, **kw: Any) -> Flag:
+    return Flag(_names(names), "noop", help, neg=_names(kw.pop("neg", "")), **kw)
+
+
+def R(names: str, help: str, **kw: Any) -> Flag:
+    return Flag(_names(names), "refused", help, neg=_names(kw.pop("neg", "")), **kw)
+
+
+_ONE_DEVICE = "one device runs the whole model"
+_NO_MMAP = "weights are read once into device (or numpy) memory: no mapping or locking to tune"
+_NO_DRAFT = "speculative decoding is not implemented (no draft model)"
+_NO_VISION = "no multimodal projector is loaded (text models only)"
+_LATER = "not implemented yet"
+_NO_DL = "nothing is downloaded here: put the file in place and use -m or -hf"
+
+FLAGS: tuple[Flag, ...] = (
+    # -- common ---------------------------------------------------------------------
+    W("-h --help --usage", "print usage and exit", dest="_help"),
+    W("--version", "print the version and exit", dest="_version"),
+    R("-cl --cache-list", "listing the model cache is not implemented (look in $LLAMA_CACHE)"),
+    R("--completion-bash", "no bash completion script is generated"),
+    W("-t --threads", "CPU threads of the numpy backend's BLAS (the Vulkan backend computes on the device)",
+      value="N", env="LLAMA_ARG_THREADS", dest="threads", conv=_int),
+    N("-tb --threads-batch", "one thread count serves prompt and generation here (-t)", value="N", conv=_int),
+    N("-C --cpu-mask", "CPU affinity is left to the system", value="M"),
+    N("-Cr --cpu-range", "CPU affinity is left to the system", value="lo-hi"),
+    N("--cpu-strict", "CPU affinity is left to the system", value="<0|1>", conv=_int),
+    W("--prio", "process priority as llama-server sets it: nice 5, 0, -5, -10, -20 for -1..3 "
+      "(a warning when the system refuses)", value="N", dest="prio", conv=_prio),
+    N("--poll", "no polling worker threads here", value="<0...100>", conv=_int),
+    N("-Cb --cpu-mask-batch", "CPU affinity is left to the system", value="M"),
+    N("-Crb --cpu-range-batch", "CPU affinity is left to the system", value="lo-hi"),
+    N("--cpu-strict-batch", "CPU affinity is left to the system", value="<0|1>", conv=_int),
+    N("--prio-batch", "--prio sets the whole process's priority", value="N", conv=_prio_batch),
+    N("--poll-batch", "no polling worker threads here", value="<0|1>", conv=_int),
+    W("-c --ctx-size", "context positions over all slots, split evenly (0: the model's)", value="N",
+      env="LLAMA_ARG_CTX_SIZE", dest="ctx_size", conv=_int),
+    W("-n --predict --n-predict", "default tokens to predict (-1: until end of generation or a full context)",
+      value="N", env="LLAMA_ARG_N_PREDICT", dest="n_predict", conv=_int),
+    W("-b --batch-size", "most prompt tokens in one forward pass (with -ub, the smaller)", value="N",
+      env="LLAMA_ARG_BATCH", dest="batch_size", conv=_int),
+    W("-ub --ubatch-size", "physical batch: a forward pass takes at most min(-b, -ub) prompt tokens",
+      value="N", env="LLAMA_ARG_UBATCH", dest="ubatch_size", conv=_int),
+    N("--keep", "tokens kept by a context shift; there is no context shift here", value="N", conv=_int),
+    N("--swa-full", "the KV cache is always full-size", env="LLAMA_ARG_SWA_FULL"),
+    W("-fa --flash-attn", "validated and shown in /props; one attention path exists (the fused one), used for all three",
+      value="[on|off|auto]", env="LLAMA_ARG_FLASH_ATTN", dest="flash_attn", conv=_on_off_auto),
+    N("--perf", "llama.cpp's internal timings; /completion's timings are always given", neg="--no-perf",
+      env="LLAMA_ARG_PERF"),
+    N("-e --escape", "escapes in -p prompts; the server takes prompts over HTTP", neg="--no-escape"),
+    R("--rope-scaling", "overriding the model's RoPE is not supported (the GGUF's values are used)",
+      value="{none,linear,yarn}", env="LLAMA_ARG_ROPE_SCALING_TYPE"),
+    R("--rope-scale", "overriding the model's RoPE is not supported", value="N", env="LLAMA_ARG_ROPE_SCALE"),
+    R("--rope-freq-base", "overriding the model's RoPE is not supported", value="N", env="LLAMA_ARG_ROPE_FREQ_BASE"),
+    R("--rope-freq-scale", "overriding the model's RoPE is not supported", value="N", env="LLAMA_ARG_ROPE_FREQ_SCALE"),
+    R("--yarn-orig-ctx", "YaRN is not supported", value="N", env="LLAMA_ARG_YARN_ORIG_CTX"),
+    R("--yarn-ext-factor", "YaRN is not supported", value="N", env="LLAMA_ARG_YARN_EXT_FACTOR"),
+    R("--yarn-attn-factor", "YaRN is not supported", value="N", env="LLAMA_ARG_YARN_ATTN_FACTOR"),
+    R("--yarn-beta-slow", "YaRN is not supported", value="N", env="LLAMA_ARG_YARN_BETA_SLOW"),
+    R("--yarn-beta-fast", "YaRN is not supported", value="N", env="LLAMA_ARG_YARN_BETA_FAST"),
+    N("-kvo --kv-offload", "the KV cache lives with the model (on the device); --no-kv-offload is refused",
+      neg="-nkvo --no-kv-offload", env="LLAMA_ARG_KV_OFFLOAD",
+      refuse=_not(True, "the KV cache cannot be kept off the device here")),
+    N("--repack", "no CPU weight repacking here", neg="-nr --no-repack", env="LLAMA_ARG_REPACK"),
+    N("--no-host", "no host buffer types here", env="LLAMA_ARG_NO_HOST"),
+    W("-ctk --cache-type-k", "K cache type: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 (iq4_nl is refused)",
+      value="TYPE", env="LLAMA_ARG_CACHE_TYPE_K", dest="cache_type_k", conv=_cache_type, refuse=_no_iq4_nl),
+    W("-ctv --cache-type-v", "V cache type, as -ctk", value="TYPE", env="LLAMA_ARG_CACHE_TYPE_V",
+      dest="cache_type_v", conv=_cache_type, refuse=_no_iq4_nl),
+    N("-dt --defrag-thold", "deprecated in llama-server too; the cache needs no defragmentation", value="N",
+      env="LLAMA_ARG_DEFRAG_THOLD", conv=_float),
+    R("--rpc", "RPC devices are not supported", value="SERVERS", env="LLAMA_ARG_RPC"),
+    N("-lm --load-mode", _NO_MMAP, value="MODE", env="LLAMA_ARG_LOAD_MODE",
+      conv=_choice("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")),
+    N("--mlock", _NO_MMAP, env="LLAMA_ARG_MLOCK"),
+    N("--mmap", _NO_MMAP, neg="--no-mmap", env="LLAMA_ARG_MMAP"),
+    N("-dio --direct-io", _NO_MMAP, neg="-ndio --no-direct-io", env="LLAMA_ARG_DIO"),
+    N("-lzm --lazy-mode", "every tensor is read at load", value="MODE", env="LLAMA_ARG_LAZY_MODE",
+      conv=_choice("on", "auto", "off")),
+    N("--numa", "no NUMA placement here", value="TYPE", env="LLAMA_ARG_NUMA",
+      conv=_choice("distribute", "isolate", "numactl")),
+    R("-dev --device", "choosing the device is not supported: the first Vulkan device is used (--backend numpy: the CPU)",
+      value="<dev1,dev2,..>", env="LLAMA_ARG_DEVICE"),
+    R("--list-devices", "listing devices is not implemented (vulkaninfo --summary lists them)"),
+    R("-ot --override-tensor", "tensor buffer overrides are not supported: " + _ONE_DEVICE,
+      value="<pattern>=<type>,...", env="LLAMA_ARG_OVERRIDE_TENSOR"),
+    N("-cmoe --cpu-moe", "no expert weights stay on the CPU: " + _ONE_DEVICE, env="LLAMA_ARG_CPU_MOE"),
+    N("-ncmoe --n-cpu-moe", "no expert weights stay on the CPU: " + _ONE_DEVICE, value="N",
+      env="LLAMA_ARG_N_CPU_MOE", dest="n_cpu_moe", conv=_int),
+    N("--moe-cache-mib", "no expert weights stay on the CPU, so none are cached", value="N",
+      env="LLAMA_ARG_MOE_CACHE_MIB", conv=_int),
+    N("-ncffn --n-cpu-ffn", "no weights stay on the CPU: " + _ONE_DEVICE, value="N",
+      env="LLAMA_ARG_N_CPU_FFN", conv=_int),
+    N("-ngl --gpu-layers --n-gpu-layers", "the whole model always runs on the device (Vulkan) or the CPU (numpy)",
+      value="N", env="LLAMA_ARG_N_GPU_LAYERS", dest="n_gpu_layers", conv=_gpu_layers),
+    N("-sm --split-mode", _ONE_DEVICE, value="{none,layer,row,tensor}", env="LLAMA_ARG_SPLIT_MODE",
+      conv=_choice("none", "layer", "row", "tensor")),
+    N("-ts --tensor-split", _ONE_DEVICE, value="N0,N1,...", env="LLAMA_ARG_TENSOR_SPLIT"),
+    N("-mg --main-gpu", _ONE_DEVICE + "; an index other than 0 is refused", value="INDEX",
+      env="LLAMA_ARG_MAIN_GPU", conv=_int, refuse=_not(0, "only the first device is used")),
+    W("-fit --fit", "adjust what the user did not set (the context size) so that weights + KV + compute "
+      "fit the device's free memory minus --fit-target; logs what it chose", value="[on|off]",
+      env="LLAMA_ARG_FIT", dest="fit", conv=_bool),
+    W("-fitt --fit-target", "MiB --fit leaves free on the device (the first value of a list)",
+      value="MiB0,MiB1,...", env="LLAMA_ARG_FIT_TARGET", dest="fit_target", conv=_fit_target),
+    W("-fitc --fit-ctx", "smallest context --fit may choose", value="N", env="LLAMA_ARG_FIT_CTX",
+      dest="fit_ctx", conv=_int),
+    N("--check-tensors", "tensor data is not scanned for invalid values"),
+    R("--override-kv", "overriding model metadata is not supported", value="KEY=TYPE:VALUE,..."),
+    N("--op-offload", "every operation runs on the device", neg="--no-op-offload"),
+    R("--lora", "LoRA adapters are not supported", value="FNAME"),
+    R("--lora-scaled", "LoRA adapters are not supported", value="FNAME:SCALE,..."),
+    R("--control-vector", "control vectors are not supported", value="FNAME"),
+    R("--control-vector-scaled", "control vectors are not supported", value="FNAME:SCALE,..."),
+    R("--control-vector-layer-range", "control vectors are not supported", value="START END"),
+    W("-m --model", "GGUF file (default: the embedded demo model)", value="FNAME", env="LLAMA_ARG_MODEL",
+      dest="model", conv=Path),
+    R("-mu --model-url", _NO_DL, value="MODEL_URL", env="LLAMA_ARG_MODEL_URL"),
+    R("-dr --docker-repo", _NO_DL, value="[<repo>/]<model>[:quant]", env="LLAMA_ARG_DOCKER_REPO"),
+    W("-hf -hfr --hf-repo", "a model from llama.cpp's local cache ($LLAMA_CACHE, else the Hugging Face hub "
+      "cache, else the flat ~/.cache/llama.cpp layout); nothing is downloaded", value="<user>/<model>[:quant]",
+      env="LLAMA_ARG_HF_REPO", dest="hf_repo", conv=_hf_repo),
+    W("-hff --hf-file", "the file of --hf-repo to use (instead of the quant tag)", value="FILE",
+      env="LLAMA_ARG_HF_FILE", dest="hf_file"),
+    N("-hft --hf-token", "nothing is downloaded, so no token is needed", value="TOKEN", env="HF_TOKEN"),
+    W("--log-disable", "log nothing", dest="log_disable"),
+    W("--log-file", "log to this file too", value="FNAME", env="LLAMA_ARG_LOG_FILE", dest="log_file", conv=Path),
+    N("--log-jsonl", "logs are plain lines", neg="--no-log-jsonl", env="LLAMA_ARG_LOG_JSONL"),
+    N("--log-colors", "logs are plain lines", value="[on|off|auto]", env="LLAMA_ARG_LOG_COLORS", conv=_on_off_auto),
+    W("-v --verbose --log-verbose", "log everything (debug)", dest="verbose"),
+    N("--offline", "always offline: nothing is downloaded", env="LLAMA_ARG_OFFLINE"),
+    W("-lv --verbosity --log-verbosity", "4 and above: debug logging", value="N",
+      env="LLAMA_ARG_LOG_VERBOSITY", dest="verbosity", conv=_int),
+    N("--log-prefix", "logs are plain lines", neg="--no-log-prefix", env="LLAMA_ARG_LOG_PREFIX"),
+    N("--log-timestamps", "logs are plain lines", neg="--no-log-timestamps", env="LLAMA_ARG_LOG_TIMESTAMPS"),
+    N("--spec-draft-type-k -ctkd --cache-type-k-draft", "only for a draft model (none here)", value="TYPE",
+      env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K", conv=_cache_type),
+    N("--spec-draft-type-v -ctvd --cache-type-v-draft", "only for a draft model (none here)", value="TYPE",
+      env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V", conv=_cache_type),
+    # -- sampling ------------------------------------------------------------------------
+    R("--samplers", "the sampler order is fixed here (penalties, top-k, typical, top-p, min-p, temperature)",
+      value="SAMPLERS"),
+    R("--sampler-seq --sampling-seq", "the sampler order is fixed here", value="SEQUENCE"),
+    W("-s --seed", "default seed (-1: a fresh random seed per request)", value="SEED", dest="seed", conv=_int),
+    W("--ignore-eos", "default of the request field ignore_eos", dest="ignore_eos"),
+    W("--temp --temperature", "default temperature", value="N", env="LLAMA_ARG_TEMPERATURE", dest="temp",
+      conv=_float),
+    W("--top-k", "default top-k", value="N", env="LLAMA_ARG_TOP_K", dest="top_k", conv=_int),
+    W("--top-p", "default top-p", value="N", env="LLAMA_ARG_TOP_P", dest="top_p", conv=_float),
+    W("--min-p", "default min-p", value="N", env="LLAMA_ARG_MIN_P", dest="min_p", conv=_float),
+    N("--top-nsigma --top-n-sigma", "top-n-sigma is not implemented: only -1 (off) is accepted", value="N",
+      conv=_float, refuse=_not(-1.0, "top-n-sigma sampling is not implemented")),
+    N("--xtc-probability", "XTC is not implemented: only 0 (off) is accepted", value="N", conv=_float,
+      refuse=_not(0.0, "XTC sampling is not implemented")),
+    N("--xtc-threshold", "only matters with --xtc-probability", value="N", conv=_float),
+    W("--typical --typical-p", "default locally typical p (1: off)", value="N", dest="typical_p", conv=_float),
+    W("--repeat-last-n", "default repeat window", value="N", dest="repeat_last_n", conv=_int),
+    W("--repeat-penalty", "default repeat penalty", value="N", env="LLAMA_ARG_REPEAT_PENALTY",
+      dest="repeat_penalty", conv=_float),
+    W("--presence-penalty", "default presence penalty", value="N", env="LLAMA_ARG_PRESENCE_PENALTY",
+      dest="presence_penalty", conv=_float),
+    W("--frequency-penalty", "default frequency penalty", value="N", env="LLAMA_ARG_FREQUENCY_PENALTY",
+      dest="frequency_penalty", conv=_float),
+    N("--dry-multiplier", "DRY is not implemented: only 0 (off) is accepted", value="N", conv=_float,
+      refuse=_not(0.0, "DRY sampling is not implemented")),
+    N("--dry-base", "only matters with --dry-multiplier", value="N", conv=_float),
+    N("--dry-allowed-length", "only matters with --dry-multiplier", value="N", conv=_int),
+    N("--dry-penalty-last-n", "only matters with --dry-multiplier", value="N", conv=_int),
+    N("--dry-sequence-breaker", "only matters with --dry-multiplier", value="STRING"),
+    N("--adaptive-target", "adaptive-p is not implemented: only a negative value (off) is accepted", value="N",
+      conv=_float, refuse=lambda v: None if v < 0 else "adaptive-p sampling is not implemented"),
+    N("--adaptive-decay", "only matters with --adaptive-target", value="N", conv=_float),
+    N("--dynatemp-range", "dynamic temperature is not implemented: only 0 (off) is accepted", value="N",
+      conv=_float, refuse=_not(0.0, "dynamic temperature is not implemented")),
+    N("--dynatemp-exp", "only matters with --dynatemp-range", value="N", conv=_float),
+    N("--mirostat", "Mirostat is not implemented: only 0 (off) is accepted", value="N", conv=_int,
+      refuse=_not(0, "Mirostat sampling is not implemented")),
+    N("--mirostat-lr", "only matters with --mirostat", value="N", conv=_float),
+    N("--mirostat-ent", "only matters with --mirostat", value="N", conv=_float),
+    R("-l --logit-bias", "a server-wide logit bias is not supported (send logit_bias in the request)",
+      value="TOKEN_ID(+/-)BIAS"),
+    R("--grammar", "grammars are " + _LATER, value="GRAMMAR"),
+    R("--grammar-file", "grammars are " + _LATER, value="FNAME"),
+    R("-j --json-schema", "JSON schemas are " + _LATER, value="SCHEMA"),
+    R("-jf --json-schema-file", "JSON schemas are " + _LATER, value="FILE"),
+    N("-bs --backend-sampling", "sampling runs on the host", env="LLAMA_ARG_BACKEND_SAMPLING"),
+    # -- server ----------------------------------------------------------------------------
+    R("-lcs --lookup-cache-static", "lookup decoding is not implemented", value="FNAME"),
+    R("-lcd --lookup-cache-dynamic", "lookup decoding is not implemented", value="FNAME"),
+    W("--kv-unified-per-slot", "positions per slot: without -c, the context is -np x N", value="N",
+      env="LLAMA_ARG_KV_UNIFIED_PER_SLOT", dest="_kv_per_slot", conv=_int),
+    N("-ctxcp --ctx-checkpoints --swa-checkpoints", "no context checkpoints are needed here", value="N",
+      env="LLAMA_ARG_CTX_CHECKPOINTS", conv=_int),
+    N("-cms --checkpoint-min-step", "no context checkpoints are needed here", value="N",
+      env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT", conv=_int),
+    N("-cram --cache-ram", "no host-RAM prompt cache: each slot's KV cache is its prompt cache", value="N",
+      env="LLAMA_ARG_CACHE_RAM", conv=_int),
+    N("-kvu --kv-unified", "each slot has its own cache of -c/-np positions", neg="-no-kvu --no-kv-unified",
+      env="LLAMA_ARG_KV_UNIFIED"),
+    N("--cache-idle-slots", "no host-RAM prompt cache", neg="--no-cache-idle-slots",
+      env="LLAMA_ARG_CACHE_IDLE_SLOTS"),
+    N("--context-shift", "no context shift: a full context ends the generation (stop_type limit); "
+      "--context-shift is refused", neg="--no-context-shift", env="LLAMA_ARG_CONTEXT_SHIFT",
+      refuse=_not(False, "context shift is not implemented")),
+    R("-r --reverse-prompt", "server-wide stop words are not supported (send stop in the request)",
+      value="PROMPT"),
+    N("-sp --special", "special tokens are always rendered as their text"),
+    W("--warmup", "warm-up passes before the server reports ready", neg="--no-warmup", dest="warmup"),
+    N("--spm-infill", "only for /infill, which is " + _LATER),
+    R("--pooling", "embeddings are " + _LATER, value="{none,mean,cls,last,rank}", env="LLAMA_ARG_POOLING"),
+    W("-np --parallel", "slots: requests decoded together (-1, llama-server's auto: 1 here)", value="N",
+      env="LLAMA_ARG_N_PARALLEL", dest="parallel", conv=_int),
+    N("-cb --cont-batching", "batching is always continuous", neg="-nocb --no-cont-batching",
+      env="LLAMA_ARG_CONT_BATCHING"),
+    R("-mm --mmproj", "multimodal projectors are not supported (text models only)", value="FILE",
+      env="LLAMA_ARG_MMPROJ"),
+    R("-mmu --mmproj-url", "multimodal projectors are not supported (and nothing is downloaded)", value="URL",
+      env="LLAMA_ARG_MMPROJ_URL"),
+    N("--mmproj-auto", _NO_VISION, neg="--no-mmproj --no-mmproj-auto", env="LLAMA_ARG_MMPROJ_AUTO"),
+    N("--mmproj-offload", _NO_VISION, neg="--no-mmproj-offload", env="LLAMA_ARG_MMPROJ_OFFLOAD"),
+    N("-mmdev --mmproj-device", _NO_VISION, value="DEVICE", env="MTMD_BACKEND_DEVICE"),
+    N("--image-min-tokens", _NO_VISION, value="N", env="LLAMA_ARG_IMAGE_MIN_TOKENS", conv=_int),
+    N("--image-max-tokens", _NO_VISION, value="N", env="LLAMA_ARG_IMAGE_MAX_TOKENS", conv=_int),
+    N("--mtmd-batch-max-tokens", _NO_VISION, value="N", env="LLAMA_ARG_MTMD_BATCH_MAX_TOKENS", conv=_int),
+    N("--video-fps", _NO_VISION, value="N", env="LLAMA_ARG_VIDEO_FPS", conv=_float),
+    N("--video-timestamp-interval", _NO_VISION, value="N", env="LLAMA_ARG_VIDEO_TIMESTAMP_INTERVAL", conv=_int),
+    N("--video-ffmpeg-dir", _NO_VISION, value="DIR", env="LLAMA_ARG_VIDEO_FFMPEG_DIR"),
+    W("-a --alias", "model names, comma-separated: the first is the id in /v1/models and answers",
+      value="STRING", env="LLAMA_ARG_ALIAS", dest="alias"),
+    N("--tags", "informational in llama-server too", value="STRING", env="LLAMA_ARG_TAGS"),
+    N("--embd-normalize", "only for embeddings, which are " + _LATER, value="N", conv=_int),
+    W("--host", "address to listen on (one; no UNIX sockets)", value="HOST", env="LLAMA_ARG_HOST", dest="host"),
+    W("--port", "port to listen on (0: any free port, logged)", value="PORT", env="LLAMA_ARG_PORT", dest="port",
+      conv=_int),
+    N("--reuse-port", "the port is bound once", env="LLAMA_ARG_REUSE_PORT"),
+    R("--path", "serving static files is not supported", value="PATH", env="LLAMA_ARG_STATIC_PATH"),
+    N("--cors-origins", "the Origin is echoed, as llama-server's default *; other values are refused",
+      value="ORIGINS", env="LLAMA_ARG_CORS_ORIGINS", refuse=_not("*", "restricting CORS origins is not implemented")),
+    N("--cors-methods", "preflights allow GET, POST, OPTIONS", value="METHODS", env="LLAMA_ARG_CORS_METHODS"),
+    N("--cors-headers", "preflights echo the requested headers", value="HEADERS", env="LLAMA_ARG_CORS_HEADERS"),
+    N("--cors-credentials", "credentials are always allowed", neg="--no-cors-credentials",
+      env="LLAMA_ARG_CORS_CREDENTIALS"),
+    R("--api-prefix", "serving under a path prefix is not supported", value="PREFIX", env="LLAMA_ARG_API_PREFIX"),
+    N("--ui-config --webui-config", "there is no web UI", value="JSON", env="LLAMA_ARG_UI_CONFIG"),
+    N("--ui-config-file --webui-config-file", "there is no web UI", value="PATH", env="LLAMA_ARG_UI_CONFIG_FILE"),
+    N("--ui-mcp-proxy --webui-mcp-proxy", "there is no web UI", neg="--no-ui-mcp-proxy --no-webui-mcp-proxy",
+      env="LLAMA_ARG_UI_MCP_PROXY"),
+    R("--tools", "built-in agent tools are not implemented", value="TOOL1,TOOL2,...", env="LLAMA_ARG_TOOLS"),
+    R("--tools-runtime", "built-in agent tools are not implemented", value="OPTION", env="LLAMA_ARG_TOOLS_RUNTIME"),
+    R("--mcp-servers-config", "MCP servers are not implemented", value="PATH", env="LLAMA_ARG_MCP_SERVERS_CONFIG"),
+    R("--mcp-servers-json", "MCP servers are not implemented", value="JSON", env="LLAMA_ARG_MCP_SERVERS_JSON"),
+    N("-ag --agent", "built-in agent tools are not implemented; --agent is refused", neg="-no-ag --no-agent",
+      env="LLAMA_ARG_AGENT", refuse=_not(False, "built-in agent tools are not implemented")),
+    N("--ui --webui", "there is no web UI", neg="--no-ui --no-webui", env="LLAMA_ARG_UI"),
+    R("--embedding --embeddings", "embeddings are " + _LATER, env="LLAMA_ARG_EMBEDDINGS"),
+    R("--rerank --reranking", "reranking is " + _LATER, env="LLAMA_ARG_RERANKING"),
+    W("--api-key", "required key(s), comma-separated: Authorization: Bearer KEY (or X-Api-Key)", value="KEY",
+      env="LLAMA_API_KEY", dest="api_key"),
+    W("--api-key-file", "keys, one per line (# comments)", value="FNAME", env="LLAMA_ARG_API_KEY_FILE",
+      dest="_api_key_file", conv=_api_key_file),
+    W("--ssl-key-file", "TLS private key (PEM)", value="FNAME", env="LLAMA_ARG_SSL_KEY_FILE", dest="ssl_key_file",
+      conv=Path),
+    W("--ssl-cert-file", "TLS certificate (PEM)", value="FNAME", env="LLAMA_ARG_SSL_CERT_FILE",
+      dest="ssl_cert_file", conv=Path),
+    W("--chat-template-kwargs", "a JSON object of template variables (a request's chat_template_kwargs "
+      "override them)", value="STRING", env="LLAMA_ARG_CHAT_TEMPLATE_KWARGS", dest="chat_template_kwargs",
+      conv=_json_object),
+    N("-to --timeout", "requests are not timed out by the server", value="N", env="LLAMA_ARG_TIMEOUT", conv=_int),
+    N("--sse-ping-interval", "no SSE pings are sent", value="N", env="LLAMA_ARG_SSE_PING_INTERVAL", conv=_int),
+    N("--threads-http", "HTTP runs on trio tasks, not threads", value="N", env="LLAMA_ARG_THREADS_HTTP",
+      conv=_int),
+    W("--cache-prompt", "default of the request field cache_prompt", neg="--no-cache-prompt",
+      env="LLAMA_ARG_CACHE_PROMPT", dest="cache_prompt"),
+    N("--cache-reuse", "KV shifting is not implemented; the longest cached prefix is always reused",
+      value="N", env="LLAMA_ARG_CACHE_REUSE", conv=_int),
+    W("--metrics", "serve Prometheus metrics at /metrics", env="LLAMA_ARG_ENDPOINT_METRICS", dest="metrics"),
+    W("--props", "allow POST /props (accepted and answered as llama-server: nothing to change)",
+      env="LLAMA_ARG_ENDPOINT_PROPS", dest="endpoint_props"),
+    W("--slots", "the /slots endpoint (on by default; 501 without it)", neg="--no-slots",
+      env="LLAMA_ARG_ENDPOINT_SLOTS", dest="endpoint_slots"),
+    W("--slot-save-path", "folder of POST /slots/{id}?action=save|restore files", value="PATH",
+      env="LLAMA_ARG_SLOT_SAVE_PATH", dest="slot_save_path", conv=Path),
+    N("--media-path", _NO_VISION, value="PATH"),
+    R("--models-dir", "router mode is not supported: run one server per model (llama-swap routes)",
+      value="PATH", env="LLAMA_ARG_MODELS_DIR"),
+    R("--models-preset", "router mode is not supported: run one server per model", value="PATH",
+      env="LLAMA_ARG_MODELS_PRESET"),
+    N("--models-max", "only for router mode", value="N", env="LLAMA_ARG_MODELS_MAX", conv=_int),
+    N("--models-autoload", "only for router mode", neg="--no-models-autoload", env="LLAMA_ARG_MODELS_AUTOLOAD"),
+    N("--jinja", "the Jinja template engine is always used", neg="--no-jinja", env="LLAMA_ARG_JINJA"),
+    W("--reasoning-format", "thoughts in the answer: auto and none leave them in content (extraction into "
+      "reasoning_content is " + _LATER + ", so deepseek and deepseek-legacy are refused)", value="FORMAT",
+      env="LLAMA_ARG_THINK", dest="reasoning_format",
+      conv=_choice("none", "auto", "deepseek", "deepseek-legacy"),
+      refuse=lambda v: None if v in ("none", "auto") else "extracting reasoning_content is " + _LATER),
+    W("-rea --reasoning", "on/off: the template's enable_thinking; auto: the template's default",
+      value="[on|off|auto]", env="LLAMA_ARG_REASONING", dest="reasoning", conv=_on_off_auto),
+    W("--reasoning-effort", "given to the template as reasoning_effort (default: the template's own)",
+      value="LEVEL", env="LLAMA_ARG_REASONING_EFFORT", dest="reasoning_effort"),
+    N("--reasoning-budget", "a thinking budget is " + _LATER + ": only -1 (unrestricted) is accepted",
+      value="N", env="LLAMA_ARG_THINK_BUDGET", conv=_int,
+      refuse=_not(-1, "a reasoning budget is " + _LATER)),
+    N("--reasoning-budget-message", "only matters with --reasoning-budget", value="MESSAGE",
+      env="LLAMA_ARG_THINK_BUDGET_MESSAGE"),
+    N("--reasoning-preserve", "the template sees the messages as sent", neg="--no-reasoning-preserve",
+      env="LLAMA_ARG_REASONING_PRESERVE"),
+    W("--chat-template", "a Jinja template, or a built-in name (chatml, llama3, gemma, phi3, zephyr; others "
+      "are refused)", value="JINJA_TEMPLATE", env="LLAMA_ARG_CHAT_TEMPLATE", dest="chat_template", conv=_template),
+    W("--chat-template-file", "a file holding a Jinja chat template", value="JINJA_TEMPLATE_FILE",
+      env="LLAMA_ARG_CHAT_TEMPLATE_FILE", dest="chat_template", conv=_read_text),
+    N("--skip-chat-parsing", "answers are not parsed yet: everything is content", neg="--no-skip-chat-parsing",
+      env="LLAMA_ARG_SKIP_CHAT_PARSING"),
+    N("--prefill-assistant", "the template renders a last assistant message as the template does",
+      neg="--no-prefill-assistant", env="LLAMA_ARG_PREFILL_ASSISTANT"),
+    N("-sps --slot-prompt-similarity", "a request takes the free slot with the longest cached prefix",
+      value="SIMILARITY", conv=_float),
+    R("--lora-init-without-apply", "LoRA adapters are not supported"),
+    W("--sleep-idle-seconds", "release device memory after N idle seconds (-1: never)", value="SECONDS",
+      dest="sleep_idle_seconds", conv=_float),
+    N("--log-prompts-dir", "prompts are not logged", value="PATH"),
+    R("--spec-draft-hf -hfd -hfrd --hf-repo-draft", _NO_DRAFT, value="<user>/<model>[:quant]",
+      env="LLAMA_ARG_SPEC_DRAFT_HF_REPO"),
+    N("--spec-draft-threads -td --threads-draft", _NO_DRAFT, value="N", conv=_int),
+    N("--spec-draft-threads-batch -tbd --threads-batch-draft", _NO_DRAFT, value="N", conv=_int),
+    N("--spec-draft-cpu-mask -Cd --cpu-mask-draft", _NO_DRAFT, value="M"),
+    N("--spec-draft-cpu-range -Crd --cpu-range-draft", _NO_DRAFT, value="lo-hi"),
+    N("--spec-draft-cpu-strict --cpu-strict-draft", _NO_DRAFT, value="<0|1>", conv=_int),
+    N("--spec-draft-prio --prio-draft", _NO_DRAFT, value="N", conv=_prio_batch),
+    N("--spec-draft-poll --poll-draft", _NO_DRAFT, value="<0|1>", conv=_int),
+    N("--spec-draft-cpu-mask-batch -Cbd --cpu-mask-batch-draft", _NO_DRAFT, value="M"),
+    N("--spec-draft-cpu-strict-batch --cpu-strict-batch-draft", _NO_DRAFT, value="<0|1>", conv=_int),
+    N("--spec-draft-prio-batch --prio-batch-draft", _NO_DRAFT, value="N", conv=_prio_batch),
+    N("--spec-draft-poll-batch --poll-batch-draft", _NO_DRAFT, value="<0|1>", conv=_int),
+    N("--spec-draft-override-tensor -otd --override-tensor-draft", _NO_DRAFT, value="<pattern>=<type>,..."),
+    N("--spec-draft-cpu-moe -cmoed --cpu-moe-draft", _NO_DRAFT, env="LLAMA_ARG_SPEC_DRAFT_CPU_MOE"),
+    N("--spec-draft-n-cpu-moe --spec-draft-ncmoe -ncmoed --n-cpu-moe-draft", _NO_DRAFT, value="N",
+      env="LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE", conv=_int),
+    N("--spec-draft-n-max", "only matters with --spec-type", value="N", env="LLAMA_ARG_SPEC_DRAFT_N_MAX",
+      conv=_int),
+    N("--spec-draft-n-min", "only matters with --spec-type", value="N", env="LLAMA_ARG_SPEC_DRAFT_N_MIN",
+      conv=_int),
+    N("--spec-synth-len", "only matters with --spec-type", value="L", env="LLAMA_ARG_SPEC_SYNTH_LEN",
+      conv=_float),
+    N("--spec-synth-rates", "only matters with --spec-type", value="P0,P1,...", env="LLAMA_ARG_SPEC_SYNTH_RATES"),
+    N("--spec-draft-p-split --draft-p-split", "only matters with --spec-type", value="P",
+      env="LLAMA_ARG_SPEC_DRAFT_P_SPLIT", conv=_float),
+    N("--spec-draft-p-min --draft-p-min", "only matters with --spec-type", value="P",
+      env="LLAMA_ARG_SPEC_DRAFT_P_MIN", conv=_float),
+    N("--spec-draft-backend-sampling", "only matters with --spec-type", neg="--no-spec-draft-backend-sampling",
+      env="LLAMA_ARG_SPEC_DRAFT_BACKEND_SAMPLING"),
+    N("--spec-draft-sampling", "only matters with --spec-type", value="{greedy,probabilistic}",
+      env="LLAMA_ARG_SPEC_DRAFT_SAMPLING", conv=_choice("greedy", "probabilistic")),
+    N("--spec-draft-device -devd --device-draft", _NO_DRAFT, value="<dev1,dev2,..>"),
+    N("--spec-draft-ngl -ngld --gpu-layers-draft --n-gpu-layers-draft", _NO_DRAFT, value="N",
+      env="LLAMA_ARG_N_GPU_LAYERS_DRAFT", conv=_gpu_layers),
+    R("--spec-draft-model -md --model-draft", _NO_DRAFT, value="FNAME", env="LLAMA_ARG_SPEC_DRAFT_MODEL"),
+    N("--spec-type", "speculative decoding is not implemented: only none is accepted", value="TYPES",
+      env="LLAMA_ARG_SPEC_TYPE", refuse=_not("none", _NO_DRAFT)),
+    N("--spec-ngram-mod-n-min", "only matters with --spec-type", value="N", conv=_int),
+    N("--spec-ngram-mod-n-max", "only matters with --spec-type", value="N", conv=_int),
+    N("--spec-ngram-mod-n-match", "only matters with --spec-type", value="N", conv=_int),
+    N("--spec-ngram-simple-size-n", "only matters with --spec-type", value="N", conv=_int),
+    N("--spec-ngram-simple-size-m", "only matters with --spec-type", value="N", conv=_int),
+    N("--spec-ngram-simple-min-hits", "only matters with --spec-type", value="N", conv=_int),
+    N("--spec-ngram-map-k-size-n", "only matters with --spec-type", value="N", conv=_int),
+    N("--spec-ngram-map-k-size-m", "only matters with --spec-type", value="N", conv=_int),
+    N("--spec-ngram-map-k-min-hits", "only matters with --spec-type", value="N", conv=_int),
+    N("--spec-ngram-map-k4v-size-n", "only matters with --spec-type", value="N", conv=_int),
+    N("--spec-ngram-map-k4v-size-m", "only matters with --spec-type", value="N", conv=_int),
+    N("--spec-ngram-map-k4v-min-hits", "only matters with --spec-type", value="N", conv=_int),
+    R("--draft --draft-n --draft-max", "removed from llama-server too: use --spec-draft-n-max or "
+      "--spec-ngram-mod-n-max", value="N", env="LLAMA_ARG_DRAFT_MAX"),
+    R("--draft-min --draft-n-min", "removed from llama-server too: use --spec-draft-n-min", value="N",
+      env="LLAMA_ARG_DRAFT_MIN"),
+    R("--spec-ngram-size-n", "removed from llama-server too", value="N"),
+    R("--spec-ngram-size-m", "removed from llama-server too", value="N"),
+    R("--spec-ngram-min-hits", "removed from llama-server too", value="N"),
+    R("--embd-gemma-default", "preset models are downloaded; " + _NO_DL),
+    R("--fim-qwen-1.5b-default", "preset models are downloaded; " + _NO_DL),
+    R("--fim-qwen-3b-default", "preset models are downloaded; " + _NO_DL),
+    R("--fim-qwen-7b-default", "preset models are downloaded; " + _NO_DL),
+    R("--fim-qwen-7b-spec", "preset models are downloaded; " + _NO_DL),
+    R("--fim-qwen-14b-spec", "preset models are downloaded; " + _NO_DL),
+    R("--fim-qwen-30b-default", "preset models are downloaded; " + _NO_DL),
+    R("--gpt-oss-20b-default", "preset models are downloaded; " + _NO_DL),
+    R("--gpt-oss-120b-default", "preset models are downloaded; " + _NO_DL),
+    R("--vision-gemma-4b-default", "preset models are downloaded; " + _NO_DL),
+    R("--vision-gemma-12b-default", "preset models are downloaded; " + _NO_DL),
+    R("--spec-default", _NO_DRAFT),
+    # -- trio-llm's own ------------------------------------------------------------------
+    W("--backend", "compute backend (auto: Vulkan, else numpy)", value="{auto,numpy,vulkan}", dest="backend",
+      conv=_choice("auto", "numpy", "vulkan")),
+    W("--sleep-mode", "what an idle or yielding server releases", value="{unload,weights,all}",
+      dest="sleep_mode", conv=_choice("unload", "weights", "all")),
+    W("--vram-arena", "directory shared by servers time-sharing one GPU", value="DIR", env="LLAMA_VRAM_ARENA",
+      dest="vram_arena", conv=Path),
+    W("--shutdown-timeout", "seconds in-flight requests get after SIGTERM", value="S", dest="shutdown_timeout",
+      conv=_float),
+)
+
+#: trio-llm's own flags (not llama-server's), for the docs
+OWN = frozenset({"--backend", "--sleep-mode", "--vram-arena", "--shutdown-timeout"})
+
+
+def _index(flags: Sequence[Flag]) -> dict[str, tuple[Flag, bool]]:
+    out: dict[str, tuple[Flag, bool]] = {}
+    for flag in flags:
+        for name in flag.names:
+            assert name not in out, f"{name} twice in the flag table"
+            out[name] = (flag, True)
+        for name in flag.neg:
+            assert name not in out, f"{name} twice in the flag table"
+            out[name] = (flag, False)
+    return out
+
+
+INDEX = _index(FLAGS)
+
+
+# ---------------------------------------------------------------------------
+# parsing
+
+
+@attrs.frozen
+class Parsed:
+    """What the command line and the environment asked for."""
+
+    values: dict[str, Any]  # dest -> value
+    explicit: frozenset[str]  # dests the user set (by flag or variable)
+    used: tuple[str, ...]  # the flags (and variables) given, for the log
+
+
+def _apply(flag: Flag, shown: str, value: Any, values: dict[str, Any]) -> None:
+    if flag.kind == "refused":
+        raise UsageError(f"{shown}: {flag.help}")
+    if flag.refuse is not None and (why := flag.refuse(value)) is not None:
+        raise UsageError(f"{shown} {value if flag.value else ''}".rstrip() + f": {why}")
+    if flag.dest is not None:
+        values[flag.dest] = value
+
+
+def _convert(flag: Flag, shown: str, text: str) -> Any:
+    try:
+        return flag.conv(text)
+    except FlagValueError as exc:
+        raise UsageError(f"{shown}: {exc}") from None
+
+
+def parse(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Parsed:
+    """The values of ``argv`` over those of ``environ`` (llama.cpp's order); a
+    ``UsageError`` names the flag (or variable) and what is wrong."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    explicit: set[str] = set()
+    used: list[str] = []
+    for flag in FLAGS:
+        if flag.env is None:
+            continue
+        neg_env = flag.env.replace("LLAMA_ARG_", "LLAMA_ARG_NO_", 1) if flag.neg else None
+        if neg_env and neg_env in env:
+            name, text = neg_env, "0"
+        elif env.get(flag.env):
+            name, text = flag.env, env[flag.env]
+        else:
+            continue
+        shown = f"{name} ({flag.label})"
+        if flag.value is None:
+            on = _convert(attrs.evolve(flag, conv=_bool), shown, text)
+            if not on and not flag.neg:
+                continue  # llama.cpp: a plain switch's variable acts only when truthy
+            _apply(flag, shown, on, values)
+        else:
+            _apply(flag, shown, _convert(flag, shown, text), values)
+        if flag.dest:
+            explicit.add(flag.dest)
+        used.append(name)
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        inline: str | None = None
+        if arg.startswith("--"):
+            if "=" in arg:
+                arg, inline = arg.split("=", 1)
+            arg = arg.replace("_", "-")
+        hit = INDEX.get(arg)
+        if hit is None:
+            raise UsageError(f"invalid argument: {arg}")
+        flag, positive = hit
+        if flag.kind == "refused":
+            raise UsageError(f"{arg}: {flag.help}")
+        if flag.value is None:
+            if inline is not None:
+                raise UsageError(f"{arg}: takes no value")
+            _apply(flag, arg, positive, values)
+        else:
+            if inline is None:
+                if i >= len(args):
+                    raise UsageError(f"{arg}: expected a value ({flag.value})")
+                inline = args[i]
+                i += 1
+            _apply(flag, arg, _convert(flag, arg, inline), values)
+        if flag.dest:
+            explicit.add(flag.dest)
+        used.append(arg)
+    return Parsed(values, frozenset(explicit), tuple(used))
+
+
+# ---------------------------------------------------------------------------
+# help and docs
+
+
+def usage() -> str:
+    lines = ["usage: trio-llm serve [FLAGS]  (llama-server's flags; see docs/server.md)", ""]
+    for flag in FLAGS:
+        names = ", ".join(flag.names + flag.neg) + (f" {flag.value}" if flag.value else "")
+        tag = "" if flag.kind == "works" else f"[{flag.kind}] "
+        env = f" (env: {flag.env})" if flag.env else ""
+        lines.append(f"  {names:<44} {tag}{flag.help}{env}")
+    return "\n".join(lines)
+
+
+def counts() -> dict[Kind, int]:
+    """How many rows of each kind (trio-llm's own flags excluded)."""
+    out: dict[Kind, int] = dict.fromkeys(KINDS, 0)
+    for flag in FLAGS:
+        if flag.names[0] not in OWN:
+            out[flag.kind] += 1
+    return out
+
+
+def markdown_table() -> str:
+    """The table of ``docs/server.md`` (between its flag-table markers)."""
+    c = counts()
+    rows = [
+        f"{c['works']} flags work, {c['noop']} are accepted without effect (no-op), "
+        f"{c['refused']} are refused; plus trio-llm's own {', '.join(f'`{o}`' for o in sorted(OWN))}.",
+        "",
+        "| flag | env | kind | here |",
+        "| --- | --- | --- | --- |",
+    ]
+    for flag in FLAGS:
+        names = ", ".join(f"`{n}`" for n in flag.names + flag.neg)
+        if flag.value:
+            names += f" `{flag.value}`"
+        env = f"`{flag.env}`" if flag.env else ""
+        kind = "own" if flag.names[0] in OWN else flag.kind
+        text = flag.help.replace("|", "\\|")
+        rows.append(f"| {names} | {env} | {kind} | {text} |")
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------
+# parsed flags -> ServerConfig
+
+
+def to_config(parsed: Parsed, environ: Mapping[str, str] | None = None) -> Any:
+    """A validated ``ServerConfig`` (``ConfigError`` names the flag); ``-hf`` is
+    resolved here from the local cache (``trio_llm.model.hf_cache.NotCached``)."""
+    from trio_llm.config import ServerConfig
+
+    fields = {f.name for f in attrs.fields(ServerConfig)}
+    values = {k: v for k, v in parsed.values.items() if k in fields}
+    explicit = set(parsed.explicit)
+    if values.get("parallel") == -1:  # llama-server's "auto"
+        del values["parallel"]
+    per_slot = parsed.values.get("_kv_per_slot")
+    if per_slot is not None and "ctx_size" not in explicit:
+        values["ctx_size"] = values.get("parallel", ServerConfig().parallel) * per_slot
+        explicit.add("ctx_size")
+    if "_api_key_file" in parsed.values:
+        keys = [k for k in (values.get("api_key"), parsed.values["_api_key_file"]) if k]
+        values["api_key"] = ",".join(keys)
+    if values.get("hf_repo") and values.get("model") is None:
+        from trio_llm.model.hf_cache import resolve
+
+        values["model"] = resolve(values["hf_repo"], values.get("hf_file"), environ)
+        values.setdefault("alias", values["hf_repo"])
+    values["set_by_user"] = frozenset(explicit)
+    return ServerConfig(**values)
+
+
+if __name__ == "__main__":  # the table of docs/server.md
+    print(markdown_table())
