@@ -19,14 +19,16 @@ ModelPathFactory = Callable[..., Path]
 
 @pytest.fixture(scope="session")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> ModelPathFactory:
-    """Factory: ``model_path("tiny", "Q8_0", seed=0) -> Path`` of a synthetic GGUF."""
+    """Factory: ``model_path("tiny", "Q8_0", seed=0, pure=False) -> Path`` of a
+    synthetic GGUF (``pure``: every matrix the mix's base type)."""
     directory = tmp_path_factory.mktemp("models")
-    made: dict[tuple[str, str, int], Path] = {}
+    made: dict[tuple[str, str, int, bool], Path] = {}
 
-    def get(preset: str = "tiny", quant: str = "Q8_0", seed: int = 0) -> Path:
-        key = (preset, quant, seed)
+    def get(preset: str = "tiny", quant: str = "Q8_0", seed: int = 0, pure: bool = False) -> Path:
+        key = (preset, quant, seed, pure)
         if key not in made:
-            made[key] = make_model(preset, quant, directory / f"{preset}-{quant}-s{seed}.gguf", seed=seed)
+            name = f"{preset}-{quant}{'-pure' if pure else ''}-s{seed}.gguf"
+            made[key] = make_model(preset, quant, directory / name, seed=seed, pure=pure)
         return made[key]
 
     return get

@@ -29,6 +29,7 @@ import numpy as np
 import xllamacpp
 
 from trio_llm.engine.backend import Backend, SeqBatch
+from trio_llm.model.tokenizer import Tokenizer
 
 N_PREDICT = 24
 N_PROBS = 10
@@ -123,6 +124,12 @@ def our_greedy(
             return out, lps
         logits = backend.forward([SeqBatch(0, np.array([tok], np.int32), pos)])[0]
         pos += 1
+
+
+def server_piece(tok: Tokenizer) -> Callable[[int], bytes]:
+    """A token's bytes as llama-server reports them: control tokens as none (it
+    detokenizes without specials), for ``Reference.greedy``."""
+    return lambda t: b"" if tok.is_special(t) else tok.token_to_piece(t)
 
 
 @attrs.frozen

@@ -228,10 +228,10 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_unsupported_tensor_type(tmp_path: Path) -> None:
-    shapes = {"blk.0.ffn_up.weight": (64, 256)}  # Q5_K rows need 256 values
-    path = _write(tmp_path / "q5k.gguf", shapes=shapes, types={"blk.0.ffn_up.weight": T.Q5_K})
+    shapes = {"blk.0.ffn_up.weight": (64, 256)}  # IQ2_XXS rows need 256 values
+    path = _write(tmp_path / "iq2.gguf", shapes=shapes, types={"blk.0.ffn_up.weight": T.IQ2_XXS})
     message = _load_error(path, UnsupportedModelError)
-    assert "tensor 'blk.0.ffn_up.weight' has type Q5_K" in message
+    assert "tensor 'blk.0.ffn_up.weight' has type IQ2_XXS" in message
 
 
 def test_missing_tensor(tmp_path: Path) -> None:

@@ -25,11 +25,14 @@ def _weights(rows: int = 64, cols: int = 512, seed: int = 0) -> np.ndarray:
 
 
 # Relative RMS error ceilings for N(0, 0.02) data: 4-bit codes have a step of about
-# range/15 (RMS error step/sqrt(12), about 8% of sigma); 6-bit codes about 2%; 8-bit
-# codes under 1%. Each ceiling leaves ~1.5x headroom over the measured value.
+# range/15 (RMS error step/sqrt(12), about 8% of sigma); 5-bit about 4%; 6-bit codes
+# about 2%; 8-bit codes under 1%; Q3_K's 8 levels over a 16-value sub-block about 15%
+# and Q2_K's 4 levels about 36%. Each ceiling leaves ~1.5x headroom over the measured
+# value.
 RMSE_CEILING = {
-    T.F32: 0.0, T.F16: 1e-3, T.BF16: 5e-3, T.Q8_0: 0.01, T.Q4_0: 0.13,
-    T.Q4_K: 0.12, T.Q6_K: 0.03,
+    T.F32: 0.0, T.F16: 1e-3, T.BF16: 5e-3, T.Q8_0: 0.01, T.Q4_0: 0.13, T.Q4_1: 0.12,
+    T.Q5_0: 0.065, T.Q5_1: 0.06, T.Q2_K: 0.5, T.Q3_K: 0.23, T.Q4_K: 0.12, T.Q5_K: 0.06,
+    T.Q6_K: 0.03, T.IQ4_NL: 0.12, T.IQ4_XS: 0.12,
 }
 
 
@@ -64,9 +67,23 @@ def _q6_k_steps(raw: np.ndarray) -> np.ndarray:
     return d * sc
 
 
+def _q5_k_steps(raw: np.ndarray) -> np.ndarray:
+    blocks = raw.reshape(-1, 176)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n_blocks, 1]
+    sc, _ = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [n_blocks, 8]
+    return d * sc.astype(np.float32)
+
+
+def _q2_k_steps(raw: np.ndarray) -> np.ndarray:
+    blocks = raw.reshape(-1, 84)
+    d = blocks[:, 80:82].copy().view(np.float16).astype(np.float32)  # [n_blocks, 1]
+    return d * (blocks[:, 0:16] & 0x0F).astype(np.float32)  # [n_blocks, 16]
+
+
 @pytest.mark.parametrize(
-    ("qtype", "steps", "sub"), [(T.Q4_K, _q4_k_steps, 32), (T.Q6_K, _q6_k_steps, 16)],
-    ids=["Q4_K", "Q6_K"],
+    ("qtype", "steps", "sub"),
+    [(T.Q2_K, _q2_k_steps, 16), (T.Q4_K, _q4_k_steps, 32), (T.Q5_K, _q5_k_steps, 32), (T.Q6_K, _q6_k_steps, 16)],
+    ids=["Q2_K", "Q4_K", "Q5_K", "Q6_K"],
 )
 def test_k_quant_error_is_at_most_half_a_step(qtype: T, steps, sub: int) -> None:
     """Scales are rounded up, so no value clips: every element lands within half a
@@ -91,6 +108,22 @@ def test_q4_k_packs_the_high_bits_of_six_bit_scales() -> None:
     assert np.abs(y - x).max() < 1.0 / 15
 
 
+@pytest.mark.parametrize("qtype", [T.Q3_K, T.IQ4_NL, T.IQ4_XS], ids=lambda t: t.name)
+def test_signed_codes_map_the_extreme_value_exactly_either_sign(qtype: T) -> None:
+    """Q3_K and the IQ4 types have asymmetric signed ranges (-4..3, -127..113): the
+    value of largest magnitude lands on the wide end whichever its sign, so a block's
+    extreme comes back within float16 rounding of the scale (and of the sub-block scale's
+    6-bit rounding for the two-level types), not clipped to the narrow end."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 256), dtype=np.float32) * np.float32(0.02)
+    x[0, 5], x[1, 200] = 0.5, -0.5  # one dominant value per row, either sign
+    x[2, 17], x[2, 40] = 0.3, -0.3  # both signs at the extreme: one end must give
+    y = gguf.quants.dequantize(quantize(x, qtype), qtype)
+    assert abs(y[0, 5] - 0.5) < 0.02 and abs(y[1, 200] + 0.5) < 0.02
+    assert max(abs(y[2, 17] - 0.3), abs(y[2, 40] + 0.3)) < 0.05
+    assert np.isfinite(y).all()
+
+
 def test_dequantize_of_a_memory_view_is_a_fresh_array() -> None:
     x = _weights(rows=8, cols=256)
     raw = quantize(x, T.F32)
@@ -110,7 +143,7 @@ def test_sizes_follow_ggml_blocks() -> None:
 def test_rows_that_do_not_fill_a_block_are_rejected() -> None:
     with pytest.raises(UnsupportedModelError, match="multiple of Q4_K"):
         quantize(np.zeros((2, 100), dtype=np.float32), T.Q4_K)
-    with pytest.raises(UnsupportedModelError, match="cannot quantize to Q2_K"):
-        quantize(np.zeros((2, 256), dtype=np.float32), T.Q2_K)
+    with pytest.raises(UnsupportedModelError, match="cannot quantize to IQ2_XXS"):
+        quantize(np.zeros((2, 256), dtype=np.float32), T.IQ2_XXS)
     with pytest.raises(UnsupportedModelError, match="needs 144 bytes"):
         dequantize(np.zeros(100, dtype=np.uint8), T.Q4_K, (256,))

@@ -1,7 +1,7 @@
 """Every Vulkan kernel against a numpy reference, on lavapipe (or whatever device runs).
 
-Weights of each type are real ggml blocks (gguf's quantizer, or random K-quant blocks
-with sane scales) and the reference dequantizes them with gguf, so these tests pin the
+Weights of each type are real ggml blocks (gguf's quantizer, or random blocks with sane
+f16 scales for the types gguf cannot encode) and the reference dequantizes them with gguf, so these tests pin the
 shaders' block decoding to the format, not to our own reading of it.
 """
 
@@ -31,7 +31,11 @@ from trio_llm.vulkan.ops import (
 
 pytestmark = pytest.mark.vulkan
 
-QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K"]
+QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+          "IQ4_NL", "IQ4_XS"]
+#: the f16 scale fields of each block (byte offsets) of the types made from random bytes
+F16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+              "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 @attrs.define
@@ -93,17 +97,16 @@ def make_weights(qtype: str, rows: int, cols: int, seed: int = 0) -> tuple[np.nd
     if qtype == "F32":
         w = rng.standard_normal((rows, cols)).astype(np.float32)
         return w, w
-    if qtype in ("F16", "BF16", "Q8_0", "Q4_0"):
+    if qtype not in F16_FIELDS:  # gguf has an encoder
         w = rng.standard_normal((rows, cols)).astype(np.float32)
         raw = quantize(w, t)
-    else:
-        size = 144 if qtype == "Q4_K" else 210
-        raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
-        scales = rng.uniform(0.005, 0.02, size=(rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
-        if qtype == "Q4_K":
-            raw[:, :, 0:4] = scales.reshape(rows, cols // 256, 4)
-        else:
-            raw[:, :, 208:210] = scales[:, :, 0:2]
+    else:  # random blocks exercise every bit of the codes and scales; sane f16 scales
+        qk, size = gguf.GGML_QUANT_SIZES[t]
+        nb = cols // qk
+        raw = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
+        for off in F16_FIELDS[qtype]:
+            d = rng.uniform(0.005, 0.02, size=(rows, nb, 1)).astype(np.float16).view(np.uint8)
+            raw[:, :, off : off + 2] = d
         raw = raw.reshape(rows, -1)
     return raw, dequantize(raw, t).astype(np.float32).reshape(rows, cols)
 
@@ -243,7 +246,7 @@ def test_rope_in_place_and_into_cache(env: Env, mode: int) -> None:
         np.testing.assert_array_equal(v[seq[i], pos[i]], x[i])
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_matvec_rope_rotates_and_writes_the_cache(env: Env, qtype: str) -> None:
     """ROPE_OUT: a q/k/v projection that rotates its output (llama's adjacent pairs) at
     each token's position, in place or into the KV cache row of (sequence, position),

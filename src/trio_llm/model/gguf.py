@@ -29,7 +29,10 @@ from trio_llm.errors import ModelLoadError, UnsupportedModelError
 from trio_llm.model.config import ARCH_ROPE, ModelConfig
 
 #: tensor types the backends implement (quantized ones are dequantized on the fly)
-SUPPORTED_TYPES: frozenset[T] = frozenset({T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K})
+SUPPORTED_TYPES: frozenset[T] = frozenset({
+    T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
+    T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS,
+})
 
 
 @attrs.frozen(eq=False)

@@ -36,7 +36,7 @@ from gguf import LlamaFileType
 from trio_llm.errors import ModelLoadError, TrioLLMError
 from trio_llm.model.config import ARCH_ROPE, ModelConfig
 from trio_llm.model.gguf import expected_shapes
-from trio_llm.model.quant import quantize, tensor_bytes
+from trio_llm.model.quant import block_size, quantize, tensor_bytes
 
 WEIGHT_STD = 0.02
 #: values per generation chunk: big enough to amortise numpy's call overhead, small
@@ -127,19 +127,34 @@ PRESETS: dict[str, Preset] = {
     ]
 }
 
-#: ``--quant`` names: the type of every matrix, or a llama.cpp mix
-QUANTS: dict[str, T | None] = {
-    "F32": T.F32, "F16": T.F16, "BF16": T.BF16, "Q8_0": T.Q8_0, "Q4_0": T.Q4_0,
-    "Q4_K": T.Q4_K, "Q6_K": T.Q6_K, "Q4_K_M": None,
+#: ``--quant`` names that are a ggml type and no llama-quantize mix: every matrix that
+#: type (Q3_K / Q4_K / Q5_K are llama-quantize aliases of their _M mixes; here they stay
+#: pure, the mixes have their own names). Pure K-quants are named by their closest mix.
+PLAIN: dict[str, tuple[T, LlamaFileType]] = {
+    "F32": (T.F32, LlamaFileType.ALL_F32), "F16": (T.F16, LlamaFileType.MOSTLY_F16),
+    "BF16": (T.BF16, LlamaFileType.MOSTLY_BF16), "Q3_K": (T.Q3_K, LlamaFileType.MOSTLY_Q3_K_S),
+    "Q4_K": (T.Q4_K, LlamaFileType.MOSTLY_Q4_K_S), "Q5_K": (T.Q5_K, LlamaFileType.MOSTLY_Q5_K_S),
 }
+#: llama-quantize's mixes (its ftype names): the base type and general.file_type.
+#: ``mix_type`` types each tensor as llama-quantize does for the mix; ``Q4_K_XL`` is an
+#: unsloth-like "dynamic" mix of Q4_K/Q5_K/Q6_K/Q8_0 (no llama-quantize ftype).
+MIXES: dict[str, tuple[T, LlamaFileType]] = {
+    "Q2_K": (T.Q2_K, LlamaFileType.MOSTLY_Q2_K),
+    "Q3_K_S": (T.Q3_K, LlamaFileType.MOSTLY_Q3_K_S), "Q3_K_M": (T.Q3_K, LlamaFileType.MOSTLY_Q3_K_M),
+    "Q3_K_L": (T.Q3_K, LlamaFileType.MOSTLY_Q3_K_L),
+    "Q4_0": (T.Q4_0, LlamaFileType.MOSTLY_Q4_0), "Q4_1": (T.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+    "Q5_0": (T.Q5_0, LlamaFileType.MOSTLY_Q5_0), "Q5_1": (T.Q5_1, LlamaFileType.MOSTLY_Q5_1),
+    "Q4_K_S": (T.Q4_K, LlamaFileType.MOSTLY_Q4_K_S), "Q4_K_M": (T.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
+    "Q5_K_S": (T.Q5_K, LlamaFileType.MOSTLY_Q5_K_S), "Q5_K_M": (T.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),
+    "Q6_K": (T.Q6_K, LlamaFileType.MOSTLY_Q6_K), "Q8_0": (T.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "IQ4_NL": (T.IQ4_NL, LlamaFileType.MOSTLY_IQ4_NL), "IQ4_XS": (T.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS),
+    "Q4_K_XL": (T.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
+}
+#: every ``--quant`` name
+QUANTS: dict[str, tuple[T, LlamaFileType]] = {**PLAIN, **MIXES}
 
-#: general.file_type for each ``--quant`` (pure K-quants are named by their closest mix)
-FILE_TYPES: dict[str, LlamaFileType] = {
-    "F32": LlamaFileType.ALL_F32, "F16": LlamaFileType.MOSTLY_F16,
-    "BF16": LlamaFileType.MOSTLY_BF16, "Q8_0": LlamaFileType.MOSTLY_Q8_0,
-    "Q4_0": LlamaFileType.MOSTLY_Q4_0, "Q4_K": LlamaFileType.MOSTLY_Q4_K_S,
-    "Q6_K": LlamaFileType.MOSTLY_Q6_K, "Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M,
-}
+#: llama-quantize's fallback when a row length is no multiple of the type's block
+_FALLBACK = {T.IQ4_XS: T.IQ4_NL, T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
 
 class MakeModelError(TrioLLMError):
@@ -171,22 +186,70 @@ def use_more_bits(i_layer: int, n_layer: int) -> bool:
     return i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or (i_layer - n_layer // 8) % 3 == 2
 
 
-def _matrix_type(name: str, quant: str, cfg: ModelConfig) -> T:
-    pure = QUANTS[quant]
-    if pure is not None:
-        return pure
-    # Q4_K_M: Q4_K everywhere except the head (or the tied embedding serving as it)
-    # and the attn_v/ffn_down of the use_more_bits layers, which get Q6_K.
-    if name == "output.weight" or (cfg.tied_embeddings and name == "token_embd.weight"):
-        return T.Q6_K
-    if name.startswith("blk.") and name.endswith(("attn_v.weight", "ffn_down.weight")):
-        if use_more_bits(int(name.split(".")[1]), cfg.n_layer):
-            return T.Q6_K
-    return T.Q4_K
+def _role(name: str) -> str:
+    """llama-quantize's tensor category: the name's matrix kind (attn_v, ffn_down, ...)."""
+    if name in ("output.weight", "token_embd.weight"):
+        return name.split(".")[0]
+    return name.split(".")[2] if name.startswith("blk.") else name
 
 
-def plan_tensors(preset: Preset, quant: str) -> list[TensorPlan]:
-    """Every tensor of the file, in file order, with its type."""
+def mix_type(name: str, quant: str, cfg: ModelConfig, n_in: int) -> T:
+    """The type llama-quantize gives matrix ``name`` (rows of ``n_in``) in mix ``quant``
+    (its ``llama_tensor_get_type`` for the dense architectures we make: no experts, no
+    Falcon, no 70B rule), then its fallback for rows the type's blocks do not fill."""
+    base = MIXES[quant][0]
+    role = _role(name)
+    il = int(name.split(".")[1]) if name.startswith("blk.") else 0
+    n = cfg.n_layer
+    more = use_more_bits(il, n)
+    gqa = cfg.n_head // cfg.n_head_kv
+    new = base
+    if role == "output" or (cfg.tied_embeddings and role == "token_embd"):
+        # the head (or the tied embedding serving as it)
+        new = T.Q8_0 if n_in % block_size(base) or base == T.Q8_0 else T.Q6_K
+    elif quant == "Q4_K_XL":
+        # unsloth-like: the sensitive matrices a step or two up, the first layer most
+        new = {
+            "attn_v": T.Q8_0 if il == 0 else T.Q6_K, "attn_output": T.Q5_K,
+            "ffn_down": T.Q8_0 if il == 0 else T.Q6_K if more else T.Q5_K,
+        }.get(role, T.Q4_K)
+    elif role == "attn_v":
+        new = {
+            "Q2_K": T.Q4_K if gqa >= 4 else T.Q3_K,
+            "Q3_K_M": T.Q5_K if il < 2 else T.Q4_K,
+            "Q3_K_L": T.Q5_K,
+            "IQ4_NL": T.Q5_K if gqa >= 4 else base, "IQ4_XS": T.Q5_K if gqa >= 4 else base,
+            "Q4_K_M": T.Q6_K if more else base, "Q5_K_M": T.Q6_K if more else base,
+            "Q4_K_S": T.Q5_K if il < 4 else base,
+        }.get(quant, base)
+    elif role == "ffn_down":
+        new = {
+            "Q2_K": T.Q3_K,
+            "Q3_K_M": T.Q5_K if il < n // 16 else T.Q4_K,
+            "Q3_K_L": T.Q5_K,
+            "Q4_K_M": T.Q6_K if more else base,
+            "IQ4_NL": T.Q5_K if il < n // 8 else base, "IQ4_XS": T.Q5_K if il < n // 8 else base,
+            "Q5_K_M": T.Q6_K if more else base,
+            "Q4_K_S": T.Q5_K if il < n // 8 else base,
+        }.get(quant, base)
+    elif role == "attn_output":
+        new = {"Q2_K": T.Q3_K, "Q3_K_M": T.Q4_K, "Q3_K_L": T.Q5_K}.get(quant, base)
+    if n_in % block_size(new):
+        new = _FALLBACK.get(new, T.F16)
+        if n_in % block_size(new):
+            new = T.F16
+    return new
+
+
+def _matrix_type(name: str, quant: str, cfg: ModelConfig, n_in: int, pure: bool) -> T:
+    if quant in PLAIN or pure:
+        return QUANTS[quant][0]
+    return mix_type(name, quant, cfg, n_in)
+
+
+def plan_tensors(preset: Preset, quant: str, pure: bool = False) -> list[TensorPlan]:
+    """Every tensor of the file, in file order, with its type (``pure``: every matrix
+    the mix's base type, as llama-quantize's ``--pure``)."""
     if quant not in QUANTS:
         raise MakeModelError(f"unknown quant {quant!r} (choose from {', '.join(QUANTS)})")
     cfg = preset.config()
@@ -196,7 +259,7 @@ def plan_tensors(preset: Preset, quant: str) -> list[TensorPlan]:
         plans.append(TensorPlan("rope_freqs.weight", (len(factors),), T.F32, "const", factors))
     for name, shape in expected_shapes(cfg).items():
         if len(shape) == 2:
-            plans.append(TensorPlan(name, shape, _matrix_type(name, quant, cfg), "matrix"))
+            plans.append(TensorPlan(name, shape, _matrix_type(name, quant, cfg, shape[-1], pure), "matrix"))
         else:
             kind: Literal["norm", "bias"] = "bias" if name.endswith(".bias") else "norm"
             plans.append(TensorPlan(name, shape, T.F32, kind))
@@ -299,7 +362,7 @@ def _write_metadata(writer: gguf.GGUFWriter, preset: Preset, quant: str) -> None
     writer.add_name(cfg.name)
     writer.add_string("general.basename", preset.name)
     writer.add_string("general.quantized_by", "trio-llm make-model")
-    writer.add_file_type(int(FILE_TYPES[quant]))
+    writer.add_file_type(int(QUANTS[quant][1]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_vocab_size(cfg.n_vocab)
     writer.add_context_length(cfg.n_ctx_train)
@@ -335,7 +398,7 @@ def _writer(preset: Preset, quant: str, plans: list[TensorPlan]) -> gguf.GGUFWri
     return writer
 
 
-def planned_file_bytes(preset: str, quant: str) -> int:
+def planned_file_bytes(preset: str, quant: str, pure: bool = False) -> int:
     """The exact size ``make_model`` will write, without generating any weights.
 
     Writes only the header (metadata and tensor directory) to a scratch file; the
@@ -343,7 +406,7 @@ def planned_file_bytes(preset: str, quant: str) -> int:
     """
     if preset not in PRESETS:
         raise MakeModelError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
-    plans = plan_tensors(PRESETS[preset], quant)
+    plans = plan_tensors(PRESETS[preset], quant, pure)
     writer = _writer(PRESETS[preset], quant, plans)
     align = writer.data_alignment
     with tempfile.TemporaryDirectory() as scratch:
@@ -365,8 +428,12 @@ def make_model(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     workers: int | None = None,
+    pure: bool = False,
 ) -> Path:
     """Write the ``preset`` model as ``quant`` to ``path`` atomically; return the path.
+
+    ``quant`` is a ``QUANTS`` name: a plain type, or a llama-quantize mix whose base
+    type ``pure`` puts on every matrix instead (llama-quantize's ``--pure``).
 
     ``workers`` defaults to one process per CPU for models above ``POOL_THRESHOLD``
     values and to in-process generation below it; the bytes are the same either way.
@@ -376,7 +443,7 @@ def make_model(
     if seed < 0:
         raise MakeModelError(f"seed must be >= 0, got {seed}")
     p = PRESETS[preset]
-    plans = plan_tensors(p, quant)
+    plans = plan_tensors(p, quant, pure)
     if workers is None:
         n_values = sum(int(np.prod(t.shape)) for t in plans)
         workers = _usable_cpus() if n_values > POOL_THRESHOLD else 1
@@ -460,7 +527,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Write a deterministic synthetic GGUF model of a known shape.",
     )
     parser.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
-    parser.add_argument("--quant", default="Q8_0", help=f"one of: {', '.join(QUANTS)}")
+    parser.add_argument("--quant", default="Q8_0",
+                        help=f"a type, every matrix in it: {', '.join(PLAIN)}; or a llama-quantize mix, "
+                             f"each tensor typed as llama-quantize does: {', '.join(MIXES)}")
+    parser.add_argument("--pure", action="store_true",
+                        help="every matrix in the mix's base type (as llama-quantize --pure)")
     parser.add_argument("-o", "--output", required=True, type=Path, help="GGUF file to write")
     parser.add_argument("--seed", type=int, default=0, help="RNG seed (>= 0)")
     parser.add_argument("--workers", type=int, default=None, help="processes (default: per CPU)")
@@ -492,7 +563,7 @@ def main(argv: list[str]) -> int:
 
     try:
         make_model(args.preset, args.quant, args.output, seed=args.seed,
-                   progress=None if args.quiet else report, workers=args.workers)
+                   progress=None if args.quiet else report, workers=args.workers, pure=args.pure)
     except OSError as exc:
         print(f"trio-llm make-model: error: {args.output}: {exc.strerror or exc}", file=sys.stderr)
         return 1

@@ -12,11 +12,13 @@ import math
 
 import attrs
 import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from trio_llm.vulkan.graph import Dispatch
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import View
-from trio_llm.vulkan.shaders import GATE_UP, ROPE_OUT, STEP_CAP, qtype_defines
+from trio_llm.vulkan.shaders import GATE_UP, QTYPES, ROPE_OUT, STEP_CAP, qtype_defines
 
 #: the step buffer: [n_tokens, n_out, 0, 0] then tokens, positions, seq ids, output rows
 STEP_HEADER = 4
@@ -31,7 +33,7 @@ ROPE_NORMAL = 1
 ROPE_NEOX = 2
 
 #: bytes per block and values per block of the weight types the kernels read
-BLOCK_BYTES = {"F32": (4, 1), "F16": (2, 1), "BF16": (2, 1), "Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
+BLOCK_BYTES = {q: (GGML_QUANT_SIZES[T[q]][1], GGML_QUANT_SIZES[T[q]][0]) for q in QTYPES}
 
 
 def row_bytes(qtype: str, n: int) -> int:

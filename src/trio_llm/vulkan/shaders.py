@@ -29,7 +29,8 @@ from trio_llm.errors import ShaderCompileError
 STEP_CAP = 512
 
 #: weight types the quantized kernels are built for (ggml type names)
-QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
+QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+          "Q6_K", "IQ4_NL", "IQ4_XS")
 
 #: shaders with one variant per weight type
 QUANT_SHADERS = ("matvec", "matmul", "get_rows")
