@@ -24,6 +24,7 @@ from typing import Any
 
 import attrs
 
+from trio_llm.errors import TrioLLMError
 from trio_llm.scenario import record as rec
 from trio_llm.scenario.record import NOT_RESIDENT, Record, RequestRecord
 
@@ -552,7 +553,12 @@ def markdown(record: Record, analysis: Analysis, png: str | None = "timeline.png
 def timeline(record: Record, path: Path, flagged: Iterable[int] = ()) -> None:
     """Residency lanes with requests on top, and device memory per server below.
     ``flagged`` requests (those that broke a check) are drawn in red."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise TrioLLMError(
+            "the scenario report's timeline needs matplotlib: pip install 'trio-llm[scenario]'"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
