@@ -127,10 +127,9 @@ def gpu_breakdown(be, model, replays: int = 20) -> dict:  # type: ignore[no-unty
     Parts run without their barriers compute garbage; only their time matters."""
     import attrs
 
-    from trio_llm.vulkan.forward import build_ops
     from trio_llm.vulkan.graph import Barrier, Dispatch, Graph
 
-    ops = build_ops(be._ops, be.config, be._weights, be._act, be._kv, bucket=1, n_ctx=be.n_ctx)
+    ops = be.lowered(1)
     dispatches = [op for op in ops if isinstance(op, Dispatch)]
     parts = {"all": ops, "no_barriers": [op for op in ops if not isinstance(op, Barrier)]}
     for name in sorted({d.kernel.name for d in dispatches}):
@@ -138,8 +137,7 @@ def gpu_breakdown(be, model, replays: int = 20) -> dict:  # type: ignore[no-unty
         # the same dispatches one after another: the latency each adds to the chain
         parts["serial_" + name] = [x for d in parts["only_" + name] for x in (d, Barrier())]
     for rs in (1, 4):  # rows per matvec subgroup other than the default
-        alt = build_ops(attrs.evolve(be._ops, matvec_rs=rs), be.config, be._weights, be._act, be._kv,
-                        bucket=1, n_ctx=be.n_ctx)
+        alt = be.lowered(1, attrs.evolve(be._ops, matvec_rs=rs))
         parts[f"only_matvec_rs{rs}"] = [d for d in alt if isinstance(d, Dispatch) and d.kernel.name == "matvec"]
         parts[f"no_barriers_rs{rs}"] = [d for d in alt if not isinstance(d, Barrier)]
         parts[f"all_rs{rs}"] = alt

@@ -1,5 +1,6 @@
 #version 450
-// SwiGLU: y = silu(gate) * up, elementwise over the live tokens.
+// SwiGLU: y = silu(gate) * up, elementwise over the live tokens; with GELU defined,
+// GeGLU: y = gelu(gate) * up, gelu in its tanh form (ggml_gelu's).
 #include "common.glsl"
 
 layout(binding = 0, std430) readonly buffer G { float g[]; };
@@ -21,5 +22,11 @@ void main() {
     }
     uint k = t * pc.stride + i;
     float a = g[k];
+#ifdef GELU
+    // 0.5 a (1 + tanh(z)) = a * sigmoid(2 z), which stays finite for large |z|
+    float z = 0.7978845608028654 * (a + 0.044715 * a * a * a);
+    y[k] = a / (1.0 + exp(-2.0 * z)) * u[k];
+#else
     y[k] = a / (1.0 + exp(-a)) * u[k];
+#endif
 }

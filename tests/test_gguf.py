@@ -11,7 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from trio_llm.errors import ModelLoadError, UnsupportedModelError
-from trio_llm.model.config import ModelConfig
+from trio_llm.model.config import ARCH_ROPE, ModelConfig
 from trio_llm.model.gguf import expected_shapes, load_gguf
 from trio_llm.model.quant import quantize, row_bytes, tensor_bytes
 
@@ -104,7 +104,9 @@ def _write(
     w.add_float32(f"{a}.rope.freq_base", cfg.rope_theta)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps)
     w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(cfg.n_vocab)])
-    all_shapes = {**expected_shapes(cfg), **(shapes or {})}
+    # an architecture we do not run still gets llama's tensors: only its name matters
+    known = cfg if cfg.arch in ARCH_ROPE else attrs.evolve(cfg, arch="llama")
+    all_shapes = {**expected_shapes(known), **(shapes or {})}
     for name, shape in all_shapes.items():
         if name in drop_tensors:
             continue

@@ -24,6 +24,11 @@ class UnsupportedModelError(ModelLoadError):
     """The file is well formed but uses an architecture or tensor type we do not run."""
 
 
+class GraphError(TrioLLMError):
+    """A model's graph is inconsistent (a shape mismatch, a missing tensor): raised while
+    the graph is built, naming the node and the shapes."""
+
+
 class TokenizerError(TrioLLMError):
     """The tokenizer section of a model is missing or malformed."""
 

@@ -1,13 +1,15 @@
 """The numpy reference backend: the ground truth every other backend is tested against.
 
-All weights are dequantized to float32 once, at load; the forward pass is the plain
-transformer of llama/qwen2/qwen3 written for clarity, but vectorised: the tokens of
-all batch entries go through each projection as one matrix product, and only the
-attention runs per entry (each entry has its own KV cache and positions).
+All weights are dequantized to float32 once, at load. The forward pass is the
+architecture's graph (``trio_llm.models``, the same graph the Vulkan backend lowers),
+interpreted one node at a time with one plain numpy function per op, vectorised: the
+tokens of all batch entries go through each projection as one matrix product, and only
+attention runs per entry (each entry has its own cache and positions; each layer's
+cache is laid out by its memory kind, ``engine/memory.py``).
 
 There is no device, so ``memory()`` reports the host arrays as if they were device
 memory, and residency is real in the one way that matters to the server's logic:
-``release(ALL)`` moves the KV cache out to a host dict and ``release(UNLOAD)`` drops
+``release(ALL)`` moves the KV cache out to a host list and ``release(UNLOAD)`` drops
 the weights, which ``restore()`` then reloads from the GGUF file.
 """
 
@@ -20,105 +22,19 @@ import attrs
 import numpy as np
 
 from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch, check_batch
-from trio_llm.errors import BackendError, InvalidRequest, ModelLoadError
+from trio_llm.engine.memory import LayerMemory, plan_memory, reusable_prefix
+from trio_llm.errors import BackendError, GraphError, InvalidRequest, ModelLoadError
+from trio_llm.graph import Graph, Node, Tensor
 from trio_llm.model.config import ModelConfig
-from trio_llm.model.gguf import GGUFModel, expected_shapes, load_gguf
+from trio_llm.model.gguf import GGUFModel, load_gguf
+from trio_llm.models import build_graph
+
+#: most tokens of one sequence per interpretation of the graph (a sliding-window
+#: layer's cache holds this many beyond its window)
+DEFAULT_CHUNK = 512
 
 #: how deep each level releases, so a deeper release after a shallower one escalates
 _DEPTH = {Level.WEIGHTS: 1, Level.ALL: 2, Level.UNLOAD: 3}
-
-
-@attrs.define(eq=False)
-class LayerWeights:
-    attn_norm: np.ndarray  # [n_embd]
-    wq: np.ndarray  # [q_dim, n_embd]
-    wk: np.ndarray  # [kv_dim, n_embd]
-    wv: np.ndarray  # [kv_dim, n_embd]
-    wo: np.ndarray  # [n_embd, q_dim]
-    ffn_norm: np.ndarray  # [n_embd]
-    w_gate: np.ndarray  # [n_ff, n_embd]
-    w_up: np.ndarray  # [n_ff, n_embd]
-    w_down: np.ndarray  # [n_embd, n_ff]
-    bq: np.ndarray | None = None  # [q_dim] (qwen2)
-    bk: np.ndarray | None = None  # [kv_dim] (qwen2)
-    bv: np.ndarray | None = None  # [kv_dim] (qwen2)
-    q_norm: np.ndarray | None = None  # [head_dim] (qwen3)
-    k_norm: np.ndarray | None = None  # [head_dim] (qwen3)
-
-
-@attrs.define(eq=False)
-class Weights:
-    token_embd: np.ndarray  # [n_vocab, n_embd]
-    output_norm: np.ndarray  # [n_embd]
-    output: np.ndarray  # [n_vocab, n_embd]; the same array as token_embd when tied
-    layers: list[LayerWeights]
-    # llama-3 style RoPE scaling stored in the file: one divisor per frequency
-    rope_freq_factors: np.ndarray | None  # [head_dim // 2]
-
-    def nbytes(self) -> int:
-        arrays: dict[int, np.ndarray] = {}
-        for a in (self.token_embd, self.output_norm, self.output, self.rope_freq_factors):
-            if a is not None:
-                arrays[id(a)] = a
-        for layer in self.layers:
-            for a in attrs.astuple(layer, recurse=False):
-                if a is not None:
-                    arrays[id(a)] = a
-        return sum(a.nbytes for a in arrays.values())
-
-
-def load_weights(model: GGUFModel, progress: Progress | None = None) -> Weights:
-    """Dequantize every tensor the forward pass uses to float32."""
-    cfg = model.config
-    # exactly the tensors read below, so that progress ends at (total, total)
-    total = sum(model.tensor(n).n_bytes for n in expected_shapes(cfg))
-    done = 0
-
-    def get(name: str) -> np.ndarray:
-        nonlocal done
-        info = model.tensor(name)
-        arr = np.ascontiguousarray(info.dequantize(), dtype=np.float32)
-        done += info.n_bytes
-        if progress is not None:
-            progress(done, total)
-        return arr
-
-    def opt(name: str) -> np.ndarray | None:
-        return get(name) if name in model.tensors else None
-
-    layers = []
-    for i in range(cfg.n_layer):
-        b = f"blk.{i}."
-        layers.append(
-            LayerWeights(
-                attn_norm=get(b + "attn_norm.weight"),
-                wq=get(b + "attn_q.weight"),
-                wk=get(b + "attn_k.weight"),
-                wv=get(b + "attn_v.weight"),
-                wo=get(b + "attn_output.weight"),
-                ffn_norm=get(b + "ffn_norm.weight"),
-                w_gate=get(b + "ffn_gate.weight"),
-                w_up=get(b + "ffn_up.weight"),
-                w_down=get(b + "ffn_down.weight"),
-                bq=opt(b + "attn_q.bias") if cfg.attn_bias else None,
-                bk=opt(b + "attn_k.bias") if cfg.attn_bias else None,
-                bv=opt(b + "attn_v.bias") if cfg.attn_bias else None,
-                q_norm=opt(b + "attn_q_norm.weight") if cfg.qk_norm else None,
-                k_norm=opt(b + "attn_k_norm.weight") if cfg.qk_norm else None,
-            )
-        )
-    token_embd = get("token_embd.weight")
-    output_norm = get("output_norm.weight")
-    output = token_embd if cfg.tied_embeddings else get("output.weight")
-    factors = None
-    if "rope_freqs.weight" in model.tensors:
-        factors = model.tensor("rope_freqs.weight").dequantize().astype(np.float32).reshape(-1)
-        if factors.shape != (cfg.head_dim // 2,):
-            raise ModelLoadError(
-                model.path,
-                f"tensor 'rope_freqs.weight' has {factors.shape[0]} values, expected {cfg.head_dim // 2}",
-            )
-    return Weights(token_embd, output_norm, output, layers, factors)
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -134,13 +50,28 @@ def silu(x: np.ndarray) -> np.ndarray:
 def rope_tables(
     cfg: ModelConfig, n_pos: int, freq_factors: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of every (position, frequency) pair, computed in float64."""
-    half = cfg.head_dim // 2
-    inv_freq = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim)  # [half]
+    """cos and sin of every (position, frequency) pair of ``cfg``'s global RoPE."""
+    return rope_angles(cfg.head_dim, cfg.rope_theta, n_pos, freq_factors)
+
+
+def rope_angles(
+    head_dim: int, theta: float, n_pos: int, freq_factors: np.ndarray | None = None,
+    freq_scale: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin ``[n_pos, head_dim // 2]``, computed in float64: the angle of
+    frequency i at position p is ``p * freq_scale * theta^(-2i/d) / factor_i``."""
+    half = head_dim // 2
+    inv_freq = theta ** (-np.arange(half, dtype=np.float64) * 2.0 / head_dim)  # [half]
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.astype(np.float64)  # [half]
-    angles = np.arange(n_pos, dtype=np.float64)[:, None] * inv_freq[None, :]  # [n_pos, half]
+    angles = np.arange(n_pos, dtype=np.float64)[:, None] * (freq_scale * inv_freq[None, :])  # [n_pos, half]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """gelu's tanh form, as ggml's ``ggml_gelu``."""
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    return 0.5 * x * (1.0 + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))  # type: ignore[no-any-return]
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str) -> np.ndarray:
@@ -170,37 +101,40 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str) -> np
 ATTN_BLOCK_SCORES = 1 << 24
 
 
-def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarray:
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, window: int = 0,
+           k_pos: np.ndarray | None = None, scale: float | None = None) -> np.ndarray:
     """Causal grouped-query attention of one sequence.
 
     ``q`` [n, n_head, hd] are the queries of positions pos0..pos0+n-1; ``k``/``v``
-    [T, n_head_kv, hd] the cache of positions 0..T-1 (T = pos0 + n). Query head h
-    reads KV head h // (n_head / n_head_kv), llama.cpp's and transformers' grouping.
+    [T, n_head_kv, hd] the keys of positions ``k_pos`` [T] (default 0..T-1, T = pos0 + n).
+    Query head h reads KV head h // (n_head / n_head_kv), llama.cpp's and transformers'
+    grouping. ``window`` > 0 hides keys ``window`` or more positions back.
     """
     n, n_head, hd = q.shape
     t = k.shape[0]
+    kp = np.arange(t) if k_pos is None else k_pos  # [T]
+    s = np.float32(1.0 / np.sqrt(hd) if scale is None else scale)
     rows = max(1, ATTN_BLOCK_SCORES // (n_head * t))
-    if n <= rows:
-        return _attend_block(q, k, v, pos0)
     out = np.empty_like(q)  # [n, n_head, hd]
     for a in range(0, n, rows):
         b = min(n, a + rows)
-        # a block only sees the cache up to its own last position
-        out[a:b] = _attend_block(q[a:b], k[: pos0 + b], v[: pos0 + b], pos0 + a)
+        out[a:b] = _attend_block(q[a:b], k, v, pos0 + a + np.arange(b - a), kp, window, s)
     return out
 
 
-def _attend_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarray:
+def _attend_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
+                  window: int, scale: np.float32) -> np.ndarray:
     n, n_head, hd = q.shape
     t, n_kv, _ = k.shape
     n_gqa = n_head // n_kv
     qg = q.reshape(n, n_kv, n_gqa, hd).transpose(1, 2, 0, 3)  # [n_kv, n_gqa, n, hd]
     kt = k.transpose(1, 2, 0)[:, None]  # [n_kv, 1, hd, T]
     vt = v.transpose(1, 0, 2)[:, None]  # [n_kv, 1, T, hd]
-    scores = np.matmul(qg, kt) * np.float32(1.0 / np.sqrt(hd))  # [n_kv, n_gqa, n, T]
-    q_pos = pos0 + np.arange(n)[:, None]  # [n, 1]
-    future = np.arange(t)[None, :] > q_pos  # [n, T]
-    scores = np.where(future, np.float32(-np.inf), scores)  # [n_kv, n_gqa, n, T]
+    scores = np.matmul(qg, kt) * scale  # [n_kv, n_gqa, n, T]
+    hidden = k_pos[None, :] > q_pos[:, None]  # [n, T]
+    if window:
+        hidden |= q_pos[:, None] - k_pos[None, :] >= window
+    scores = np.where(hidden, np.float32(-np.inf), scores)  # [n_kv, n_gqa, n, T]
     scores = scores - scores.max(axis=-1, keepdims=True)
     p = np.exp(scores)  # [n_kv, n_gqa, n, T]
     p /= p.sum(axis=-1, keepdims=True)
@@ -208,68 +142,131 @@ def _attend_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.
     return out.transpose(2, 0, 1, 3).reshape(n, n_head, hd)  # type: ignore[no-any-return]
 
 
+@attrs.define(eq=False)
+class Step:
+    """What one interpretation of the graph runs over: the batch, flattened."""
+
+    entries: list[SeqBatch]
+    tokens: np.ndarray  # [N] int64
+    pos: np.ndarray  # [N] positions
+    bounds: np.ndarray  # [B + 1] where each entry's tokens start
+    out_rows: np.ndarray  # [O] rows whose logits are wanted
+
+
+def load_weights(model: GGUFModel, names: Sequence[str], progress: Progress | None = None) -> dict[str, np.ndarray]:
+    """Dequantize the tensors ``names`` to float32, in file shape."""
+    total = sum(model.tensor(n).n_bytes for n in names)
+    done = 0
+    out: dict[str, np.ndarray] = {}
+    for name in names:
+        info = model.tensor(name)
+        out[name] = np.ascontiguousarray(info.dequantize(), dtype=np.float32)
+        done += info.n_bytes
+        if progress is not None:
+            progress(done, total)
+    return out
+
+
 @attrs.define(eq=False, init=False)
 class NumpyBackend:
-    """``trio_llm.engine.backend.Backend`` in numpy, float32 throughout."""
+    """``trio_llm.engine.backend.Backend`` in numpy, float32 throughout: it interprets
+    the architecture's graph (``trio_llm.models``) one node at a time."""
 
     name: str = attrs.field(init=False, default="numpy")
     config: ModelConfig = attrs.field(init=False)
     n_ctx: int = attrs.field(init=False)
     n_seq: int = attrs.field(init=False)
+    graph: Graph = attrs.field(init=False)
+    layers: list[LayerMemory] = attrs.field(init=False)
+    _chunk: int = attrs.field(init=False)
     _path: Path = attrs.field(init=False)
     _progress: Progress | None = attrs.field(init=False)
-    _weights: Weights | None = attrs.field(init=False, default=None)
-    _k: np.ndarray | None = attrs.field(init=False, default=None)
-    _v: np.ndarray | None = attrs.field(init=False, default=None)
-    _host_kv: dict[str, np.ndarray] = attrs.field(init=False, factory=dict)
-    _cos: np.ndarray = attrs.field(init=False)
-    _sin: np.ndarray = attrs.field(init=False)
+    _weights: dict[str, np.ndarray] | None = attrs.field(init=False, default=None)
+    _weight_bytes: int = attrs.field(init=False, default=0)
+    _kv: list[tuple[np.ndarray, np.ndarray]] | None = attrs.field(init=False, default=None)
+    _host_kv: list[tuple[np.ndarray, np.ndarray]] | None = attrs.field(init=False, default=None)
+    _mem: dict[int, LayerMemory] = attrs.field(init=False, factory=dict)
+    _tables: dict[int, tuple[np.ndarray, np.ndarray]] = attrs.field(init=False, factory=dict)
     _level: Level | None = attrs.field(init=False, default=None)  # None: resident
     _closed: bool = attrs.field(init=False, default=False)
 
     def __init__(
-        self, model: GGUFModel, *, n_ctx: int, n_seq: int, progress: Progress | None = None
+        self, model: GGUFModel, *, n_ctx: int, n_seq: int, progress: Progress | None = None,
+        max_chunk: int = DEFAULT_CHUNK,
     ) -> None:
         self.__attrs_init__()
         if n_ctx < 1 or n_seq < 1:
             raise InvalidRequest(f"n_ctx and n_seq must be positive, got {n_ctx} and {n_seq}")
+        if max_chunk < 1:
+            raise InvalidRequest(f"max_chunk must be positive, got {max_chunk}")
         self.config = model.config
         self.n_ctx = n_ctx
         self.n_seq = n_seq
+        self._chunk = max_chunk
         self._path = Path(model.path)
         self._progress = progress
-        self._weights = load_weights(model, progress)
-        self._cos, self._sin = rope_tables(self.config, n_ctx, self._weights.rope_freq_factors)
-        self._k, self._v = self._new_kv()
+        try:
+            self.graph = build_graph(self.config, {n: t.shape for n, t in model.tensors.items()})
+        except GraphError as exc:
+            raise ModelLoadError(model.path, str(exc)) from None
+        self.layers = plan_memory(self.graph, n_ctx=n_ctx, chunk=max_chunk)
+        self._mem = {m.layer: m for m in self.layers}
+        self._weights = load_weights(model, list(self.graph.weights), progress)
+        self._weight_bytes = sum(a.nbytes for a in self._weights.values())
+        self._kv = self._new_kv()
 
     # -- the Backend interface -------------------------------------------------------
 
     def forward(self, batch: Sequence[SeqBatch]) -> np.ndarray:
         entries = list(batch)
-        x = self._run(entries)  # [N, n_embd]
-        last = np.cumsum([len(e.tokens) for e in entries]) - 1  # [B]
-        return self._head(x[last])  # [B, n_vocab]
+        self._check_batch(entries)
+        logits = np.empty((len(entries), self.config.n_vocab), np.float32)  # [B, n_vocab]
+        # entries longer than a chunk run as several passes (a sliding-window cache
+        # holds one chunk beyond its window); the last piece of each gives its logits
+        done = [0] * len(entries)
+        while True:
+            part = [(i, e, done[i]) for i, e in enumerate(entries) if done[i] < len(e.tokens)]
+            if not part:
+                return logits
+            pieces = [SeqBatch(e.seq_id, e.tokens[d : d + self._chunk], e.pos0 + d) for _, e, d in part]
+            ends = np.cumsum([len(p.tokens) for p in pieces]) - 1  # [B'] each piece's last row
+            last = [k for k, (i, e, d) in enumerate(part) if d + len(pieces[k].tokens) == len(e.tokens)]
+            if last:
+                out = self._run(pieces, ends[last])
+                for row, k in enumerate(last):
+                    logits[part[k][0]] = out[row]
+            else:
+                self._run(pieces, ends[:0])
+            for k, (i, _, d) in enumerate(part):
+                done[i] = d + len(pieces[k].tokens)
 
     def forward_all_logits(self, tokens: Sequence[int] | np.ndarray, seq_id: int = 0,
                            pos0: int = 0) -> np.ndarray:
         """The logits of every token of one sequence, ``[n, n_vocab]`` (for tests)."""
-        entry = SeqBatch(seq_id=seq_id, tokens=np.asarray(tokens, dtype=np.int32), pos0=pos0)
-        return self._head(self._run([entry]))  # [n, n_vocab]
+        toks = np.asarray(tokens, dtype=np.int32)
+        entry = SeqBatch(seq_id=seq_id, tokens=toks, pos0=pos0)
+        self._check_batch([entry])
+        out = []
+        for d in range(0, len(toks), self._chunk):
+            piece = SeqBatch(seq_id, toks[d : d + self._chunk], pos0 + d)
+            out.append(self._run([piece], np.arange(len(piece.tokens))))
+        return np.concatenate(out)  # [n, n_vocab]
 
     def memory(self) -> dict[str, int]:
         mem = dict.fromkeys(MEMORY_CATEGORIES, 0)
         if self._weights is not None and self._level is None:
-            mem["weights"] = self._weights.nbytes()
-        if self._k is not None and self._v is not None:
-            mem["kv_cache"] = self._k.nbytes + self._v.nbytes
+            mem["weights"] = self._weight_bytes
+        if self._kv is not None:
+            mem["kv_cache"] = sum(k.nbytes + v.nbytes for k, v in self._kv)
         return mem
 
     def host_memory(self) -> dict[str, int]:
         """Bytes that a release moved to the host shadow, by category."""
         mem = dict.fromkeys(MEMORY_CATEGORIES, 0)
         if self._weights is not None and self._level is not None:
-            mem["weights"] = self._weights.nbytes()
-        mem["kv_cache"] = sum(a.nbytes for a in self._host_kv.values())
+            mem["weights"] = self._weight_bytes
+        if self._host_kv is not None:
+            mem["kv_cache"] = sum(k.nbytes + v.nbytes for k, v in self._host_kv)
         return mem
 
     def device_info(self) -> dict[str, object]:
@@ -281,19 +278,21 @@ class NumpyBackend:
             "dtype": "float32",
         }
 
+    def reusable_prefix(self, n_cached: int, n_common: int) -> int:
+        return reusable_prefix(self.layers, n_cached, n_common)
+
     def release(self, level: Level) -> None:
         self._check_open()
         depth = _DEPTH[Level(level)]
         if self._level is not None and _DEPTH[self._level] >= depth:
             return  # already released at least this much
-        if depth >= _DEPTH[Level.ALL] and self._k is not None and self._v is not None:
+        if depth >= _DEPTH[Level.ALL] and self._kv is not None:
             # The "copy to host" of a device backend; numpy already lives on the host,
             # so handing the arrays over is that copy, and the "device" side is freed.
-            self._host_kv = {"k": self._k, "v": self._v}
-            self._k = self._v = None
+            self._host_kv, self._kv = self._kv, None
         if depth >= _DEPTH[Level.UNLOAD]:
             self._weights = None
-            self._host_kv = {}
+            self._host_kv = None
         self._level = Level(level)
 
     def restore(self) -> None:
@@ -302,18 +301,14 @@ class NumpyBackend:
             return
         if self._weights is None:
             self._weights = self._reload()
-        if self._k is None or self._v is None:
-            if self._host_kv:
-                self._k, self._v = self._host_kv["k"], self._host_kv["v"]
-                self._host_kv = {}
-            else:
-                self._k, self._v = self._new_kv()
+        if self._kv is None:
+            self._kv = self._host_kv if self._host_kv is not None else self._new_kv()
+            self._host_kv = None
         self._level = None
 
     def close(self) -> None:
         self._weights = None
-        self._k = self._v = None
-        self._host_kv = {}
+        self._kv = self._host_kv = None
         self._closed = True
 
     @property
@@ -321,36 +316,43 @@ class NumpyBackend:
         """The level of the last release still in effect; None while resident."""
         return self._level
 
-    # -- internals -----------------------------------------------------------------
-
     def read_kv(self, seq_id: int, n: int) -> np.ndarray:
-        if self._k is None or self._v is None:
+        """Positions a layer's cache no longer holds (a sliding window's past) read as 0."""
+        if self._kv is None:
             raise BackendError("read_kv while released; restore first")
-        kv = np.stack([self._k[seq_id, :, :n], self._v[seq_id, :, :n]], axis=1)  # [L, 2, n, n_kv, hd]
-        cfg = self.config
-        return kv.reshape(cfg.n_layer, 2, n, cfg.n_head_kv * cfg.head_dim)  # [n_layer, 2, n, kv_dim]
+        out = np.zeros((self.config.n_layer, 2, n, self.config.kv_dim), np.float32)  # [L, 2, n, kv_dim]
+        for m, (k, v) in zip(self.layers, self._kv, strict=True):
+            pos = np.arange(max(0, n - m.rows), n)
+            out[m.layer, 0, pos] = k[seq_id, pos % m.rows].reshape(len(pos), m.kv_dim)
+            out[m.layer, 1, pos] = v[seq_id, pos % m.rows].reshape(len(pos), m.kv_dim)
+        return out
 
     def write_kv(self, seq_id: int, kv: np.ndarray) -> None:
-        if self._k is None or self._v is None:
+        if self._kv is None:
             raise BackendError("write_kv while released; restore first")
-        cfg = self.config
         n = kv.shape[2]
-        kv = kv.reshape(cfg.n_layer, 2, n, cfg.n_head_kv, cfg.head_dim)
-        self._k[seq_id, :, :n] = kv[:, 0]
-        self._v[seq_id, :, :n] = kv[:, 1]
+        for m, (k, v) in zip(self.layers, self._kv, strict=True):
+            pos = np.arange(max(0, n - m.rows), n)
+            k[seq_id, pos % m.rows] = kv[m.layer, 0, pos].reshape(len(pos), *k.shape[2:])
+            v[seq_id, pos % m.rows] = kv[m.layer, 1, pos].reshape(len(pos), *v.shape[2:])
 
-    def _new_kv(self) -> tuple[np.ndarray, np.ndarray]:
-        cfg = self.config
-        shape = (self.n_seq, cfg.n_layer, self.n_ctx, cfg.n_head_kv, cfg.head_dim)
-        # [n_seq, n_layer, n_ctx, n_head_kv, head_dim] each; zeros pages in lazily
-        return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    # -- internals -----------------------------------------------------------------
 
-    def _reload(self) -> Weights:
+    def _new_kv(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        out = []
+        for m in self.layers:
+            node = self.graph.attention_layers()[m.layer]
+            shape = (self.n_seq, m.rows, node.attr("n_head_kv"), node.attr("head_dim"))
+            # [n_seq, rows, n_head_kv, head_dim] each; zeros pages in lazily
+            out.append((np.zeros(shape, np.float32), np.zeros(shape, np.float32)))
+        return out
+
+    def _reload(self) -> dict[str, np.ndarray]:
         model = load_gguf(self._path)
         try:
             if model.config != self.config:
                 raise ModelLoadError(self._path, "the file changed since it was loaded")
-            return load_weights(model, self._progress)
+            return load_weights(model, list(self.graph.weights), self._progress)
         finally:
             model.close()
 
@@ -364,56 +366,90 @@ class NumpyBackend:
             raise BackendError(f"forward while released (level {self._level.value}); restore first")
         check_batch(entries, n_seq=self.n_seq, n_ctx=self.n_ctx, n_vocab=self.config.n_vocab)
 
-    def _run(self, entries: list[SeqBatch]) -> np.ndarray:
-        """All layers over every token of ``entries``; returns the normed final hidden
-        state of every token, ``[N, n_embd]``, and writes each entry's KV cache."""
-        self._check_batch(entries)
-        w, k_cache, v_cache = self._weights, self._k, self._v
-        assert w is not None and k_cache is not None and v_cache is not None
-        cfg = self.config
-        eps = cfg.rms_eps
-        tokens = np.concatenate([np.asarray(e.tokens, dtype=np.int64) for e in entries])  # [N]
-        pos = np.concatenate([e.pos0 + np.arange(len(e.tokens)) for e in entries])  # [N]
-        bounds = np.cumsum([0] + [len(e.tokens) for e in entries])  # [B + 1]
-        n_tok = tokens.shape[0]
-        cos, sin = self._cos[pos], self._sin[pos]  # [N, half] each
+    def _rope(self, node: Node, factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        tables = self._tables.get(node.out.id)
+        if tables is None:
+            tables = self._tables[node.out.id] = rope_angles(
+                node.attr("head_dim"), node.attr("theta"), self.n_ctx, factors, node.attr("freq_scale"))
+        return tables
 
-        x = w.token_embd[tokens]  # [N, n_embd]
-        for il, lw in enumerate(w.layers):
-            h = rms_norm(x, lw.attn_norm, eps)  # [N, n_embd]
-            q = h @ lw.wq.T  # [N, q_dim]
-            k = h @ lw.wk.T  # [N, kv_dim]
-            v = h @ lw.wv.T  # [N, kv_dim]
-            if lw.bq is not None and lw.bk is not None and lw.bv is not None:
-                q += lw.bq
-                k += lw.bk
-                v += lw.bv
-            q = q.reshape(n_tok, cfg.n_head, cfg.head_dim)  # [N, n_head, hd]
-            k = k.reshape(n_tok, cfg.n_head_kv, cfg.head_dim)  # [N, n_head_kv, hd]
-            v = v.reshape(n_tok, cfg.n_head_kv, cfg.head_dim)  # [N, n_head_kv, hd]
-            if lw.q_norm is not None and lw.k_norm is not None:
-                q = rms_norm(q, lw.q_norm, eps)  # [N, n_head, hd]
-                k = rms_norm(k, lw.k_norm, eps)  # [N, n_head_kv, hd]
-            q = apply_rope(q, cos, sin, cfg.rope_mode)  # [N, n_head, hd]
-            k = apply_rope(k, cos, sin, cfg.rope_mode)  # [N, n_head_kv, hd]
+    def _run(self, entries: list[SeqBatch], out_rows: np.ndarray) -> np.ndarray:
+        """Interpret the graph over every token of ``entries`` (each within one chunk)
+        and return the logits of the rows ``out_rows``, ``[O, n_vocab]``; writes each
+        entry's KV cache."""
+        w, kv = self._weights, self._kv
+        assert w is not None and kv is not None
+        step = Step(
+            entries=entries,
+            tokens=np.concatenate([np.asarray(e.tokens, dtype=np.int64) for e in entries]),
+            pos=np.concatenate([e.pos0 + np.arange(len(e.tokens)) for e in entries]),
+            bounds=np.cumsum([0] + [len(e.tokens) for e in entries]),
+            out_rows=np.asarray(out_rows, dtype=np.int64),
+        )
+        env: dict[int, np.ndarray] = {}
 
-            attn = np.empty_like(q)  # [N, n_head, hd]
-            for i, e in enumerate(entries):
-                a, b = bounds[i], bounds[i + 1]
-                end = e.pos0 + (b - a)
-                k_cache[e.seq_id, il, e.pos0 : end] = k[a:b]
-                v_cache[e.seq_id, il, e.pos0 : end] = v[a:b]
-                attn[a:b] = attend(
-                    q[a:b], k_cache[e.seq_id, il, :end], v_cache[e.seq_id, il, :end], e.pos0
-                )  # [n, n_head, hd]
-            x = x + attn.reshape(n_tok, cfg.q_dim) @ lw.wo.T  # [N, n_embd]
+        def val(t: Tensor) -> np.ndarray:
+            if t.kind == "weight":
+                return w[t.name]
+            if t.kind == "input":
+                return step.tokens
+            return env[t.id]
 
-            h = rms_norm(x, lw.ffn_norm, eps)  # [N, n_embd]
-            gate = h @ lw.w_gate.T  # [N, n_ff]
-            up = h @ lw.w_up.T  # [N, n_ff]
-            x = x + (silu(gate) * up) @ lw.w_down.T  # [N, n_embd]
-        return rms_norm(x, w.output_norm, eps)  # [N, n_embd]
+        for node in self.graph.nodes:
+            env[node.out.id] = self._op(node, [val(t) for t in node.inputs], step)
+        assert self.graph.logits is not None
+        return np.ascontiguousarray(env[self.graph.logits.id], dtype=np.float32)
 
-    def _head(self, h: np.ndarray) -> np.ndarray:
-        assert self._weights is not None
-        return np.ascontiguousarray(h @ self._weights.output.T, dtype=np.float32)  # [n, n_vocab]
+    def _op(self, node: Node, args: list[np.ndarray], step: Step) -> np.ndarray:
+        op = node.op
+        if op == "get_rows":
+            return args[0][args[1]]  # [N, n_embd]
+        if op == "linear":
+            return args[0] @ args[1].T  # type: ignore[no-any-return]  # [R, n_out]
+        if op == "add":
+            return args[0] + args[1]  # type: ignore[no-any-return]
+        if op == "scale":
+            return args[0] * np.float32(node.attr("scale"))  # type: ignore[no-any-return]
+        if op == "rms_norm":
+            x, g = args
+            n = node.attr("group")
+            return rms_norm(x.reshape(x.shape[0], -1, n), g, node.attr("eps")).reshape(x.shape)
+        if op == "rope":
+            x = args[0]
+            cos, sin = self._rope(node, args[1] if len(args) > 1 else None)
+            nh, hd = node.attr("n_heads"), node.attr("head_dim")
+            y = apply_rope(x.reshape(len(x), nh, hd), cos[step.pos], sin[step.pos], node.attr("mode"))
+            return y.reshape(x.shape)
+        if op == "glu":
+            gate, up = args
+            act = silu(gate) if node.attr("act") == "silu" else gelu(gate)
+            return act * up  # type: ignore[no-any-return]
+        if op == "outputs":
+            return args[0][step.out_rows]
+        if op == "attention":
+            return self._attention(node, *args, step=step)
+        raise GraphError(f"{node.out.name}: the numpy backend has no op {op!r}")
+
+    def _attention(self, node: Node, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, step: Step) -> np.ndarray:
+        assert self._kv is not None
+        m = self._mem[node.layer]
+        k_cache, v_cache = self._kv[self.layers.index(m)]
+        nh, nkv, hd = node.attr("n_head"), node.attr("n_head_kv"), node.attr("head_dim")
+        window = node.attr("window")
+        n_tok = len(q)
+        q = q.reshape(n_tok, nh, hd)  # [N, n_head, hd]
+        k = k.reshape(n_tok, nkv, hd)  # [N, n_head_kv, hd]
+        v = v.reshape(n_tok, nkv, hd)  # [N, n_head_kv, hd]
+        out = np.empty_like(q)  # [N, n_head, hd]
+        for i, e in enumerate(step.entries):
+            a, b = step.bounds[i], step.bounds[i + 1]
+            end = e.pos0 + (b - a)
+            rows = np.arange(e.pos0, end) % m.rows
+            k_cache[e.seq_id, rows] = k[a:b]
+            v_cache[e.seq_id, rows] = v[a:b]
+            lo = max(0, e.pos0 - window + 1) if window else 0
+            lo = max(lo, end - m.rows)  # what the ring still holds
+            kp = np.arange(lo, end)  # [T] key positions
+            out[a:b] = attend(q[a:b], k_cache[e.seq_id, kp % m.rows], v_cache[e.seq_id, kp % m.rows],
+                              e.pos0, window, kp, node.attr("scale"))  # [n, n_head, hd]
+        return out.reshape(n_tok, nh * hd)

@@ -13,8 +13,9 @@ import attrs
 
 RopeMode = Literal["normal", "neox"]
 
-#: architectures we run, and the RoPE layout each implies
-ARCH_ROPE: dict[str, RopeMode] = {"llama": "normal", "qwen2": "neox", "qwen3": "neox"}
+#: architectures we run, and the RoPE layout each implies (each has its file in
+#: ``trio_llm.models``, which builds its graph)
+ARCH_ROPE: dict[str, RopeMode] = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
 
 
 @attrs.frozen
@@ -35,6 +36,19 @@ class ModelConfig:
     qk_norm: bool  # qwen3: RMSNorm of each q and k head before RoPE
     attn_bias: bool  # qwen2: biases on q, k and v projections
     tied_embeddings: bool  # no output.weight: the head reuses token_embd.weight
+    # sliding-window attention (gemma3): the window, and which layers use it
+    n_swa: int = 0
+    swa_layers: tuple[bool, ...] = ()
+    rope_theta_swa: float = 0.0  # the RoPE base of the sliding-window layers
+    rope_freq_scale: float = 1.0  # linear RoPE scaling of the other layers (1 / factor)
+    attn_scale: float = 0.0  # softmax scale of q.k; 0: 1 / sqrt(head_dim)
+
+    def is_swa(self, il: int) -> bool:
+        return bool(self.swa_layers) and self.swa_layers[il]
+
+    @property
+    def kq_scale(self) -> float:
+        return self.attn_scale if self.attn_scale > 0 else 1.0 / float(self.head_dim) ** 0.5
 
     @property
     def n_gqa(self) -> int:

@@ -26,7 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType
 from gguf import GGMLQuantizationType as T
 
 from trio_llm.errors import ModelLoadError, UnsupportedModelError
-from trio_llm.model.config import ARCH_ROPE, ModelConfig
+from trio_llm.model.config import ModelConfig
 
 #: tensor types the backends implement (quantized ones are dequantized on the fly)
 SUPPORTED_TYPES: frozenset[T] = frozenset({
@@ -295,114 +295,31 @@ def _read_tensors(
     return tensors
 
 
-def _get(path: Path, md: dict[str, Any], key: str, kind: type, default: Any = None) -> Any:
-    value = md.get(key, default)
-    if value is None:
-        raise ModelLoadError(path, f"missing metadata key {key!r}")
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise ModelLoadError(path, f"metadata key {key!r} has {type(value).__name__}, expected {kind.__name__}")
-    return value
-
-
 def _config_from(path: Path, md: dict[str, Any], tensors: dict[str, TensorInfo]) -> ModelConfig:
-    arch = md.get("general.architecture")
-    if not isinstance(arch, str):
-        raise ModelLoadError(path, "missing metadata key 'general.architecture'")
-    if arch not in ARCH_ROPE:
-        raise UnsupportedModelError(
-            path, f"architecture {arch!r} is not supported (supported: {', '.join(ARCH_ROPE)})"
-        )
-    def positive(key: str, default: int | None = None) -> int:
-        value: int = _get(path, md, f"{arch}.{key}", int, default)
-        if value <= 0:
-            raise ModelLoadError(path, f"metadata key '{arch}.{key}' is {value}, expected > 0")
-        return value
+    from trio_llm.models import load_config
 
-    n_embd = positive("embedding_length")
-    n_head = positive("attention.head_count")
-    n_head_kv = positive("attention.head_count_kv", n_head)
-    n_layer = positive("block_count")
-    # each block has at least 9 tensors; checked before anything loops over blocks, so
-    # a corrupt count cannot make validation run for hours
-    if 9 * n_layer > len(tensors):
-        raise ModelLoadError(
-            path, f"block_count {n_layer} needs at least {9 * n_layer} tensors, the file has {len(tensors)}"
-        )
-    if n_head % n_head_kv:
-        raise ModelLoadError(path, f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
-    tokens = md.get("tokenizer.ggml.tokens")
-    if isinstance(tokens, list) and tokens:
-        n_vocab = len(tokens)
-    elif "token_embd.weight" in tensors:
-        # No tokenizer section: the embedding still tells the vocabulary size, and the
-        # tokenizer raises its own error if anything needs one.
-        n_vocab = tensors["token_embd.weight"].shape[0]
-    else:
-        raise ModelLoadError(path, "missing tensor 'token_embd.weight'")
-    return ModelConfig(
-        arch=arch,
-        name=str(md.get("general.name", path.stem)),
-        n_vocab=n_vocab,
-        n_embd=n_embd,
-        n_layer=n_layer,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        head_dim=positive("attention.key_length", max(1, n_embd // n_head)),
-        n_ff=positive("feed_forward_length"),
-        n_ctx_train=positive("context_length"),
-        rope_theta=_get(path, md, f"{arch}.rope.freq_base", float, 10000.0),
-        rms_eps=_get(path, md, f"{arch}.attention.layer_norm_rms_epsilon", float, 1e-5),
-        rope_mode=ARCH_ROPE[arch],
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        attn_bias="blk.0.attn_q.bias" in tensors,
-        tied_embeddings="output.weight" not in tensors,
-    )
+    return load_config(path, md, tensors)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a model of ``cfg`` must have, with its numpy-order shape.
+    """Every tensor a model of ``cfg`` must have, with its numpy-order shape (from the
+    architecture's file in ``trio_llm.models``). Used both to validate files and by
+    ``synth`` to write them, so the two agree by construction."""
+    from trio_llm.models import tensor_shapes
 
-    Used both to validate files and by ``synth`` to write them, so the two agree by
-    construction.
-    """
-    e, q, kv, ff = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.n_ff
-    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.n_vocab, e)}
-    for i in range(cfg.n_layer):
-        b = f"blk.{i}."
-        shapes[b + "attn_norm.weight"] = (e,)
-        shapes[b + "attn_q.weight"] = (q, e)
-        shapes[b + "attn_k.weight"] = (kv, e)
-        shapes[b + "attn_v.weight"] = (kv, e)
-        if cfg.attn_bias:
-            shapes[b + "attn_q.bias"] = (q,)
-            shapes[b + "attn_k.bias"] = (kv,)
-            shapes[b + "attn_v.bias"] = (kv,)
-        if cfg.qk_norm:
-            shapes[b + "attn_q_norm.weight"] = (cfg.head_dim,)
-            shapes[b + "attn_k_norm.weight"] = (cfg.head_dim,)
-        shapes[b + "attn_output.weight"] = (e, q)
-        shapes[b + "ffn_norm.weight"] = (e,)
-        shapes[b + "ffn_gate.weight"] = (ff, e)
-        shapes[b + "ffn_up.weight"] = (ff, e)
-        shapes[b + "ffn_down.weight"] = (e, ff)
-    shapes["output_norm.weight"] = (e,)
-    if not cfg.tied_embeddings:
-        shapes["output.weight"] = (cfg.n_vocab, e)
-    return shapes
+    return tensor_shapes(cfg)
 
 
 def _check_tensors(path: Path, cfg: ModelConfig, tensors: dict[str, TensorInfo]) -> None:
-    if cfg.arch == "qwen3" and not cfg.qk_norm:
-        raise ModelLoadError(path, "missing tensor 'blk.0.attn_q_norm.weight' (qwen3 has QK-norm)")
-    if cfg.arch == "qwen2" and not cfg.attn_bias:
-        raise ModelLoadError(path, "missing tensor 'blk.0.attn_q.bias' (qwen2 has q/k/v biases)")
-    for name, shape in expected_shapes(cfg).items():
+    from trio_llm.models import optional_shapes
+
+    required = expected_shapes(cfg)
+    optional = {n: sh for n, sh in optional_shapes(cfg).items() if n in tensors}
+    for name, shape in {**required, **optional}.items():
         info = tensors.get(name)
         if info is None:
             raise ModelLoadError(path, f"missing tensor {name!r}")
-        if info.shape != shape:
+        if info.shape != shape and not (name in optional and math.prod(info.shape) == math.prod(shape)):
             raise ModelLoadError(path, f"tensor {name!r} has shape {info.shape}, expected {shape}")
         if len(shape) == 1 and info.ggml_type not in (T.F32, T.F16, T.BF16):
             raise UnsupportedModelError(

@@ -18,17 +18,21 @@ import attrs
 import numpy as np
 
 from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch, check_batch
+from trio_llm.engine.memory import plan_memory, reusable_prefix
 from trio_llm.errors import (
     BackendError,
     DeviceLost,
+    GraphError,
     InvalidRequest,
+    ModelLoadError,
     UnsupportedModelError,
 )
 from trio_llm.model.config import ModelConfig
 from trio_llm.model.gguf import GGUFModel
+from trio_llm.models import build_graph
 from trio_llm.vulkan.device import Device, shared_device, vk_errors
-from trio_llm.vulkan.forward import Activations, KVCache, build_ops
-from trio_llm.vulkan.graph import Graph
+from trio_llm.vulkan.forward import Activations, KVCache, build_ops, plan_buffers, rope_consts
+from trio_llm.vulkan.graph import Graph, Op
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import Allocator, Buffer, allocate_and_copy
 from trio_llm.vulkan.ops import Ops, fill_step
@@ -108,11 +112,16 @@ class VulkanBackend:
         self._kernels: KernelCache = kernels
         self._ops = Ops(self._kernels, subgroup=device.limits.subgroup_size,
                         matvec_rows=max(1, 64 // device.limits.subgroup_size))
+        try:
+            self._ir = build_graph(cfg, {n: t.shape for n, t in model.tensors.items()})
+        except GraphError as exc:
+            raise ModelLoadError(model.path, str(exc)) from None
+        self._plan = plan_buffers(self._ir)
         # the largest bucket: a forward with more tokens runs as several chunks; every
         # activation of a chunk must fit one binding (128 MiB on lavapipe)
         limit = device.limits.max_storage_buffer_range
         self._cap = min(self._max_chunk, _pow2(self.n_ctx * self.n_seq))
-        widest = max(cfg.n_embd, cfg.q_dim, cfg.n_ff)
+        widest = max(w for kind, w in self._plan.slots.values() if kind == "T")
         while self._cap > 1 and 4 * self._cap * widest > limit:
             self._cap //= 2
         if 4 * min(self.n_seq, self._cap) * cfg.n_vocab > limit:
@@ -120,19 +129,25 @@ class VulkanBackend:
                 f"the logits of {min(self.n_seq, self._cap)} slots exceed this device's storage "
                 f"buffer range ({limit >> 20} MiB): use fewer slots"
             )
-        layer_bytes = self.n_seq * self.n_ctx * cfg.kv_dim * 4
-        if layer_bytes > device.limits.max_storage_buffer_range:
+        self._mem = plan_memory(self._ir, n_ctx=self.n_ctx, chunk=self._cap)
+        if any(m.window for m in self._mem):
+            raise UnsupportedModelError(
+                model.path, "sliding-window attention layers (gemma3) run on the numpy backend only, "
+                            "not yet on Vulkan: use --backend numpy")
+        layer_bytes = [self.n_seq * m.rows * m.kv_dim * 4 for m in self._mem]
+        if max(layer_bytes) > device.limits.max_storage_buffer_range:
             raise BackendError(
-                f"one layer's KV cache ({layer_bytes >> 20} MiB for {self.n_seq} x {self.n_ctx} "
+                f"one layer's KV cache ({max(layer_bytes) >> 20} MiB for {self.n_seq} x {self.n_ctx} "
                 f"positions) exceeds this device's storage buffer range "
                 f"({device.limits.max_storage_buffer_range >> 20} MiB): lower the context or the slots"
             )
-        factors = np.ones(cfg.head_dim // 2, np.float32)
-        if "rope_freqs.weight" in model.tensors:
-            factors = model.tensors["rope_freqs.weight"].dequantize().astype(np.float32).reshape(-1)
+        factors = {name: model.tensors[name].dequantize().astype(np.float32).reshape(-1)
+                   for name in self._ir.weights if any(n.op == "rope" and len(n.inputs) > 1
+                                                       and n.inputs[1].name == name for n in self._ir.nodes)}
+        self._rope_buf, consts = rope_consts(self._ir, factors)
         self._weights = WeightStore(self._alloc, model)
-        self._act = Activations(self._alloc, cfg, self._cap, min(self.n_seq, self._cap), factors)
-        self._kv = KVCache(self._alloc, cfg.n_layer, layer_bytes)
+        self._act = Activations(self._alloc, self._plan, cfg.n_vocab, self._cap, min(self.n_seq, self._cap), consts)
+        self._kv = KVCache(self._alloc, layer_bytes)
         total = self._weights.total_bytes()
         self._weights.ensure_shadow(self._progress)
         self._weights.upload()
@@ -143,7 +158,7 @@ class VulkanBackend:
         log.info(
             "vulkan: %s on %s, %d MiB of weights (shadow: %s), KV %d MiB",
             cfg.name, device.name, total >> 20, self._weights.shadow_kind(),
-            (2 * cfg.n_layer * layer_bytes) >> 20,
+            (2 * sum(layer_bytes)) >> 20,
         )
 
     # -- the Backend interface -------------------------------------------------------
@@ -190,6 +205,9 @@ class VulkanBackend:
         self._forwards += 1
         self._tokens += n
         return logits
+
+    def reusable_prefix(self, n_cached: int, n_common: int) -> int:
+        return reusable_prefix(self._mem, n_cached, n_common)
 
     def memory(self) -> dict[str, int]:
         mem = dict.fromkeys(MEMORY_CATEGORIES, 0)
@@ -334,7 +352,7 @@ class VulkanBackend:
                 with self._device.one_shot(what) as cmd:
                     layers = (b for pair in zip(self._kv.k, self._kv.v, strict=True) for b in pair)
                     for i, buf in enumerate(layers):
-                        at_cache, at_host = seq_id * self.n_ctx * row, i * n * row
+                        at_cache, at_host = seq_id * self._mem[i // 2].rows * row, i * n * row
                         src, dst = (host, buf) if to_device else (buf, host)
                         region = vk.VkBufferCopy(srcOffset=at_host if to_device else at_cache,
                                                  dstOffset=at_cache if to_device else at_host, size=n * row)
@@ -404,13 +422,18 @@ class VulkanBackend:
         graph = self._graphs.get(bucket)
         if graph is None:
             assert self._device is not None
-            ops = build_ops(self._ops, self.config, self._weights, self._act, self._kv,
-                            bucket=bucket, n_ctx=self.n_ctx)
+            ops = self.lowered(bucket)
             graph = Graph.record(self._device, ops)
             self._graphs[bucket] = graph
             self._recorded += 1
             self._kernels.save()  # a new bucket may have compiled pipelines: keep them
         return graph
+
+    def lowered(self, bucket: int, ops: Ops | None = None) -> list[Op]:
+        """The model's graph lowered for ``bucket`` tokens (with other kernel settings
+        when ``ops`` is given: the decode benchmark compares them)."""
+        return build_ops(ops or self._ops, self._ir, self._plan, self._weights, self._act, self._kv,
+                         self._mem, self._rope_buf, bucket=bucket)
 
     def _drop_graphs(self) -> None:
         graphs, self._graphs = self._graphs, {}

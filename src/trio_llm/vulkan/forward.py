@@ -1,4 +1,4 @@
-"""The transformer forward pass as a list of ops, for one shape bucket.
+"""The graph of ``trio_llm.models`` lowered to recorded ops, for one shape bucket.
 
 The batch of a step (every live token of every sequence, concatenated) runs as one
 matrix: projections and the MLP are shared by all sequences, and only attention reads
@@ -8,8 +8,18 @@ matrix-vector products that read each weight once for all tokens, beyond that ti
 matrix products. Only the rows whose logits are wanted (each entry's last token) go
 through the output head, and only those logits are copied back to the host.
 
-Barriers sit only between dependent stages: q, k and v (or gate and up) projections,
-which read the same input and write different outputs, share one.
+Lowering has three parts, none of which knows an architecture:
+
+- ``plan_buffers``: one compute buffer ("slot") per live value, reused once a value is
+  dead, in place where an op allows it (a residual add, a norm, RoPE); the plan is the
+  same for every bucket, so all buckets' graphs share the buffers.
+- pattern passes (``_fusions``) pick what today's decode kernels do in one dispatch:
+  a q/k/v projection that rotates (adjacent-pair RoPE) and writes the KV cache in its
+  epilogue (matvec ``ROPE_OUT``), gate + up + SwiGLU in one matvec (``GATE_UP``), and a
+  projection that adds into the residual stream (``add``).
+- emission walks the nodes in order; barriers are inserted only where a dispatch reads
+  or writes what an earlier one since the last barrier wrote (or writes what one read),
+  so independent projections (q, k, v; gate, up) share one.
 """
 
 from __future__ import annotations
@@ -17,7 +27,9 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from trio_llm.model.config import ModelConfig
+from trio_llm.engine.memory import LayerMemory
+from trio_llm.errors import GraphError
+from trio_llm.graph import OUTPUTS, Graph, Node, Tensor
 from trio_llm.vulkan.graph import Barrier, Copy, Op
 from trio_llm.vulkan.memory import Allocator, Buffer, CopyJob, View, whole
 from trio_llm.vulkan.ops import (
@@ -34,57 +46,101 @@ from trio_llm.vulkan.weights import WeightStore
 
 MATVEC_MAX_COLS = 8
 
+#: ops whose output may take the buffer of their first input when that input dies there
+_IN_PLACE = {"add", "scale", "rms_norm", "rope", "glu"}
+
+
+@attrs.frozen
+class BufferPlan:
+    """Which compute buffer holds each value: ``slot_of[tensor id]`` names a slot of
+    ``slots`` (name -> (row kind "T" or "O", floats per row))."""
+
+    slot_of: dict[int, str]
+    slots: dict[str, tuple[str, int]]
+
+
+def plan_buffers(graph: Graph) -> BufferPlan:
+    """Greedy slot assignment over the node order, with liveness (a value's slot is free
+    after its last reader)."""
+    last: dict[int, int] = {}
+    for i, node in enumerate(graph.nodes):
+        for t in node.inputs:
+            last[t.id] = i
+    assert graph.logits is not None
+    last[graph.logits.id] = len(graph.nodes)
+    slot_of: dict[int, str] = {}
+    slots: dict[str, tuple[str, int]] = {}
+    free: dict[tuple[str, int], list[str]] = {}
+    for i, node in enumerate(graph.nodes):
+        out = node.out
+        key = ("O" if out.shape[0] == OUTPUTS else "T", out.width)
+        first = node.inputs[0] if node.inputs else None
+        if (node.op in _IN_PLACE and first is not None and first.kind == "value"
+                and last.get(first.id) == i and first.shape == out.shape):
+            slot_of[out.id] = slot_of[first.id]
+            done = [t for t in node.inputs[1:] if t.kind == "value" and last.get(t.id) == i]
+        else:
+            pool = free.get(key)
+            if pool:
+                name = pool.pop()
+            else:
+                name = f"s{len(slots)}"
+                slots[name] = key
+            slot_of[out.id] = name
+            done = [t for t in node.inputs if t.kind == "value" and last.get(t.id) == i]
+        freed: set[str] = {slot_of[out.id]}
+        for t in done:
+            s = slot_of[t.id]
+            if s not in freed:
+                freed.add(s)
+                free.setdefault(slots[s], []).append(s)
+        if out.id not in last:  # never read: free at once
+            free.setdefault(key, []).append(slot_of[out.id])
+    return BufferPlan(slot_of, slots)
+
 
 @attrs.define(eq=False)
 class Activations:
-    """Compute buffers for up to ``cap`` tokens and ``out_cap`` output rows, plus the
-    step buffer and the logits readback (the "scratch" category)."""
+    """Compute buffers for up to ``cap`` tokens and ``out_cap`` output rows (the plan's
+    slots), small constant arrays (RoPE frequency divisors), the step buffer and the
+    logits readback (the "scratch" category)."""
 
     alloc: Allocator
-    cfg: ModelConfig
+    plan: BufferPlan
+    n_vocab: int
     cap: int
     out_cap: int
-    rope_factors: np.ndarray  # [head_dim // 2] float32
+    consts: dict[str, np.ndarray]  # name -> float32 values
     bufs: dict[str, Buffer] = attrs.field(factory=dict)
 
     def allocate(self) -> None:
         if self.bufs:
             return
-        c = self.cfg
-        sizes = {
-            "x": self.cap * c.n_embd,
-            "xn": self.cap * c.n_embd,
-            "q": self.cap * c.q_dim,
-            "k": self.cap * c.kv_dim,
-            "v": self.cap * c.kv_dim,
-            "att": self.cap * c.q_dim,
-            "g": self.cap * c.n_ff,
-            "u": self.cap * c.n_ff,
-            "hid": self.out_cap * c.n_embd,
-            "logits": self.out_cap * c.n_vocab,
-            "factors": c.head_dim // 2,
-        }
         try:
-            for name, n in sizes.items():
-                self.bufs[name] = self.alloc.create(4 * n, "compute", "device")
+            for name, (kind, width) in self.plan.slots.items():
+                rows = self.out_cap if kind == "O" else self.cap
+                self.bufs[name] = self.alloc.create(4 * rows * width, "compute", "device")
+            for name, values in self.consts.items():
+                self.bufs[name] = self.alloc.create(4 * max(1, values.size), "compute", "device")
             self.bufs["step"] = self.alloc.create(STEP_BYTES, "scratch", "upload")
-            self.bufs["readback"] = self.alloc.create(4 * self.out_cap * c.n_vocab, "scratch", "readback")
-            self._upload_factors()
+            self.bufs["readback"] = self.alloc.create(4 * self.out_cap * self.n_vocab, "scratch", "readback")
+            self._upload_consts()
         except BaseException:
             self.free()
             raise
 
-    def _upload_factors(self) -> None:
+    def _upload_consts(self) -> None:
         device = self.alloc.device
         vk = device.vk
         step = self.bufs["step"]
         assert step.array is not None
-        data = self.rope_factors.astype(np.float32).view(np.uint8)
-        # borrow the step buffer as staging: nothing reads it until the next forward
-        step.array[: data.nbytes] = data
-        with device.one_shot("upload rope factors") as cmd:
-            region = vk.VkBufferCopy(srcOffset=0, dstOffset=0, size=data.nbytes)
-            vk.vkCmdCopyBuffer(cmd, step.handle, self.bufs["factors"].handle, 1, [region])
+        for name, values in self.consts.items():
+            data = values.astype(np.float32).view(np.uint8)
+            # borrow the step buffer as staging: nothing reads it until the next forward
+            step.array[: data.nbytes] = data
+            with device.one_shot(f"upload {name}") as cmd:
+                region = vk.VkBufferCopy(srcOffset=0, dstOffset=0, size=data.nbytes)
+                vk.vkCmdCopyBuffer(cmd, step.handle, self.bufs[name].handle, 1, [region])
 
     def free(self) -> None:
         for buf in self.bufs.values():
@@ -103,18 +159,39 @@ class Activations:
     def logits(self, n_out: int) -> np.ndarray:
         arr = self.bufs["readback"].array
         assert arr is not None
-        n = n_out * self.cfg.n_vocab
+        n = n_out * self.n_vocab
         # a view: the caller copies it once into its result before the next step
-        return arr[: 4 * n].view(np.float32).reshape(n_out, self.cfg.n_vocab)  # [n_out, n_vocab]
+        return arr[: 4 * n].view(np.float32).reshape(n_out, self.n_vocab)  # [n_out, n_vocab]
+
+
+def rope_consts(graph: Graph, factors: dict[str, np.ndarray]) -> tuple[dict[int, str], dict[str, np.ndarray]]:
+    """The divisor array each RoPE node reads (the file's factors over ``freq_scale``),
+    one buffer per distinct array: rope node id -> buffer name, and the arrays."""
+    names: dict[int, str] = {}
+    arrays: dict[str, np.ndarray] = {}
+    by_bytes: dict[bytes, str] = {}
+    for node in graph.nodes:
+        if node.op != "rope":
+            continue
+        half = node.attr("head_dim") // 2
+        base = factors[node.inputs[1].name] if len(node.inputs) > 1 else np.ones(half, np.float32)
+        arr = (base.astype(np.float64) / node.attr("freq_scale")).astype(np.float32)
+        key = arr.tobytes()
+        if key not in by_bytes:
+            by_bytes[key] = f"rope{len(by_bytes)}"
+            arrays[by_bytes[key]] = arr
+        names[node.out.id] = by_bytes[key]
+    return names, arrays
 
 
 @attrs.define(eq=False)
 class KVCache:
-    """Per layer, K and V of every sequence: ``[n_seq * n_ctx, kv_dim]`` float32."""
+    """Per layer with attention, K and V of every sequence: ``[n_seq * rows, kv_dim]``
+    float32, where ``rows`` is the layer's memory plan (``n_ctx``, or a sliding
+    window's ring)."""
 
     alloc: Allocator
-    n_layer: int
-    layer_bytes: int
+    layer_bytes: list[int]
     k: list[Buffer] = attrs.field(factory=list)
     v: list[Buffer] = attrs.field(factory=list)
     host: list[Buffer] = attrs.field(factory=list)  # the ALL-level copy, K then V per layer
@@ -128,9 +205,9 @@ class KVCache:
         if self.k:
             return
         try:
-            for _ in range(self.n_layer):
-                self.k.append(self.alloc.create(self.layer_bytes, "kv_cache", "device"))
-                self.v.append(self.alloc.create(self.layer_bytes, "kv_cache", "device"))
+            for n in self.layer_bytes:
+                self.k.append(self.alloc.create(n, "kv_cache", "device"))
+                self.v.append(self.alloc.create(n, "kv_cache", "device"))
         except BaseException:
             self.free_device()
             raise
@@ -186,64 +263,125 @@ class KVCache:
         self.saved = False
 
 
-def build_ops(
-    ops: Ops, cfg: ModelConfig, weights: WeightStore, act: Activations, kv: KVCache,
-    *, bucket: int, n_ctx: int,
-) -> list[Op]:
-    """Every dispatch of one forward pass over at most ``bucket`` tokens."""
-    E, Q, KVD, F, V = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.n_ff, cfg.n_vocab
-    hd = cfg.head_dim
-    out_cap = min(bucket, act.out_cap)
-    st = act.view("step")
-    a = act.view
-    out: list[Op] = []
+@attrs.define(eq=False)
+class _Lowering:
+    """One bucket's emission; see the module docstring."""
 
-    def proj(name: str, x: View, y: View, n_in: int, n_out: int, *, add: bool = False,
-             count_sel: int = COUNT_TOKENS, cap: int = bucket) -> None:
-        qtype = weights.slots[name].qtype
-        for w, r0, r1 in weights.pieces(name):
-            if cap <= MATVEC_MAX_COLS:
-                out.append(ops.matvec(
-                    qtype, w, x, y, st, n_in=n_in, n_rows=r1 - r0, x_stride=n_in, y_stride=n_out,
-                    y_off=r0, count_sel=count_sel, add=add, maxc=cap,
-                ))
-            else:
-                out.append(ops.matmul(
-                    qtype, w, x, y, st, n_in=n_in, n_rows=r1 - r0, x_stride=n_in, y_stride=n_out,
-                    cap=cap, y_off=r0, count_sel=count_sel, add=add,
-                ))
+    ops: Ops
+    graph: Graph
+    plan: BufferPlan
+    weights: WeightStore
+    act: Activations
+    kv: KVCache
+    mem: dict[int, tuple[int, LayerMemory]]  # layer -> (index in kv, plan)
+    rope_buf: dict[int, str]
+    bucket: int
+    out: list[Op] = attrs.field(factory=list)
+    _dirty: set[object] = attrs.field(factory=set)
+    _read: set[object] = attrs.field(factory=set)
+    _prod: dict[int, Node] = attrs.field(factory=dict)
+    _cons: dict[int, list[Node]] = attrs.field(factory=dict)
+    # fusions: node out id -> what it became
+    _absorbed: set[int] = attrs.field(factory=set)
+    _rope_out: dict[int, Node] = attrs.field(factory=dict)  # rope id -> its linear (matvec ROPE_OUT)
+    _to_cache: set[int] = attrs.field(factory=set)  # rope ids that write the KV cache
+    _v_out: dict[int, Node] = attrs.field(factory=dict)  # attention id -> the v linear writing the cache
+    _gate_up: dict[int, tuple[Node, Node, tuple[View, int, int]]] = attrs.field(factory=dict)
+    _add_into: dict[int, Node] = attrs.field(factory=dict)  # linear id -> the add it accumulates for
 
-    def vec(name: str) -> View:
-        return weights.view(name)
+    @property
+    def decode(self) -> bool:
+        return self.bucket <= MATVEC_MAX_COLS
 
-    def separate_qkv(il: int, kc: View, vc: View) -> None:
-        """The q, k, v projections, then bias, QK-norm and rope with the KV write, each
-        its own dispatch (prefill, and the architectures ROPE_OUT does not cover)."""
-        b = f"blk.{il}."
-        qkv = [b + f"attn_{t}.weight" for t in "qkv"]
-        theta = cfg.rope_theta
-        proj(qkv[0], a("xn"), a("q"), E, Q)  # [T, q_dim]
-        proj(qkv[1], a("xn"), a("k"), E, KVD)  # [T, kv_dim]
-        proj(qkv[2], a("xn"), a("v"), E, KVD)  # [T, kv_dim]
-        out.append(Barrier())
-        if cfg.attn_bias:
-            for t, n in (("q", Q), ("k", KVD), ("v", KVD)):
-                out.append(ops.add(a(t), vec(b + f"attn_{t}.bias"), a(t), st, n=n, stride=n, cap=bucket, bcast=True))
-            out.append(Barrier())
-        if cfg.qk_norm:
-            out.append(ops.rms_norm(a("q"), vec(b + "attn_q_norm.weight"), a("q"), st, n=hd, x_stride=hd, y_stride=hd, eps=cfg.rms_eps, cap=bucket, rows_per_tok=cfg.n_head))
-            out.append(ops.rms_norm(a("k"), vec(b + "attn_k_norm.weight"), a("k"), st, n=hd, x_stride=hd, y_stride=hd, eps=cfg.rms_eps, cap=bucket, rows_per_tok=cfg.n_head_kv))
-            out.append(Barrier())
-        out.append(ops.rope(a("q"), a("q"), a("factors"), st, n_heads=cfg.n_head, head_dim=hd, x_stride=Q, mode=rope_mode, theta=theta, cap=bucket))
-        out.append(ops.rope(a("k"), kc, a("factors"), st, n_heads=cfg.n_head_kv, head_dim=hd, x_stride=KVD, mode=rope_mode, theta=theta, cap=bucket, to_cache=True, n_ctx=n_ctx, kv_dim=KVD))
-        out.append(ops.rope(a("v"), vc, a("factors"), st, n_heads=cfg.n_head_kv, head_dim=hd, x_stride=KVD, mode=ROPE_NONE, theta=theta, cap=bucket, to_cache=True, n_ctx=n_ctx, kv_dim=KVD))
+    # -- helpers ----------------------------------------------------------------------
 
-    def gate_up_view(gate: str, up: str) -> tuple[View, int, int] | None:
+    def emit(self, dispatches: list[Op], reads: list[object], writes: list[object]) -> None:
+        """Dispatches that may run together (they write disjoint parts), after a
+        barrier if they touch what the ops since the last barrier wrote."""
+        touched = set(reads) | set(writes)
+        if touched & self._dirty or set(writes) & self._read:
+            self.out.append(Barrier())
+            self._dirty.clear()
+            self._read.clear()
+        self.out.extend(dispatches)
+        self._dirty |= set(writes)
+        self._read |= set(reads)
+
+    def slot(self, t: Tensor) -> str:
+        return self.plan.slot_of[t.id]
+
+    def view(self, t: Tensor) -> View:
+        if t.kind == "weight":
+            return self.weights.view(t.name)
+        return self.act.view(self.slot(t))
+
+    def rows(self, t: Tensor) -> tuple[int, int]:
+        """(count selector, capacity) of a value's rows."""
+        if t.shape[0] == OUTPUTS:
+            return COUNT_OUT, min(self.bucket, self.act.out_cap)
+        return COUNT_TOKENS, self.bucket
+
+    def cache(self, layer: int) -> tuple[View, View, LayerMemory]:
+        i, m = self.mem[layer]
+        return whole(self.kv.k[i]), whole(self.kv.v[i]), m
+
+    def single(self, w: Tensor) -> bool:
+        return len(self.weights.pieces(w.name)) == 1
+
+    def only_reader(self, t: Tensor, node: Node) -> bool:
+        return [n.out.id for n in self._cons.get(t.id, [])] == [node.out.id]
+
+    def linear_of(self, t: Tensor) -> Node | None:
+        p = self._prod.get(t.id)
+        return p if p is not None and p.op == "linear" else None
+
+    # -- fusion passes ---------------------------------------------------------------
+
+    def find_fusions(self) -> None:
+        self._prod = self.graph.producers()
+        self._cons = self.graph.consumers()
+        pair_rows = self.ops.matvec_rs % 2 == 0
+        for node in self.graph.nodes:
+            if node.op == "rope":
+                lin = self.linear_of(node.inputs[0])
+                readers = self._cons.get(node.out.id, [])
+                if len(readers) == 1 and readers[0].op == "attention" and readers[0].inputs[1] is node.out \
+                        and readers[0].inputs[0] is not node.out:
+                    self._to_cache.add(node.out.id)
+                if (self.decode and pair_rows and node.attr("mode") == "normal" and lin is not None
+                        and self.only_reader(lin.out, node) and self.single(lin.inputs[1])):
+                    self._rope_out[node.out.id] = lin
+                    self._absorbed.add(lin.out.id)
+            elif node.op == "attention":
+                lin = self.linear_of(node.inputs[2])
+                if (self.decode and pair_rows and lin is not None and self.only_reader(lin.out, node)
+                        and self.single(lin.inputs[1]) and lin.inputs[1].shape[0] % 2 == 0):
+                    self._v_out[node.out.id] = lin
+                    self._absorbed.add(lin.out.id)
+            elif node.op == "glu" and self.decode and node.attr("act") == "silu":
+                lg, lu = self.linear_of(node.inputs[0]), self.linear_of(node.inputs[1])
+                if (lg is not None and lu is not None and lg.inputs[0] is lu.inputs[0]
+                        and self.only_reader(lg.out, node) and self.only_reader(lu.out, node)):
+                    both = self.gate_up_view(lg.inputs[1].name, lu.inputs[1].name)
+                    if both is not None:
+                        self._gate_up[node.out.id] = (lg, lu, both)
+                        self._absorbed |= {lg.out.id, lu.out.id}
+            elif node.op == "add":
+                for res, other in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
+                    lin = self.linear_of(other)
+                    if (lin is not None and res.kind == "value" and self.slot(res) == self.slot(node.out)
+                            and self.only_reader(lin.out, node) and lin.out.id not in self._absorbed):
+                        self._add_into[lin.out.id] = node
+                        self._absorbed.add(node.out.id)
+                        break
+
+    def gate_up_view(self, gate: str, up: str) -> tuple[View, int, int] | None:
         """One view over both FFN matrices and the row where each starts in it, when a
         GATE_UP dispatch can read them: same type and segment, whole rows apart, within
         one binding, and a subgroup's two rows are the pair (rows per subgroup 2)."""
+        weights = self.weights
         sg, su = weights.slots[gate], weights.slots[up]
-        if sg.qtype != su.qtype or sg.segment != su.segment or sg.shape != su.shape or ops.matvec_rs != 2:
+        if sg.qtype != su.qtype or sg.segment != su.segment or sg.shape != su.shape or self.ops.matvec_rs != 2:
             return None
         rb = row_bytes(sg.qtype, sg.shape[-1])
         start = min(sg.offset, su.offset)
@@ -256,68 +394,185 @@ def build_ops(
         assert seg is not None
         return View(seg, start, end - start), (sg.offset - start) // rb, (su.offset - start) // rb
 
-    def ffn_block(il: int) -> None:
-        """The attention output projection and the FFN of layer ``il``."""
-        b = f"blk.{il}."
-        proj(b + "attn_output.weight", a("att"), a("x"), Q, E, add=True)  # x += att @ wo.T
-        out.append(Barrier())
-        out.append(ops.rms_norm(a("x"), vec(b + "ffn_norm.weight"), a("xn"), st, n=E, x_stride=E, y_stride=E, eps=cfg.rms_eps, cap=bucket))
-        out.append(Barrier())
-        both = gate_up_view(b + "ffn_gate.weight", b + "ffn_up.weight") if bucket <= MATVEC_MAX_COLS else None
-        if both is not None:  # g = silu(gate) * up from one dispatch (matvec.comp's GATE_UP)
-            view, row_a, row_b = both
-            out.append(ops.matvec_gate_up(weights.slots[b + "ffn_gate.weight"].qtype, view, a("xn"), a("g"), st,
-                                          n_in=E, n_rows=F, row_a=row_a, row_b=row_b, x_stride=E, y_stride=F,
-                                          maxc=bucket))
-            out.append(Barrier())
-        else:
-            proj(b + "ffn_gate.weight", a("xn"), a("g"), E, F)  # [T, n_ff]
-            proj(b + "ffn_up.weight", a("xn"), a("u"), E, F)  # [T, n_ff]
-            out.append(Barrier())
-            out.append(ops.swiglu(a("g"), a("u"), a("g"), st, n=F, stride=F, cap=bucket))
-            out.append(Barrier())
-        proj(b + "ffn_down.weight", a("g"), a("x"), F, E, add=True)  # x += swiglu @ w_down.T
-        out.append(Barrier())
+    # -- emission ---------------------------------------------------------------------
 
-    rope_mode = ROPE_NORMAL if cfg.rope_mode == "normal" else ROPE_NEOX
-    # llama's decode buckets rotate q and k (and store k, v) in the projections
-    rope_in_proj = (bucket <= MATVEC_MAX_COLS and cfg.rope_mode == "normal" and not cfg.attn_bias
-                    and not cfg.qk_norm and ops.matvec_rs % 2 == 0)
-    embd = "token_embd.weight"
-    for w, r0, r1 in weights.pieces(embd):
-        out.append(ops.get_rows(weights.slots[embd].qtype, w, a("x"), st, n_in=E, y_stride=E, cap=bucket, row0=r0, row1=r1))
-    out.append(Barrier())
-    for il in range(cfg.n_layer):
-        b = f"blk.{il}."
-        out.append(ops.rms_norm(a("x"), vec(b + "attn_norm.weight"), a("xn"), st, n=E, x_stride=E, y_stride=E, eps=cfg.rms_eps, cap=bucket))
-        out.append(Barrier())
-        kc, vc = whole(kv.k[il]), whole(kv.v[il])
-        theta = cfg.rope_theta
-        qkv = [b + f"attn_{t}.weight" for t in "qkv"]
-        if rope_in_proj and all(len(weights.pieces(n)) == 1 for n in qkv):
-            # llama decode: q rotated in place, k rotated into the cache, v stored in
-            # it, by the projections themselves (matvec.comp's ROPE_OUT)
-            for name, dst, n, rot, cache in ((qkv[0], a("q"), Q, True, False), (qkv[1], kc, KVD, True, True),
-                                             (qkv[2], vc, KVD, False, True)):
-                out.append(ops.matvec_rope(
-                    weights.slots[name].qtype, weights.view(name), a("xn"), dst, st, a("factors"),
-                    n_in=E, n_rows=n, x_stride=E, y_stride=n, head_dim=hd, rope=rot, theta=theta,
-                    to_cache=cache, n_ctx=n_ctx, maxc=bucket,
-                ))
+    def run(self) -> list[Op]:
+        self.find_fusions()
+        for node in self.graph.nodes:
+            if node.out.id in self._absorbed:
+                continue
+            lower = getattr(self, "op_" + node.op, None)
+            if lower is None:
+                raise GraphError(f"{node.out.name}: the Vulkan backend has no op {node.op!r}")
+            lower(node)
+        logits = self.graph.logits
+        assert logits is not None
+        n_bytes = 4 * min(self.bucket, self.act.out_cap) * self.graph.logits.width  # type: ignore[union-attr]
+        self.emit([Copy(self.view(logits).sub(0, n_bytes), self.act.view("readback").sub(0, n_bytes))],
+                  [self.slot(logits)], ["readback"])
+        return self.out
+
+    def op_get_rows(self, node: Node) -> None:
+        w, _ = node.inputs
+        qtype = self.weights.slots[w.name].qtype
+        y = self.view(node.out)
+        n_in = int(w.shape[1])
+        ds: list[Op] = [self.ops.get_rows(qtype, piece, y, self.st, n_in=n_in, y_stride=n_in, cap=self.bucket,
+                                          row0=r0, row1=r1)
+                        for piece, r0, r1 in self.weights.pieces(w.name)]
+        self.emit(ds, [], [self.slot(node.out)])
+
+    def op_outputs(self, node: Node) -> None:
+        (x,) = node.inputs
+        _, cap = self.rows(node.out)
+        d = self.ops.get_rows("F32", self.view(x), self.view(node.out), self.st, n_in=x.width, y_stride=x.width,
+                              cap=cap, id_sel=COUNT_OUT)
+        self.emit([d], [self.slot(x)], [self.slot(node.out)])
+
+    def op_linear(self, node: Node) -> None:
+        x, w = node.inputs
+        add_node = self._add_into.get(node.out.id)
+        target = node.out if add_node is None else add_node.out
+        sel, cap = self.rows(x)
+        n_in, n_out = int(w.shape[1]), int(w.shape[0])
+        qtype = self.weights.slots[w.name].qtype
+        y = self.view(target)
+        ds: list[Op] = []
+        for piece, r0, r1 in self.weights.pieces(w.name):
+            if cap <= MATVEC_MAX_COLS:
+                ds.append(self.ops.matvec(qtype, piece, self.view(x), y, self.st, n_in=n_in, n_rows=r1 - r0,
+                                          x_stride=n_in, y_stride=n_out, y_off=r0, count_sel=sel,
+                                          add=add_node is not None, maxc=cap))
+            else:
+                ds.append(self.ops.matmul(qtype, piece, self.view(x), y, self.st, n_in=n_in, n_rows=r1 - r0,
+                                          x_stride=n_in, y_stride=n_out, cap=cap, y_off=r0, count_sel=sel,
+                                          add=add_node is not None))
+        reads = [self.slot(x)] + ([self.slot(target)] if add_node is not None else [])
+        self.emit(ds, reads, [self.slot(target)])
+
+    def op_add(self, node: Node) -> None:
+        a, b = node.inputs
+        sel, cap = self.rows(node.out)
+        if a.kind != "value":
+            raise GraphError(f"{node.out.name}: the Vulkan add needs a computed first operand")
+        n = node.out.width
+        d = self.ops.add(self.view(a), self.view(b), self.view(node.out), self.st, n=n, stride=n, cap=cap,
+                         bcast=b.kind == "weight", count_sel=sel)
+        reads = [self.slot(a)] + ([self.slot(b)] if b.kind == "value" else [])
+        self.emit([d], reads, [self.slot(node.out)])
+
+    def op_scale(self, node: Node) -> None:
+        (x,) = node.inputs
+        sel, cap = self.rows(node.out)
+        n = node.out.width
+        d = self.ops.scale(self.view(x), self.view(node.out), self.st, n=n, stride=n, cap=cap,
+                           scale=node.attr("scale"), count_sel=sel)
+        self.emit([d], [self.slot(x)], [self.slot(node.out)])
+
+    def op_rms_norm(self, node: Node) -> None:
+        x, w = node.inputs
+        sel, cap = self.rows(node.out)
+        n = node.attr("group")
+        d = self.ops.rms_norm(self.view(x), self.view(w), self.view(node.out), self.st, n=n, x_stride=n,
+                              y_stride=n, eps=node.attr("eps"), cap=cap, rows_per_tok=x.width // n, count_sel=sel)
+        self.emit([d], [self.slot(x)], [self.slot(node.out)])
+
+    def _cache_target(self, node: Node) -> tuple[View, object, LayerMemory] | None:
+        """Where a value bound for the KV cache goes: (cache view, hazard key, plan)."""
+        if node.out.id not in self._to_cache:
+            return None
+        attn = self._cons[node.out.id][0]
+        kc, _, m = self.cache(attn.layer)
+        return kc, ("k", attn.layer), m
+
+    def op_rope(self, node: Node) -> None:
+        x = node.inputs[0]
+        nh, hd = node.attr("n_heads"), node.attr("head_dim")
+        theta = node.attr("theta")
+        factors = self.act.view(self.rope_buf[node.out.id])
+        cache = self._cache_target(node)
+        lin = self._rope_out.get(node.out.id)
+        if lin is not None:  # the projection rotates (and stores) itself: matvec ROPE_OUT
+            src, w = lin.inputs
+            n_rows = int(w.shape[0])
+            dst, key = (self.view(node.out), self.slot(node.out)) if cache is None else (cache[0], cache[1])
+            d = self.ops.matvec_rope(self.weights.slots[w.name].qtype, self.weights.view(w.name), self.view(src),
+                                     dst, self.st, factors, n_in=int(w.shape[1]), n_rows=n_rows,
+                                     x_stride=src.width, y_stride=n_rows, head_dim=hd, rope=True, theta=theta,
+                                     to_cache=cache is not None, n_ctx=cache[2].rows if cache else 0,
+                                     maxc=self.bucket)
+            self.emit([d], [self.slot(src)], [key])
+            return
+        mode = ROPE_NORMAL if node.attr("mode") == "normal" else ROPE_NEOX
+        if cache is None:
+            d = self.ops.rope(self.view(x), self.view(node.out), factors, self.st, n_heads=nh, head_dim=hd,
+                              x_stride=x.width, mode=mode, theta=theta, cap=self.bucket)
+            self.emit([d], [self.slot(x)], [self.slot(node.out)])
         else:
-            separate_qkv(il, kc, vc)
-        out.append(Barrier())
-        out.append(ops.attention(a("q"), kc, vc, a("att"), st, n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=hd, n_ctx=n_ctx, q_stride=Q, o_stride=Q, cap=bucket))
-        out.append(Barrier())
-        ffn_block(il)
-    # the head, only for the rows whose logits are wanted
-    out.append(ops.get_rows("F32", a("x"), a("hid"), st, n_in=E, y_stride=E, cap=out_cap, id_sel=COUNT_OUT))
-    out.append(Barrier())
-    out.append(ops.rms_norm(a("hid"), vec("output_norm.weight"), a("hid"), st, n=E, x_stride=E, y_stride=E, eps=cfg.rms_eps, cap=out_cap, count_sel=COUNT_OUT))
-    out.append(Barrier())
-    head = "token_embd.weight" if cfg.tied_embeddings or "output.weight" not in weights.slots else "output.weight"
-    proj(head, a("hid"), a("logits"), E, V, count_sel=COUNT_OUT, cap=out_cap)  # [n_out, n_vocab]
-    out.append(Barrier())
-    n_bytes = 4 * out_cap * V
-    out.append(Copy(a("logits").sub(0, n_bytes), a("readback").sub(0, n_bytes)))
-    return out
+            d = self.ops.rope(self.view(x), cache[0], factors, self.st, n_heads=nh, head_dim=hd, x_stride=x.width,
+                              mode=mode, theta=theta, cap=self.bucket, to_cache=True, n_ctx=cache[2].rows,
+                              kv_dim=x.width)
+            self.emit([d], [self.slot(x)], [cache[1]])
+
+    def _store(self, t: Tensor, dst: View, key: object, m: LayerMemory, nh: int, hd: int) -> None:
+        """Copy a computed k or v into the cache (rope.comp with mode 0)."""
+        factors = self.act.view(next(iter(self.rope_buf.values())))
+        d = self.ops.rope(self.view(t), dst, factors, self.st, n_heads=nh, head_dim=hd, x_stride=t.width,
+                          mode=ROPE_NONE, theta=10000.0, cap=self.bucket, to_cache=True, n_ctx=m.rows,
+                          kv_dim=t.width)
+        self.emit([d], [self.slot(t)], [key])
+
+    def op_attention(self, node: Node) -> None:
+        q, k, v = node.inputs
+        kc, vc, m = self.cache(node.layer)
+        nh, nkv, hd = node.attr("n_head"), node.attr("n_head_kv"), node.attr("head_dim")
+        if m.kind != "kv" or node.attr("window"):
+            raise GraphError(f"{node.out.name}: sliding-window attention is not on the Vulkan backend yet")
+        if k.id not in self._to_cache:
+            self._store(k, kc, ("k", node.layer), m, nkv, hd)
+        lin = self._v_out.get(node.out.id)
+        if lin is not None:  # the v projection writes the cache itself (matvec ROPE_OUT, no rotation)
+            src, w = lin.inputs
+            n_rows = int(w.shape[0])
+            d = self.ops.matvec_rope(self.weights.slots[w.name].qtype, self.weights.view(w.name), self.view(src),
+                                     vc, self.st, self.act.view(next(iter(self.rope_buf.values()))),
+                                     n_in=int(w.shape[1]), n_rows=n_rows, x_stride=src.width, y_stride=n_rows,
+                                     head_dim=hd, rope=False, theta=10000.0, to_cache=True, n_ctx=m.rows,
+                                     maxc=self.bucket)
+            self.emit([d], [self.slot(src)], [("v", node.layer)])
+        else:
+            self._store(v, vc, ("v", node.layer), m, nkv, hd)
+        d = self.ops.attention(self.view(q), kc, vc, self.view(node.out), self.st, n_head=nh, n_head_kv=nkv,
+                               head_dim=hd, n_ctx=m.rows, q_stride=q.width, o_stride=node.out.width,
+                               cap=self.bucket, scale=node.attr("scale"))
+        self.emit([d], [self.slot(q), ("k", node.layer), ("v", node.layer)], [self.slot(node.out)])
+
+    def op_glu(self, node: Node) -> None:
+        g, u = node.inputs
+        sel, cap = self.rows(node.out)
+        fused = self._gate_up.get(node.out.id)
+        n = node.out.width
+        if fused is not None:  # y = silu(gate . x) * (up . x) from one dispatch (matvec GATE_UP)
+            lg, _, (view, row_a, row_b) = fused
+            x, w = lg.inputs
+            d = self.ops.matvec_gate_up(self.weights.slots[w.name].qtype, view, self.view(x), self.view(node.out),
+                                        self.st, n_in=int(w.shape[1]), n_rows=n, row_a=row_a, row_b=row_b,
+                                        x_stride=x.width, y_stride=n, maxc=cap)
+            self.emit([d], [self.slot(x)], [self.slot(node.out)])
+            return
+        d = self.ops.glu(self.view(g), self.view(u), self.view(node.out), self.st, n=n, stride=n, cap=cap,
+                         act=node.attr("act"), count_sel=sel)
+        self.emit([d], [self.slot(g), self.slot(u)], [self.slot(node.out)])
+
+    @property
+    def st(self) -> View:
+        return self.act.view("step")
+
+
+def build_ops(
+    ops: Ops, graph: Graph, plan: BufferPlan, weights: WeightStore, act: Activations, kv: KVCache,
+    mem: list[LayerMemory], rope_buf: dict[int, str], *, bucket: int,
+) -> list[Op]:
+    """Every dispatch of one forward pass over at most ``bucket`` tokens."""
+    by_layer = {m.layer: (i, m) for i, m in enumerate(mem)}
+    return _Lowering(ops, graph, plan, weights, act, kv, by_layer, rope_buf, bucket).run()

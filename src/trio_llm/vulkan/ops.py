@@ -178,12 +178,28 @@ class Ops:
         push = (n_head, n_head_kv, head_dim, n_ctx, kv_dim, q_stride, o_stride, float(s))
         return Dispatch(k, (q, k_cache, v_cache, o, step), push, (n_head, cap, 1))
 
+    def glu(
+        self, g: View, u: View, y: View, step: View, *, n: int, stride: int, cap: int,
+        act: str = "silu", count_sel: int = COUNT_TOKENS,
+    ) -> Dispatch:
+        """y = act(g) * u: SwiGLU (silu) or GeGLU (gelu, tanh form)."""
+        defines = {"GELU": 1} if act == "gelu" else None
+        k = self.kernels.get("swiglu", n_bindings=4, n_push=3, local_size=self.elem_wg, defines=defines)
+        return Dispatch(k, (g, u, y, step), (n, stride, count_sel), (math.ceil(n / self.elem_wg), cap, 1))
+
     def swiglu(
         self, g: View, u: View, y: View, step: View, *, n: int, stride: int, cap: int,
         count_sel: int = COUNT_TOKENS,
     ) -> Dispatch:
-        k = self.kernels.get("swiglu", n_bindings=4, n_push=3, local_size=self.elem_wg)
-        return Dispatch(k, (g, u, y, step), (n, stride, count_sel), (math.ceil(n / self.elem_wg), cap, 1))
+        return self.glu(g, u, y, step, n=n, stride=stride, cap=cap, count_sel=count_sel)
+
+    def scale(
+        self, x: View, y: View, step: View, *, n: int, stride: int, cap: int, scale: float,
+        count_sel: int = COUNT_TOKENS,
+    ) -> Dispatch:
+        """y = x * scale over the live rows."""
+        k = self.kernels.get("scale", n_bindings=3, n_push=4, local_size=self.elem_wg)
+        return Dispatch(k, (x, y, step), (n, stride, count_sel, float(scale)), (math.ceil(n / self.elem_wg), cap, 1))
 
     def add(
         self, a: View, b: View, y: View, step: View, *, n: int, stride: int, cap: int,

@@ -39,7 +39,7 @@ ROPE_OUT = {"ROPE_OUT": 1}
 #: matvec of the FFN's gate and up at once, SwiGLU in the epilogue
 GATE_UP = {"GATE_UP": 1}
 #: shaders with a single variant
-PLAIN_SHADERS = ("rms_norm", "rope", "attention", "swiglu", "add", "argmax", "transpose")
+PLAIN_SHADERS = ("rms_norm", "rope", "attention", "swiglu", "add", "scale", "argmax", "transpose")
 
 _FLAGS = ("--target-env=vulkan1.2", "-O")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
@@ -142,6 +142,7 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
         yield "matvec", {**qtype_defines(q), **GATE_UP}
     for name in PLAIN_SHADERS:
         yield name, {}
+    yield "swiglu", {"GELU": 1}
 
 
 def main(argv: list[str]) -> int:

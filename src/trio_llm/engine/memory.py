@@ -1,0 +1,69 @@
+"""Memory as a property of each layer: what a layer keeps between steps, and whether
+that can be cut back to a prefix.
+
+Kinds today (both backends lay their buffers out from this plan):
+
+- ``kv``: the full positional KV cache, ``n_ctx`` rows per sequence; any prefix of it is
+  a valid cache of that prefix.
+- ``kv_swa``: a sliding-window layer's cache, a ring of ``rows`` = window + the most
+  tokens one forward pass writes per sequence (position p lives in row ``p % rows``), so
+  a 1024-position window costs 1.5k rows at any context. A prefix is usable only while
+  the ring still holds the window before its end.
+
+Recurrent state (conv + delta-net state per sequence, not truncatable at all) is the
+third kind the hybrid architectures add.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import attrs
+
+from trio_llm.graph import Graph
+
+Kind = Literal["kv", "kv_swa"]
+
+
+@attrs.frozen
+class LayerMemory:
+    layer: int
+    kind: Kind
+    rows: int  # cache rows per sequence
+    window: int  # 0: full causal attention
+    kv_dim: int  # values per row of K (and of V)
+
+    def row_of(self, pos: int) -> int:
+        return pos % self.rows
+
+    def reusable(self, n_cached: int, n_keep: int) -> bool:
+        """Can a sequence whose cache holds positions ``[0, n_cached)`` continue at
+        ``n_keep <= n_cached`` (overwriting from there)?"""
+        if self.kind == "kv" or n_cached <= self.rows:
+            return True
+        # the next query (position n_keep) reads keys down to n_keep - window + 1; the
+        # ring holds positions from n_cached - rows on
+        return n_keep - self.window + 1 >= n_cached - self.rows
+
+
+def plan_memory(graph: Graph, *, n_ctx: int, chunk: int) -> list[LayerMemory]:
+    """One entry per layer with an attention node, in layer order. ``chunk`` is the most
+    tokens of one sequence a forward pass writes (the ring must hold them and the window
+    before them)."""
+    out = []
+    for il, node in sorted(graph.attention_layers().items()):
+        window = int(node.attr("window"))
+        kv_dim = int(node.attr("n_head_kv")) * int(node.attr("head_dim"))
+        if window and window + chunk < n_ctx:
+            out.append(LayerMemory(il, "kv_swa", window + chunk, window, kv_dim))
+        else:
+            out.append(LayerMemory(il, "kv", n_ctx, window, kv_dim))
+    return out
+
+
+def reusable_prefix(layers: Sequence[LayerMemory], n_cached: int, n_common: int) -> int:
+    """The longest prefix (at most ``n_common``) of a cached sequence of ``n_cached``
+    positions that every layer can continue from; 0 when some layer cannot."""
+    n = min(n_common, n_cached)
+    return n if all(m.reusable(n_cached, n) for m in layers) else 0

@@ -1,0 +1,219 @@
+"""A small graph IR for one forward pass: tensors that know their shape, nodes in order.
+
+An architecture (``trio_llm.models``) describes its forward pass once, as calls on a
+``Graph``; every backend then executes that one description: the numpy reference
+interprets the nodes (``engine/reference.py``), the Vulkan backend lowers them to
+recorded dispatches (``vulkan/forward.py``). So an architecture is never written twice,
+and a shape mistake is a ``GraphError`` raised here, in Python, at build time, naming
+the node and the shapes, instead of wrong numbers from a GPU.
+
+Shapes use two symbolic leading dimensions: ``T``, the tokens of a step (every live
+token of every sequence, concatenated), and ``O``, the rows whose logits are wanted
+(each sequence's last token). Everything else is an ``int``. Per-step values (token
+ids, positions, sequence ids, output rows) are not tensors: they live in the
+backends' step state, which is why one graph serves every step of a shape bucket.
+
+The ops are deliberately few and plain (a linear layer, an RMS norm, RoPE, attention
+over a layer's cache, a gated activation, an elementwise add and scale); fusions are
+the lowering's business (pattern passes in ``vulkan/forward.py``), never the model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+
+from trio_llm.errors import GraphError
+
+Dim = int | str
+TOKENS = "T"
+OUTPUTS = "O"
+
+RopeMode = Literal["normal", "neox"]
+Activation = Literal["silu", "gelu"]
+
+
+@attrs.frozen(eq=False)
+class Tensor:
+    """A value of the graph: an input, a weight of the file, or a node's output."""
+
+    id: int
+    shape: tuple[Dim, ...]
+    name: str  # the weight's GGUF name, or the node's name ("blk.3.attn_norm")
+    kind: Literal["input", "weight", "value"]
+
+    @property
+    def width(self) -> int:
+        """Values per row: the product of every dimension after the first."""
+        n = 1
+        for d in self.shape[1:]:
+            assert isinstance(d, int)
+            n *= d
+        return n
+
+    def __repr__(self) -> str:
+        dims = ", ".join(str(d) for d in self.shape)
+        return f"{self.name}[{dims}]"
+
+
+@attrs.frozen(eq=False)
+class Node:
+    op: str
+    out: Tensor
+    inputs: tuple[Tensor, ...]
+    attrs: Mapping[str, Any]
+    layer: int  # -1 outside the blocks
+
+    def attr(self, key: str) -> Any:
+        return self.attrs[key]
+
+
+@attrs.define(eq=False)
+class Graph:
+    """The builder and the result: ``nodes`` in execution order, ``logits`` at the end.
+
+    ``shapes`` are the tensors the file has (numpy order: ``(n_out, n_in)`` for a
+    matrix); ``weight(name)`` checks against them, so a model asks only for what exists.
+    """
+
+    shapes: Mapping[str, tuple[int, ...]]
+    nodes: list[Node] = attrs.field(factory=list)
+    weights: dict[str, Tensor] = attrs.field(factory=dict)
+    logits: Tensor | None = None
+    _ids: int = 0
+    _layer: int = -1
+
+    # -- tensors ------------------------------------------------------------------------
+
+    def _tensor(self, shape: tuple[Dim, ...], name: str, kind: Literal["input", "weight", "value"]) -> Tensor:
+        self._ids += 1
+        return Tensor(self._ids, shape, name, kind)
+
+    def has(self, name: str) -> bool:
+        return name in self.shapes
+
+    def weight(self, name: str) -> Tensor:
+        """The file's tensor ``name`` (one Tensor per name, however often asked)."""
+        t = self.weights.get(name)
+        if t is None:
+            if name not in self.shapes:
+                raise GraphError(f"the model needs tensor {name!r}, which the file lacks")
+            t = self.weights[name] = self._tensor(tuple(self.shapes[name]), name, "weight")
+        return t
+
+    def tokens(self) -> Tensor:
+        """The step's token ids, ``[T]``."""
+        return self._tensor((TOKENS,), "tokens", "input")
+
+    def layer(self, il: int) -> Graph:
+        """Name the nodes built next as layer ``il``'s (``-1``: outside the blocks)."""
+        self._layer = il
+        return self
+
+    def _node(self, op: str, inputs: tuple[Tensor, ...], shape: tuple[Dim, ...], name: str, **kw: Any) -> Tensor:
+        prefix = f"blk.{self._layer}." if self._layer >= 0 else ""
+        out = self._tensor(shape, prefix + name, "value")
+        self.nodes.append(Node(op, out, inputs, kw, self._layer))
+        return out
+
+    # -- ops ----------------------------------------------------------------------------
+
+    def get_rows(self, w: Tensor, ids: Tensor, name: str = "inp_embd") -> Tensor:
+        """Rows of the matrix ``w`` picked by token ids: ``[T, n_embd]``."""
+        _expect(w.kind == "weight" and len(w.shape) == 2, name, f"get_rows needs a weight matrix, got {w!r}")
+        _expect(ids.shape == (TOKENS,), name, f"get_rows needs token ids [T], got {ids!r}")
+        return self._node("get_rows", (w, ids), (TOKENS, w.shape[1]), name)
+
+    def linear(self, x: Tensor, w: Tensor, name: str) -> Tensor:
+        """``x @ w.T``: ``[R, n_in]`` by a weight ``[n_out, n_in]`` gives ``[R, n_out]``."""
+        _expect(w.kind == "weight" and len(w.shape) == 2, name, f"linear needs a weight matrix, got {w!r}")
+        _expect(len(x.shape) == 2 and x.shape[1] == w.shape[1], name,
+                f"linear of {x!r} by {w!r}: input width {x.shape[-1]} != {w.shape[1]}")
+        return self._node("linear", (x, w), (x.shape[0], w.shape[0]), name)
+
+    def add(self, a: Tensor, b: Tensor, name: str) -> Tensor:
+        """``a + b``, with ``b`` of ``a``'s shape or one row ``[n]`` (a bias) for every row."""
+        _expect(b.shape == a.shape or b.shape == (a.width,), name, f"add of {a!r} and {b!r}: shapes differ")
+        return self._node("add", (a, b), a.shape, name)
+
+    def scale(self, x: Tensor, s: float, name: str) -> Tensor:
+        return self._node("scale", (x,), x.shape, name, scale=float(s))
+
+    def rms_norm(self, x: Tensor, w: Tensor, eps: float, name: str, *, group: int | None = None) -> Tensor:
+        """RMSNorm of every ``group`` consecutive values of each row (the whole row when
+        None; a head when QK-norm), scaled by ``w`` ``[group]``."""
+        n = x.width if group is None else group
+        _expect(x.width % n == 0, name, f"rms_norm groups of {n} do not tile {x!r}")
+        _expect(w.shape == (n,), name, f"rms_norm of {x!r} in groups of {n} needs a weight [{n}], got {w!r}")
+        return self._node("rms_norm", (x, w), x.shape, name, eps=float(eps), group=n)
+
+    def rope(self, x: Tensor, name: str, *, n_heads: int, head_dim: int, mode: RopeMode, theta: float,
+             freq_scale: float = 1.0, factors: Tensor | None = None) -> Tensor:
+        """Rotary embedding of every head of ``x`` ``[T, n_heads * head_dim]`` at each
+        token's position; ``factors`` ``[head_dim / 2]`` divide the frequencies (llama 3
+        long-context scaling), ``freq_scale`` multiplies the positions (linear scaling)."""
+        _expect(x.shape == (TOKENS, n_heads * head_dim), name,
+                f"rope of {n_heads} heads of {head_dim} needs [T, {n_heads * head_dim}], got {x!r}")
+        _expect(head_dim % 2 == 0, name, f"rope needs an even head_dim, got {head_dim}")
+        inputs = (x,) if factors is None else (x, factors)
+        if factors is not None:
+            _expect(factors.shape == (head_dim // 2,), name, f"rope factors must be [{head_dim // 2}], got {factors!r}")
+        return self._node("rope", inputs, x.shape, name, n_heads=n_heads, head_dim=head_dim, mode=mode,
+                          theta=float(theta), freq_scale=float(freq_scale))
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, name: str, *, n_head: int, n_head_kv: int,
+                  head_dim: int, scale: float, window: int = 0) -> Tensor:
+        """Store this step's ``k`` and ``v`` in the current layer's cache, then causal
+        grouped-query attention of ``q`` over it: ``[T, n_head * head_dim]``. Query head h
+        reads KV head ``h // (n_head / n_head_kv)``. ``window`` > 0: a key at position j is
+        seen from position p only if ``p - j < window`` (sliding-window layers, whose cache
+        then keeps only the positions a window can still reach)."""
+        _expect(self._layer >= 0, name, "attention outside a layer has no cache")
+        _expect(n_head % n_head_kv == 0, name, f"{n_head} heads do not share {n_head_kv} KV heads evenly")
+        _expect(q.shape == (TOKENS, n_head * head_dim), name, f"q must be [T, {n_head * head_dim}], got {q!r}")
+        for t in (k, v):
+            _expect(t.shape == (TOKENS, n_head_kv * head_dim), name,
+                    f"k and v must be [T, {n_head_kv * head_dim}], got {t!r}")
+        _expect(window >= 0, name, f"negative window {window}")
+        return self._node("attention", (q, k, v), q.shape, name, n_head=n_head, n_head_kv=n_head_kv,
+                          head_dim=head_dim, scale=float(scale), window=int(window))
+
+    def glu(self, gate: Tensor, up: Tensor, act: Activation, name: str) -> Tensor:
+        """``act(gate) * up`` (SwiGLU with silu, GeGLU with gelu's tanh form)."""
+        _expect(gate.shape == up.shape, name, f"glu of {gate!r} and {up!r}: shapes differ")
+        _expect(act in ("silu", "gelu"), name, f"unknown activation {act!r}")
+        return self._node("glu", (gate, up), gate.shape, name, act=act)
+
+    def outputs(self, x: Tensor, name: str = "result_rows") -> Tensor:
+        """The rows of ``x`` whose logits are wanted: ``[O, width]``."""
+        _expect(len(x.shape) == 2 and x.shape[0] == TOKENS, name, f"outputs needs [T, n], got {x!r}")
+        return self._node("outputs", (x,), (OUTPUTS, x.shape[1]), name)
+
+    def set_logits(self, x: Tensor) -> Tensor:
+        _expect(len(x.shape) == 2 and x.shape[0] == OUTPUTS, "result_output", f"logits must be [O, n_vocab], got {x!r}")
+        self.logits = x
+        return x
+
+    # -- queries --------------------------------------------------------------------------
+
+    def consumers(self) -> dict[int, list[Node]]:
+        """For each tensor id, the nodes that read it (in order)."""
+        out: dict[int, list[Node]] = {}
+        for node in self.nodes:
+            for t in node.inputs:
+                out.setdefault(t.id, []).append(node)
+        return out
+
+    def producers(self) -> dict[int, Node]:
+        return {node.out.id: node for node in self.nodes}
+
+    def attention_layers(self) -> dict[int, Node]:
+        """Each layer's attention node (the layers that have a KV cache)."""
+        return {n.layer: n for n in self.nodes if n.op == "attention"}
+
+
+def _expect(ok: bool, name: str, problem: str) -> None:
+    if not ok:
+        raise GraphError(f"{name}: {problem}")

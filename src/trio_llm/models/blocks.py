@@ -1,0 +1,79 @@
+"""Shared blocks of the architectures: norms, attention, feed-forward, the head.
+
+Each block takes what varies as arguments (head counts, RoPE settings, which optional
+tensors a layer has); none of them asks which architecture it is building, so an
+architecture file reads as the list of its differences. Names of intermediate values
+follow llama.cpp's ``cb(cur, "...", il)`` names.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from trio_llm.graph import Activation, Graph, RopeMode, Tensor
+
+
+@attrs.frozen
+class Rope:
+    mode: RopeMode
+    theta: float
+    freq_scale: float = 1.0
+    factors: str | None = None  # a tensor of per-frequency divisors (llama 3 long context)
+
+
+@attrs.frozen
+class Attn:
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    eps: float
+    scale: float  # softmax scale of q.k
+    bias: bool = False  # q/k/v biases (qwen2)
+    qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (qwen3, gemma3)
+    window: int = 0  # sliding window; 0: full causal attention
+
+
+def norm(g: Graph, x: Tensor, weight: str, eps: float, name: str) -> Tensor:
+    return g.rms_norm(x, g.weight(weight), eps, name)
+
+
+def attention(g: Graph, h: Tensor, il: int, a: Attn, rope: Rope) -> Tensor:
+    """Self-attention of layer ``il`` on the normed input ``h`` ``[T, n_embd]``, through
+    the output projection: ``[T, n_embd]``."""
+    b = f"blk.{il}."
+    q = g.linear(h, g.weight(b + "attn_q.weight"), "Qcur")  # [T, n_head * hd]
+    k = g.linear(h, g.weight(b + "attn_k.weight"), "Kcur")  # [T, n_head_kv * hd]
+    v = g.linear(h, g.weight(b + "attn_v.weight"), "Vcur")  # [T, n_head_kv * hd]
+    if a.bias:
+        q = g.add(q, g.weight(b + "attn_q.bias"), "Qcur_b")
+        k = g.add(k, g.weight(b + "attn_k.bias"), "Kcur_b")
+        v = g.add(v, g.weight(b + "attn_v.bias"), "Vcur_b")
+    if a.qk_norm:
+        q = g.rms_norm(q, g.weight(b + "attn_q_norm.weight"), a.eps, "Qcur_normed", group=a.head_dim)
+        k = g.rms_norm(k, g.weight(b + "attn_k_norm.weight"), a.eps, "Kcur_normed", group=a.head_dim)
+    factors = g.weight(rope.factors) if rope.factors is not None and g.has(rope.factors) else None
+    kw = dict(head_dim=a.head_dim, mode=rope.mode, theta=rope.theta, freq_scale=rope.freq_scale, factors=factors)
+    q = g.rope(q, "Qcur_rope", n_heads=a.n_head, **kw)  # type: ignore[arg-type]
+    k = g.rope(k, "Kcur_rope", n_heads=a.n_head_kv, **kw)  # type: ignore[arg-type]
+    att = g.attention(q, k, v, "kqv_out", n_head=a.n_head, n_head_kv=a.n_head_kv, head_dim=a.head_dim,
+                      scale=a.scale, window=a.window)  # [T, n_head * hd]
+    return g.linear(att, g.weight(b + "attn_output.weight"), "attn_out")  # [T, n_embd]
+
+
+def ffn(g: Graph, h: Tensor, il: int, act: Activation) -> Tensor:
+    """The gated feed-forward block: ``down(act(gate(h)) * up(h))``."""
+    b = f"blk.{il}."
+    gate = g.linear(h, g.weight(b + "ffn_gate.weight"), "ffn_gate")  # [T, n_ff]
+    up = g.linear(h, g.weight(b + "ffn_up.weight"), "ffn_up")  # [T, n_ff]
+    par = g.glu(gate, up, act, "ffn_act")  # [T, n_ff]
+    return g.linear(par, g.weight(b + "ffn_down.weight"), "ffn_out")  # [T, n_embd]
+
+
+def head(g: Graph, x: Tensor, eps: float) -> Tensor:
+    """The final norm and the output projection, only for the rows whose logits are
+    wanted; a file without ``output.weight`` reuses the embedding (tied)."""
+    g.layer(-1)
+    x = g.outputs(x)  # [O, n_embd]
+    x = norm(g, x, "output_norm.weight", eps, "result_norm")  # [O, n_embd]
+    w = g.weight("output.weight" if g.has("output.weight") else "token_embd.weight")
+    return g.set_logits(g.linear(x, w, "result_output"))  # [O, n_vocab]

@@ -1,0 +1,105 @@
+"""gemma3: llama's skeleton with Gemma's differences.
+
+- the embedding is scaled by sqrt(n_embd);
+- QK-norm, and a softmax scale of 1/sqrt(head_dim) (1/sqrt(n_embd / n_head) for the
+  62-layer 27B, as llama.cpp and gemma_pytorch pick it);
+- "sandwich" norms: the attention and FFN outputs are normed again
+  (``post_attention_norm``, ``post_ffw_norm``) before their residual adds;
+- GeGLU (gelu's tanh form) instead of SwiGLU;
+- five sliding-window layers (``attention.sliding_window`` positions, RoPE base 10000,
+  no scaling) to every global one (the file's RoPE base and linear scaling); the
+  sliding-window layers' caches keep only the positions a window can reach.
+
+The GGUF converter already adds Gemma's "+1" to the norm weights, so the norms are plain.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from trio_llm.errors import UnsupportedModelError
+from trio_llm.graph import Graph
+from trio_llm.model.config import ModelConfig
+from trio_llm.models import Meta
+from trio_llm.models.blocks import Attn, Rope, attention, ffn, head, norm
+from trio_llm.models.llama import common_hparams
+
+ARCHS = ("gemma3",)
+MIN_BLOCK_TENSORS = 13
+#: one global layer after every five sliding-window ones
+SWA_PATTERN = 6
+ROPE_THETA_SWA = 10000.0
+
+
+def hparams(meta: Meta, tensors: Mapping[str, Any]) -> ModelConfig:
+    hp = common_hparams(meta, tensors, rms_eps_default=1e-6)
+    hp["rope_theta"] = meta.arch_get("rope.freq_base", float, 1e6)
+    n_layer = hp["n_layer"]
+    n_swa = meta.arch_get("attention.sliding_window", int, 0)
+    if n_swa < 0:
+        raise UnsupportedModelError(meta.path, f"negative gemma3.attention.sliding_window {n_swa}")
+    factor = meta.arch_get("rope.scaling.factor", float, 0.0)
+    if meta.arch_get("final_logit_softcapping", float, 0.0) > 0:
+        raise UnsupportedModelError(meta.path, "gemma3 with final_logit_softcapping is not supported")
+    dim = hp["n_embd"] // hp["n_head"] if n_layer == 62 else hp["head_dim"]
+    return ModelConfig(
+        **hp,
+        n_swa=n_swa,
+        swa_layers=tuple(n_swa > 0 and il % SWA_PATTERN < SWA_PATTERN - 1 for il in range(n_layer)),
+        rope_theta_swa=ROPE_THETA_SWA,
+        rope_freq_scale=1.0 / factor if factor > 0 else 1.0,
+        attn_scale=1.0 / math.sqrt(dim),
+    )
+
+
+def tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    e, q, kv, ff, hd = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.n_ff, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.n_vocab, e)}
+    for i in range(cfg.n_layer):
+        b = f"blk.{i}."
+        shapes.update({
+            b + "attn_norm.weight": (e,),
+            b + "attn_q.weight": (q, e),
+            b + "attn_k.weight": (kv, e),
+            b + "attn_v.weight": (kv, e),
+            b + "attn_q_norm.weight": (hd,),
+            b + "attn_k_norm.weight": (hd,),
+            b + "attn_output.weight": (e, q),
+            b + "post_attention_norm.weight": (e,),
+            b + "ffn_norm.weight": (e,),
+            b + "ffn_gate.weight": (ff, e),
+            b + "ffn_up.weight": (ff, e),
+            b + "ffn_down.weight": (e, ff),
+            b + "post_ffw_norm.weight": (e,),
+        })
+    shapes["output_norm.weight"] = (e,)
+    if not cfg.tied_embeddings:
+        shapes["output.weight"] = (cfg.n_vocab, e)
+    return shapes
+
+
+def optional(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return {}
+
+
+def build(g: Graph, cfg: ModelConfig) -> None:
+    eps = cfg.rms_eps
+    x = g.get_rows(g.weight("token_embd.weight"), g.tokens())  # [T, n_embd]
+    x = g.scale(x, math.sqrt(cfg.n_embd), "inp_scaled")
+    for il in range(cfg.n_layer):
+        g.layer(il)
+        b = f"blk.{il}."
+        swa = cfg.is_swa(il)
+        a = Attn(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim, eps=eps,
+                 scale=cfg.kq_scale, qk_norm=True, window=cfg.n_swa if swa else 0)
+        rope = (Rope("neox", cfg.rope_theta_swa) if swa
+                else Rope("neox", cfg.rope_theta, freq_scale=cfg.rope_freq_scale))
+        h = norm(g, x, b + "attn_norm.weight", eps, "attn_norm")
+        h = norm(g, attention(g, h, il, a, rope), b + "post_attention_norm.weight", eps, "attn_post_norm")
+        x = g.add(x, h, "sa_out")
+        h = norm(g, x, b + "ffn_norm.weight", eps, "ffn_norm")
+        h = norm(g, ffn(g, h, il, "gelu"), b + "post_ffw_norm.weight", eps, "ffn_post_norm")
+        x = g.add(x, h, "l_out")
+    head(g, x, eps)
