@@ -46,7 +46,7 @@ CHUNK_VALUES = 1 << 24
 POOL_THRESHOLD = 1 << 26
 
 VocabStyle = Literal["gpt2", "llama"]
-VocabFamily = Literal["llama3", "chatml", "llama2"]
+VocabFamily = Literal["llama3", "chatml", "llama2", "gemma"]
 
 
 @attrs.frozen
@@ -70,8 +70,18 @@ class Preset:
     #: Llama 3.1+ long-context RoPE (factor, low_freq_factor, high_freq_factor,
     #: original context), stored as llama.cpp does: a ``rope_freqs.weight`` tensor
     rope_scaling: tuple[float, float, float, int] | None = None
+    #: sliding window (gemma3) and linear RoPE scaling of the global layers
+    n_swa: int = 0
+    rope_linear: float = 0.0
 
     def config(self) -> ModelConfig:
+        if self.arch == "gemma3":
+            from trio_llm.models import gemma3
+
+            extra = gemma3.derived(self.n_layer, self.n_embd, self.n_head, self.head_dim, self.n_swa,
+                                   self.rope_linear)
+        else:
+            extra = {}
         return ModelConfig(
             arch=self.arch,
             name=self.model_name,
@@ -86,22 +96,24 @@ class Preset:
             rope_theta=self.rope_theta,
             rms_eps=self.rms_eps,
             rope_mode=ARCH_ROPE[self.arch],
-            qk_norm=self.arch == "qwen3",
+            qk_norm=self.arch in ("qwen3", "gemma3"),
             attn_bias=self.arch == "qwen2",
             tied_embeddings=self.tied,
+            **extra,
         )
 
 
 def _preset(name: str, arch: str, dims: tuple[int, ...], tied: bool, theta: float, n_ctx: int,
             vocab: tuple[VocabStyle, VocabFamily], model_name: str,
-            rope_scaling: tuple[float, float, float, int] | None = None) -> Preset:
+            rope_scaling: tuple[float, float, float, int] | None = None, n_swa: int = 0,
+            rope_linear: float = 0.0) -> Preset:
     n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff, n_vocab = dims
     return Preset(
         name=name, arch=arch, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
         n_head_kv=n_head_kv, head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab, tied=tied,
         rope_theta=theta, n_ctx=n_ctx, vocab_style=vocab[0], vocab_family=vocab[1],
         rms_eps=1e-5 if arch == "llama" else 1e-6, model_name=model_name,
-        rope_scaling=rope_scaling,
+        rope_scaling=rope_scaling, n_swa=n_swa, rope_linear=rope_linear,
     )
 
 
@@ -124,6 +136,12 @@ PRESETS: dict[str, Preset] = {
                 ("gpt2", "llama3"), "synthetic Llama-3.1-8B shape", (8.0, 1.0, 4.0, 8192)),
         _preset("qwen3-0.6b", "qwen3", (1024, 28, 16, 8, 128, 3072, 151936), True, 1e6, 40960,
                 ("gpt2", "chatml"), "synthetic Qwen3-0.6B shape"),
+        # six layers: five sliding-window ones (a window of 16, so short tests cross it)
+        # and one global, with gemma-3-4b's RoPE layout
+        _preset("tiny-gemma3", "gemma3", (256, 6, 4, 2, 64, 512, 1024), True, 1e6, 4096,
+                ("llama", "gemma"), "trio-llm tiny-gemma3", n_swa=16, rope_linear=8.0),
+        _preset("gemma3-4b", "gemma3", (2560, 34, 8, 4, 256, 10240, 262144), True, 1e6, 131072,
+                ("llama", "gemma"), "synthetic gemma-3-4b shape", n_swa=1024, rope_linear=8.0),
     ]
 }
 
@@ -376,6 +394,11 @@ def _write_metadata(writer: gguf.GGUFWriter, preset: Preset, quant: str) -> None
     writer.add_rope_dimension_count(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
+    if preset.n_swa:
+        writer.add_sliding_window(preset.n_swa)
+    if preset.rope_linear:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(preset.rope_linear)
     build_vocab(preset.vocab_style, cfg.n_vocab, preset.vocab_family).write(writer)
 
 

@@ -31,7 +31,7 @@ import gguf
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 Style = Literal["gpt2", "llama"]
-Family = Literal["llama3", "chatml", "llama2"]
+Family = Literal["llama3", "chatml", "llama2", "gemma"]
 
 NORMAL = int(gguf.TokenType.NORMAL)
 UNKNOWN = int(gguf.TokenType.UNKNOWN)
@@ -83,6 +83,32 @@ CHATML_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}"
     "{{- '<think>\\n\\n</think>\\n\\n' }}"
     "{%- endif %}"
+    "{%- endif %}"
+)
+
+# Gemma's turns: "user" and "model" between <start_of_turn> and <end_of_turn>, a system
+# prompt folded into the first user turn, strict alternation. Written for this project;
+# renders the same text as Google's Gemma 3 template for text messages.
+GEMMA_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{%- set prefix = messages[0]['content'] + '\n\n' %}"
+    "{%- set turns = messages[1:] %}"
+    "{%- else %}"
+    "{%- set prefix = '' %}"
+    "{%- set turns = messages %}"
+    "{%- endif %}"
+    "{%- for message in turns %}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{- '<start_of_turn>' + role + '\n' + (prefix if loop.first else '') }}"
+    "{{- message['content'] | trim }}"
+    "{{- '<end_of_turn>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<start_of_turn>model\n' }}"
     "{%- endif %}"
 )
 
@@ -218,6 +244,8 @@ def build_vocab(style: Style, n_vocab: int, family: Family) -> VocabSpec:
         return _chatml_vocab(n_vocab)
     if style == "llama" and family == "llama2":
         return _llama2_vocab(n_vocab)
+    if style == "llama" and family == "gemma":
+        return _gemma_vocab(n_vocab)
     raise ValueError(f"no vocabulary for style {style!r} with chat family {family!r}")
 
 
@@ -315,6 +343,36 @@ def _llama2_vocab(n_vocab: int) -> VocabSpec:
         add_eos=False,
         add_space_prefix=True,
         chat_template=LLAMA2_TEMPLATE,
+    )
+
+
+#: Gemma's first ids (its real vocabulary has more reserved and multimodal tokens)
+_GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>")
+
+
+def _gemma_vocab(n_vocab: int) -> VocabSpec:
+    head = list(_GEMMA_SPECIALS) + [f"<0x{b:02X}>" for b in range(256)]
+    n_pieces = n_vocab - len(head)
+    if n_pieces <= 0:
+        raise ValueError(f"a gemma vocabulary needs more than {len(head)} tokens, not {n_vocab}")
+    pieces = _spm_pieces(n_pieces)
+    types = [CONTROL, CONTROL, CONTROL, UNKNOWN, CONTROL, CONTROL, CONTROL] + [BYTE] * 256 + [NORMAL] * len(pieces)
+    return VocabSpec(
+        model="llama",
+        pre="default",
+        tokens=head + pieces,
+        token_types=types,
+        merges=None,
+        scores=[0.0] * len(head) + [-float(rank) for rank in range(len(pieces))],
+        bos_id=2,
+        eos_id=1,
+        eot_id=_GEMMA_SPECIALS.index("<end_of_turn>"),
+        pad_id=0,
+        unk_id=3,
+        add_bos=True,
+        add_eos=False,
+        add_space_prefix=False,
+        chat_template=GEMMA_TEMPLATE,
     )
 
 

@@ -43,13 +43,17 @@ def hparams(meta: Meta, tensors: Mapping[str, Any]) -> ModelConfig:
     factor = meta.arch_get("rope.scaling.factor", float, 0.0)
     if meta.arch_get("final_logit_softcapping", float, 0.0) > 0:
         raise UnsupportedModelError(meta.path, "gemma3 with final_logit_softcapping is not supported")
-    dim = hp["n_embd"] // hp["n_head"] if n_layer == 62 else hp["head_dim"]
-    return ModelConfig(
-        **hp,
+    return ModelConfig(**hp, **derived(n_layer, hp["n_embd"], hp["n_head"], hp["head_dim"], n_swa, factor))
+
+
+def derived(n_layer: int, n_embd: int, n_head: int, head_dim: int, n_swa: int, rope_factor: float) -> dict[str, Any]:
+    """The config fields gemma3 adds to llama's (``make-model`` writes files from them)."""
+    dim = n_embd // n_head if n_layer == 62 else head_dim
+    return dict(
         n_swa=n_swa,
         swa_layers=tuple(n_swa > 0 and il % SWA_PATTERN < SWA_PATTERN - 1 for il in range(n_layer)),
         rope_theta_swa=ROPE_THETA_SWA,
-        rope_freq_scale=1.0 / factor if factor > 0 else 1.0,
+        rope_freq_scale=1.0 / rope_factor if rope_factor > 0 else 1.0,
         attn_scale=1.0 / math.sqrt(dim),
     )
 

@@ -24,6 +24,8 @@ Lowering has three parts, none of which knows an architecture:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import numpy as np
 
@@ -295,7 +297,7 @@ class _Lowering:
 
     # -- helpers ----------------------------------------------------------------------
 
-    def emit(self, dispatches: list[Op], reads: list[object], writes: list[object]) -> None:
+    def emit(self, dispatches: Sequence[Op], reads: Sequence[object], writes: Sequence[object]) -> None:
         """Dispatches that may run together (they write disjoint parts), after a
         barrier if they touch what the ops since the last barrier wrote."""
         touched = set(reads) | set(writes)

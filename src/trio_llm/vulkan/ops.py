@@ -183,7 +183,7 @@ class Ops:
         act: str = "silu", count_sel: int = COUNT_TOKENS,
     ) -> Dispatch:
         """y = act(g) * u: SwiGLU (silu) or GeGLU (gelu, tanh form)."""
-        defines = {"GELU": 1} if act == "gelu" else None
+        defines: dict[str, object] | None = {"GELU": 1} if act == "gelu" else None
         k = self.kernels.get("swiglu", n_bindings=4, n_push=3, local_size=self.elem_wg, defines=defines)
         return Dispatch(k, (g, u, y, step), (n, stride, count_sel), (math.ceil(n / self.elem_wg), cap, 1))
 
