@@ -2,7 +2,8 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: verify (the Vulkan correctness tests on the H200), decode, decode1b, vkmem,
+# Stages: verify (the Vulkan correctness tests on the H200), decode, decodeab (before/after),
+# decode1b, vkmem,
 # residency, handoff,
 # server, scen1b, scen8b.
 # Unpacks the Vulkan loader (.gl/*.deb) and the Python wheels the image lacks (.whl),
@@ -69,6 +70,16 @@ for s in $STAGES; do case $s in
     stage decode-1b-q4km 100 $PY bench/decode.py --model "$(model $B1 Q4_K_M)" --backends vulkan --repeats 3
     wait8b
     stage decode-8b-q4km 150 $PY bench/decode.py --model "$M8B" --backends vulkan --repeats 3 --residency ;;
+  decodeab)  # the decode benchmark of an older tree in $BEFORE (default .before), then this one's
+    B=${BEFORE:-.before}
+    wait8b
+    for mq in "$M1:1b-q8" "$M8B:8b-q4km"; do
+      m=${mq%%:*}; tag=${mq##*:}
+      stage "decode-$tag-before" 150 env PYTHONPATH=/tmp/site:$PWD/$B/src $PY $B/bench/decode.py --model "$m" \
+        --backends vulkan --repeats 3
+      cp $B/bench/results/*.json bench/results/ 2>/dev/null
+      stage "decode-$tag-after" 150 $PY bench/decode.py --model "$m" --backends vulkan --repeats 3
+    done ;;
   decode1b)  # llama-1b Q4_K_M only
     stage decode-1b-q4km 100 $PY bench/decode.py --model "$(model $B1 Q4_K_M)" --backends vulkan --repeats 3 ;;
   vkmem)
