@@ -77,7 +77,7 @@ for s in $STAGES; do case $s in
       m=${mq%%:*}; tag=${mq##*:}
       stage "decode-$tag-before" 150 env PYTHONPATH=/tmp/site:$PWD/$B/src $PY $B/bench/decode.py --model "$m" \
         --backends vulkan --repeats 3
-      cp $B/bench/results/*.json bench/results/ 2>/dev/null
+      find $B/bench/results -name "*.json" -newer /tmp/h200/start -exec cp {} "$RES/before-$tag.json" \;
       stage "decode-$tag-after" 150 $PY bench/decode.py --model "$m" --backends vulkan --repeats 3
     done ;;
   decode1b)  # llama-1b Q4_K_M only
