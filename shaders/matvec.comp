@@ -10,10 +10,16 @@
 // warp's loads cover one contiguous stretch of the row:
 //   Q4_K  8 lanes per 144-byte super-block; a lane reads 32 nibbles as one 128-bit
 //         load and the block header (d, dmin, 12 scale bytes) as another
+//   Q5_K  Q4_K's loop over 176-byte blocks (11 uvec4), plus one 128-bit load of the
+//         16 qh bytes that hold the fifth bits of the lane's 32 values
 //   Q6_K  16 lanes per 210-byte super-block; a lane reads 4 bytes each of ql (twice)
 //         and qh, 16 values (the block is only 2-byte aligned: 16-bit loads, paired)
+//   Q3_K  Q6_K's task shape over 110-byte blocks (also only 2-byte aligned): a lane
+//         reads 4 bytes of qs (four 2-bit planes) and 4 of hmask, 16 values, and
+//         its four 6-bit scales from three paired loads of the scale bytes
 // Other types use the generic loop: eight values per lane through quant.glsl's
-// dequant8, adjacent lanes on adjacent groups. (For Q8_0 a path giving each lane 16
+// dequant8, adjacent lanes on adjacent groups. (The Q3_K and Q5_K loops are not yet
+// measured on the H200 against the generic one they replaced.) (For Q8_0 a path giving each lane 16
 // values of a block measured slower on the H200: 1.03 against 0.76 ms of matvec per
 // llama-1b token; a block per lane with 32-bit loads was slower still.) With the K-quants, a sub-block's scale and min multiply the
 // sums of q*x and of x once instead of every value.
@@ -107,7 +113,14 @@ void main() {
         [[unroll]] for (uint c = 0; c < MAXC * RS; c++) {
             acc[c] = 0.0;
         }
+#if defined(QTYPE_Q4_K) || defined(QTYPE_Q5_K)
 #if defined(QTYPE_Q4_K)
+        const uint STRIDE128 = 9u;  // 144-byte blocks are 9 uvec4
+        const uint QS128 = 1u;      // the nibbles follow the 16-byte header
+#else
+        const uint STRIDE128 = 11u; // 176 bytes: header, qh[32], qs[128]
+        const uint QS128 = 3u;
+#endif
         uint nb = pc.n_in / 256u;
         for (uint t = lane; t < nb * 8u; t += sg) {
             uint blk = t >> 3;
@@ -118,9 +131,14 @@ void main() {
             vec4 hi[RS][4];
             vec4 dsm[RS];  // d*scale and dmin*min of the low and the high sub-block
             [[unroll]] for (uint k = 0; k < RS; k++) {
-                uint b128 = (rows[k] * nb + blk) * 9u;  // 144-byte blocks are 9 uvec4
+                uint b128 = (rows[k] * nb + blk) * STRIDE128;
                 uvec4 hdr = w128[b128];                   // d|dmin, scales[0..12)
-                uvec4 qs = w128[b128 + 1u + 2u * cidx + half_];
+                uvec4 qs = w128[b128 + QS128 + 2u * cidx + half_];
+#if defined(QTYPE_Q5_K)
+                // the fifth bits: qh[l] bit b belongs to value 32b + l, so this lane's
+                // 16 positions are qh[16 half_ ..], bits 2 cidx (low) and 2 cidx + 1
+                uvec4 qh = w128[b128 + 1u + half_];
+#endif
                 vec2 dm = unpackHalf2x16(hdr.x);
                 // scales and mins of sub-blocks 2*cidx (low nibbles) and 2*cidx+1 (high
                 // nibbles): 6-bit fields, the last four split between bytes
@@ -140,8 +158,13 @@ void main() {
                 }
                 dsm[k] = sm * dm.xyxy;
                 [[unroll]] for (uint i = 0; i < 4; i++) {
+#if defined(QTYPE_Q5_K)
+                    lo[k][i] = bytes4((qs[i] & 0x0F0F0F0Fu) | (((qh[i] >> (2u * cidx)) & 0x01010101u) << 4));
+                    hi[k][i] = bytes4(((qs[i] >> 4) & 0x0F0F0F0Fu) | (((qh[i] >> (2u * cidx + 1u)) & 0x01010101u) << 4));
+#else
                     lo[k][i] = bytes4(qs[i] & 0x0F0F0F0Fu);
                     hi[k][i] = bytes4((qs[i] >> 4) & 0x0F0F0F0Fu);
+#endif
                 }
             }
             // value index of the first low nibble: 256 blk + 64 cidx + 16 half_
@@ -191,6 +214,46 @@ void main() {
                 q[k][1] = bytes4((qlb & 0x0F0F0F0Fu) | (((qh >> 2) & 0x03030303u) << 4)) - 32.0;
                 q[k][2] = bytes4(((qla >> 4) & 0x0F0F0F0Fu) | (((qh >> 4) & 0x03030303u) << 4)) - 32.0;
                 q[k][3] = bytes4(((qlb >> 4) & 0x0F0F0F0Fu) | (((qh >> 6) & 0x03030303u) << 4)) - 32.0;
+            }
+            uint x0 = (blk * 256u + h * 128u + l0) / 4u;
+            [[unroll]] for (uint c = 0; c < MAXC; c++) {
+                if (c < ncols) {
+                    uint xb = (c * pc.x_stride) / 4u + x0;
+                    vec4 xv[4] = vec4[4](x4[xb], x4[xb + 8u], x4[xb + 16u], x4[xb + 24u]);
+                    [[unroll]] for (uint k = 0; k < RS; k++) {
+                        acc[c * RS + k] += dot(scs[k], vec4(dot(q[k][0], xv[0]), dot(q[k][1], xv[1]),
+                                                            dot(q[k][2], xv[2]), dot(q[k][3], xv[3])));
+                    }
+                }
+            }
+        }
+#elif defined(QTYPE_Q3_K)
+        uint nb = pc.n_in / 256u;
+        for (uint t = lane; t < nb * 16u; t += sg) {
+            uint blk = t >> 4;
+            uint j = t & 15u;
+            uint h = j >> 3;           // which 128-value half
+            uint l0 = (j & 7u) * 4u;   // 4 positions l0..l0+3 of the half's 32
+            uint lb = l0 >> 4;         // which 16 of them: the sub-block within a plane
+            vec4 q[RS][4];
+            vec4 scs[RS];
+            [[unroll]] for (uint k = 0; k < RS; k++) {
+                uint b = (rows[k] * nb + blk) * BLOCK16;
+                uint qs = pair16(b + 16u + 16u * h + l0 / 2u);  // qs[32h + l0 ..]: plane s at bits 2s
+                uint hm = pair16(b + l0 / 2u);                  // hmask[l0 ..]: plane s at bit 4h + s
+                // the four sub-blocks 8h + 2s + lb (s = 0..3): low nibbles in bytes
+                // 2s + lb (nibble h) of scales[0..8), top bits in byte (2s + lb) & 3
+                // of scales[8..12) at bits 2 (2h + s / 2)
+                uint lw = pair16(b + 48u) >> (8u * lb);       // scales[lb], scales[lb + 2] in bytes 0, 2
+                uint lw2 = pair16(b + 50u) >> (8u * lb);      // scales[4 + lb], scales[6 + lb]
+                uint tw = pair16(b + 52u) >> (8u * lb);       // scales[8 + lb], scales[10 + lb]
+                uvec4 low = (uvec4(lw, lw >> 16, lw2, lw2 >> 16) >> (4u * h)) & 0xFu;
+                uvec4 top = (uvec4(tw, tw >> 16, tw, tw >> 16) >> uvec4(4u * h, 4u * h, 4u * h + 2u, 4u * h + 2u)) & 3u;
+                scs[k] = whalf(b + 54u) * (vec4(low | (top << 4)) - 32.0);
+                [[unroll]] for (uint s = 0; s < 4; s++) {
+                    q[k][s] = bytes4((qs >> (2u * s)) & 0x03030303u) - 4.0
+                        + 4.0 * bytes4((hm >> (4u * h + s)) & 0x01010101u);
+                }
             }
             uint x0 = (blk * 256u + h * 128u + l0) / 4u;
             [[unroll]] for (uint c = 0; c < MAXC; c++) {

@@ -56,12 +56,17 @@ class Continuation:
 
 
 class Reference:
-    """One GGUF file loaded in llama.cpp (CPU, one thread, no prompt cache)."""
+    """One GGUF file loaded in llama.cpp (CPU, one thread, no prompt cache).
 
-    def __init__(self, path: Path, *, n_ctx: int = 256) -> None:
+    ``cache_type_k`` / ``cache_type_v`` are llama-server's ``-ctk`` / ``-ctv`` names
+    (f16 is its default), for rows that compare a KV cache type."""
+
+    def __init__(self, path: Path, *, n_ctx: int = 256, cache_type_k: str = "f16", cache_type_v: str = "f16") -> None:
         params = xllamacpp.CommonParams()
         params.model.path = str(path)
         params.n_ctx = n_ctx
+        params.cache_type_k = getattr(xllamacpp.ggml_type, f"GGML_TYPE_{cache_type_k.upper()}")
+        params.cache_type_v = getattr(xllamacpp.ggml_type, f"GGML_TYPE_{cache_type_v.upper()}")
         params.n_parallel = 1
         params.cpuparams.n_threads = 1
         params.cpuparams_batch.n_threads = 1

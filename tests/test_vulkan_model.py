@@ -26,10 +26,11 @@ from trio_llm.vulkan.backend import VulkanBackend
 pytestmark = pytest.mark.vulkan
 
 PRESETS = ["tiny", "tiny-qwen3", "tiny-qwen2", "tiny-spm"]
-QUANTS = ["F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_K_M"]
+QUANTS = ["F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_K_M", "Q3_K_M", "Q5_K_M"]
 
 #: max |logit difference| / max |logit|, per weight type (see the module docstring)
-REL_TOL = {"F32": 1e-4, "F16": 1e-4, "Q8_0": 1e-4, "Q4_0": 1e-4, "Q4_K": 1e-4, "Q6_K": 1e-4, "Q4_K_M": 1e-4}
+REL_TOL = {"F32": 1e-4, "F16": 1e-4, "Q8_0": 1e-4, "Q4_0": 1e-4, "Q4_K": 1e-4, "Q6_K": 1e-4, "Q4_K_M": 1e-4,
+           "Q3_K_M": 1e-4, "Q5_K_M": 1e-4}
 
 N_GREEDY = 64
 N_CTX = 96
