@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, S
 from contextlib import aclosing
 from typing import Any
 
+import attrs
 import trio
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -30,6 +31,7 @@ from trio_llm.errors import (
     TokenizerError,
     TrioLLMError,
 )
+from trio_llm.model import chat_output as CO
 from trio_llm.server import params as P
 from trio_llm.server import responses as R
 from trio_llm.server.context import Engine, ServerContext
@@ -432,12 +434,16 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             raise InvalidRequest(f"token {bad[0]} is outside the vocabulary of {n_vocab}")
         return _json({"content": eng().tokenizer.decode(ids)})
 
+    def chat_prompt(body: Any) -> tuple[str, CO.OutputSpec]:
+        """The rendered prompt of a chat request, and how its answer is to be read."""
+        template = eng().template
+        inputs = P.chat_inputs(body, ctx.config, template.source)
+        text = str(template.render(inputs.messages, add_generation_prompt=True, **inputs.kwargs))
+        spec = attrs.evolve(inputs.output, thinking_open=text.rstrip().endswith(CO.THINK_OPEN))
+        return text, spec
+
     def render_chat(body: Any) -> str:
-        if not isinstance(body, dict):
-            raise InvalidRequest("the request body must be a JSON object")
-        messages = P.messages_of(body)
-        kwargs = P.template_kwargs(body, ctx.config)
-        return str(eng().template.render(messages, add_generation_prompt=True, **kwargs))
+        return chat_prompt(body)[0]
 
     @app.post("/apply-template")
     async def apply_template() -> Response:
@@ -535,15 +541,19 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     async def chat_completions() -> Response:
         e = eng()
         body = await _body()
-        req = P.parse_chat(body, e.tokenizer, limits(), render_chat(body))
+        prompt, spec = chat_prompt(body)
+        req = P.parse_chat(body, e.tokenizer, limits(), prompt)
         id_ = f"chatcmpl-{e.queue.new_id_task()}"
         top = req.n_logprobs
         if not req.params.stream:
             finals = await _finals(e, req.choices())
-            return _json(R.chat_response(finals, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs, top=top))
+            answers = [CO.parse(f.content, spec)[0] for f in finals]
+            return _json(R.chat_response(finals, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs, top=top,
+                                         answers=answers))
 
         created = R.unix_now()
         done: dict[int, TaskFinal] = {}
+        readers = [CO.StreamDeltas(spec) for _ in range(req.n)]
 
         def chunk(delta: dict[str, Any], index: int, **kw: Any) -> bytes:
             return _sse(R.chat_chunk(id_=id_, model=ctx.model_id, created=created, delta=delta, index=index, **kw))
@@ -552,13 +562,19 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             lp = None
             if req.logprobs and msg.prob is not None:
                 lp = R.chat_logprobs([msg.prob], piece, top)
-            return [chunk({"content": msg.text}, i, logprobs=lp)] if msg.text or lp is not None else []
+            deltas = readers[i].feed(msg.text) if msg.text else []
+            if lp is not None and not deltas:
+                deltas = [{"content": ""}]
+            return [chunk(d, i, logprobs=lp if k == 0 else None) for k, d in enumerate(deltas)]
 
         def on_final(i: int, msg: TaskFinal) -> list[bytes]:
-            out = [chunk({"content": msg.text_tail}, i)] if msg.text_tail else []
+            if msg.text_tail:
+                readers[i].feed(msg.text_tail)
+            out = [chunk(d, i) for d in readers[i].finish()]
+            finish = "tool_calls" if readers[i].tool_calls else R.FINISH_REASON[msg.stop_type]
             last = R.chat_chunk(
                 id_=id_, model=ctx.model_id, created=created, delta={},
-                finish_reason=R.FINISH_REASON[msg.stop_type], index=i,
+                finish_reason=finish, index=i,
             )
             last["timings"] = msg.timings.to_json()
             out.append(_sse(last))

@@ -8,6 +8,7 @@ not implement, such as ``user``); so is ``model``, since one server runs one mod
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -17,6 +18,7 @@ import attrs
 from trio_llm.config import ServerConfig
 from trio_llm.engine.sampling import DEFAULT_SEED, SamplingParams
 from trio_llm.errors import ContextOverflow, InvalidRequest
+from trio_llm.model import chat_output as CO
 from trio_llm.server.tasks import TaskParams
 
 MAX_STOP_WORDS = 64
@@ -358,6 +360,105 @@ def template_kwargs(body: Mapping[str, Any], config: ServerConfig) -> dict[str, 
             raise InvalidRequest(f"'chat_template_kwargs' cannot set {sorted(reserved)[0]!r}")
         out |= kwargs
     return out
+
+
+def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    tools = _get(body, "tools")
+    if tools is _MISSING:
+        return []
+    if not isinstance(tools, list):
+        raise InvalidRequest("'tools' must be a list")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise InvalidRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidRequest(f"tools[{i}].function.name must be a non-empty string")
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object")
+    return tools
+
+
+def _tool_choice(body: Mapping[str, Any], tools: Sequence[Mapping[str, Any]]) -> str:
+    """"auto" or "none"; "required" and a named function need constrained decoding."""
+    choice = _get(body, "tool_choice")
+    if choice is _MISSING:
+        return "auto"
+    if choice in ("auto", "none"):
+        return str(choice)
+    if choice == "required" or isinstance(choice, dict):
+        if not tools:
+            raise InvalidRequest("'tool_choice' names a tool but 'tools' is empty")
+        raise InvalidRequest(
+            "'tool_choice' \"required\" or a named function needs constrained decoding, not implemented yet "
+            "(use \"auto\")"
+        )
+    raise InvalidRequest("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", ...}")
+
+
+def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant tool calls as templates read them: ``arguments`` as an object where the
+    client sent JSON text (llama.cpp does the same for the templates that need it)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):
+            fixed = []
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        args = json.loads(fn["arguments"])
+                    except json.JSONDecodeError:
+                        raise InvalidRequest("a tool call's 'arguments' must be JSON") from None
+                    c = {**c, "function": {**fn, "arguments": args}}
+                fixed.append(c)
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
+
+
+@attrs.frozen
+class ChatInputs:
+    """What the chat template renders, and how the answer will be read."""
+
+    messages: list[dict[str, Any]]
+    kwargs: dict[str, Any]
+    output: CO.OutputSpec
+
+
+def chat_inputs(body: Any, config: ServerConfig, template_source: str | None) -> ChatInputs:
+    """A chat request's messages, template variables (tools, the thinking switch) and
+    answer format. Tools reach a template that knows them; for one that does not they
+    are described in a system message (llama.cpp's generic format)."""
+    body = _require_object(body)
+    messages = _template_messages(messages_of(body))
+    kwargs = template_kwargs(body, config)
+    tools = _tools(body)
+    choice = _tool_choice(body, tools)
+    fmt_ = _get(body, "reasoning_format")
+    if fmt_ is _MISSING:
+        fmt_ = config.reasoning_format
+    elif fmt_ not in CO.REASONING_FORMATS:
+        raise InvalidRequest(f"'reasoning_format' must be one of {', '.join(CO.REASONING_FORMATS)}")
+    if config.skip_chat_parsing:
+        fmt_ = "none"
+    fmt: CO.Format | None = None
+    if tools and choice != "none":
+        fmt = CO.detect_format(template_source)
+        if CO.template_handles_tools(template_source):
+            kwargs["tools"] = tools
+            kwargs["tool_choice"] = choice
+        else:
+            fmt = "generic"
+            note = CO.generic_tool_prompt(tools)
+            if messages and messages[0].get("role") == "system":
+                messages = [{**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{note}"}, *messages[1:]]
+            else:
+                messages = [{"role": "system", "content": note}, *messages]
+    if config.skip_chat_parsing:
+        fmt = None
+    return ChatInputs(messages, kwargs, CO.OutputSpec(fmt, str(fmt_), False, tuple(tools)))
 
 
 def parse_chat(body: Any, tok: Encoder, limits: Limits, rendered: str) -> CompletionRequest:

@@ -11,6 +11,7 @@ import datetime
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from trio_llm.model.chat_output import ChatAnswer
 from trio_llm.server.tasks import StopType, TaskFinal, TaskPartial, TokenProb
 
 Piece = Callable[[int], bytes]
@@ -130,13 +131,16 @@ def completion_logprobs(probs: Sequence[TokenProb], piece: Piece, top: int, offs
 
 
 def chat_response(
-    finals: Sequence[TaskFinal], piece: Piece, *, id_: str, model: str, logprobs: bool, top: int
+    finals: Sequence[TaskFinal], piece: Piece, *, id_: str, model: str, logprobs: bool, top: int,
+    answers: Sequence[ChatAnswer] | None = None,
 ) -> dict[str, Any]:
+    """``answers``: each final's text read as content, reasoning and tool calls."""
+    read = answers if answers is not None else [ChatAnswer(f.content) for f in finals]
     choices = [
         {
             "index": i,
-            "message": {"role": "assistant", "content": final.content},
-            "finish_reason": FINISH_REASON[final.stop_type],
+            "message": read[i].message(),
+            "finish_reason": "tool_calls" if read[i].tool_calls else FINISH_REASON[final.stop_type],
             "logprobs": chat_logprobs(final.probs, piece, top) if logprobs else None,
         }
         for i, final in enumerate(finals)

@@ -1,0 +1,99 @@
+"""Tools and reasoning through a real server: what reaches the template, and answers
+read into the openai client's types."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+from test_server_flags import Start, client, start  # noqa: F401  (the fixture)
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+QWEN_LIKE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "[choice={{ tool_choice }}]<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for tc in m.tool_calls or [] %}<tool_call>{{ tc.function | tojson }}</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+ASKED = [{"role": "user", "content": "Weather in Paris?"}]
+HISTORY = [
+    *ASKED,
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
+
+
+@pytest.fixture
+def qwen_like(tmp_path: Path) -> str:
+    path = tmp_path / "qwen-like.jinja"
+    path.write_text(QWEN_LIKE)
+    return str(path)
+
+
+async def test_tools_reach_a_template_that_knows_them(start: Start, qwen_like: str) -> None:  # noqa: F811
+    h = await start("--chat-template-file", qwen_like)
+    async with client(h) as c:
+        prompt = (await c.post("/apply-template", json={"messages": HISTORY, "tools": TOOLS})).json()["prompt"]
+        assert '"name": "get_weather"' in prompt.split("</tools>")[0] and "[choice=auto]" in prompt
+        # the client's JSON-text arguments reach the template as an object
+        assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompt
+        none = (await c.post("/apply-template", json={"messages": ASKED, "tools": TOOLS,
+                                                      "tool_choice": "none"})).json()["prompt"]
+        assert "<tools>" not in none
+        for bad in ({"tools": {"x": 1}}, {"tools": [{"type": "function"}]},
+                    {"tools": [{"type": "function", "function": {"name": ""}}]}, {"tools": TOOLS, "tool_choice": 3},
+                    {"reasoning_format": "fancy"}):
+            r = await c.post("/v1/chat/completions", json={"messages": ASKED, **bad})
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", bad
+
+
+async def test_tools_for_a_template_without_them_go_to_a_system_message(start: Start) -> None:  # noqa: F811
+    h = await start()  # the tiny model's llama3 template never mentions tools
+    async with client(h) as c:
+        prompt = (await c.post("/apply-template", json={"messages": ASKED, "tools": TOOLS})).json()["prompt"]
+        system = prompt.split("<|eot_id|>")[0]
+        assert "<|start_header_id|>system" in system and '"get_weather"' in system and "`tool_call`" in system
+
+
+async def test_chat_with_tools_and_reasoning_through_the_openai_client(start: Start, qwen_like: str) -> None:  # noqa: F811
+    """The tiny model's words are random, so what it answers is content; the answer
+    must still arrive in the client's types, streamed and not."""
+    h = await start("--chat-template-file", qwen_like, "--reasoning-format", "deepseek")
+    oai = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="x")
+    r = await oai.chat.completions.create(model="m", messages=HISTORY, tools=TOOLS, max_tokens=8)  # type: ignore[arg-type]
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content is not None or choice.message.tool_calls
+    stream = await oai.chat.completions.create(model="m", messages=ASKED, tools=TOOLS, max_tokens=8,  # type: ignore[arg-type]
+                                               stream=True)
+    text, finish = "", None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish in ("stop", "length", "tool_calls")
+    await oai.close()
+
+
+async def test_thinking_switch_and_reasoning_content(start: Start, tiny_qwen3_model: Path) -> None:  # noqa: F811
+    """tiny-qwen3's ChatML template writes an empty <think></think> when thinking is
+    off; the answer's text after it is content, none of it reasoning."""
+    h = await start("-m", str(tiny_qwen3_model), "--chat-template-kwargs", '{"enable_thinking": false}')
+    async with client(h) as c:
+        off = (await c.post("/apply-template", json={"messages": ASKED})).json()["prompt"]
+        on = (await c.post("/apply-template", json={"messages": ASKED,
+                                                    "chat_template_kwargs": {"enable_thinking": True}})).json()["prompt"]
+        assert off != on and "<think>" in off
+        r = (await c.post("/v1/chat/completions", json={"messages": ASKED, "max_tokens": 6, "temperature": 0})).json()
+        msg = r["choices"][0]["message"]
+        assert msg["role"] == "assistant" and isinstance(msg["content"], str)
+        assert json.dumps(msg)  # plain JSON all the way
