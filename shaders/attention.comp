@@ -12,11 +12,28 @@
 // of 64 keys is 16 loads per lane (head_dim 64) instead of 64; the key groups' partial
 // sums are added once, at the end (the softmax scale m and sum l are the whole work
 // group's, so the partials rescale alike).
+//
+// K and V are read in their cache types K_TYPE and V_TYPE (kv.glsl), dequantized
+// here; position p of a sequence is at row p % n_ctx of its rows (a ring for a
+// sliding-window cache). With n_swa > 0 a token at position pos sees only the
+// positions [pos - n_swa + 1, pos] (gemma-3's sliding-window layers); 0 is causal.
+// attn_decode.comp is the decode form (the sequence split over work groups).
 #include "common.glsl"
+
+#ifndef K_TYPE
+#define K_TYPE 0
+#endif
+#ifndef V_TYPE
+#define V_TYPE 0
+#endif
 
 layout(binding = 0, std430) readonly buffer Q { float q[]; };
 layout(binding = 1, std430) readonly buffer K { vec4 kc4[]; };
+layout(binding = 1, std430) readonly buffer K2 { uvec2 kc2[]; };
+layout(binding = 1, std430) readonly buffer K16 { uint16_t kc16[]; };
 layout(binding = 2, std430) readonly buffer V { vec4 vc4[]; };
+layout(binding = 2, std430) readonly buffer V2 { uvec2 vc2[]; };
+layout(binding = 2, std430) readonly buffer V16 { uint16_t vc16[]; };
 layout(binding = 3, std430) writeonly buffer O { float o[]; };
 DECLARE_STEP(4)
 
@@ -29,9 +46,29 @@ layout(push_constant) uniform Push {
     uint q_stride;
     uint o_stride;
     float scale;
+    uint n_swa;  // sliding window (0: none)
 } pc;
 
 #include "reduce.glsl"
+#include "kv.glsl"
+
+#define KVR_T K_TYPE
+#define KVR_W(i) uint(kc16[i])
+#define KVR_F4(i) kc4[i]
+#define KVR_U2(i) kc2[i]
+#define KVR_LOAD4 k_load4
+#include "kv_read.glsl"
+#undef KVR_T
+#undef KVR_W
+#undef KVR_F4
+#undef KVR_U2
+#undef KVR_LOAD4
+#define KVR_T V_TYPE
+#define KVR_W(i) uint(vc16[i])
+#define KVR_F4(i) vc4[i]
+#define KVR_U2(i) vc2[i]
+#define KVR_LOAD4 v_load4
+#include "kv_read.glsl"
 
 const uint MAX_HEAD_DIM = 256;  // head_dim / 4 <= WG: a lane's four dims cover it
 
@@ -49,8 +86,13 @@ void main() {
     uint hd = pc.head_dim;
     uint hd4 = hd / 4u;  // head_dim is a multiple of 4 (checked at load)
     uint len = STEP_POS(t) + 1u;
+    uint lo = pc.n_swa > 0u && len > pc.n_swa ? len - pc.n_swa : 0u;  // first visible position
     uint base = STEP_SEQ(t) * pc.n_ctx;
-    uint koff = (h / (pc.n_head / pc.n_head_kv)) * hd;
+    uint kvh = h / (pc.n_head / pc.n_head_kv);
+    uint k_row = kv_row_words(K_TYPE, pc.kv_dim);
+    uint v_row = kv_row_words(V_TYPE, pc.kv_dim);
+    uint k_head = kvh * kv_row_words(K_TYPE, hd);
+    uint v_head = kvh * kv_row_words(V_TYPE, hd);
     uint qb = t * pc.q_stride + h * hd;
     for (uint d = tid; d < hd4; d += WG) {
         qs4[d] = vec4(q[qb + 4u * d], q[qb + 4u * d + 1u], q[qb + 4u * d + 2u], q[qb + 4u * d + 3u]) * pc.scale;
@@ -61,22 +103,21 @@ void main() {
     uint kg = tid / hd4;             // this lane's key group (>= kg_n: idle in the V loop)
     uint d4 = tid % hd4;             // and its four output dims
     bool vlane = kg < kg_n;
-    uint vkoff = koff / 4u + d4;
 
     float m = -1.0e30;
     float l = 0.0;
     vec4 acc = vec4(0.0);
-    for (uint b0 = 0; b0 < len; b0 += WG) {
+    for (uint b0 = lo; b0 < len; b0 += WG) {
         uint j = b0 + tid;
         bool live = j < len;
         float s = -1.0e30;
         if (live) {
-            uint kb = ((base + j) * pc.kv_dim + koff) / 4u;
+            uint kb = (base + j % pc.n_ctx) * k_row + k_head;
             vec4 dv = vec4(0.0);
             for (uint d0 = 0; d0 < hd4; d0 += 8u) {
                 [[unroll]] for (uint i = 0; i < 8; i++) {
                     if (d0 + i < hd4) {
-                        dv += qs4[d0 + i] * kc4[kb + d0 + i];
+                        dv += qs4[d0 + i] * k_load4(kb, 4u * (d0 + i));
                     }
                 }
             }
@@ -95,7 +136,7 @@ void main() {
                 [[unroll]] for (uint i = 0; i < 4; i++) {
                     uint jj = j0 + i * kg_n;
                     if (jj < nvalid) {
-                        acc += ps[jj] * vc4[(base + b0 + jj) * (pc.kv_dim / 4u) + vkoff];
+                        acc += ps[jj] * v_load4((base + (b0 + jj) % pc.n_ctx) * v_row + v_head, 4u * d4);
                     }
                 }
             }

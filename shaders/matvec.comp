@@ -29,6 +29,12 @@
 // rotation and the KV-cache write (rope.comp's work) happen here, and the graph loses
 // a dispatch stage per layer without touching the loads of the inner loops.
 //
+// The cache write stores the cache type KV_TYPE (kv.glsl) at row pos % n_ctx of the
+// token's sequence. A float type is stored by the elected lane with the pair; a
+// quantized type needs a block of 32 rows at once, so its variant runs 32 / RS
+// subgroups per work group (the host sets NR so), parks the rotated values in shared
+// memory and lets one lane per token encode the work group's block after a barrier.
+//
 // GATE_UP: the FFN's gate and up projections in one dispatch, with SwiGLU in the
 // epilogue: a subgroup's two rows (RS = 2) are gate row i and up row i, both in the one
 // bound weight view (row offsets row_a and row_b), each x value loaded serving both as
@@ -42,7 +48,12 @@ layout(binding = 1, std430) readonly buffer X { vec4 x4[]; };
 layout(binding = 2, std430) buffer Y { float y[]; };
 DECLARE_STEP(3)
 #if defined(ROPE_OUT)
+layout(binding = 2, std430) buffer Y16 { uint16_t kvs16[]; };
+#define kvs32 y
 layout(binding = 4, std430) readonly buffer F { float factors[]; };
+#ifndef KV_TYPE
+#define KV_TYPE 0
+#endif
 #endif
 
 layout(push_constant) uniform Push {
@@ -74,6 +85,15 @@ layout(constant_id = 2) const uint NR = 4;  // subgroups per work group
 layout(constant_id = 3) const uint RS = 2;
 
 #include "quant.glsl"
+#if defined(ROPE_OUT)
+#define KV_STORE 1
+#include "kv.glsl"
+const uint KT = KV_TYPE;
+#if KV_TYPE >= 3
+// a block of 32 rows per work group (NR * RS == 32), per column
+shared float blk[MAXC * 32u];
+#endif
+#endif
 
 // the four bytes of a word as exact floats
 vec4 bytes4(uint w) {
@@ -320,11 +340,21 @@ void main() {
                         a = a2;
                     }
                     if (subgroupElect() && row0 + k < pc.n_rows) {
-                        uint o = pc.to_cache == 1u
-                            ? (STEP_SEQ(c) * pc.n_ctx + pos) * pc.kv_dim + row
-                            : c * pc.y_stride + row;
-                        y[o] = a;
-                        y[o + 1u] = b;
+                        uint crow = STEP_SEQ(c) * pc.n_ctx + pos % pc.n_ctx;
+                        if (pc.to_cache == 0u) {
+                            y[c * pc.y_stride + row] = a;
+                            y[c * pc.y_stride + row + 1u] = b;
+                        } else if (kv_quantized(KT)) {
+#if KV_TYPE >= 3
+                            uint at = c * 32u + (row & 31u);
+                            blk[at] = a;
+                            blk[at + 1u] = b;
+#endif
+                        } else {
+                            uint rw = crow * kv_row_words(KT, pc.kv_dim);
+                            kv_store1(KT, rw, row, a);
+                            kv_store1(KT, rw, row + 1u, b);
+                        }
                     }
                 }
             }
@@ -343,4 +373,20 @@ void main() {
         }
 #endif
     }
+#if defined(ROPE_OUT)
+#if KV_TYPE >= 3
+    // every subgroup has parked its rows: one lane per token encodes the block
+    barrier();
+    uint first = FLAT_GROUP * 32u;  // the work group's first row (NR * RS == 32)
+    uint c = gl_LocalInvocationID.x;
+    if (pc.to_cache == 1u && c < ncols && first < pc.n_rows) {
+        float v[32];
+        [[unroll]] for (uint k = 0; k < 32u; k++) {
+            v[k] = blk[c * 32u + k];
+        }
+        uint crow = STEP_SEQ(c) * pc.n_ctx + STEP_POS(c) % pc.n_ctx;
+        kv_store_block(KT, crow * kv_row_words(KT, pc.kv_dim), (pc.y_off + first) / 32u, v);
+    }
+#endif
+#endif
 }

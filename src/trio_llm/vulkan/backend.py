@@ -29,13 +29,28 @@ from trio_llm.errors import (
 )
 from trio_llm.model.config import ModelConfig
 from trio_llm.model.gguf import GGUFModel
+from trio_llm.model.kvtypes import dequantize_rows, quantize_rows
 from trio_llm.models import build_graph
 from trio_llm.vulkan.device import Device, shared_device, vk_errors
-from trio_llm.vulkan.forward import Activations, KVCache, build_ops, plan_buffers, rope_consts
+from trio_llm.vulkan.forward import (
+    MATVEC_MAX_COLS,
+    Activations,
+    KVCache,
+    build_ops,
+    plan_buffers,
+    rope_consts,
+)
 from trio_llm.vulkan.graph import Graph, Op
 from trio_llm.vulkan.kernels import KernelCache
+from trio_llm.vulkan.kvcache import LayerKV
 from trio_llm.vulkan.memory import Allocator, Buffer, allocate_and_copy
-from trio_llm.vulkan.ops import Ops, fill_step
+from trio_llm.vulkan.ops import (
+    Ops,
+    attention_counters,
+    attention_part_floats,
+    decode_splits,
+    fill_step,
+)
 from trio_llm.vulkan.shaders import STEP_CAP
 from trio_llm.vulkan.weights import WeightStore
 
@@ -134,10 +149,15 @@ class VulkanBackend:
             raise UnsupportedModelError(
                 model.path, "sliding-window attention layers (gemma3) run on the numpy backend only, "
                             "not yet on Vulkan: use --backend numpy")
-        layer_bytes = [self.n_seq * m.rows * m.kv_dim * 4 for m in self._mem]
-        if max(layer_bytes) > device.limits.max_storage_buffer_range:
+        dec_cap = min(MATVEC_MAX_COLS, self._cap)  # the decode buckets' attention work
+        self._kv = KVCache(
+            self._alloc, [LayerKV(self.n_seq, m.rows, m.kv_dim) for m in self._mem],
+            part_floats=attention_part_floats(dec_cap, cfg.n_head, cfg.head_dim, decode_splits(self.n_ctx)),
+            n_counters=attention_counters(dec_cap, cfg.n_head, cfg.n_head_kv),
+        )
+        if self._kv.largest_buffer > device.limits.max_storage_buffer_range:
             raise BackendError(
-                f"one layer's KV cache ({max(layer_bytes) >> 20} MiB for {self.n_seq} x {self.n_ctx} "
+                f"one layer's KV cache ({self._kv.largest_buffer >> 20} MiB for {self.n_seq} x {self.n_ctx} "
                 f"positions) exceeds this device's storage buffer range "
                 f"({device.limits.max_storage_buffer_range >> 20} MiB): lower the context or the slots"
             )
@@ -147,7 +167,6 @@ class VulkanBackend:
         self._rope_buf, consts = rope_consts(self._ir, factors)
         self._weights = WeightStore(self._alloc, model)
         self._act = Activations(self._alloc, self._plan, cfg.n_vocab, self._cap, min(self.n_seq, self._cap), consts)
-        self._kv = KVCache(self._alloc, layer_bytes)
         total = self._weights.total_bytes()
         self._weights.ensure_shadow(self._progress)
         self._weights.upload()
@@ -158,7 +177,7 @@ class VulkanBackend:
         log.info(
             "vulkan: %s on %s, %d MiB of weights (shadow: %s), KV %d MiB",
             cfg.name, device.name, total >> 20, self._weights.shadow_kind(),
-            (2 * sum(layer_bytes)) >> 20,
+            self._kv.total_bytes >> 20,
         )
 
     # -- the Backend interface -------------------------------------------------------
@@ -286,9 +305,7 @@ class VulkanBackend:
         for i, seg in enumerate(self._weights.segments):
             if seg.device is not None:
                 out[("w", i)] = seg.device
-        for i, (k, v) in enumerate(zip(self._kv.k, self._kv.v, strict=True)):
-            out[("k", i)] = k
-            out[("v", i)] = v
+        out.update(self._kv.roles())
         for name, buf in self._act.bufs.items():
             out[("a", name)] = buf
         return out
@@ -334,34 +351,22 @@ class VulkanBackend:
 
     def _copy_kv(self, seq_id: int, n: int, data: np.ndarray, *, to_device: bool) -> None:
         """Positions 0..n-1 of one sequence, every layer's K then V, between the
-        cache and ``data`` [n_layer, 2, n, kv_dim], through one host buffer and one
-        submit of 2 x n_layer copies."""
+        cache and ``data`` [n_layer, 2, n, kv_dim] float32 (encoded to and decoded from
+        the cache's types; lossless, kvtypes' roundtrip is idempotent), through the
+        cache's raw row copies (one host buffer, one submit)."""
         self._check_open()
         if self._level is not None:
             raise BackendError(f"slot KV access while released (level {self._level.value}); restore first")
-        row = self.config.kv_dim * 4
         what = "write KV cache" if to_device else "read KV cache"
         with self._guard(what):
-            assert self._device is not None
-            vk = self._device.vk
-            host = self._alloc.create(max(data.nbytes, 4), "scratch", "upload" if to_device else "readback")
-            try:
-                assert host.array is not None
-                if to_device:
-                    host.array[: data.nbytes] = data.reshape(-1).view(np.uint8)
-                with self._device.one_shot(what) as cmd:
-                    layers = (b for pair in zip(self._kv.k, self._kv.v, strict=True) for b in pair)
-                    for i, buf in enumerate(layers):
-                        at_cache, at_host = seq_id * self._mem[i // 2].rows * row, i * n * row
-                        src, dst = (host, buf) if to_device else (buf, host)
-                        region = vk.VkBufferCopy(srcOffset=at_host if to_device else at_cache,
-                                                 dstOffset=at_cache if to_device else at_host, size=n * row)
-                        if n:
-                            vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, 1, [region])
-                if not to_device:
-                    data.reshape(-1).view(np.uint8)[:] = host.array[: data.nbytes]
-            finally:
-                self._alloc.free(host)
+            lays = self._kv.layers
+            if to_device:
+                self._kv.write_rows(seq_id, [(quantize_rows(data[i, 0], lay.k_type), quantize_rows(data[i, 1], lay.v_type))
+                                             for i, lay in enumerate(lays)])
+            else:
+                for i, (k, v) in enumerate(self._kv.read_rows(seq_id, n)):
+                    data[i, 0] = dequantize_rows(k, lays[i].k_type, lays[i].kv_dim)
+                    data[i, 1] = dequantize_rows(v, lays[i].v_type, lays[i].kv_dim)
 
     def close(self) -> None:
         if self._closed:

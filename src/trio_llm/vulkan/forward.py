@@ -33,7 +33,8 @@ from trio_llm.engine.memory import LayerMemory
 from trio_llm.errors import GraphError
 from trio_llm.graph import OUTPUTS, Graph, Node, Tensor
 from trio_llm.vulkan.graph import Barrier, Copy, Op
-from trio_llm.vulkan.memory import Allocator, Buffer, CopyJob, View, whole
+from trio_llm.vulkan.kvcache import KVCache
+from trio_llm.vulkan.memory import Allocator, Buffer, View, whole
 from trio_llm.vulkan.ops import (
     COUNT_OUT,
     COUNT_TOKENS,
@@ -184,85 +185,6 @@ def rope_consts(graph: Graph, factors: dict[str, np.ndarray]) -> tuple[dict[int,
             arrays[by_bytes[key]] = arr
         names[node.out.id] = by_bytes[key]
     return names, arrays
-
-
-@attrs.define(eq=False)
-class KVCache:
-    """Per layer with attention, K and V of every sequence: ``[n_seq * rows, kv_dim]``
-    float32, where ``rows`` is the layer's memory plan (``n_ctx``, or a sliding
-    window's ring)."""
-
-    alloc: Allocator
-    layer_bytes: list[int]
-    k: list[Buffer] = attrs.field(factory=list)
-    v: list[Buffer] = attrs.field(factory=list)
-    host: list[Buffer] = attrs.field(factory=list)  # the ALL-level copy, K then V per layer
-    saved: bool = False  # the host copy holds the cache (the device has none)
-
-    @property
-    def on_device(self) -> bool:
-        return bool(self.k)
-
-    def allocate(self) -> None:
-        if self.k:
-            return
-        try:
-            for n in self.layer_bytes:
-                self.k.append(self.alloc.create(n, "kv_cache", "device"))
-                self.v.append(self.alloc.create(n, "kv_cache", "device"))
-        except BaseException:
-            self.free_device()
-            raise
-
-    def free_device(self) -> None:
-        for buf in self.k + self.v:
-            self.alloc.free(buf)
-        self.k, self.v = [], []
-
-    def free_host(self) -> None:
-        for buf in self.host:
-            self.alloc.free(buf)
-        self.host = []
-        self.saved = False
-
-    def to_host(self) -> None:
-        """Copy the device cache into host buffers and free the device cache. The host
-        buffers are made on the first release and kept (host memory, like the weights'
-        shadow), so later cycles allocate no host memory."""
-        if not self.k:
-            return
-        device = self.alloc.device
-        vk = device.vk
-        pairs = [b for kv in zip(self.k, self.v, strict=True) for b in kv]
-        try:
-            if [b.size for b in self.host] != [b.size for b in pairs]:
-                self.free_host()
-                self.host = [self.alloc.create(b.size, "kv_cache", "host") for b in pairs]
-            with device.one_shot("copy KV cache to host") as cmd:
-                for src, dst in zip(pairs, self.host, strict=True):
-                    vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, 1, [vk.VkBufferCopy(size=src.size)])
-        except BaseException:
-            self.free_host()
-            raise
-        self.free_device()
-        self.saved = True
-
-    def restore_jobs(self) -> list[CopyJob]:
-        """Copy jobs that re-create the device cache from the host copy (K and V of
-        each layer in order); with no saved copy, the cache is allocated empty here."""
-        if not self.saved:
-            self.allocate()  # nothing when the cache stayed on the device
-            return []
-        self.free_device()  # what a failed restore left behind
-        jobs = []
-        for i, src in enumerate(self.host):
-            side = self.k if i % 2 == 0 else self.v
-            jobs.append(CopyJob(src.size, "kv_cache", src, side.append))
-        return jobs
-
-    def restored(self) -> None:
-        """The jobs of ``restore_jobs`` have all finished: the device holds the cache."""
-        self.saved = False
 
 
 @attrs.define(eq=False)

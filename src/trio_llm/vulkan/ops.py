@@ -15,10 +15,11 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
+from trio_llm.model.kvtypes import KVType, kv_type
 from trio_llm.vulkan.graph import Dispatch
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import View
-from trio_llm.vulkan.shaders import GATE_UP, QTYPES, ROPE_OUT, STEP_CAP, qtype_defines
+from trio_llm.vulkan.shaders import GATE_UP, QTYPES, ROPE_OUT, STEP_CAP, kv_defines, qtype_defines
 
 #: the step buffer: [n_tokens, n_out, 0, 0] then tokens, positions, seq ids, output rows
 STEP_HEADER = 4
@@ -34,6 +35,10 @@ ROPE_NEOX = 2
 
 #: bytes per block and values per block of the weight types the kernels read
 BLOCK_BYTES = {q: (GGML_QUANT_SIZES[T[q]][1], GGML_QUANT_SIZES[T[q]][0]) for q in QTYPES}
+
+
+def _kv(name: str) -> KVType:
+    return kv_type(name)
 
 
 def row_bytes(qtype: str, n: int) -> int:
@@ -60,6 +65,38 @@ def fill_step(
     words[h + 3 * STEP_CAP : h + 3 * STEP_CAP + len(out_rows)] = out_rows
 
 
+def decode_splits(n_ctx: int, min_chunk: int = 256, most: int = 64) -> int:
+    """The grid of ``attention_decode`` for a cache of ``n_ctx`` positions per
+    sequence: enough work groups that a full sequence is cut into chunks of about
+    ``min_chunk`` keys, at most ``most``. Fixed when the graph is recorded; each step
+    uses as many of them as its depth needs (attn_decode.comp)."""
+    return max(1, min(most, math.ceil(n_ctx / min_chunk)))
+
+
+def heads_per_group(n_head: int, n_head_kv: int, most: int = 8) -> int:
+    """Query heads one ``attention_decode`` work group serves: the largest divisor of
+    the GQA ratio up to ``most`` (they share the K and V rows it loads)."""
+    g = n_head // n_head_kv
+    return max(d for d in range(1, min(g, most) + 1) if g % d == 0)
+
+
+def attention_part_floats(cap: int, n_head: int, head_dim: int, n_split: int) -> int:
+    """float32 values of the partials buffer ``attention_decode`` needs for ``cap``
+    tokens: per (token, head, split) head_dim outputs plus the running max and sum."""
+    return cap * n_head * n_split * (head_dim + 2)
+
+
+def attention_counters(cap: int, n_head: int, n_head_kv: int) -> int:
+    """uint32 counters ``attention_decode`` needs for ``cap`` tokens (zero-filled once;
+    every dispatch leaves them zero)."""
+    return cap * n_head // heads_per_group(n_head, n_head_kv)
+
+
+def _check_head(t: KVType, head_dim: int, what: str) -> None:
+    if head_dim % t.block:
+        raise ValueError(f"{what} cache type {t.name} needs head_dim a multiple of {t.block}, not {head_dim}")
+
+
 def grid(n: int, limit: int = 65535) -> tuple[int, int, int]:
     """Work groups for ``n`` flat groups, folded into y past the x limit."""
     n = max(1, n)
@@ -75,6 +112,7 @@ class Ops:
     matvec_rs: int = 2  # rows per matvec subgroup
     norm_wg: int = 64
     attn_wg: int = 64
+    decode_wg: int = 128  # attention_decode: keys per tile (a multiple of the subgroup)
     rows_wg: int = 64
     elem_wg: int = 256
 
@@ -97,17 +135,24 @@ class Ops:
         self, qtype: str, w: View, x: View, y: View, step: View, factors: View, *, n_in: int,
         n_rows: int, x_stride: int, y_stride: int, head_dim: int, rope: bool, theta: float,
         to_cache: bool = False, n_ctx: int = 0, y_off: int = 0, maxc: int = 8,
+        kv_type: str = "f32",
     ) -> Dispatch:
         """``matvec`` of a q, k or v projection that finishes rope.comp's work itself:
         the output rows rotated in llama's adjacent pairs (``rope``) at each token's
         position, written in place or (``to_cache``) into the KV cache row of (sequence,
-        position) whose width is ``n_rows``."""
+        position % ``n_ctx``) whose width is ``n_rows``, stored as ``kv_type``
+        (model/kvtypes.py). A quantized type runs 32 rows per work group (one block)."""
         assert n_in % 8 == 0 and x_stride % 4 == 0 and n_rows % 2 == 0 and y_off % 2 == 0
         nr, rs = self.matvec_rows, self.matvec_rs
         assert rs % 2 == 0, "a rope pair must be two rows of one subgroup"
+        t = _kv(kv_type if to_cache else "f32")
+        if t.quantized:
+            assert 32 % rs == 0 and n_rows % 32 == 0 and y_off % 32 == 0 and maxc <= 8
+            _check_head(t, head_dim, "the")
+            nr = 32 // rs
         k = self.kernels.get(
             "matvec", n_bindings=5, n_push=13, local_size=nr * self.subgroup,
-            defines={**qtype_defines(qtype), **ROPE_OUT}, spec={1: maxc, 2: nr, 3: rs},
+            defines={**qtype_defines(qtype), **ROPE_OUT, **kv_defines(KV_TYPE=t)}, spec={1: maxc, 2: nr, 3: rs},
         )
         push = (n_in, n_rows, x_stride, y_stride, y_off, COUNT_TOKENS, 0,
                 head_dim, int(rope), int(to_cache), n_ctx, n_rows, float(math.log2(theta)))
@@ -160,22 +205,39 @@ class Ops:
     def rope(
         self, x: View, y: View, factors: View, step: View, *, n_heads: int, head_dim: int, x_stride: int,
         mode: int, theta: float, cap: int, to_cache: bool = False, n_ctx: int = 0, kv_dim: int = 0,
+        kv_type: str = "f32",
     ) -> Dispatch:
-        k = self.kernels.get("rope", n_bindings=4, n_push=8, local_size=self.elem_wg)
+        """RoPE in place, or (``to_cache``) into the cache row of (sequence, position %
+        ``n_ctx``) stored as ``kv_type``; mode ``ROPE_NONE`` with ``to_cache`` is the V
+        write. A quantized type runs a thread per block of 32 values, not per pair."""
+        t = _kv(kv_type if to_cache else "f32")
+        k = self.kernels.get("rope", n_bindings=4, n_push=8, local_size=self.elem_wg,
+                             defines=kv_defines(KV_TYPE=t))
         push = (n_heads, head_dim, x_stride, mode, int(to_cache), n_ctx, kv_dim, float(math.log2(theta)))
-        pairs = n_heads * head_dim // 2
-        return Dispatch(k, (x, y, factors, step), push, (math.ceil(pairs / self.elem_wg), cap, 1))
+        if t.quantized:
+            _check_head(t, head_dim, "the")
+            threads = n_heads * head_dim // 32
+        else:
+            threads = n_heads * head_dim // 2
+        return Dispatch(k, (x, y, factors, step), push, (math.ceil(threads / self.elem_wg), cap, 1))
 
     def attention(
         self, q: View, k_cache: View, v_cache: View, o: View, step: View, *, n_head: int,
         n_head_kv: int, head_dim: int, n_ctx: int, q_stride: int, o_stride: int, cap: int,
-        scale: float | None = None,
+        scale: float | None = None, k_type: str = "f32", v_type: str = "f32", n_swa: int = 0,
     ) -> Dispatch:
-        assert head_dim <= 4 * self.attn_wg and head_dim <= 256
-        k = self.kernels.get("attention", n_bindings=5, n_push=8, local_size=self.attn_wg)
+        """One work group per (query head, token) over the token's visible keys
+        (causal; with ``n_swa`` > 0 only the last ``n_swa`` positions): the prefill
+        form. Caches of ``k_type`` / ``v_type``, position p at row p % ``n_ctx``."""
+        assert head_dim <= 4 * self.attn_wg and head_dim <= 256 and head_dim % 4 == 0
+        kt, vt = _kv(k_type), _kv(v_type)
+        _check_head(kt, head_dim, "K")
+        _check_head(vt, head_dim, "V")
+        k = self.kernels.get("attention", n_bindings=5, n_push=9, local_size=self.attn_wg,
+                             defines=kv_defines(K_TYPE=kt, V_TYPE=vt))
         kv_dim = n_head_kv * head_dim
         s = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        push = (n_head, n_head_kv, head_dim, n_ctx, kv_dim, q_stride, o_stride, float(s))
+        push = (n_head, n_head_kv, head_dim, n_ctx, kv_dim, q_stride, o_stride, float(s), n_swa)
         return Dispatch(k, (q, k_cache, v_cache, o, step), push, (n_head, cap, 1))
 
     def glu(
@@ -186,6 +248,40 @@ class Ops:
         defines: dict[str, object] | None = {"GELU": 1} if act == "gelu" else None
         k = self.kernels.get("swiglu", n_bindings=4, n_push=3, local_size=self.elem_wg, defines=defines)
         return Dispatch(k, (g, u, y, step), (n, stride, count_sel), (math.ceil(n / self.elem_wg), cap, 1))
+
+    def attention_decode(
+        self, q: View, k_cache: View, v_cache: View, o: View, part: View, counters: View,
+        step: View, *, n_head: int, n_head_kv: int, head_dim: int, n_ctx: int, q_stride: int,
+        o_stride: int, cap: int, n_split: int, scale: float | None = None, k_type: str = "f32",
+        v_type: str = "f32", n_swa: int = 0, min_chunk: int | None = None,
+    ) -> Dispatch:
+        """``attention`` for few tokens at any depth (flash-decoding, attn_decode.comp):
+        each (token, KV head) split over up to ``n_split`` work groups (``decode_splits``)
+        that share the K/V loads among the query heads of the KV head, combined by the
+        last to finish. ``part`` holds ``attention_part_floats(cap, n_head, head_dim,
+        n_split)`` floats and ``counters`` ``attention_counters(cap, n_head, n_head_kv)``
+        zeroed uint32 (both reused by every layer). ``min_chunk`` (default twice the
+        tile) is the fewest keys a split takes: a sequence that short is one work group
+        that writes its output itself."""
+        wg = self.decode_wg
+        assert head_dim <= 4 * wg and head_dim <= 256 and head_dim % 4 == 0 and n_head % n_head_kv == 0
+        assert wg % self.subgroup == 0
+        kt, vt = _kv(k_type), _kv(v_type)
+        _check_head(kt, head_dim, "K")
+        _check_head(vt, head_dim, "V")
+        chunk = 2 * wg if min_chunk is None else min_chunk
+        assert chunk % wg == 0 and chunk > 0
+        gw = heads_per_group(n_head, n_head_kv)
+        assert part.size >= 4 * attention_part_floats(cap, n_head, head_dim, n_split)
+        assert counters.size >= 4 * attention_counters(cap, n_head, n_head_kv)
+        k = self.kernels.get("attn_decode", n_bindings=7, n_push=12, local_size=wg,
+                             defines=kv_defines(K_TYPE=kt, V_TYPE=vt), spec={1: gw})
+        s = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        ml_off = cap * n_head * n_split * head_dim
+        push = (n_head, n_head_kv, head_dim, n_ctx, n_head_kv * head_dim, q_stride, o_stride, float(s),
+                n_swa, n_split, chunk, ml_off)
+        return Dispatch(k, (q, k_cache, v_cache, o, part, counters, step), push,
+                        (n_split, n_head // gw, cap))
 
     def swiglu(
         self, g: View, u: View, y: View, step: View, *, n: int, stride: int, cap: int,

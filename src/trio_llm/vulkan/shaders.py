@@ -38,8 +38,11 @@ QUANT_SHADERS = ("matvec", "matmul", "get_rows")
 ROPE_OUT = {"ROPE_OUT": 1}
 #: matvec of the FFN's gate and up at once, SwiGLU in the epilogue
 GATE_UP = {"GATE_UP": 1}
-#: shaders with a single variant
-PLAIN_SHADERS = ("rms_norm", "rope", "attention", "swiglu", "add", "scale", "argmax", "transpose")
+#: shaders with a single variant (for f32 caches; the KV readers and writers have one
+#: per cache type, see all_variants)
+PLAIN_SHADERS = ("rms_norm", "rope", "attention", "attn_decode", "swiglu", "add", "scale", "argmax", "transpose")
+#: KV cache type codes (model/kvtypes.py KVType.code) the cache readers and writers take
+KV_CODES = range(8)
 
 _FLAGS = ("--target-env=vulkan1.2", "-O")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
@@ -133,6 +136,17 @@ def qtype_defines(qtype: str) -> dict[str, object]:
     return {f"QTYPE_{qtype}": 1}
 
 
+def kv_defines(**types: object) -> dict[str, object]:
+    """``KV_TYPE`` / ``K_TYPE`` / ``V_TYPE`` defines of the KV cache types given (a
+    ``KVType`` or a code); f32 (0) adds none, so f32 variants keep their old key."""
+    out: dict[str, object] = {}
+    for name, t in types.items():
+        code = int(getattr(t, "code", t))  # type: ignore[call-overload]
+        if code:
+            out[name] = code
+    return out
+
+
 def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for name in QUANT_SHADERS:
         for q in QTYPES:
@@ -143,6 +157,16 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for name in PLAIN_SHADERS:
         yield name, {}
     yield "swiglu", {"GELU": 1}
+    # the cache writers in every KV type, the readers with K and V of one type; the
+    # q/k/v projections' ROPE_OUT for f16 (the default) and q8_0 caches. Other pairs
+    # and the other ROPE_OUT variants compile on first use.
+    for code in KV_CODES[1:]:
+        yield "rope", kv_defines(KV_TYPE=code)
+        for name in ("attention", "attn_decode"):
+            yield name, kv_defines(K_TYPE=code, V_TYPE=code)
+    for code in (1, 3):
+        for q in QTYPES:
+            yield "matvec", {**qtype_defines(q), **ROPE_OUT, **kv_defines(KV_TYPE=code)}
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,286 @@
+#version 450
+// Decode attention at depth (flash-decoding): the visible keys of one (token, KV head)
+// are split over up to n_split work groups, each of which serves the GW query heads
+// of that KV head that it is given (so K and V are read once for all of them, not
+// once per query head), with an online softmax over tiles of WG keys. Each writes
+// its unnormalised partial output with its running max m and sum l; the last of them
+// to finish (an atomic count per (token, head group)) combines the partials:
+//   M = max_s m_s,  L = sum_s l_s exp(m_s - M),  o = sum_s acc_s exp(m_s - M) / L.
+// So a decode step has no extra dispatch stage, and a short sequence (one split) is a
+// single work group that writes its output directly, touching neither the partials
+// nor the counter.
+//
+// The split is chosen per step from the step buffer, not at record time: a token
+// with n visible keys uses chunks of max(min_chunk, ceil(n / n_split) rounded up to
+// WG) keys, so ceil(n / chunk) <= n_split work groups; the others return at once.
+// n_split (the grid) is fixed when the graph is recorded, from the context length.
+//
+// Visible keys: positions [pos - n_swa + 1, pos] with a sliding window (n_swa > 0),
+// [0, pos] otherwise; position p of a sequence is at row p % n_ctx of its rows. K
+// and V are read in their cache types K_TYPE / V_TYPE (kv.glsl).
+//
+// Per tile: every lane scores one key for the GW heads (a K row is loaded once), the
+// subgroups then take a head each for the max and the sum, and the value loop splits
+// the work group into key groups of head_dim / 4 lanes, a lane owning four output
+// dimensions of every head (V rows loaded once), as attention.comp does.
+//
+// The partials and the counters are `coherent`, written before a memoryBarrierBuffer
+// and a work-group barrier, and the count is taken after them: the last work group
+// sees every other one's partial. It resets the counter to 0 for the next dispatch.
+#include "common.glsl"
+
+#ifndef K_TYPE
+#define K_TYPE 0
+#endif
+#ifndef V_TYPE
+#define V_TYPE 0
+#endif
+
+layout(binding = 0, std430) readonly buffer Q { float q[]; };
+layout(binding = 1, std430) readonly buffer K { vec4 kc4[]; };
+layout(binding = 1, std430) readonly buffer K2 { uvec2 kc2[]; };
+layout(binding = 1, std430) readonly buffer K16 { uint16_t kc16[]; };
+layout(binding = 2, std430) readonly buffer V { vec4 vc4[]; };
+layout(binding = 2, std430) readonly buffer V2 { uvec2 vc2[]; };
+layout(binding = 2, std430) readonly buffer V16 { uint16_t vc16[]; };
+layout(binding = 3, std430) writeonly buffer O { float o[]; };
+// [cap, n_head, n_split, head_dim] partial outputs, then [cap, n_head, n_split, 2] (m, l)
+layout(binding = 4, std430) coherent buffer P { float part[]; };
+// [cap, n_head / GW] counters of finished splits, 0 between dispatches
+layout(binding = 5, std430) coherent buffer C { uint counter[]; };
+DECLARE_STEP(6)
+
+layout(push_constant) uniform Push {
+    uint n_head;
+    uint n_head_kv;
+    uint head_dim;
+    uint n_ctx;
+    uint kv_dim;
+    uint q_stride;
+    uint o_stride;
+    float scale;
+    uint n_swa;      // sliding window (0: none)
+    uint n_split;    // the grid's x: most work groups per (token, head group)
+    uint min_chunk;  // fewest keys per split (a multiple of WG)
+    uint ml_off;     // where (m, l) start in part[]
+} pc;
+
+layout(constant_id = 1) const uint GW = 4;  // query heads per work group
+
+#include "kv.glsl"
+
+#define KVR_T K_TYPE
+#define KVR_W(i) uint(kc16[i])
+#define KVR_F4(i) kc4[i]
+#define KVR_U2(i) kc2[i]
+#define KVR_LOAD4 k_load4
+#include "kv_read.glsl"
+#undef KVR_T
+#undef KVR_W
+#undef KVR_F4
+#undef KVR_U2
+#undef KVR_LOAD4
+#define KVR_T V_TYPE
+#define KVR_W(i) uint(vc16[i])
+#define KVR_F4(i) vc4[i]
+#define KVR_U2(i) vc2[i]
+#define KVR_LOAD4 v_load4
+#include "kv_read.glsl"
+
+const uint MAX_HD4 = 64;  // head_dim <= 256
+
+shared vec4 qs[GW * MAX_HD4];
+shared float sc[GW * WG];  // a tile's scores, then its softmax weights
+shared float run_m[GW];
+shared float run_l[GW];
+shared float run_c[GW];    // the tile's rescale of the earlier accumulation
+shared vec4 red[WG];       // key groups' partial outputs
+shared bool is_last;
+
+void main() {
+    uint split = gl_WorkGroupID.x;
+    uint t = gl_WorkGroupID.z;
+    if (t >= step.n_tokens) {
+        return;
+    }
+    uint groups = pc.n_head / GW;       // head groups
+    uint per_kv = groups / pc.n_head_kv;  // head groups per KV head
+    uint hgrp = gl_WorkGroupID.y;
+    uint kvh = hgrp / per_kv;
+    uint h0 = hgrp * GW;  // first query head
+    uint hd = pc.head_dim;
+    uint hd4 = hd / 4u;
+    uint tid = gl_LocalInvocationID.x;
+
+    uint hi = STEP_POS(t) + 1u;  // visible keys: [lo, hi)
+    uint lo = pc.n_swa > 0u && hi > pc.n_swa ? hi - pc.n_swa : 0u;
+    uint n = hi - lo;
+    uint per = (n + pc.n_split - 1u) / pc.n_split;
+    uint chunk = max(pc.min_chunk, (per + WG - 1u) / WG * WG);
+    uint n_live = (n + chunk - 1u) / chunk;
+    if (split >= n_live) {
+        return;
+    }
+    uint k0 = lo + split * chunk;
+    uint k1 = min(hi, k0 + chunk);
+
+    for (uint i = tid; i < GW * hd4; i += WG) {
+        uint g = i / hd4;
+        uint d = i % hd4;
+        uint qb = t * pc.q_stride + (h0 + g) * hd + 4u * d;
+        qs[g * MAX_HD4 + d] = vec4(q[qb], q[qb + 1u], q[qb + 2u], q[qb + 3u]) * pc.scale;
+    }
+    if (tid < GW) {
+        run_m[tid] = -1.0e30;
+        run_l[tid] = 0.0;
+    }
+    barrier();
+
+    uint base = STEP_SEQ(t) * pc.n_ctx;
+    uint k_row = kv_row_words(K_TYPE, pc.kv_dim);
+    uint v_row = kv_row_words(V_TYPE, pc.kv_dim);
+    uint k_head = kvh * kv_row_words(K_TYPE, hd);
+    uint v_head = kvh * kv_row_words(V_TYPE, hd);
+    uint kg_n = max(1u, WG / hd4);  // key groups of the value loop
+    uint kg = tid / hd4;
+    uint d4 = tid % hd4;
+    bool vlane = kg < kg_n;
+
+    vec4 acc[GW];
+    [[unroll]] for (uint g = 0; g < GW; g++) {
+        acc[g] = vec4(0.0);
+    }
+    for (uint b0 = k0; b0 < k1; b0 += WG) {
+        uint j = b0 + tid;
+        float s[GW];
+        [[unroll]] for (uint g = 0; g < GW; g++) {
+            s[g] = -1.0e30;
+        }
+        if (j < k1) {
+            uint kb = (base + j % pc.n_ctx) * k_row + k_head;
+            vec4 dv[GW];
+            [[unroll]] for (uint g = 0; g < GW; g++) {
+                dv[g] = vec4(0.0);
+            }
+            for (uint d = 0; d < hd4; d++) {
+                vec4 kv = k_load4(kb, 4u * d);
+                [[unroll]] for (uint g = 0; g < GW; g++) {
+                    dv[g] += qs[g * MAX_HD4 + d] * kv;
+                }
+            }
+            [[unroll]] for (uint g = 0; g < GW; g++) {
+                s[g] = dv[g].x + dv[g].y + dv[g].z + dv[g].w;
+            }
+        }
+        [[unroll]] for (uint g = 0; g < GW; g++) {
+            sc[g * WG + tid] = s[g];
+        }
+        barrier();
+        uint nvalid = min(WG, k1 - b0);
+        // a subgroup per head: the tile's max, the weights, their sum
+        for (uint g = gl_SubgroupID; g < GW; g += gl_NumSubgroups) {
+            float mx = -1.0e30;
+            for (uint i = gl_SubgroupInvocationID; i < WG; i += gl_SubgroupSize) {
+                mx = max(mx, sc[g * WG + i]);
+            }
+            float mn = max(run_m[g], subgroupMax(mx));
+            float sum = 0.0;
+            for (uint i = gl_SubgroupInvocationID; i < WG; i += gl_SubgroupSize) {
+                float p = i < nvalid ? exp(sc[g * WG + i] - mn) : 0.0;
+                sc[g * WG + i] = p;
+                sum += p;
+            }
+            sum = subgroupAdd(sum);
+            if (subgroupElect()) {
+                float c = exp(run_m[g] - mn);
+                run_c[g] = c;
+                run_l[g] = run_l[g] * c + sum;
+                run_m[g] = mn;
+            }
+        }
+        barrier();
+        if (vlane) {
+            [[unroll]] for (uint g = 0; g < GW; g++) {
+                acc[g] *= run_c[g];
+            }
+            for (uint jj = kg; jj < nvalid; jj += kg_n) {
+                vec4 vv = v_load4((base + (b0 + jj) % pc.n_ctx) * v_row + v_head, 4u * d4);
+                [[unroll]] for (uint g = 0; g < GW; g++) {
+                    acc[g] += sc[g * WG + jj] * vv;
+                }
+            }
+        }
+        barrier();
+    }
+
+    // add up the key groups; one split writes the output, several their partials
+    uint pstride = pc.n_split * hd;  // floats between heads in part[]
+    [[unroll]] for (uint g = 0; g < GW; g++) {
+        red[tid] = vlane ? acc[g] : vec4(0.0);
+        barrier();
+        if (tid < hd4) {
+            vec4 sum = vec4(0.0);
+            for (uint k = 0; k < kg_n; k++) {
+                sum += red[k * hd4 + tid];
+            }
+            uint h = h0 + g;
+            if (n_live == 1u) {
+                sum /= run_l[g];
+                uint ob = t * pc.o_stride + h * hd + 4u * tid;
+                o[ob] = sum.x;
+                o[ob + 1u] = sum.y;
+                o[ob + 2u] = sum.z;
+                o[ob + 3u] = sum.w;
+            } else {
+                uint pb = (t * pc.n_head + h) * pstride + split * hd + 4u * tid;
+                part[pb] = sum.x;
+                part[pb + 1u] = sum.y;
+                part[pb + 2u] = sum.z;
+                part[pb + 3u] = sum.w;
+            }
+        }
+        barrier();
+    }
+    if (n_live == 1u) {
+        return;
+    }
+    if (tid < GW) {
+        uint mb = pc.ml_off + ((t * pc.n_head + h0 + tid) * pc.n_split + split) * 2u;
+        part[mb] = run_m[tid];
+        part[mb + 1u] = run_l[tid];
+    }
+    memoryBarrierBuffer();
+    barrier();
+    uint ci = t * groups + hgrp;
+    if (tid == 0u) {
+        is_last = atomicAdd(counter[ci], 1u) == n_live - 1u;
+    }
+    barrier();
+    if (!is_last) {
+        return;
+    }
+    memoryBarrierBuffer();
+    for (uint g = 0; g < GW; g++) {
+        uint h = h0 + g;
+        uint mb = pc.ml_off + (t * pc.n_head + h) * pc.n_split * 2u;
+        float M = -1.0e30;
+        for (uint s = 0; s < n_live; s++) {
+            M = max(M, part[mb + 2u * s]);
+        }
+        float L = 0.0;
+        for (uint s = 0; s < n_live; s++) {
+            L += part[mb + 2u * s + 1u] * exp(part[mb + 2u * s] - M);
+        }
+        uint pb = (t * pc.n_head + h) * pstride;
+        for (uint d = tid; d < hd; d += WG) {
+            float acc_d = 0.0;
+            for (uint s = 0; s < n_live; s++) {
+                acc_d += part[pb + s * hd + d] * exp(part[mb + 2u * s] - M);
+            }
+            o[t * pc.o_stride + h * hd + d] = acc_d / L;
+        }
+    }
+    if (tid == 0u) {
+        counter[ci] = 0u;
+    }
+}

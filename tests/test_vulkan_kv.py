@@ -1,0 +1,268 @@
+"""The KV cache in every cache type on the device, at the op level: each writer (rope's
+cache write, the V write, matvec's ROPE_OUT epilogue) stores the bytes kvtypes'
+quantize_rows gives for the values it computed, and both attention kernels (prefill
+``attention``, decode ``attention_decode`` with its split sequence) read any type and
+match numpy attention over the roundtrip'd cache: causal and sliding-window, GQA,
+head dims 64/128/256, lengths that are not multiples of the tile, several splits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from test_vulkan_ops import Env, make_weights, np_rope
+from trio_llm.model.kvtypes import KV_TYPES, dequantize_rows, kv_type, quantize_rows, roundtrip
+from trio_llm.vulkan.device import shared_device
+from trio_llm.vulkan.graph import Barrier
+from trio_llm.vulkan.kernels import KernelCache
+from trio_llm.vulkan.memory import Allocator, View
+from trio_llm.vulkan.ops import (
+    ROPE_NEOX,
+    ROPE_NONE,
+    ROPE_NORMAL,
+    Ops,
+    attention_counters,
+    attention_part_floats,
+    decode_splits,
+    heads_per_group,
+)
+
+pytestmark = pytest.mark.vulkan
+
+TYPES = list(KV_TYPES)
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    device = shared_device()
+    alloc = Allocator(device)
+    kernels = KernelCache(device)
+    yield Env(device, alloc, Ops(kernels, subgroup=device.limits.subgroup_size))
+    kernels.close()
+    alloc.free_all()
+
+
+def _cache_rows(env: Env, view: View, n_rows: int, row_bytes: int) -> np.ndarray:
+    return env.get(view, np.uint8)[: n_rows * row_bytes].reshape(n_rows, row_bytes)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_rope_cache_write_stores_the_type(env: Env, name: str) -> None:
+    """rope.comp into a typed cache (normal, neox, and mode none: the V write) stores
+    exactly quantize_rows of what it writes into an f32 cache; rows it does not own
+    stay untouched, and position p lands in row p % n_ctx."""
+    rng = np.random.default_rng(1)
+    ntok, heads, hd, n_ctx, n_seq = 5, 2, 64, 40, 2
+    kvd = heads * hd
+    x = (rng.standard_normal((ntok, heads, hd)) * 3).astype(np.float32)
+    x[1, 0, :32] = 0.0  # an all-zero block
+    pos = np.array([0, 7, 39, 45, 3])  # 45: the ring wraps to row 5
+    seq = np.array([0, 0, 1, 1, 1])
+    rows = seq * n_ctx + pos % n_ctx
+    t = kv_type(name)
+    rb = t.row_bytes(kvd)
+    xv, fv = env.put(x), env.put(np.linspace(1.0, 3.0, hd // 2).astype(np.float32))
+    st = env.step([0] * ntok, pos, seq)
+    kw = {"n_heads": heads, "head_dim": hd, "x_stride": kvd, "theta": 10000.0, "cap": 8,
+          "to_cache": True, "n_ctx": n_ctx, "kv_dim": kvd}
+    ops, typed, plain = [], [], []
+    for mode in (ROPE_NORMAL, ROPE_NEOX, ROPE_NONE):
+        c32 = env.zeros(n_seq * n_ctx * kvd)
+        ct = env.put(np.full(n_seq * n_ctx * rb, 0xAB, np.uint8))
+        ops += [env.ops.rope(xv, c32, fv, st, mode=mode, **kw),
+                env.ops.rope(xv, ct, fv, st, mode=mode, kv_type=name, **kw)]
+        plain.append(c32)
+        typed.append(ct)
+    env.run(ops)
+    for mode, c32, ct in zip((ROPE_NORMAL, ROPE_NEOX, ROPE_NONE), plain, typed, strict=True):
+        f32 = env.get(c32).reshape(n_seq * n_ctx, kvd)[rows]
+        if mode == ROPE_NONE:
+            np.testing.assert_array_equal(f32, x.reshape(ntok, kvd))
+        got = _cache_rows(env, ct, n_seq * n_ctx, rb)
+        np.testing.assert_array_equal(got[rows], quantize_rows(f32, name))
+        others = np.setdiff1d(np.arange(n_seq * n_ctx), rows)
+        assert (got[others] == 0xAB).all()
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_matvec_rope_cache_write_stores_the_type(env: Env, name: str) -> None:
+    """ROPE_OUT into a typed cache (k rotated, v plain): the bytes are quantize_rows of
+    the f32 variant's values; a quantized type's variant runs 32 rows per work group."""
+    rng = np.random.default_rng(2)
+    ntok, heads, hd, cols, n_ctx, n_seq = 3, 2, 64, 256, 24, 2
+    rows = heads * hd
+    raw, ref = make_weights("Q8_0", rows, cols, seed=3)
+    x = rng.standard_normal((ntok, cols)).astype(np.float32)
+    pos, seq = np.array([0, 23, 30]), np.array([0, 1, 1])
+    cache_rows = seq * n_ctx + pos % n_ctx
+    rb = kv_type(name).row_bytes(rows)
+    w, xv, fv = env.put(raw), env.put(x), env.put(np.linspace(1.0, 2.0, hd // 2).astype(np.float32))
+    st = env.step([0] * ntok, pos, seq)
+    kw = {"n_in": cols, "n_rows": rows, "x_stride": cols, "y_stride": rows, "head_dim": hd,
+          "theta": 10000.0, "to_cache": True, "n_ctx": n_ctx}
+    k32, v32 = env.zeros(n_seq * n_ctx * rows), env.zeros(n_seq * n_ctx * rows)
+    kt, vt = (env.put(np.zeros(n_seq * n_ctx * rb, np.uint8)) for _ in range(2))
+    env.run([
+        env.ops.matvec_rope("Q8_0", w, xv, k32, st, fv, rope=True, **kw),
+        env.ops.matvec_rope("Q8_0", w, xv, v32, st, fv, rope=False, **kw),
+        env.ops.matvec_rope("Q8_0", w, xv, kt, st, fv, rope=True, kv_type=name, **kw),
+        env.ops.matvec_rope("Q8_0", w, xv, vt, st, fv, rope=False, kv_type=name, **kw),
+    ])
+    k = env.get(k32).reshape(-1, rows)[cache_rows]
+    v = env.get(v32).reshape(-1, rows)[cache_rows]
+    plain = x @ ref.T  # [ntok, rows]
+    want_k = np_rope(plain.reshape(ntok, heads, hd), pos, 10000.0, ROPE_NORMAL,
+                     np.linspace(1.0, 2.0, hd // 2).astype(np.float32)).reshape(ntok, rows)
+    np.testing.assert_allclose(k, want_k, atol=1e-4 * np.abs(plain).max(), rtol=0)
+    np.testing.assert_allclose(v, plain, atol=1e-4 * np.abs(plain).max(), rtol=0)
+    got_k = _cache_rows(env, kt, n_seq * n_ctx, rb)
+    got_v = _cache_rows(env, vt, n_seq * n_ctx, rb)
+    np.testing.assert_array_equal(got_k[cache_rows], quantize_rows(k, name))
+    np.testing.assert_array_equal(got_v[cache_rows], quantize_rows(v, name))
+    others = np.setdiff1d(np.arange(n_seq * n_ctx), cache_rows)
+    assert not got_k[others].any() and not got_v[others].any()
+
+
+def np_attention(q, k, v, pos, seq, n_head_kv, n_swa=0):  # type: ignore[no-untyped-def]
+    """q [ntok, n_head, hd]; k, v [n_seq, n_ctx, n_head_kv, hd] with position p at row
+    p % n_ctx; keys [pos - n_swa + 1, pos] (all of [0, pos] when n_swa is 0)."""
+    ntok, n_head, hd = q.shape
+    n_ctx = k.shape[1]
+    g = n_head // n_head_kv
+    out = np.zeros((ntok, n_head, hd))
+    for t in range(ntok):
+        lo = max(0, pos[t] - n_swa + 1) if n_swa else 0
+        r = np.arange(lo, pos[t] + 1) % n_ctx
+        for h in range(n_head):
+            kk = k[seq[t], r, h // g].astype(np.float64)
+            vv = v[seq[t], r, h // g].astype(np.float64)
+            s = kk @ q[t, h] / np.sqrt(hd)
+            p = np.exp(s - s.max())
+            out[t, h] = p @ vv / p.sum()
+    return out
+
+
+def _typed_cache(env: Env, x: np.ndarray, name: str) -> tuple[View, np.ndarray]:
+    """A cache [n_seq, n_ctx, n_kv, hd] uploaded in type ``name``, and what it holds."""
+    n_seq, n_ctx, n_kv, hd = x.shape
+    raw = quantize_rows(x.reshape(n_seq * n_ctx, n_kv * hd), name)
+    held = dequantize_rows(raw, name, n_kv * hd).reshape(x.shape)
+    np.testing.assert_array_equal(held, roundtrip(x.reshape(-1, n_kv * hd), name).reshape(x.shape))
+    return env.put(raw), held
+
+
+def _run_attention(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int],
+                   seq: list[int], n_ctx: int, k_type: str, v_type: str, n_swa: int = 0,
+                   decode: bool = True, n_split: int = 8, min_chunk: int | None = None,
+                   seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    ntok, n_seq = len(pos), max(seq) + 1
+    q = rng.standard_normal((ntok, n_head, hd)).astype(np.float32)
+    kx = rng.standard_normal((n_seq, n_ctx, n_kv, hd)).astype(np.float32)
+    vx = (rng.standard_normal((n_seq, n_ctx, n_kv, hd)) * 2).astype(np.float32)
+    kc, kh = _typed_cache(env, kx, k_type)
+    vc, vh = _typed_cache(env, vx, v_type)
+    qv, o = env.put(q), env.zeros(q.size)
+    st = env.step([0] * ntok, pos, seq)
+    cap = 8
+    kw = {"n_head": n_head, "n_head_kv": n_kv, "head_dim": hd, "n_ctx": n_ctx, "q_stride": n_head * hd,
+          "o_stride": n_head * hd, "cap": cap, "k_type": k_type, "v_type": v_type, "n_swa": n_swa}
+    if decode:
+        part = env.zeros(attention_part_floats(cap, n_head, hd, n_split))
+        counters = env.zeros(attention_counters(cap, n_head, n_kv), np.uint32)
+        op = ops.attention_decode(qv, kc, vc, o, part, counters, st, n_split=n_split, min_chunk=min_chunk, **kw)
+        # twice: the second dispatch finds the counters the first one left at zero
+        env.run([op, Barrier(), op])
+        assert not env.get(counters, np.uint32).any()
+    else:
+        env.run([ops.attention(qv, kc, vc, o, st, **kw)])
+    want = np_attention(q, kh, vh, np.array(pos), np.array(seq), n_kv, n_swa)
+    np.testing.assert_allclose(env.get(o).reshape(q.shape), want, atol=3e-5 * np.abs(vh).max(), rtol=0)
+
+
+# positions: the first key alone, tile edges (63/64, 127/128), several tiles and splits
+POS = [0, 63, 64, 127, 128, 290, 5, 200]
+SEQ = [0, 0, 0, 0, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_decode_attention_reads_every_type(env: Env, name: str) -> None:
+    """Split over up to 8 work groups of 64-key tiles (min_chunk 64): position 290 is
+    five splits of 64 and one of 35 keys."""
+    ops = Ops(env.ops.kernels, subgroup=env.ops.subgroup, decode_wg=64)
+    _run_attention(env, ops, hd=128, n_head=8, n_kv=2, pos=POS, seq=SEQ, n_ctx=300,
+                   k_type=name, v_type=name, min_chunk=64, seed=TYPES.index(name))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_prefill_attention_reads_every_type(env: Env, name: str) -> None:
+    _run_attention(env, env.ops, hd=64, n_head=4, n_kv=2, pos=POS, seq=SEQ, n_ctx=300,
+                   k_type=name, v_type=name, decode=False, seed=10 + TYPES.index(name))
+
+
+@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+def test_decode_attention_head_dims_and_gqa(env: Env, hd: int, gqa: int) -> None:
+    """The default f16 cache, the default tile (decode_wg 128, min_chunk 256) and a
+    context of 700: positions past 256 split, 699 into three."""
+    n_kv = 2
+    _run_attention(env, env.ops, hd=hd, n_head=gqa * n_kv, n_kv=n_kv, pos=[0, 255, 256, 699, 400],
+                   seq=[0, 0, 0, 0, 1], n_ctx=700, k_type="f16", v_type="f16",
+                   n_split=decode_splits(700), seed=hd + gqa)
+
+
+def test_decode_attention_large_gqa_and_mixed_types(env: Env) -> None:
+    """GQA 16 runs two work groups of 8 heads per KV head; K q8_0 with V f16 and the
+    reverse (llama-server takes -ctk and -ctv apart)."""
+    assert heads_per_group(16, 1) == 8 and heads_per_group(12, 2) == 6 and heads_per_group(5, 1) == 5
+    _run_attention(env, env.ops, hd=64, n_head=16, n_kv=1, pos=[3, 300], seq=[0, 0], n_ctx=310,
+                   k_type="q8_0", v_type="f16", min_chunk=128, seed=40)
+    _run_attention(env, env.ops, hd=64, n_head=4, n_kv=2, pos=[3, 300], seq=[0, 0], n_ctx=310,
+                   k_type="f16", v_type="q4_0", min_chunk=128, decode=False, seed=41)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("name", ["f16", "q8_0"])
+def test_sliding_window_and_ring_cache(env: Env, decode: bool, name: str) -> None:
+    """A window of 100 (gemma-3's sliding layers), and a ring: a cache of 160 rows
+    for positions up to 500 (position p in row p % 160) still holds the window."""
+    kw = {"hd": 64, "n_head": 4, "n_kv": 1, "k_type": name, "v_type": name, "decode": decode,
+          "n_split": 4, "min_chunk": 128}
+    _run_attention(env, env.ops, pos=[0, 50, 99, 100, 299], seq=[0] * 5, n_ctx=300, n_swa=100, seed=50, **kw)
+    _run_attention(env, env.ops, pos=[150, 159, 160, 420, 500], seq=[0] * 5, n_ctx=160, n_swa=100, seed=51, **kw)
+
+
+def test_decode_attention_equals_prefill_attention(env: Env) -> None:
+    """The two kernels agree with each other on the same inputs (f16), including a
+    single split (no partials) and many."""
+    rng = np.random.default_rng(60)
+    hd, n_head, n_kv, n_ctx = 128, 8, 2, 1000
+    pos, seq = [0, 100, 999, 513], [0, 0, 0, 1]
+    q = rng.standard_normal((4, n_head, hd)).astype(np.float32)
+    kc, _ = _typed_cache(env, rng.standard_normal((2, n_ctx, n_kv, hd)).astype(np.float32), "f16")
+    vc, _ = _typed_cache(env, rng.standard_normal((2, n_ctx, n_kv, hd)).astype(np.float32), "f16")
+    qv, o1, o2 = env.put(q), env.zeros(q.size), env.zeros(q.size)
+    st = env.step([0] * 4, pos, seq)
+    n_split = decode_splits(n_ctx)
+    kw = {"n_head": n_head, "n_head_kv": n_kv, "head_dim": hd, "n_ctx": n_ctx, "q_stride": n_head * hd,
+          "o_stride": n_head * hd, "cap": 4, "k_type": "f16", "v_type": "f16"}
+    part = env.zeros(attention_part_floats(4, n_head, hd, n_split))
+    counters = env.zeros(attention_counters(4, n_head, n_kv), np.uint32)
+    env.run([
+        env.ops.attention(qv, kc, vc, o1, st, **kw),
+        env.ops.attention_decode(qv, kc, vc, o2, part, counters, st, n_split=n_split, **kw),
+    ])
+    np.testing.assert_allclose(env.get(o2), env.get(o1), atol=2e-5, rtol=0)
+
+
+def test_bad_shapes_are_refused(env: Env) -> None:
+    v = env.zeros(64)
+    with pytest.raises(ValueError, match="K cache type q8_0 needs head_dim a multiple of 32, not 48"):
+        env.ops.attention(v, v, v, v, v, n_head=2, n_head_kv=1, head_dim=48, n_ctx=4, q_stride=96,
+                          o_stride=96, cap=1, k_type="q8_0")
+    with pytest.raises(ValueError, match="unsupported KV cache type 'q4_k'"):
+        env.ops.attention(v, v, v, v, v, n_head=2, n_head_kv=1, head_dim=64, n_ctx=4, q_stride=128,
+                          o_stride=128, cap=1, v_type="q4_k")
+    assert decode_splits(100) == 1 and decode_splits(32768) == 64 and decode_splits(1000) == 4
