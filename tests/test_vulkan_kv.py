@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 
 from test_vulkan_ops import Env, make_weights, np_rope
+from trio_llm.errors import BackendError
 from trio_llm.model.kvtypes import KV_TYPES, dequantize_rows, kv_type, quantize_rows, roundtrip
 from trio_llm.vulkan.device import shared_device
-from trio_llm.vulkan.graph import Barrier
+from trio_llm.vulkan.graph import Barrier, Copy
 from trio_llm.vulkan.kernels import KernelCache
-from trio_llm.vulkan.memory import Allocator, View
+from trio_llm.vulkan.kvcache import KVCache
+from trio_llm.vulkan.memory import Allocator, View, allocate_and_copy
 from trio_llm.vulkan.ops import (
     ROPE_NEOX,
     ROPE_NONE,
@@ -266,3 +268,46 @@ def test_bad_shapes_are_refused(env: Env) -> None:
         env.ops.attention(v, v, v, v, v, n_head=2, n_head_kv=1, head_dim=64, n_ctx=4, q_stride=128,
                           o_stride=128, cap=1, v_type="q4_k")
     assert decode_splits(100) == 1 and decode_splits(32768) == 64 and decode_splits(1000) == 4
+
+
+def test_kv_cache_rows_and_release_carry_raw_bytes(env: Env) -> None:
+    """KVCache per layer in its types: raw rows written and read back unchanged, a
+    release to host and restore (level ``all``) brings back the same bytes, and the
+    attention's counters come back zero-filled; the buffers are sized by type."""
+    n_layer, n_seq, n_ctx, kvd = 2, 2, 16, 128
+    kv = KVCache.uniform(env.alloc, n_layer, n_seq=n_seq, n_ctx=n_ctx, kv_dim=kvd, k_type="q8_0",
+                         v_type="q4_1", part_floats=100, n_counters=12)
+    assert kv.bytes_per_token == n_layer * (136 + 80)
+    assert kv.total_bytes == n_seq * n_ctx * kv.bytes_per_token
+    kv.allocate()
+    try:
+        assert [b.size for b in kv.k] == [n_seq * n_ctx * 136] * 2 and kv.v[0].size == n_seq * n_ctx * 80
+        assert set(kv.roles()) == {("k", 0), ("v", 0), ("k", 1), ("v", 1), ("kvw", "part"), ("kvw", "counters")}
+        rng = np.random.default_rng(70)
+        rows = [(quantize_rows(rng.standard_normal((9, kvd)), "q8_0"),
+                 quantize_rows(rng.standard_normal((9, kvd)), "q4_1")) for _ in range(n_layer)]
+        other = [(np.full((n_ctx, 136), 5, np.uint8), np.full((n_ctx, 80), 6, np.uint8))] * n_layer
+        kv.write_rows(0, other)
+        kv.write_rows(1, rows)
+        back = kv.read_rows(1, 9)
+        for (k0, v0), (k1, v1) in zip(rows, back, strict=True):
+            np.testing.assert_array_equal(k0, k1)
+            np.testing.assert_array_equal(v0, v1)
+        for k0, v0 in kv.read_rows(0, n_ctx):  # the other sequence untouched
+            assert (k0 == 5).all() and (v0 == 6).all()
+        kv.to_host()
+        assert not kv.on_device and kv.saved
+        allocate_and_copy(env.alloc, kv.restore_jobs())
+        kv.restored()
+        for (k0, v0), (k1, v1) in zip(rows, kv.read_rows(1, 9), strict=True):
+            np.testing.assert_array_equal(k0, k1)
+            np.testing.assert_array_equal(v0, v1)
+        assert kv.part is not None
+        seen = env.put(np.full(12, 7, np.uint32))
+        env.run([Copy(kv.counter_view(), seen)])
+        assert not env.get(seen, np.uint32).any()
+        with pytest.raises(BackendError, match=r"expected \(9, 136\)"):
+            kv.write_rows(0, [(r[1], r[1]) for r in rows])
+    finally:
+        kv.free_device()
+        kv.free_host()
