@@ -112,9 +112,14 @@ class Graph:
         self._layer = il
         return self
 
+    def _full(self, name: str) -> str:
+        return f"blk.{self._layer}.{name}" if self._layer >= 0 else name
+
+    def _check(self, ok: bool, name: str, problem: str) -> None:
+        _expect(ok, self._full(name), problem)
+
     def _node(self, op: str, inputs: tuple[Tensor, ...], shape: tuple[Dim, ...], name: str, **kw: Any) -> Tensor:
-        prefix = f"blk.{self._layer}." if self._layer >= 0 else ""
-        out = self._tensor(shape, prefix + name, "value")
+        out = self._tensor(shape, self._full(name), "value")
         self.nodes.append(Node(op, out, inputs, kw, self._layer))
         return out
 
@@ -122,20 +127,20 @@ class Graph:
 
     def get_rows(self, w: Tensor, ids: Tensor, name: str = "inp_embd") -> Tensor:
         """Rows of the matrix ``w`` picked by token ids: ``[T, n_embd]``."""
-        _expect(w.kind == "weight" and len(w.shape) == 2, name, f"get_rows needs a weight matrix, got {w!r}")
-        _expect(ids.shape == (TOKENS,), name, f"get_rows needs token ids [T], got {ids!r}")
+        self._check(w.kind == "weight" and len(w.shape) == 2, name, f"get_rows needs a weight matrix, got {w!r}")
+        self._check(ids.shape == (TOKENS,), name, f"get_rows needs token ids [T], got {ids!r}")
         return self._node("get_rows", (w, ids), (TOKENS, w.shape[1]), name)
 
     def linear(self, x: Tensor, w: Tensor, name: str) -> Tensor:
         """``x @ w.T``: ``[R, n_in]`` by a weight ``[n_out, n_in]`` gives ``[R, n_out]``."""
-        _expect(w.kind == "weight" and len(w.shape) == 2, name, f"linear needs a weight matrix, got {w!r}")
-        _expect(len(x.shape) == 2 and x.shape[1] == w.shape[1], name,
+        self._check(w.kind == "weight" and len(w.shape) == 2, name, f"linear needs a weight matrix, got {w!r}")
+        self._check(len(x.shape) == 2 and x.shape[1] == w.shape[1], name,
                 f"linear of {x!r} by {w!r}: input width {x.shape[-1]} != {w.shape[1]}")
         return self._node("linear", (x, w), (x.shape[0], w.shape[0]), name)
 
     def add(self, a: Tensor, b: Tensor, name: str) -> Tensor:
         """``a + b``, with ``b`` of ``a``'s shape or one row ``[n]`` (a bias) for every row."""
-        _expect(b.shape == a.shape or b.shape == (a.width,), name, f"add of {a!r} and {b!r}: shapes differ")
+        self._check(b.shape == a.shape or b.shape == (a.width,), name, f"add of {a!r} and {b!r}: shapes differ")
         return self._node("add", (a, b), a.shape, name)
 
     def scale(self, x: Tensor, s: float, name: str) -> Tensor:
@@ -145,8 +150,8 @@ class Graph:
         """RMSNorm of every ``group`` consecutive values of each row (the whole row when
         None; a head when QK-norm), scaled by ``w`` ``[group]``."""
         n = x.width if group is None else group
-        _expect(x.width % n == 0, name, f"rms_norm groups of {n} do not tile {x!r}")
-        _expect(w.shape == (n,), name, f"rms_norm of {x!r} in groups of {n} needs a weight [{n}], got {w!r}")
+        self._check(x.width % n == 0, name, f"rms_norm groups of {n} do not tile {x!r}")
+        self._check(w.shape == (n,), name, f"rms_norm of {x!r} in groups of {n} needs a weight [{n}], got {w!r}")
         return self._node("rms_norm", (x, w), x.shape, name, eps=float(eps), group=n)
 
     def rope(self, x: Tensor, name: str, *, n_heads: int, head_dim: int, mode: RopeMode, theta: float,
@@ -154,12 +159,12 @@ class Graph:
         """Rotary embedding of every head of ``x`` ``[T, n_heads * head_dim]`` at each
         token's position; ``factors`` ``[head_dim / 2]`` divide the frequencies (llama 3
         long-context scaling), ``freq_scale`` multiplies the positions (linear scaling)."""
-        _expect(x.shape == (TOKENS, n_heads * head_dim), name,
+        self._check(x.shape == (TOKENS, n_heads * head_dim), name,
                 f"rope of {n_heads} heads of {head_dim} needs [T, {n_heads * head_dim}], got {x!r}")
-        _expect(head_dim % 2 == 0, name, f"rope needs an even head_dim, got {head_dim}")
+        self._check(head_dim % 2 == 0, name, f"rope needs an even head_dim, got {head_dim}")
         inputs = (x,) if factors is None else (x, factors)
         if factors is not None:
-            _expect(factors.shape == (head_dim // 2,), name, f"rope factors must be [{head_dim // 2}], got {factors!r}")
+            self._check(factors.shape == (head_dim // 2,), name, f"rope factors must be [{head_dim // 2}], got {factors!r}")
         return self._node("rope", inputs, x.shape, name, n_heads=n_heads, head_dim=head_dim, mode=mode,
                           theta=float(theta), freq_scale=float(freq_scale))
 
@@ -170,29 +175,29 @@ class Graph:
         reads KV head ``h // (n_head / n_head_kv)``. ``window`` > 0: a key at position j is
         seen from position p only if ``p - j < window`` (sliding-window layers, whose cache
         then keeps only the positions a window can still reach)."""
-        _expect(self._layer >= 0, name, "attention outside a layer has no cache")
-        _expect(n_head % n_head_kv == 0, name, f"{n_head} heads do not share {n_head_kv} KV heads evenly")
-        _expect(q.shape == (TOKENS, n_head * head_dim), name, f"q must be [T, {n_head * head_dim}], got {q!r}")
+        self._check(self._layer >= 0, name, "attention outside a layer has no cache")
+        self._check(n_head % n_head_kv == 0, name, f"{n_head} heads do not share {n_head_kv} KV heads evenly")
+        self._check(q.shape == (TOKENS, n_head * head_dim), name, f"q must be [T, {n_head * head_dim}], got {q!r}")
         for t in (k, v):
-            _expect(t.shape == (TOKENS, n_head_kv * head_dim), name,
+            self._check(t.shape == (TOKENS, n_head_kv * head_dim), name,
                     f"k and v must be [T, {n_head_kv * head_dim}], got {t!r}")
-        _expect(window >= 0, name, f"negative window {window}")
+        self._check(window >= 0, name, f"negative window {window}")
         return self._node("attention", (q, k, v), q.shape, name, n_head=n_head, n_head_kv=n_head_kv,
                           head_dim=head_dim, scale=float(scale), window=int(window))
 
     def glu(self, gate: Tensor, up: Tensor, act: Activation, name: str) -> Tensor:
         """``act(gate) * up`` (SwiGLU with silu, GeGLU with gelu's tanh form)."""
-        _expect(gate.shape == up.shape, name, f"glu of {gate!r} and {up!r}: shapes differ")
-        _expect(act in ("silu", "gelu"), name, f"unknown activation {act!r}")
+        self._check(gate.shape == up.shape, name, f"glu of {gate!r} and {up!r}: shapes differ")
+        self._check(act in ("silu", "gelu"), name, f"unknown activation {act!r}")
         return self._node("glu", (gate, up), gate.shape, name, act=act)
 
     def outputs(self, x: Tensor, name: str = "result_rows") -> Tensor:
         """The rows of ``x`` whose logits are wanted: ``[O, width]``."""
-        _expect(len(x.shape) == 2 and x.shape[0] == TOKENS, name, f"outputs needs [T, n], got {x!r}")
+        self._check(len(x.shape) == 2 and x.shape[0] == TOKENS, name, f"outputs needs [T, n], got {x!r}")
         return self._node("outputs", (x,), (OUTPUTS, x.shape[1]), name)
 
     def set_logits(self, x: Tensor) -> Tensor:
-        _expect(len(x.shape) == 2 and x.shape[0] == OUTPUTS, "result_output", f"logits must be [O, n_vocab], got {x!r}")
+        self._check(len(x.shape) == 2 and x.shape[0] == OUTPUTS, "result_output", f"logits must be [O, n_vocab], got {x!r}")
         self.logits = x
         return x
 
