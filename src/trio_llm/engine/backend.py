@@ -9,7 +9,9 @@ The KV cache of sequence ``s`` holds valid entries for positions ``[0, pos0)`` w
 forward pass for ``s`` starts at ``pos0``; the pass writes positions
 ``[pos0, pos0 + len(tokens))`` and attends causally over ``[0, pos]`` for each token.
 So truncating a sequence (prompt-cache reuse of a common prefix) needs no call: the
-next pass simply starts at the shorter ``pos0`` and overwrites.
+next pass simply starts at the shorter ``pos0`` and overwrites, once
+``reusable_prefix`` has said every layer's memory kind allows it (a sliding-window
+ring may have overwritten what a shorter prefix needs).
 
 Residency (``release``/``restore``) moves device memory to a host shadow and back;
 ``memory()`` reports device bytes by category. The numpy backend has no device: it
@@ -96,6 +98,12 @@ class Backend(Protocol):
 
     def memory(self) -> dict[str, int]:
         """Device bytes held now, by category (keys: MEMORY_CATEGORIES)."""
+        ...
+
+    def reusable_prefix(self, n_cached: int, n_common: int) -> int:
+        """How much of a sequence caching ``n_cached`` positions a pass may continue
+        from, given ``n_common`` tokens in common with the new prompt: every layer's
+        memory kind must allow it (``engine/memory.py``); 0 means start over."""
         ...
 
     def device_info(self) -> dict[str, object]:

@@ -21,7 +21,7 @@ it goes idle, so the next request reuses the longest common prefix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from enum import Enum
 from typing import Any, Protocol
@@ -127,6 +127,9 @@ class Slot:
     t_start: float = 0.0
     t_prompt_done: float = 0.0
     started_order: int = 0
+    #: (positions cached, common prefix) -> the prefix every layer's memory can continue
+    #: from (a sliding-window ring or a recurrent state may not allow a shorter one)
+    reusable: Callable[[int, int], int] = lambda n_cached, n_common: n_common
 
     @property
     def state(self) -> SlotState:
@@ -144,7 +147,7 @@ class Slot:
             raise ContextOverflow(len(prompt) + 1, self.n_ctx)
         keep = common_prefix(self.cache(), prompt) if task.params.cache_prompt else 0
         # the last prompt token is always evaluated: its logits give the first sample
-        keep = min(keep, len(prompt) - 1)
+        keep = self.reusable(self.n_past, min(keep, len(prompt) - 1))
         self.seq, self.n_past = prompt, keep
         self.task, self.n_prompt, self.n_cached = task, len(prompt), keep
         self.generated, self.probs = [], []
@@ -239,7 +242,9 @@ class SlotsEngine:
     _n_cancelled: int = 0
 
     def __attrs_post_init__(self) -> None:
-        self._slots = [Slot(i, self.n_ctx) for i in range(self._client.backend.n_seq)]
+        backend = self._client.backend
+        reusable = getattr(backend, "reusable_prefix", None) or (lambda n_cached, n_common: n_common)
+        self._slots = [Slot(i, self.n_ctx, reusable=reusable) for i in range(backend.n_seq)]
         self._kv_epoch = self._gate_epoch()
 
     # -- read-only views, for /slots, /metrics and tests --------------------------
