@@ -42,7 +42,7 @@ from trio_llm.server import flags
 from trio_llm.server.context import Engine, ServerContext
 from trio_llm.server.flags import UsageError
 from trio_llm.server.gate import ResidencyGate
-from trio_llm.server.http import create_app
+from trio_llm.server.http import create_app, end_requests
 from trio_llm.server.metrics import StatisticsSources, make_registry
 from trio_llm.server.queue import SlotsMessage, TaskQueue, outbox_size
 from trio_llm.server.slots import SlotsEngine
@@ -283,6 +283,10 @@ class _InFlight:
             await self._drained.wait()
 
 
+#: after the shutdown grace, how long the requests it ended get to send their error
+ANSWER_FLUSH_SECONDS = 1.0
+
+
 async def _serve_http(
     app: Any, config: ServerConfig, stop: trio.Event, done: trio.Event,
     *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
@@ -290,7 +294,9 @@ async def _serve_http(
     hc = hypercorn.config.Config()
     host = f"[{config.host}]" if ":" in config.host else config.host
     hc.bind = [f"{host}:{config.port}"]
-    hc.graceful_timeout = config.shutdown_timeout
+    # hypercorn's own deadline is only a backstop: ours (below) ends the requests
+    # first, so that they can still send their answer
+    hc.graceful_timeout = config.shutdown_timeout + 2 * ANSWER_FLUSH_SECONDS
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
     if config.ssl_cert_file is not None and config.ssl_key_file is not None:
@@ -301,6 +307,13 @@ async def _serve_http(
         await stop.wait()
         with trio.move_on_after(config.shutdown_timeout):
             await counted.wait_drained()
+        if counted.n:
+            # the grace ran out: every request still waiting is answered with a 503 (a
+            # stream with its error event), and gets a moment to reach its client,
+            # instead of a connection cut mid-answer
+            end_requests(app)
+            with trio.move_on_after(ANSWER_FLUSH_SECONDS):
+                await counted.wait_drained()
         scope.cancel()
 
     try:

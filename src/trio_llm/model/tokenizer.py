@@ -181,15 +181,19 @@ class Tokenizer:
         llama-server does for prompts, instead of spelling them out.
         """
         tk = self._tk if parse_special else self._plain()
+        # encode_batch_fast, not encode: only the batch calls release the GIL while
+        # Rust works, and a server tokenizes on a worker thread so that its event loop
+        # keeps running (a 5 MB prompt takes seconds; with the GIL held, /health
+        # stalled); the fast one skips the offsets nobody reads
         try:
-            ids: list[int] = tk.encode(text, add_special_tokens=False).ids
+            ids: list[int] = tk.encode_batch_fast([text], add_special_tokens=False)[0].ids
         except (TypeError, ValueError, UnicodeError, OverflowError):
             if not isinstance(text, str):
                 raise TypeError(f"encode() takes a str, not {type(text).__name__}") from None
             # Lone surrogates (JSON allows "\ud800") cannot cross into Rust; they become
             # U+FFFD, the character any UTF-8 reader would show for them.
             clean = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-            ids = tk.encode(clean, add_special_tokens=False).ids
+            ids = tk.encode_batch_fast([clean], add_special_tokens=False)[0].ids
         if add_special and self.add_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         if add_special and self.add_eos:

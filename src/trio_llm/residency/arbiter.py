@@ -20,14 +20,30 @@ lets go, and with it an abandoned thread could win the token behind our back. A
 non-blocking attempt every ``poll_interval`` (5 ms) has no thread to clean up, is
 cancellable at every sleep, runs exactly on ``MockClock``, and costs a hand-off at
 most one interval, well under the holder's own 10 ms probe cadence.
+
+Permissions (``docs/arbiter.md``, "Who can disturb whom"): anyone who can open an
+arena file can flock it, and a read-only descriptor is enough, so the files are
+never created readable by all: mode 0660 when the arena directory is group-writable
+(a shared arena: a group-owned setgid directory), else 0600; opened with
+``O_NOFOLLOW`` (a planted symlink is refused) and only as regular files. A waiter
+that has waited longer than ``report_after`` logs the pid holding the token (from
+``/proc/locks``), so an operator can see who wedges it. None of this changes the
+protocol: the names, lock kinds and lock order are the reference fork's.
+
+If the arena's files are removed or replaced under a running server (``rm -rf`` of
+the directory), its locks are on files nobody else can see any more: the next probe
+reports "somebody waits", so a resident holder yields, and the arena is re-opened
+(re-created) when the token goes back or before the next take.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import os
+import stat
 from pathlib import Path
 
 import attrs
@@ -41,6 +57,10 @@ log = logging.getLogger(__name__)
 ARENA_ENV = "LLAMA_VRAM_ARENA"
 TOKEN_FILE = "token.lock"
 WANT_FILE = "want.lock"
+#: a take that has waited this long logs who holds the token
+REPORT_AFTER = 10.0
+#: polls of a take between two checks that the arena files are still ours
+_STALE_CHECK_POLLS = 20
 
 
 def arena_from(flag: str | os.PathLike[str] | None) -> Path | None:
@@ -107,6 +127,7 @@ class Arbiter:
     _want_fd: int = -1
     _probe_fd: int = -1
     _poll_interval: float = 0.005
+    _report_after: float = REPORT_AFTER
     _holding: bool = False
     _waiting: bool = False
     _closed: bool = False
@@ -116,6 +137,8 @@ class Arbiter:
     _probes: int = 0
     _probes_positive: int = 0
     _wait_seconds: float = 0.0
+    _stale: bool = False  # our files are no longer the arena's (removed or replaced)
+    _reopens: int = 0
 
     @classmethod
     def disabled(cls) -> Arbiter:
@@ -176,12 +199,31 @@ class Arbiter:
             self._takes += 1
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
+        if self._check_stale():
+            self._reopen()
+            if not self.active:
+                self._holding = True
+                self._takes += 1
+                return
         t0 = trio.current_time()
         self._waiting = True
         registered = False
         logged = False
+        reported = False
+        polls = 0
         try:
             while True:
+                polls += 1
+                if polls % _STALE_CHECK_POLLS == 0 and self._check_stale():
+                    # the arena was replaced while we waited: wait on the new files
+                    if registered:
+                        _unlock(self._want_fd)
+                        registered = False
+                    self._reopen()
+                    if not self.active:
+                        self._holding = True
+                        self._takes += 1
+                        break
                 # register first, then try, so a holder that probes between our
                 # attempts always sees us; want.lock can be briefly unavailable while a
                 # holder's probe owns it exclusively, so registration is retried too
@@ -197,6 +239,11 @@ class Arbiter:
                     log.info("VRAM arbiter: waiting for the GPU token")
                     self._contended += 1
                     logged = True
+                waited = trio.current_time() - t0
+                if not reported and waited >= self._report_after:
+                    reported = True
+                    log.warning("VRAM arbiter: waited %.0f s for the GPU token; %s",
+                                waited, describe_holders(self._token_fd))
                 await trio.sleep(self._poll_interval)
         finally:
             if registered:
@@ -210,6 +257,11 @@ class Arbiter:
         if not self.active or self._probe_fd < 0:
             return False
         self._probes += 1
+        if self._check_stale():
+            # our token is on a file nobody else can see: yield, so that the token
+            # goes back and the arena is re-opened (``give_back``)
+            self._probes_positive += 1
+            return True
         if _try_flock(self._probe_fd, fcntl.LOCK_EX):
             _unlock(self._probe_fd)
             return False
@@ -225,6 +277,48 @@ class Arbiter:
             _unlock(self._token_fd)
         self._holding = False
         self._gives += 1
+        if self._stale:
+            self._reopen()
+
+    def _check_stale(self) -> bool:
+        """Are our arena files still the ones the arena directory names? A cheap
+        (two stats) check; once stale, stale until re-opened."""
+        if self._stale or not self.active or self._arena is None:
+            return self._stale
+        try:
+            ours = os.fstat(self._token_fd)
+        except OSError:
+            return False  # a broken descriptor, not a moved file: the flock reports it
+        try:
+            on_disk = os.stat(self._arena / TOKEN_FILE, follow_symlinks=False)
+            same = (on_disk.st_dev, on_disk.st_ino) == (ours.st_dev, ours.st_ino)
+        except OSError:
+            same = False
+        if not same:
+            log.warning("VRAM arbiter: the arena files in %s were removed or replaced; "
+                        "re-opening the arena", self._arena)
+            self._stale = True
+        return self._stale
+
+    def _reopen(self) -> None:
+        """Close our files and open the arena again (creating it if it is gone). On
+        failure, uncoordinated, as at start-up. Never while holding the token."""
+        assert not self._holding
+        for name in ("_probe_fd", "_want_fd", "_token_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                setattr(self, name, -1)
+        self._stale = False
+        self._reopens += 1
+        assert self._arena is not None
+        try:
+            self._token_fd, self._want_fd, self._probe_fd = _open_arena(self._arena)
+        except (OSError, ArenaUnavailable) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            log.warning("VRAM arbiter: cannot re-open arena %s (%s); running without "
+                        "cross-process coordination", self._arena, reason)
 
     def close(self) -> None:
         """Give back the token (if held) and close the files. Idempotent."""
@@ -240,31 +334,112 @@ class Arbiter:
                 setattr(self, name, -1)
 
 
+def arena_file_mode(dir_mode: int) -> int:
+    """The mode of the files of an arena whose directory has ``dir_mode``: 0660 when
+    the directory is group-writable (a shared arena), else 0600; never anything for
+    others (a read-only descriptor is enough to flock and wedge the arena)."""
+    return 0o660 if dir_mode & stat.S_IWGRP else 0o600
+
+
 def _open_arena(arena: Path) -> tuple[int, int, int]:
     """Open token.lock, want.lock and a second description of want.lock (the probe).
 
     O_CLOEXEC keeps the lock descriptions out of exec'd children: a flock lives as
     long as any fd of its description, so an inherited fd would outlive our death.
+    O_NOFOLLOW (relative to an fd of the directory) refuses a planted symlink, and a
+    file that is not a regular one (a FIFO, a device) is refused too. A file we
+    own gets the policy's mode (``arena_file_mode``), whatever the umask or whoever
+    created it wider; one that another user owns and leaves open to all is used,
+    with a warning.
     """
-    arena.mkdir(parents=True, exist_ok=True)
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-    fds: list[int] = []
+    if not arena.exists():
+        arena.mkdir(parents=True, mode=0o700)
+    dir_fd = os.open(arena, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for name in (TOKEN_FILE, WANT_FILE, WANT_FILE):
-            fds.append(os.open(arena / name, flags, 0o666))
-        # a file system without flock (some network mounts) fails here, at open,
-        # rather than in the middle of a hand-off
-        if _try_flock(fds[2], fcntl.LOCK_SH):
-            _unlock(fds[2])
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
+        dir_st = os.fstat(dir_fd)
+        mode = arena_file_mode(dir_st.st_mode)
+        if dir_st.st_mode & stat.S_IWOTH and not dir_st.st_mode & stat.S_ISVTX:
+            log.warning("VRAM arbiter: arena %s is writable by all: any local user can replace "
+                        "its files (see docs/arbiter.md)", arena)
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        fds: list[int] = []
+        try:
+            for name in (TOKEN_FILE, WANT_FILE, WANT_FILE):
+                try:
+                    fd = os.open(name, flags, mode, dir_fd=dir_fd)
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        raise ArenaUnavailable(f"{arena / name} is a symbolic link") from None
+                    raise
+                fds.append(fd)
+                _check_file(arena / name, fd, mode)
+            # a file system without flock (some network mounts) fails here, at open,
+            # rather than in the middle of a hand-off
+            if _try_flock(fds[2], fcntl.LOCK_SH):
+                _unlock(fds[2])
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+    finally:
+        os.close(dir_fd)
     return fds[0], fds[1], fds[2]
 
 
+def _check_file(path: Path, fd: int, mode: int) -> None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ArenaUnavailable(f"{path} is not a regular file")
+    have = stat.S_IMODE(st.st_mode)
+    if st.st_uid == os.geteuid():
+        if have != mode:
+            os.fchmod(fd, mode)
+    elif have & (stat.S_IROTH | stat.S_IWOTH):
+        log.warning("VRAM arbiter: %s (owner uid %d) is open to all users (mode %04o): any local "
+                    "user can hold its lock and keep the GPU from us (see docs/arbiter.md)",
+                    path, st.st_uid, have)
+
+
+def lock_holders(fd: int) -> list[tuple[int, str]]:
+    """The (pid, kind) of every process holding a flock on ``fd``'s file, from
+    ``/proc/locks`` (Linux; empty elsewhere). The pid is the process that took the
+    lock; waiters blocked in flock (the "->" lines) are not holders."""
+    try:
+        st = os.fstat(fd)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    out = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 6 or parts[1] == "->" or parts[1] != "FLOCK":
+            continue
+        if parts[5] == want:
+            out.append((int(parts[4]), parts[3]))
+    return out
+
+
+def describe_holders(fd: int) -> str:
+    """For the log: who holds the lock on ``fd`` (pid and command line)."""
+    holders = [(pid, kind) for pid, kind in lock_holders(fd) if pid != os.getpid()]
+    if not holders:
+        return "its holder is not visible here (another pid namespace, or not Linux)"
+    out = []
+    for pid, _ in holders:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            cmd = ""
+        out.append(f"pid {pid}" + (f" ({cmd[:200]})" if cmd else ""))
+    return "held by " + ", ".join(out)
+
+
 async def open_arbiter(
-    arena: str | os.PathLike[str] | None, *, poll_interval: float = 0.005
+    arena: str | os.PathLike[str] | None, *, poll_interval: float = 0.005,
+    report_after: float = REPORT_AFTER,
 ) -> Arbiter:
     """The arbiter for ``arena`` (``None``: disabled). An arena that cannot be opened or
     written is logged as a warning and gives an uncoordinated arbiter, never an error:
@@ -281,7 +456,7 @@ async def open_arbiter(
             path,
             reason,
         )
-        return Arbiter(path, poll_interval=poll_interval)
+        return Arbiter(path, poll_interval=poll_interval, report_after=report_after)
     log.info("VRAM arbiter: sharing the GPU through %s", path)
     return Arbiter(
         path,
@@ -289,4 +464,5 @@ async def open_arbiter(
         want_fd=want_fd,
         probe_fd=probe_fd,
         poll_interval=poll_interval,
+        report_after=report_after,
     )

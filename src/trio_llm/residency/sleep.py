@@ -47,7 +47,7 @@ import attrs
 import trio
 
 from trio_llm.engine.backend import Level
-from trio_llm.errors import ArenaUnavailable, InvalidRequest
+from trio_llm.errors import ArenaUnavailable, BackendError, InvalidRequest, TrioLLMError
 from trio_llm.residency.arbiter import Arbiter
 from trio_llm.residency.residency import DEPTH, Residency, State
 
@@ -394,8 +394,13 @@ class SleepController:
 
     def _wake_failed(self, exc: Exception) -> None:
         """Hand the error to the requests waiting for this wake; they stop counting as
-        demand, so a failing wake is not retried in a loop on their behalf."""
+        demand, so a failing wake is not retried in a loop on their behalf. The error
+        they get is always a ``TrioLLMError`` (an unexpected ``OSError`` or ``ValueError``
+        of a reload is wrapped), which is what the slots loop answers requests with;
+        anything else would escape it and end the server."""
         self._wake_failures += 1
+        if not isinstance(exc, TrioLLMError):
+            exc = BackendError(f"{type(exc).__name__}: {exc}")
         self._failure = exc
         self._failure_gen += 1
         self._notify()

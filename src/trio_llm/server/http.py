@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -62,8 +63,21 @@ class ApiError(TrioLLMError):
         self.type = type_
 
 
+def dumps(obj: Any) -> bytes:
+    """JSON as UTF-8 bytes that never fail to encode: text is checked at the edge
+    (``parse_json``), but a string the server made itself (a model's token piece, a
+    library's message) could still hold a lone surrogate, and a failure here would
+    come after the status line, cutting the answer. Such a body is sent with
+    ``\\u`` escapes instead (still valid JSON)."""
+    text = json.dumps(obj, ensure_ascii=False)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj, ensure_ascii=True).encode("ascii")
+
+
 def _json(obj: Any, status: int = 200) -> Response:
-    return Response(json.dumps(obj, ensure_ascii=False), status=status, content_type="application/json")
+    return Response(dumps(obj), status=status, content_type="application/json")
 
 
 def _error(status: int, message: str, type_: str, **extra: Any) -> Response:
@@ -73,7 +87,7 @@ def _error(status: int, message: str, type_: str, **extra: Any) -> Response:
 
 
 def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + dumps(obj) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -110,27 +124,123 @@ def _error_of(exc: BaseException) -> Response:
     return _error(500, f"internal error: {type(exc).__name__}", "server_error")
 
 
-async def _body() -> Any:
-    raw = await request.get_data(as_text=False)
+#: deepest nesting of arrays and objects a request body may have: far beyond any real
+#: request (tools' JSON schemas included), far below Python's recursion limit, so
+#: nothing that walks a body later (validation, templates, ``json.dumps``) can hit it
+MAX_JSON_DEPTH = 64
+#: a ``\\uD800``-``\\uDFFF`` escape: only then can a parsed string hold a lone surrogate
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body as JSON, refused (``InvalidRequest``) unless it is valid UTF-8,
+    valid JSON, at most ``MAX_JSON_DEPTH`` deep, and free of lone UTF-16 surrogates
+    (``"\\ud800"`` parses to a Python string no UTF-8 encoder accepts: echoed in an
+    answer, a template or a stop word it would fail there, mid-answer). Plain CPU
+    work: the handlers run it on a worker thread (``_body``)."""
     if not raw:
         raise InvalidRequest("the request body is empty; send a JSON object")
     try:
-        return json.loads(raw)
+        obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest(f"the request body nests arrays or objects deeper than {MAX_JSON_DEPTH}") from None
+    check_strings = _SURROGATE_ESCAPE.search(raw) is not None
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        o, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequest(f"the request body nests arrays or objects deeper than {MAX_JSON_DEPTH}")
+        if isinstance(o, dict):
+            items: Iterable[Any] = o.values()
+            if check_strings:
+                for k in o:
+                    _check_text(k)
+        elif isinstance(o, list):
+            items = o
+        else:
+            if check_strings and isinstance(o, str):
+                _check_text(o)
+            continue
+        stack.extend((v, depth + 1) for v in items if isinstance(v, dict | list) or (check_strings and isinstance(v, str)))
+    return obj
+
+
+def _check_text(s: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = s[exc.start]
+        raise InvalidRequest(
+            f"the request body holds a lone UTF-16 surrogate (\\u{ord(bad):04x}) in a string; "
+            "text must be valid Unicode"
+        ) from None
+
+
+async def _body() -> Any:
+    raw = await request.get_data(as_text=False)
+    assert isinstance(raw, bytes)
+    if len(raw) < 4096:
+        return parse_json(raw)  # not worth a thread hop
+    return await trio.to_thread.run_sync(parse_json, raw)
 
 
 Choice = tuple[tuple[int, ...], TaskParams]  # a task's prompt and parameters
 
 
+SHUTDOWN_CUT = "the server is shutting down: the shutdown grace period ran out before this answer was done"
+
+
+@attrs.define(eq=False)
+class OpenRequests:
+    """The answers being waited for, so that the end of the shutdown grace can end
+    each with an error instead of a cut connection. ``end_all`` closes the receive
+    side of every registered result channel: the handler (or streaming body) blocked
+    on it wakes with ``ClosedResourceError``, turns it into a 503 (a whole answer) or
+    a final error event (a stream), and the slots loop, on its next send, sees the
+    task gone and frees the slot. No cancel scope spans a ``yield`` of a streaming
+    body, so nothing is cancelled underneath the HTTP server's own writes."""
+
+    _open: set[trio.MemoryReceiveChannel[TaskResult]] = attrs.field(factory=set)
+    ended: bool = False
+
+    def add(self, recv: trio.MemoryReceiveChannel[TaskResult]) -> None:
+        if self.ended:
+            raise ApiError(503, "the server is shutting down", "unavailable_error")
+        self._open.add(recv)
+
+    def discard(self, recv: trio.MemoryReceiveChannel[TaskResult]) -> None:
+        self._open.discard(recv)
+
+    def end_all(self) -> None:
+        self.ended = True
+        for recv in list(self._open):
+            recv.close()
+
+
+def end_requests(app: QuartTrio) -> None:
+    """The shutdown grace is over: answer every request still waiting with a 503 (or
+    a stream's error event) now. Called by the runtime just before it stops the HTTP
+    server; the bodies then have a moment to reach their clients."""
+    closer = app.extensions.get(OPEN_REQUESTS)
+    if isinstance(closer, OpenRequests):
+        closer.end_all()
+
+
+OPEN_REQUESTS = "trio_llm.open_requests"
+
+
 async def run_tasks(
-    engine: Engine, choices: Sequence[Choice], *, action: SlotAction | None = None
+    engine: Engine, choices: Sequence[Choice], *, action: SlotAction | None = None,
+    open_requests: OpenRequests | None = None,
 ) -> AsyncGenerator[tuple[int, TaskResult], None]:
     """Post one task per entry of ``choices`` and yield (choice index, result) as they
     come, up to every task's final one. All answers share one
     channel (each task holds a clone of its sending end), so no nursery is needed to
     merge them. Leaving early (the client went away, the handler was cancelled)
-    cancels the unfinished tasks in the queue."""
+    cancels the unfinished tasks in the queue. The channel is registered with
+    ``open_requests`` while it is read, so that a shutdown can end it."""
     queue = engine.queue
     ids = [queue.new_id_task() for _ in choices]
     index = {id_task: i for i, id_task in enumerate(ids)}
@@ -138,6 +248,8 @@ async def run_tasks(
     per_task = engine.n_ctx + 4 if any(p.stream for _, p in choices) else 4
     send, recv = trio.open_memory_channel[TaskResult](per_task * len(choices))
     unfinished: set[int] = set()
+    if open_requests is not None:
+        open_requests.add(recv)
     try:
         async with recv:
             with send:  # only the tasks' clones stay open: the channel ends with them
@@ -148,33 +260,31 @@ async def run_tasks(
                         # the queue is gone: nothing of this task to cancel
                         raise ApiError(503, "the server is shutting down", "unavailable_error") from None
                     unfinished.add(id_task)
-            async for msg in recv:
-                if not isinstance(msg, TaskPartial):
-                    unfinished.discard(msg.id_task)
-                yield index[msg.id_task], msg
-                if not unfinished:
-                    return
+            try:
+                async for msg in recv:
+                    if not isinstance(msg, TaskPartial):
+                        unfinished.discard(msg.id_task)
+                    yield index[msg.id_task], msg
+                    if not unfinished:
+                        return
+            except trio.ClosedResourceError:
+                raise ApiError(503, SHUTDOWN_CUT, "unavailable_error") from None
         raise ApiError(503, "the server is shutting down", "unavailable_error")
     finally:
+        if open_requests is not None:
+            open_requests.discard(recv)
         if unfinished:
             with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                 for id_task in sorted(unfinished):
                     await queue.cancel(id_task)
 
 
-async def run_task(
-    engine: Engine, prompt: tuple[int, ...], params: TaskParams
-) -> AsyncGenerator[TaskResult, None]:
-    """``run_tasks`` of one task: its results up to the final one."""
-    async with aclosing(run_tasks(engine, [(prompt, params)])) as results:
-        async for _, msg in results:
-            yield msg
-
-
-async def _finals(engine: Engine, choices: Sequence[Choice]) -> list[TaskFinal]:
+async def _finals(
+    engine: Engine, choices: Sequence[Choice], open_requests: OpenRequests | None = None
+) -> list[TaskFinal]:
     """Every choice's final answer, in choice order (the first error is raised)."""
     finals: dict[int, TaskFinal] = {}
-    async with aclosing(run_tasks(engine, choices)) as results:
+    async with aclosing(run_tasks(engine, choices, open_requests=open_requests)) as results:
         async for i, msg in results:
             if isinstance(msg, TaskError):
                 raise ApiError(msg.code, msg.message, msg.type)
@@ -185,21 +295,21 @@ async def _finals(engine: Engine, choices: Sequence[Choice]) -> list[TaskFinal]:
     return [finals[i] for i in range(len(choices))]
 
 
-async def _final(engine: Engine, prompt: tuple[int, ...], params: TaskParams) -> TaskFinal:
-    return (await _finals(engine, [(prompt, params)]))[0]
-
-
 async def _task_events(
     engine: Engine,
     choices: Sequence[Choice],
     on_partial: Callable[[int, TaskPartial], Iterable[bytes]],
     on_final: Callable[[int, TaskFinal], Iterable[bytes]],
+    open_requests: OpenRequests | None = None,
 ) -> AsyncIterator[bytes]:
     """The server-sent events of streamed tasks (one per choice, interleaved as the
-    tokens come), in each API's shape: a task error, or the server going away, becomes
-    an error event instead of a cut stream."""
+    tokens come), in each API's shape. Every stream ends with each choice's final
+    event or with one error event: a task error, the server going away (or its
+    shutdown grace running out), even a failure to build an event, is sent as an
+    error event instead of a cut stream (a client cannot tell a cut from a
+    network failure)."""
     try:
-        async with aclosing(run_tasks(engine, choices)) as results:
+        async with aclosing(run_tasks(engine, choices, open_requests=open_requests)) as results:
             async for i, msg in results:
                 if isinstance(msg, TaskPartial):
                     for event in on_partial(i, msg):
@@ -209,8 +319,13 @@ async def _task_events(
                         yield event
                 elif isinstance(msg, TaskError):
                     yield _sse(R.error_body(msg.message, msg.code, msg.type))
+    except ApiError as exc:
+        yield _sse(R.error_body(str(exc), exc.status, exc.type))
     except TrioLLMError as exc:
         yield _sse(R.error_body(str(exc), 503, "unavailable_error"))
+    except Exception as exc:
+        log.error("unexpected error in a streamed answer", exc_info=exc)
+        yield _sse(R.error_body(f"internal error: {type(exc).__name__}", 500, "server_error"))
 
 
 def _stream(body: AsyncIterator[bytes]) -> Response:
@@ -224,6 +339,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     app = QuartTrio("trio_llm")
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["MAX_CONTENT_LENGTH"] = 64 * 1024 * 1024
+    open_requests = OpenRequests()
+    app.extensions[OPEN_REQUESTS] = open_requests
 
     def eng() -> Engine:
         assert ctx.engine is not None  # before_request answers 503 until it is set
@@ -368,7 +485,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
                 raise ApiError(400, "'filename' must be a plain file name (no folders)", "invalid_request_error")
             action = SlotAction(kind, folder / name, name)  # type: ignore[arg-type]
         params = TaskParams(n_predict=0, id_slot=id_slot, cache_prompt=False)
-        async with aclosing(run_tasks(e, [((), params)], action=action)) as results:
+        async with aclosing(run_tasks(e, [((), params)], action=action, open_requests=open_requests)) as results:
             async for _, msg in results:
                 if isinstance(msg, TaskError):
                     raise ApiError(msg.code, msg.message, msg.type)
@@ -399,28 +516,38 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
     # -- tokens and templates ---------------------------------------------------------
 
+    # Tokenizing, detokenizing, templating and the JSON of their answers are CPU work
+    # that grows with the request (a 5 MB prompt: seconds): each runs on a worker
+    # thread, so /health and every stream keep being served meanwhile.
+
     @app.post("/tokenize")
     async def tokenize() -> Response:
         body = await _body()
         if not isinstance(body, dict) or not isinstance(body.get("content"), str):
             raise InvalidRequest("'content' must be a string")
         tok = eng().tokenizer
-        ids = tok.encode(
-            body["content"],
-            add_special=P.get_bool(body, "add_special", False),
-            parse_special=P.get_bool(body, "parse_special", True),
-        )
-        if not P.get_bool(body, "with_pieces", False):
-            return _json({"tokens": ids})
-        out = []
-        for t in ids:
-            raw = piece(t)
-            try:
-                p: Any = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                p = list(raw)
-            out.append({"id": t, "piece": p})
-        return _json({"tokens": out})
+        add_special = P.get_bool(body, "add_special", False)
+        parse_special = P.get_bool(body, "parse_special", True)
+        with_pieces = P.get_bool(body, "with_pieces", False)
+
+        def run() -> bytes:
+            ids = tok.encode(body["content"], add_special=add_special, parse_special=parse_special)
+            if not with_pieces:
+                # in slices: one json.dumps of millions of ids holds the GIL for
+                # 0.2 s in C, a slice for a few ms, and the event loop runs between
+                parts = [json.dumps(ids[i : i + 65536])[1:-1] for i in range(0, len(ids), 65536)]
+                return b'{"tokens": [' + ", ".join(parts).encode() + b"]}"
+            out = []
+            for t in ids:
+                raw = bytes(tok.token_to_piece(t))
+                try:
+                    p: Any = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    p = list(raw)
+                out.append({"id": t, "piece": p})
+            return dumps({"tokens": out})
+
+        return Response(await trio.to_thread.run_sync(run), content_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize() -> Response:
@@ -432,7 +559,9 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         bad = [t for t in ids if not 0 <= t < n_vocab]
         if bad:
             raise InvalidRequest(f"token {bad[0]} is outside the vocabulary of {n_vocab}")
-        return _json({"content": eng().tokenizer.decode(ids)})
+        tok = eng().tokenizer
+        text = await trio.to_thread.run_sync(tok.decode, ids)
+        return _json({"content": text})
 
     def chat_prompt(body: Any) -> tuple[str, CO.OutputSpec]:
         """The rendered prompt of a chat request, and how its answer is to be read."""
@@ -443,11 +572,13 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         return text, spec
 
     def render_chat(body: Any) -> str:
+        """Blocking (a template over the whole conversation): call on a worker thread."""
         return chat_prompt(body)[0]
 
     @app.post("/apply-template")
     async def apply_template() -> Response:
-        return _json({"prompt": render_chat(await _body())})
+        body = await _body()
+        return _json({"prompt": await trio.to_thread.run_sync(render_chat, body)})
 
     # -- not built yet: a clear 501, not a 404 ------------------------------------------
 
@@ -475,12 +606,12 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     @app.post("/completions")
     async def completion() -> Response:
         e = eng()
-        req = P.parse_completion(await _body(), e.tokenizer, limits())
+        req = await trio.to_thread.run_sync(P.parse_completion, await _body(), e.tokenizer, limits())
         n_probs = req.params.sampling.n_probs
         settings = req.params.to_json()
         choices = req.choices()
         if not req.params.stream:
-            finals = await _finals(e, choices)
+            finals = await _finals(e, choices, open_requests)
             answers = [R.native_final(f, piece, model=ctx.model_id, settings=settings, stream=False,
                                       n_probs=n_probs, index=i) for i, f in enumerate(finals)]
             # several prompts: a list of answers, as llama-server gives
@@ -491,16 +622,17 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             lambda i, msg: [_sse(R.native_partial(msg, piece, n_probs=n_probs, index=i))],
             lambda i, msg: [_sse(R.native_final(msg, piece, model=ctx.model_id, settings=settings, stream=True,
                                                 n_probs=n_probs, index=i))],
+            open_requests,
         ))
 
     @app.post("/v1/completions")
     async def oai_completions() -> Response:
         e = eng()
-        req = P.parse_oai_completion(await _body(), e.tokenizer, limits())
+        req = await trio.to_thread.run_sync(P.parse_oai_completion, await _body(), e.tokenizer, limits())
         id_ = f"cmpl-{e.queue.new_id_task()}"
         top = req.n_logprobs
         if not req.params.stream:
-            finals = await _finals(e, req.choices())
+            finals = await _finals(e, req.choices(), open_requests)
             return _json(R.completion_response(finals, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs,
                                                top=top, n=req.n))
 
@@ -530,7 +662,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             return out
 
         async def events() -> AsyncIterator[bytes]:
-            async for event in _task_events(e, choices, on_partial, on_final):
+            async for event in _task_events(e, choices, on_partial, on_final, open_requests):
                 yield event
             yield SSE_DONE
 
@@ -541,12 +673,18 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     async def chat_completions() -> Response:
         e = eng()
         body = await _body()
-        prompt, spec = chat_prompt(body)
-        req = P.parse_chat(body, e.tokenizer, limits(), prompt)
+        lim = limits()
+
+        def parse() -> tuple[P.CompletionRequest, CO.OutputSpec]:
+            # the template and the tokenizer: CPU work, off the event loop
+            prompt, spec = chat_prompt(body)
+            return P.parse_chat(body, e.tokenizer, lim, prompt), spec
+
+        req, spec = await trio.to_thread.run_sync(parse)
         id_ = f"chatcmpl-{e.queue.new_id_task()}"
         top = req.n_logprobs
         if not req.params.stream:
-            finals = await _finals(e, req.choices())
+            finals = await _finals(e, req.choices(), open_requests)
             answers = [CO.parse(f.content, spec)[0] for f in finals]
             return _json(R.chat_response(finals, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs, top=top,
                                          answers=answers))
@@ -587,7 +725,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         async def events() -> AsyncIterator[bytes]:
             for i in range(req.n):
                 yield chunk({"role": "assistant", "content": ""}, i)
-            async for event in _task_events(e, req.choices(), on_partial, on_final):
+            async for event in _task_events(e, req.choices(), on_partial, on_final, open_requests):
                 yield event
             yield SSE_DONE
 

@@ -418,26 +418,47 @@ class SlotsEngine:
     async def _wait_resident(self) -> bool:
         """Wait for the model to be resident. While a wake takes time (a restore, another
         server holding the GPU), keep serving the inbox: a cancelled request must free
-        its slot at once and a new one joins this pass. Returns False when the plan
-        changed first. Only a wait: the pass itself holds ``gate.resident()``."""
+        its slot at once and a new one joins the pass that follows the wake. Returns
+        False when nothing is left to run (every waiting request went away, or a slot
+        action arrived, which runs first). Only a wait: the pass itself holds
+        ``gate.resident()``.
+
+        The waker stays alive across inbox messages: cancelling it on every message
+        would withdraw and re-register the demand each time, which under an arbiter
+        means dropping and re-taking the want.lock registration (churn a holder sees
+        as a waiter coming and going). A wake that fails raises its ``TrioLLMError``
+        bare, not inside the nursery's ``ExceptionGroup``: the caller answers the
+        waiting requests with it and the loop lives on."""
         if not self._gate.is_sleeping():
             return True
         woke = False
+        failure: TrioLLMError | None = None
         async with trio.open_nursery() as nursery:
 
             async def wake() -> None:
-                nonlocal woke
-                await self._gate.wait_until_no_sleep()
-                woke = True
+                nonlocal woke, failure
+                try:
+                    await self._gate.wait_until_no_sleep()
+                    woke = True
+                except TrioLLMError as exc:
+                    failure = exc
                 nursery.cancel_scope.cancel()
 
             async def listen() -> None:
-                self._handle(await self._inbox.receive())
-                nursery.cancel_scope.cancel()
+                while True:
+                    self._handle(await self._inbox.receive())
+                    if not self._active() or self._pending_action():
+                        nursery.cancel_scope.cancel()
+                        return
 
             nursery.start_soon(wake)
             nursery.start_soon(listen)
+        if failure is not None:
+            raise failure
         return woke
+
+    def _pending_action(self) -> bool:
+        return any(s.task is not None and s.task.action is not None for s in self._slots)
 
     async def _step(self) -> None:
         async with AsyncExitStack() as stack:

@@ -1,0 +1,323 @@
+"""Regression tests of issue 17's defects, each through a real server: in-process
+(real hypercorn on loopback, the tiny model on numpy) where a crash would surface as
+the test's own error, or a real ``trio-llm serve`` process where the defect was an
+exit, a signal or a file on disk. Each failed on the code before its fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import trio
+
+import test_server_http
+from serve_procs import wait_ready
+from test_server_http import Start, client, sse_events
+
+start = test_server_http.start  # the in-process server fixture, under its own name
+
+SERVE = [sys.executable, "-m", "trio_llm", "serve", "--backend", "numpy", "--port", "0"]
+
+
+async def _serve(model: Path, *extra: str) -> tuple[trio.Process, httpx.AsyncClient]:
+    proc = await trio.lowlevel.open_process([*SERVE, "-m", str(model), *extra], stderr=subprocess.PIPE)
+    url, _ = await wait_ready(proc, 60)
+    return proc, httpx.AsyncClient(base_url=url, timeout=60)
+
+
+async def _stop(proc: trio.Process, http: httpx.AsyncClient) -> tuple[int, str]:
+    await http.aclose()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stderr is not None
+    out = b""
+    with trio.fail_after(30):
+        while chunk := await proc.stderr.receive_some():
+            out += chunk
+        code = await proc.wait()
+    return code, out.decode()
+
+
+async def _exit(proc: trio.Process, http: httpx.AsyncClient) -> tuple[int, str]:
+    """The exit of a server already told to stop."""
+    await http.aclose()
+    assert proc.stderr is not None
+    out = b""
+    with trio.fail_after(15):
+        while chunk := await proc.stderr.receive_some():
+            out += chunk
+        code = await proc.wait()
+    return code, out.decode()
+
+
+# -- 1. a failed wake ------------------------------------------------------------------
+
+
+async def test_a_failed_wake_is_a_500_and_the_next_wake_works(tiny_model: Path, tmp_path: Path) -> None:
+    """Level unload reloads the model file on wake; with the file truncated meanwhile
+    the wake fails. The waiting request gets a 500 naming the cause (the slots loop
+    used to die of the ExceptionGroup and take the process with it); the server
+    keeps serving, and once the file is back the next request wakes it."""
+    model = tmp_path / "m.gguf"
+    shutil.copy(tiny_model, model)
+    proc, http = await _serve(model, "--sleep-mode", "unload")
+    body = {"prompt": "Hello", "n_predict": 2}
+    assert (await http.post("/sleep")).json()["is_sleeping"] is True
+    good = model.read_bytes()
+    model.write_bytes(good[:1000])
+    r = await http.post("/completion", json=body)
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert "could not be made resident" in err["message"] and "m.gguf" in err["message"]
+    assert (await http.get("/health")).status_code == 200
+    r = await http.post("/completion", json=body)  # the file is still broken: fails again
+    assert r.status_code == 500
+    model.write_bytes(good)
+    r = await http.post("/completion", json=body)
+    assert r.status_code == 200, r.text
+    props = (await http.get("/props")).json()["residency"]
+    assert props["state"] == "resident" and props["cycles"]["failures"] == 2
+    code, log = await _stop(proc, http)
+    assert code == 0 and "Traceback" not in log, log
+
+
+async def test_a_waiting_wake_survives_inbox_messages(tiny_model: Path, tmp_path: Path) -> None:
+    """While a wake waits for another process's token, new requests and cancelled
+    ones reach the slots loop. The waker stays registered on want.lock all along:
+    one contended take for the whole wait (it used to be cancelled and re-taken at
+    every message)."""
+    standin = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("standin.py")), "--arena", str(tmp_path),
+         "--hold", "60", "--until-stdin"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    arena = ["--vram-arena", str(tmp_path), "-np", "4", "--no-warmup"]
+    assert standin.stdin is not None and standin.stdout is not None
+    assert (await trio.to_thread.run_sync(standin.stdout.readline)).strip() == "waiting"
+    assert (await trio.to_thread.run_sync(standin.stdout.readline)).strip() == "token"
+    proc = await trio.lowlevel.open_process([*SERVE, "-m", str(tiny_model), *arena], stderr=subprocess.PIPE)
+    standin.stdin.write("release\n")  # let the server load, then take the token back
+    standin.stdin.flush()
+    url, _ = await wait_ready(proc, 60)
+    http = httpx.AsyncClient(base_url=url, timeout=60)
+    standin = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("standin.py")), "--arena", str(tmp_path),
+         "--hold", "60", "--until-stdin"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert standin.stdin is not None and standin.stdout is not None
+    assert (await trio.to_thread.run_sync(standin.stdout.readline)).strip() == "waiting"
+    assert (await trio.to_thread.run_sync(standin.stdout.readline)).strip() == "token"
+
+    async def props() -> dict[str, Any]:
+        return (await http.get("/props")).json()["residency"]  # type: ignore[no-any-return]
+
+    results: list[int] = []
+
+    async def ask(prompt: str) -> None:
+        r = await http.post("/completion", json={"prompt": prompt, "n_predict": 2})
+        results.append(r.status_code)
+
+    async def gone(prompt: str) -> None:
+        try:
+            await httpx.AsyncClient(base_url=url, timeout=0.3).post(
+                "/completion", json={"prompt": prompt, "n_predict": 2})
+        except httpx.TimeoutException:
+            pass
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ask, "first")
+        with trio.fail_after(30):
+            while not (await props())["arbiter"]["waiting"]:
+                await trio.sleep(0.02)
+        before = (await props())["arbiter"]["contended_takes"]
+        for i in range(3):
+            nursery.start_soon(ask, f"more {i}")
+            nursery.start_soon(gone, f"gone {i}")
+            await trio.sleep(0.4)
+        res = await props()
+        assert res["arbiter"]["waiting"] and res["arbiter"]["contended_takes"] == before
+        standin.stdin.write("release\n")
+        standin.stdin.flush()
+    assert results == [200] * 4
+    assert await trio.to_thread.run_sync(standin.wait) == 0
+    code, log = await _stop(proc, http)
+    assert code == 0 and "Traceback" not in log, log
+
+
+# -- 2, 8, 9, 10. slot files --------------------------------------------------------------
+
+
+async def test_slot_files_long_names_private_mode_no_symlink_following(start: Start, tmp_path: Path) -> None:
+    """A 255-character name saves (its temporary name is our own, short one); a
+    256-character one is a 400; the file is 0600 whatever the umask; a symlink
+    planted at the name or at the old temporary name is replaced, never written
+    through; no temporary is left behind."""
+    h = await start(parallel=1, slot_save_path=tmp_path)
+    victim = tmp_path.parent / f"{tmp_path.name}-victim"
+    victim.write_bytes(b"precious")
+    os.symlink(victim, tmp_path / "b.bin.tmp")
+    os.symlink(victim, tmp_path / "b.bin")
+    async with client(h) as c:
+        assert (await c.post("/completion", json={"prompt": "Hello there", "n_predict": 2})).status_code == 200
+        for n in (252, 253, 254, 255):
+            name = "a" * n
+            r = await c.post("/slots/0?action=save", json={"filename": name})
+            assert r.status_code == 200, r.text
+            assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600
+            r = await c.post("/slots/0?action=restore", json={"filename": name})
+            assert r.status_code == 200, r.text
+        r = await c.post("/slots/0?action=save", json={"filename": "a" * 256})
+        assert r.status_code == 400
+        r = await c.post("/slots/0?action=save", json={"filename": "b.bin"})
+        assert r.status_code == 200, r.text
+        assert victim.read_bytes() == b"precious"
+        assert stat.S_ISREG((tmp_path / "b.bin").lstat().st_mode)
+        assert (await c.get("/health")).status_code == 200
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".slot-")]
+
+
+async def test_planted_files_are_refused_on_restore_without_wedging(start: Start, tmp_path: Path) -> None:
+    """A FIFO, an empty file, a plain ``.npy``, a zip of other members, a symlink, a
+    folder: each restore is a 400 at once, and a stream on the other slot goes on
+    meanwhile (a FIFO used to block the slots loop, the others to end the process)."""
+    h = await start(parallel=2, slot_save_path=tmp_path)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "empty").write_bytes(b"")
+    np.save(tmp_path / "plain.npy", np.zeros(3))
+    np.savez(tmp_path / "other.npz", a=np.zeros(3))
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "real").write_bytes(b"x")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    async with client(h) as c:
+        long = {"prompt": "Tell me a story", "n_predict": 200, "ignore_eos": True, "stream": True, "id_slot": 0}
+        async with c.stream("POST", "/completion", json=long) as r:
+            lines = r.aiter_lines()
+            assert (await lines.__anext__()).startswith("data: ")
+            for name, needle in [("fifo", "not a regular file"), ("empty", "not a slot file"),
+                                 ("plain.npy", "not a slot file"), ("other.npz", "not a slot file"),
+                                 ("link", "symbolic link"), ("dir", "not a regular file")]:
+                with trio.fail_after(5):
+                    rr = await c.post("/slots/1?action=restore", json={"filename": name})
+                assert rr.status_code == 400 and needle in rr.json()["error"]["message"], (name, rr.text)
+            events = [json.loads(ln[6:]) for ln in [ln async for ln in lines] if ln.startswith("data: ")]
+        assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] == 200
+        assert (await c.get("/health")).status_code == 200
+
+
+# -- 3, 4, 5. JSON the server cannot parse or echo -----------------------------------------
+
+
+async def test_deep_json_and_lone_surrogates_are_400s(start: Start) -> None:
+    h = await start(parallel=1)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    deep_prompt = b'{"prompt":' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}"
+    ok_depth = b'{"prompt": "hi", "n_predict": 1, "x": ' + b"[" * 60 + b"]" * 60 + b"}"
+    async with client(h) as c:
+        for path in ("/completion", "/v1/completions", "/v1/chat/completions", "/tokenize", "/apply-template"):
+            for raw in (deep, deep_prompt):
+                r = await c.post(path, content=raw, headers={"content-type": "application/json"})
+                assert r.status_code == 400 and "deeper than" in r.json()["error"]["message"], (path, r.text)
+        assert (await c.post("/completion", content=ok_depth)).status_code == 200
+        for path, raw in [
+            ("/apply-template", b'{"messages":[{"role":"user","content":"\\ud800"}]}'),
+            ("/apply-template", b'{"messages":[{"role":"\\udfff","content":"x"}]}'),
+            ("/completion", b'{"prompt":"hi","n_predict":2,"stop":["\\ud800"]}'),
+            ("/completion", b'{"prompt":"hi","n_predict":2,"stop":["\\ud800"],"stream":true}'),
+            ("/v1/chat/completions", b'{"messages":[{"role":"user","content":"a\\udc00"}],"stream":true}'),
+            ("/tokenize", b'{"content":"\\ud800"}'),
+            ("/completion", b'{"prompt":"hi","\\ud800":1}'),
+        ]:
+            r = await c.post(path, content=raw)
+            assert r.status_code == 400, (path, r.text)
+            assert "surrogate" in r.json()["error"]["message"]
+        # a valid surrogate pair is one character (an emoji), not an error
+        r = await c.post("/tokenize", content=b'{"content":"\\ud83d\\ude00"}')
+        assert r.status_code == 200 and r.json()["tokens"]
+        r = await c.post("/apply-template", content=b'{"messages":[{"role":"user","content":"\\ud83d\\ude00"}]}')
+        assert r.status_code == 200 and "\U0001f600" in r.json()["prompt"]
+        assert (await c.get("/health")).status_code == 200
+
+
+# -- 6. a big body ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_health_answers_while_a_5_mb_body_is_tokenized(tiny_model: Path) -> None:
+    """Tokenizing (and templating) a 5 MB prompt runs on a worker thread with the GIL
+    released: /health keeps answering meanwhile (it stalled 4-7 s). A separate server
+    process, so that the probe's clock runs while the server works; answers that are
+    small (more tokens than the context), so the test's own client does no big work."""
+    proc, http = await _serve(tiny_model)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+    rng = np.random.default_rng(0)
+    big = " ".join(rng.choice(words, 5 * 1024 * 1024 // 6).tolist())[: 5 * 1024 * 1024]
+    worst: dict[str, float] = {}
+    for path, body in [
+        ("/completion", {"prompt": big, "n_predict": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}], "max_tokens": 1}),
+    ]:
+        raw = json.dumps(body).encode()
+        done = trio.Event()
+        worst[path] = 0.0
+
+        async def big_request(path: str = path, raw: bytes = raw, done: trio.Event = done) -> None:
+            r = await http.post(path, content=raw)
+            assert r.status_code == 400 and "tokens" in r.text, r.text  # more than the context
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(big_request)
+            async with httpx.AsyncClient(base_url=str(http.base_url), timeout=30) as probe:
+                while not done.is_set():
+                    t0 = trio.current_time()
+                    assert (await probe.get("/health")).status_code == 200
+                    worst[path] = max(worst[path], trio.current_time() - t0)
+                    await trio.sleep(0.01)
+    # measured: 3-7 s before; after, 0.05-0.4 s on a 2-core machine at load 4 (what
+    # remains is the GIL held in C while 3 million token ids become a Python list);
+    # the bound leaves room for CI noise and still fails the old code by far
+    assert max(worst.values()) < 1.0, worst
+    code, log = await _stop(proc, http)
+    assert code == 0 and "Traceback" not in log
+
+
+# -- 7. a stream cut by the shutdown grace -----------------------------------------------------
+
+
+async def test_a_stream_cut_by_the_shutdown_grace_ends_with_an_error_event(tiny_model: Path) -> None:
+    proc, http = await _serve(tiny_model, "--shutdown-timeout", "0.5", "-c", "4096")
+    body = {"prompt": "Once upon a time", "n_predict": 3000, "ignore_eos": True, "stream": True}
+    async with http.stream("POST", "/completion", json=body) as r:
+        lines = r.aiter_lines()
+        assert (await lines.__anext__()).startswith("data: ")
+        proc.send_signal(signal.SIGTERM)
+        rest = [ln async for ln in lines if ln.startswith("data: ")]
+    last = json.loads(rest[-1][6:])
+    assert last["error"]["code"] == 503 and "grace period" in last["error"]["message"], rest[-3:]
+    assert not any('"stop": true' in ln for ln in rest)
+    code, log = await _exit(proc, http)
+    assert code == 0 and "Traceback" not in log
+
+
+async def test_an_openai_stream_cut_by_the_grace_ends_with_error_then_done(tiny_model: Path) -> None:
+    proc, http = await _serve(tiny_model, "--shutdown-timeout", "0.5", "-c", "4096")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000, "stream": True,
+            "logit_bias": {}, "ignore_eos": True}
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = r.aiter_lines()
+        assert (await lines.__anext__()).startswith("data: ")
+        proc.send_signal(signal.SIGTERM)
+        rest = sse_events("\n".join([ln async for ln in lines]))
+    assert rest[-1] == "[DONE]" and rest[-2]["error"]["code"] == 503, rest[-3:]
+    code, log = await _exit(proc, http)
+    assert code == 0 and "Traceback" not in log
