@@ -311,3 +311,63 @@ def test_kv_cache_rows_and_release_carry_raw_bytes(env: Env) -> None:
     finally:
         kv.free_device()
         kv.free_host()
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_written_cache_read_by_both_attentions(env: Env, name: str) -> None:
+    """End to end at the op level: a prefill chunk's K (rotated, neox) and V go into a
+    typed cache through rope.comp, a decode token's through matvec's ROPE_OUT (k rotated
+    in llama's pairs, v plain), then both attention kernels read the cache; each
+    equals numpy attention over roundtrip(what was written)."""
+    rng = np.random.default_rng(80 + TYPES.index(name))
+    heads, n_head, hd, cols, n_ctx = 2, 8, 64, 128, 80
+    kvd = heads * hd
+    n_pre = 70  # positions 0..69 from the "prefill", 70 from the "decode"
+    kx = rng.standard_normal((n_pre, heads, hd)).astype(np.float32)
+    vx = rng.standard_normal((n_pre, heads, hd)).astype(np.float32)
+    raw_k, ref_k = make_weights("Q8_0", kvd, cols, seed=81)
+    raw_v, ref_v = make_weights("Q8_0", kvd, cols, seed=82)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    q = rng.standard_normal((1, n_head, hd)).astype(np.float32)
+    factors = np.ones(hd // 2, np.float32)
+    rb = kv_type(name).row_bytes(kvd)
+    kc, vc = env.put(np.zeros(n_ctx * rb, np.uint8)), env.put(np.zeros(n_ctx * rb, np.uint8))
+    fv = env.put(factors)
+    st_pre = env.step([0] * n_pre, np.arange(n_pre), [0] * n_pre)
+    st_dec = env.step([0], [n_pre], [0])
+    kw = {"n_heads": heads, "head_dim": hd, "x_stride": kvd, "theta": 10000.0, "cap": 128,
+          "to_cache": True, "n_ctx": n_ctx, "kv_dim": kvd, "kv_type": name}
+    mkw = {"n_in": cols, "n_rows": kvd, "x_stride": cols, "y_stride": kvd, "head_dim": hd,
+           "theta": 10000.0, "to_cache": True, "n_ctx": n_ctx, "kv_type": name}
+    env.run([
+        env.ops.rope(env.put(kx), kc, fv, st_pre, mode=ROPE_NEOX, **kw),
+        env.ops.rope(env.put(vx), vc, fv, st_pre, mode=ROPE_NONE, **kw),
+    ])
+    xv, qv = env.put(x), env.put(q)
+    o1, o2 = env.zeros(q.size), env.zeros(q.size)
+    part = env.zeros(attention_part_floats(1, n_head, hd, 4))
+    counters = env.zeros(attention_counters(1, n_head, heads), np.uint32)
+    # tiles of 32 keys, splits of at least 64: the 71 keys are two splits
+    dops = Ops(env.ops.kernels, subgroup=env.ops.subgroup, decode_wg=max(32, env.ops.subgroup))
+    akw = {"n_head": n_head, "n_head_kv": heads, "head_dim": hd, "n_ctx": n_ctx, "q_stride": n_head * hd,
+           "o_stride": n_head * hd, "cap": 1, "k_type": name, "v_type": name}
+    env.run([
+        env.ops.matvec_rope("Q8_0", env.put(raw_k), xv, kc, st_dec, fv, rope=True, **mkw),
+        env.ops.matvec_rope("Q8_0", env.put(raw_v), xv, vc, st_dec, fv, rope=False, **mkw),
+        Barrier(),
+        env.ops.attention(qv, kc, vc, o1, st_dec, **akw),
+        dops.attention_decode(qv, kc, vc, o2, part, counters, st_dec, n_split=4, **akw),
+    ])
+    k_all = np.concatenate([np_rope(kx, np.arange(n_pre), 10000.0, ROPE_NEOX, factors),
+                            np_rope((x @ ref_k.T).reshape(1, heads, hd), np.array([n_pre]), 10000.0,
+                                    ROPE_NORMAL, factors)])  # [71, heads, hd]
+    v_all = np.concatenate([vx, (x @ ref_v.T).reshape(1, heads, hd)])
+    kh = roundtrip(k_all.reshape(-1, kvd), name).reshape(1, -1, heads, hd)
+    vh = roundtrip(v_all.reshape(-1, kvd), name).reshape(1, -1, heads, hd)
+    want = np_attention(q, kh, vh, np.array([n_pre]), np.array([0]), heads)
+    # the device's K/V floats differ from numpy's in the last bits, which can move a
+    # value across a quantization step: a looser bound for the 4- and 5-bit types
+    tol = 3e-4 if kv_type(name).block == 1 or name == "q8_0" else 3e-2
+    np.testing.assert_allclose(env.get(o1).reshape(q.shape), want, atol=tol, rtol=0)
+    np.testing.assert_allclose(env.get(o2).reshape(q.shape), want, atol=tol, rtol=0)
+    assert not env.get(counters, np.uint32).any()
