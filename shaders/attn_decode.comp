@@ -67,6 +67,7 @@ layout(push_constant) uniform Push {
 
 layout(constant_id = 1) const uint GW = 4;  // query heads per work group
 
+#include "reduce.glsl"
 #include "kv.glsl"
 
 #define KVR_T K_TYPE
@@ -96,6 +97,8 @@ shared float run_l[GW];
 shared float run_c[GW];    // the tile's rescale of the earlier accumulation
 shared vec4 red[WG];       // key groups' partial outputs
 shared bool is_last;
+const uint MAX_SPLIT = 256;
+shared float split_w[MAX_SPLIT];  // the combine's per-split weights exp(m_s - M)
 
 void main() {
     uint split = gl_WorkGroupID.x;
@@ -260,25 +263,32 @@ void main() {
         return;
     }
     memoryBarrierBuffer();
+    // per head: the lanes take the splits for M and L (each split's weight computed
+    // once, into shared memory), then the output dimensions
     for (uint g = 0; g < GW; g++) {
         uint h = h0 + g;
         uint mb = pc.ml_off + (t * pc.n_head + h) * pc.n_split * 2u;
-        float M = -1.0e30;
-        for (uint s = 0; s < n_live; s++) {
-            M = max(M, part[mb + 2u * s]);
+        float mx = -1.0e30;
+        for (uint s = tid; s < n_live; s += WG) {
+            mx = max(mx, part[mb + 2u * s]);
         }
-        float L = 0.0;
-        for (uint s = 0; s < n_live; s++) {
-            L += part[mb + 2u * s + 1u] * exp(part[mb + 2u * s] - M);
+        float M = wg_max(mx);
+        float lsum = 0.0;
+        for (uint s = tid; s < n_live; s += WG) {
+            float w = exp(part[mb + 2u * s] - M);
+            split_w[s] = w;
+            lsum += part[mb + 2u * s + 1u] * w;
         }
+        float L = wg_sum(lsum);  // its barriers also publish split_w
         uint pb = (t * pc.n_head + h) * pstride;
         for (uint d = tid; d < hd; d += WG) {
             float acc_d = 0.0;
             for (uint s = 0; s < n_live; s++) {
-                acc_d += part[pb + s * hd + d] * exp(part[mb + 2u * s] - M);
+                acc_d += part[pb + s * hd + d] * split_w[s];
             }
             o[t * pc.o_stride + h * hd + d] = acc_d / L;
         }
+        barrier();  // split_w is rewritten for the next head
     }
     if (tid == 0u) {
         counter[ci] = 0u;

@@ -270,7 +270,7 @@ class Ops:
         _check_head(kt, head_dim, "K")
         _check_head(vt, head_dim, "V")
         chunk = 2 * wg if min_chunk is None else min_chunk
-        assert chunk % wg == 0 and chunk > 0
+        assert chunk % wg == 0 and chunk > 0 and 1 <= n_split <= 256
         gw = heads_per_group(n_head, n_head_kv)
         assert part.size >= 4 * attention_part_floats(cap, n_head, head_dim, n_split)
         assert counters.size >= 4 * attention_counters(cap, n_head, n_head_kv)
