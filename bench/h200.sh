@@ -2,7 +2,8 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: verify (the Vulkan correctness tests on the H200), decode, decodeab (before/after),
+# Stages: verify (the Vulkan correctness tests on the H200), attndepth (decode attention at
+# depth, op level), decode, decodeab (before/after),
 # decode1b, vkmem,
 # residency, handoff,
 # server, scen1b, scen8b.
@@ -64,7 +65,13 @@ wait8b() { wait $M8 2>/dev/null; M8B=/tmp/m/$B8-Q4_K_M.gguf; }
 
 for s in $STAGES; do case $s in
   verify)
-    stage verify 300 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_ops.py tests/test_vulkan_model.py ;;
+    stage verify 300 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_ops.py tests/test_vulkan_kv.py \
+      tests/test_vulkan_model.py ;;
+  attndepth)  # decode attention at depth, op level: per-head attention vs attention_decode
+    stage attn-depth-1b 240 $PY bench/attn_depth.py --shape llama-1b --depths 512,4096,32768,131072 \
+      --types f16,q8_0,f32 --min-chunk 128,256,512
+    stage attn-depth-8b 240 $PY bench/attn_depth.py --shape llama-8b --depths 512,4096,32768 \
+      --types f16,q8_0 --min-chunk 256,512 ;;
   decode)
     stage decode-1b-q8 120 $PY bench/decode.py --model "$M1" --backends vulkan --repeats 3 --residency
     stage decode-1b-q4km 100 $PY bench/decode.py --model "$(model $B1 Q4_K_M)" --backends vulkan --repeats 3

@@ -157,15 +157,19 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for name in PLAIN_SHADERS:
         yield name, {}
     yield "swiglu", {"GELU": 1}
-    # the cache writers in every KV type, the readers with K and V of one type; the
-    # q/k/v projections' ROPE_OUT for f16 (the default) and q8_0 caches. Other pairs
-    # and the other ROPE_OUT variants compile on first use.
+    # the cache writers in every KV type, the readers with K and V of one type (and
+    # the mixed pairs the tests use); the q/k/v projections' ROPE_OUT for f16 (the
+    # default) and q8_0 caches with every weight type, and for every cache type with
+    # Q8_0 weights. Other combinations compile on first use (where glslc is).
     for code in KV_CODES[1:]:
         yield "rope", kv_defines(KV_TYPE=code)
         for name in ("attention", "attn_decode"):
             yield name, kv_defines(K_TYPE=code, V_TYPE=code)
-    for code in (1, 3):
-        for q in QTYPES:
+    for k, v in ((3, 1), (1, 4)):
+        for name in ("attention", "attn_decode"):
+            yield name, kv_defines(K_TYPE=k, V_TYPE=v)
+    for code in KV_CODES[1:]:
+        for q in QTYPES if code in (1, 3) else ("Q8_0",):
             yield "matvec", {**qtype_defines(q), **ROPE_OUT, **kv_defines(KV_TYPE=code)}
 
 
