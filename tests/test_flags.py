@@ -66,7 +66,9 @@ def test_every_accepted_flag_takes_some_value_of_its_kind(tmp_path: Path) -> Non
     """Each works/noop flag parses with at least one plausible value (or as a switch),
     on its own name and on every alias."""
     a_file = tmp_path / "f.txt"
-    a_file.write_text("key1\n")
+    a_file.write_text('root ::= "a"\n')  # a GBNF grammar, a key, a template
+    json_file = tmp_path / "s.json"
+    json_file.write_text("{}")
     for flag in FLAGS:
         if flag.kind == "refused" or flag.dest in ("_help", "_version"):
             continue
@@ -79,7 +81,7 @@ def test_every_accepted_flag_takes_some_value_of_its_kind(tmp_path: Path) -> Non
                 else:
                     parse([name], {})
                 continue
-            for sample in [*SAMPLES, str(a_file)]:
+            for sample in [*SAMPLES, 'root ::= "a"', str(a_file), str(json_file)]:
                 try:
                     parse([name, sample], {})
                     break

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -97,3 +98,114 @@ async def test_thinking_switch_and_reasoning_content(start: Start, tiny_qwen3_mo
         msg = r["choices"][0]["message"]
         assert msg["role"] == "assistant" and isinstance(msg["content"], str)
         assert json.dumps(msg)  # plain JSON all the way
+
+
+# -- constrained decoding (llguidance) -------------------------------------------------------
+
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                                  "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                 "required": ["answer", "n"], "additionalProperties": False}
+CITY_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+    "additionalProperties": False}}}, {"type": "function", "function": {"name": "noop", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}]
+
+
+async def test_gbnf_grammar_and_json_schema_on_completion(start: Start) -> None:  # noqa: F811
+    import re
+
+    h = await start("-np", "2")
+    async with client(h) as c:
+        for seed in range(3):
+            r = (await c.post("/completion", json={"prompt": "Say", "grammar": 'root ::= ("yes" | "no") "!"',
+                                                   "n_predict": 16, "seed": seed, "temperature": 1.0})).json()
+            assert re.fullmatch(r"(yes|no)!", r["content"]), r["content"]
+            assert r["stop_type"] == "eos"  # the grammar ended the answer
+        r = (await c.post("/completion", json={"prompt": "JSON:", "json_schema": ANSWER_SCHEMA, "n_predict": 64,
+                                               "temperature": 0})).json()
+        import jsonschema
+
+        jsonschema.validate(json.loads(r["content"]), ANSWER_SCHEMA)
+        for bad in ({"grammar": "root ::= foo"}, {"grammar": 3}, {"json_schema": {"type": "nonsense"}},
+                    {"grammar": 'root ::= "a"', "json_schema": {}}):
+            r = await c.post("/completion", json={"prompt": "x", **bad})
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", bad
+
+
+async def test_constrained_and_free_slots_decode_together(start: Start) -> None:  # noqa: F811
+    import trio
+
+    h = await start("-np", "2")
+    results: dict[str, Any] = {}
+    async with client(h) as c:
+        async def ask(name: str, extra: dict) -> None:
+            body = {"prompt": "Go", "n_predict": 24 if name == "free" else 96, "temperature": 0,
+                    "ignore_eos": name == "free", **extra}
+            results[name] = (await c.post("/completion", json=body)).json()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(ask, "free", {})
+            n.start_soon(ask, "schema", {"json_schema": ANSWER_SCHEMA})
+    assert results["free"]["tokens_predicted"] == 24
+    assert results["schema"]["stop_type"] == "eos"  # the grammar ended it, not the limit
+    assert set(json.loads(results["schema"]["content"])) == {"answer", "n"}
+
+
+async def test_response_format_through_the_openai_client(start: Start) -> None:  # noqa: F811
+    import jsonschema
+
+    h = await start()
+    oai = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="x")
+    r = await oai.chat.completions.create(
+        model="m", messages=ASKED, max_tokens=64, temperature=0,  # type: ignore[arg-type]
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}})
+    jsonschema.validate(json.loads(r.choices[0].message.content or ""), ANSWER_SCHEMA)
+    r = await oai.chat.completions.create(model="m", messages=ASKED, max_tokens=48, temperature=0,  # type: ignore[arg-type]
+                                          response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "length" or isinstance(json.loads(r.choices[0].message.content or ""), dict)
+    with pytest.raises(openai.BadRequestError):
+        await oai.chat.completions.create(model="m", messages=ASKED,  # type: ignore[arg-type]
+                                          response_format={"type": "xml"})  # type: ignore[typeddict-item]
+    await oai.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_forced_tool_call_round_trips_through_the_openai_client(
+        start: Start, qwen_like: str, stream: bool) -> None:  # noqa: F811
+    """tool_choice naming a function constrains decoding to one call in the template's
+    format (here Hermes); the answer comes back as tool_calls of the client's types."""
+    h = await start("--chat-template-file", qwen_like)
+    oai = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="x")
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kw: dict[str, Any] = dict(model="m", messages=ASKED, tools=CITY_TOOLS, tool_choice=choice, max_tokens=64)
+    if not stream:
+        r = await oai.chat.completions.create(**kw)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or []]
+    else:
+        calls_by_index: dict[int, Any] = {}
+        finish = None
+        async for chunk in await oai.chat.completions.create(**kw, stream=True):
+            if not chunk.choices:
+                continue
+            for tc in chunk.choices[0].delta.tool_calls or []:
+                calls_by_index[tc.index] = tc
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls"
+        calls = [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls_by_index.values()]
+    assert len(calls) == 1 and calls[0][0] == "get_weather" and calls[0][1]["city"] in ("Paris", "Oslo")
+    r = await oai.chat.completions.create(**(kw | {"tool_choice": "required"}))
+    assert r.choices[0].message.tool_calls and r.choices[0].message.tool_calls[0].function.name in ("get_weather", "noop")
+    with pytest.raises(openai.BadRequestError):
+        await oai.chat.completions.create(**(kw | {"tool_choice": {"type": "function", "function": {"name": "nope"}}}))
+    await oai.close()
+
+
+async def test_server_wide_grammar_flag(start: Start) -> None:  # noqa: F811
+    h = await start("--grammar", 'root ::= "ok"')
+    async with client(h) as c:
+        r = (await c.post("/completion", json={"prompt": "x", "n_predict": 8})).json()
+        assert r["content"] == "ok" and r["stop_type"] == "eos"
+        own = (await c.post("/completion", json={"prompt": "x", "n_predict": 8, "grammar": 'root ::= "no"'})).json()
+        assert own["content"] == "no"

@@ -82,6 +82,7 @@ class ServerConfig:
     reasoning: str = "auto"  # --reasoning on|off|auto: the template's enable_thinking
     reasoning_effort: str = "default"  # --reasoning-effort: the template's reasoning_effort
     reasoning_format: str = "auto"  # --reasoning-format
+    grammar: str | None = None  # --grammar/-j: the default llguidance grammar of a request
     skip_chat_parsing: bool = False  # --skip-chat-parsing: the answer is all content
     endpoint_slots: bool = True  # --slots / --no-slots
     endpoint_props: bool = False  # --props: POST /props allowed

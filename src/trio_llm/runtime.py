@@ -34,6 +34,7 @@ from trio_llm import __version__
 from trio_llm.config import ServerConfig
 from trio_llm.engine.actor import BackendActor, BackendClient
 from trio_llm.engine.backend import Backend, SeqBatch
+from trio_llm.engine.constraint import Grammars
 from trio_llm.errors import ConfigError, ModelLoadError, TrioLLMError
 from trio_llm.residency.arbiter import Arbiter, open_arbiter
 from trio_llm.residency.residency import Residency, resolve_level
@@ -372,9 +373,10 @@ async def _run_loaded(
                 gate = await build_gate(config, client, actors, arbiter)
                 assign_send, assign_recv = trio.open_memory_channel[SlotsMessage](outbox_size(backend.n_seq))
                 queue = TaskQueue.create(backend.n_seq, assign_send, gate)
+                grammars = Grammars(tokenizer)
                 slots = SlotsEngine(
                     client, gate, tokenizer, queue.inbox(), assign_recv,
-                    n_ctx=backend.n_ctx, n_batch=config.n_batch,
+                    n_ctx=backend.n_ctx, n_batch=config.n_batch, grammars=grammars,
                 )
                 await actors.start(queue.start_loop)
                 await actors.start(slots.start_loop)
@@ -411,6 +413,7 @@ async def _run_loaded(
                         n_params=int(sum(int(np.prod(t.shape)) for t in model.tensors.values())),
                         file_bytes=loaded.stat.st_size,
                         created=int(loaded.stat.st_mtime),
+                        grammars=grammars,
                     )
                 )
                 log.info("ready")

@@ -41,6 +41,7 @@ class Engine:
     n_params: int
     file_bytes: int
     created: int  # the model file's modification time, for /v1/models
+    grammars: Any = None  # trio_llm.engine.constraint.Grammars: constrained decoding
 
 
 @attrs.define(eq=False)

@@ -212,6 +212,26 @@ def _template(text: str) -> str:
     )
 
 
+def _gbnf(text: str) -> str:
+    from trio_llm.engine.constraint import from_gbnf
+    from trio_llm.errors import InvalidRequest
+
+    try:
+        return from_gbnf(text)
+    except InvalidRequest as exc:
+        raise FlagValueError(str(exc).replace("'grammar' ", "")) from None
+
+
+def _schema(text: str) -> str:
+    from trio_llm.engine.constraint import from_json_schema
+    from trio_llm.errors import InvalidRequest
+
+    try:
+        return from_json_schema(json.loads(text))
+    except (json.JSONDecodeError, InvalidRequest) as exc:
+        raise FlagValueError(f"not a usable JSON schema: {exc}") from None
+
+
 def _not(default: Any, why: str) -> Callable[[Any], str | None]:
     """Refuse every value but ``default`` (the one that asks for nothing)."""
     return lambda value: None if value == default else why
@@ -410,10 +430,12 @@ FLAGS: tuple[Flag, ...] = (
     N("--mirostat-ent", "only matters with --mirostat", value="N", conv=_float),
     R("-l --logit-bias", "a server-wide logit bias is not supported (send logit_bias in the request)",
       value="TOKEN_ID(+/-)BIAS"),
-    R("--grammar", "grammars are " + _LATER, value="GRAMMAR"),
-    R("--grammar-file", "grammars are " + _LATER, value="FNAME"),
-    R("-j --json-schema", "JSON schemas are " + _LATER, value="SCHEMA"),
-    R("-jf --json-schema-file", "JSON schemas are " + _LATER, value="FILE"),
+    W("--grammar", "default GBNF grammar of every request (llguidance; a request's own grammar, json_schema "
+      "or response_format replaces it)", value="GRAMMAR", dest="grammar", conv=_gbnf),
+    W("--grammar-file", "--grammar from a file", value="FNAME", dest="grammar", conv=lambda t: _gbnf(_read_text(t))),
+    W("-j --json-schema", "default JSON schema of every request", value="SCHEMA", dest="grammar", conv=_schema),
+    W("-jf --json-schema-file", "--json-schema from a file", value="FILE", dest="grammar",
+      conv=lambda t: _schema(_read_text(t))),
     N("-bs --backend-sampling", "sampling runs on the host", env="LLAMA_ARG_BACKEND_SAMPLING"),
     # -- server ----------------------------------------------------------------------------
     R("-lcs --lookup-cache-static", "lookup decoding is not implemented", value="FNAME"),
@@ -435,7 +457,7 @@ FLAGS: tuple[Flag, ...] = (
       refuse=_not(False, "context shift is not implemented")),
     R("-r --reverse-prompt", "server-wide stop words are not supported (send stop in the request)",
       value="PROMPT"),
-    N("-sp --special", "special tokens are always rendered as their text"),
+    R("-sp --special", "control tokens are always left out of the text (printing them is not implemented)"),
     W("--warmup", "warm-up passes before the server reports ready", neg="--no-warmup", dest="warmup"),
     N("--spm-infill", "only for /infill, which is " + _LATER),
     R("--pooling", "embeddings are " + _LATER, value="{none,mean,cls,last,rank}", env="LLAMA_ARG_POOLING"),

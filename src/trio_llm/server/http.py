@@ -563,17 +563,24 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         text = await trio.to_thread.run_sync(tok.decode, ids)
         return _json({"content": text})
 
-    def chat_prompt(body: Any) -> tuple[str, CO.OutputSpec]:
-        """The rendered prompt of a chat request, and how its answer is to be read."""
+    def chat_prompt(body: Any) -> tuple[str, CO.OutputSpec, str | None]:
+        """The rendered prompt of a chat request, how its answer is to be read, and
+        the grammar of a forced tool call."""
         template = eng().template
         inputs = P.chat_inputs(body, ctx.config, template.source)
         text = str(template.render(inputs.messages, add_generation_prompt=True, **inputs.kwargs))
         spec = attrs.evolve(inputs.output, thinking_open=text.rstrip().endswith(CO.THINK_OPEN))
-        return text, spec
+        return text, spec, inputs.grammar
 
     def render_chat(body: Any) -> str:
         """Blocking (a template over the whole conversation): call on a worker thread."""
         return chat_prompt(body)[0]
+
+    async def check_grammar(grammar: str | None) -> None:
+        """A grammar the vocabulary cannot follow is a 400 before a slot is taken
+        (the first check builds llguidance's view of the vocabulary: a worker thread)."""
+        if grammar is not None:
+            await trio.to_thread.run_sync(eng().grammars.compile, grammar)
 
     @app.post("/apply-template")
     async def apply_template() -> Response:
@@ -607,6 +614,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     async def completion() -> Response:
         e = eng()
         req = await trio.to_thread.run_sync(P.parse_completion, await _body(), e.tokenizer, limits())
+        await check_grammar(req.params.grammar)
         n_probs = req.params.sampling.n_probs
         settings = req.params.to_json()
         choices = req.choices()
@@ -629,6 +637,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     async def oai_completions() -> Response:
         e = eng()
         req = await trio.to_thread.run_sync(P.parse_oai_completion, await _body(), e.tokenizer, limits())
+        await check_grammar(req.params.grammar)
         id_ = f"cmpl-{e.queue.new_id_task()}"
         top = req.n_logprobs
         if not req.params.stream:
@@ -677,10 +686,11 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
         def parse() -> tuple[P.CompletionRequest, CO.OutputSpec]:
             # the template and the tokenizer: CPU work, off the event loop
-            prompt, spec = chat_prompt(body)
-            return P.parse_chat(body, e.tokenizer, lim, prompt), spec
+            prompt, spec, forced = chat_prompt(body)
+            return P.parse_chat(body, e.tokenizer, lim, prompt, forced), spec
 
         req, spec = await trio.to_thread.run_sync(parse)
+        await check_grammar(req.params.grammar)
         id_ = f"chatcmpl-{e.queue.new_id_task()}"
         top = req.n_logprobs
         if not req.params.stream:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import attrs
 
 from trio_llm.config import ServerConfig
+from trio_llm.engine import constraint as C
 from trio_llm.engine.sampling import DEFAULT_SEED, SamplingParams
 from trio_llm.errors import ContextOverflow, InvalidRequest
 from trio_llm.model import chat_output as CO
@@ -217,8 +218,58 @@ def _n_predict(body: Mapping[str, Any], limits: Limits, *keys: str) -> int:
     return n
 
 
-def _task_params(body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_predict: int, n_probs: int) -> TaskParams:
+def grammar_of(body: Mapping[str, Any]) -> str | None:
+    """llama-server's ``grammar`` (GBNF) and ``json_schema``, OpenAI's ``response_format``
+    (``json_object``, optionally with ``schema``; ``json_schema``): an llguidance grammar,
+    checked against the vocabulary later (``Grammars.compile``); None: unconstrained."""
+    given = [k for k in ("grammar", "json_schema", "response_format") if _get(body, k) is not _MISSING]
+    if len(given) > 1:
+        raise InvalidRequest(f"only one of {', '.join(repr(g) for g in given)} can be given")
+    if not given:
+        return None
+    value = body[given[0]]
+    if given[0] == "grammar":
+        if not isinstance(value, str):
+            raise InvalidRequest("'grammar' must be a string (GBNF)")
+        return C.from_gbnf(value) if value.strip() else None
+    if given[0] == "json_schema":
+        if not isinstance(value, dict | bool):
+            raise InvalidRequest("'json_schema' must be a JSON schema object")
+        return C.from_json_schema(value)
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise InvalidRequest("'response_format' must be an object with a 'type'")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = value.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise InvalidRequest("'response_format.schema' must be a JSON schema object")
+        return C.from_json_schema(schema)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidRequest("'response_format.json_schema.schema' must be a JSON schema object")
+        return C.from_json_schema(schema)
+    raise InvalidRequest(f"'response_format.type' must be text, json_object or json_schema, not {kind!r}")
+
+
+def _request_grammar(body: Mapping[str, Any], config: ServerConfig) -> str | None:
+    """The request's grammar, else the server's (--grammar, --json-schema); a request's
+    ``response_format`` of type ``text`` asks for none."""
+    own = grammar_of(body)
+    if own is not None:
+        return own
+    if any(_get(body, k) is not _MISSING for k in ("grammar", "json_schema", "response_format")):
+        return None
+    return config.grammar
+
+
+def _task_params(body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_predict: int, n_probs: int,
+                 grammar: str | None = None) -> TaskParams:
     return TaskParams(
+        grammar=grammar if grammar is not None else _request_grammar(body, limits.defaults),
         n_predict=n_predict,
         sampling=sampling_params(body, limits, tok, n_probs=n_probs),
         stop=get_stop(body),
@@ -379,20 +430,22 @@ def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return tools
 
 
-def _tool_choice(body: Mapping[str, Any], tools: Sequence[Mapping[str, Any]]) -> str:
-    """"auto" or "none"; "required" and a named function need constrained decoding."""
+def _tool_choice(body: Mapping[str, Any], tools: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """("auto" | "none" | "required", the function named by {"type": "function", ...})."""
     choice = _get(body, "tool_choice")
     if choice is _MISSING:
-        return "auto"
+        return "auto", None
     if choice in ("auto", "none"):
-        return str(choice)
+        return str(choice), None
     if choice == "required" or isinstance(choice, dict):
         if not tools:
-            raise InvalidRequest("'tool_choice' names a tool but 'tools' is empty")
-        raise InvalidRequest(
-            "'tool_choice' \"required\" or a named function needs constrained decoding, not implemented yet "
-            "(use \"auto\")"
-        )
+            raise InvalidRequest("'tool_choice' asks for a tool call but 'tools' is empty")
+        if choice == "required":
+            return "required", None
+        fn = choice.get("function") if isinstance(choice, dict) else None
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequest("'tool_choice' must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        return "required", fn["name"]
     raise InvalidRequest("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", ...}")
 
 
@@ -425,6 +478,7 @@ class ChatInputs:
     messages: list[dict[str, Any]]
     kwargs: dict[str, Any]
     output: CO.OutputSpec
+    grammar: str | None = None  # tool_choice "required" / named: the call's grammar
 
 
 def chat_inputs(body: Any, config: ServerConfig, template_source: str | None) -> ChatInputs:
@@ -435,7 +489,7 @@ def chat_inputs(body: Any, config: ServerConfig, template_source: str | None) ->
     messages = _template_messages(messages_of(body))
     kwargs = template_kwargs(body, config)
     tools = _tools(body)
-    choice = _tool_choice(body, tools)
+    choice, named = _tool_choice(body, tools)
     fmt_ = _get(body, "reasoning_format")
     if fmt_ is _MISSING:
         fmt_ = config.reasoning_format
@@ -458,10 +512,15 @@ def chat_inputs(body: Any, config: ServerConfig, template_source: str | None) ->
                 messages = [{"role": "system", "content": note}, *messages]
     if config.skip_chat_parsing:
         fmt = None
-    return ChatInputs(messages, kwargs, CO.OutputSpec(fmt, str(fmt_), False, tuple(tools)))
+    grammar = None
+    if choice == "required":
+        if fmt is None:
+            raise InvalidRequest("'tool_choice' \"required\" needs the answer parsed (not --skip-chat-parsing)")
+        grammar = C.tool_call_grammar(fmt, tools, named)
+    return ChatInputs(messages, kwargs, CO.OutputSpec(fmt, str(fmt_), False, tuple(tools)), grammar)
 
 
-def parse_chat(body: Any, tok: Encoder, limits: Limits, rendered: str) -> CompletionRequest:
+def parse_chat(body: Any, tok: Encoder, limits: Limits, rendered: str, grammar: str | None = None) -> CompletionRequest:
     """``POST /v1/chat/completions``, once the messages are rendered by the template."""
     body = _require_object(body)
     n = _get_n(body, limits)
@@ -474,7 +533,7 @@ def parse_chat(body: Any, tok: Encoder, limits: Limits, rendered: str) -> Comple
     params = _task_params(
         body, limits, tok,
         n_predict=_n_predict(body, limits, "max_completion_tokens", "max_tokens", "n_predict"),
-        n_probs=max(top, 1) if logprobs else 0,
+        n_probs=max(top, 1) if logprobs else 0, grammar=grammar,
     )
     return CompletionRequest(
         tuple(prompt), params, n_logprobs=top, logprobs=logprobs,

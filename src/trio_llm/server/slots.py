@@ -32,6 +32,7 @@ import trio
 
 from trio_llm.engine.actor import BackendClient
 from trio_llm.engine.backend import SeqBatch
+from trio_llm.engine.constraint import Constraint, Grammars, apply_masks
 from trio_llm.engine.sampling import log_softmax, make_rng, sample, top_logprobs
 from trio_llm.errors import ContextOverflow, InvalidRequest, TrioLLMError
 from trio_llm.server import slot_file
@@ -130,6 +131,7 @@ class Slot:
     #: (positions cached, common prefix) -> the prefix every layer's memory can continue
     #: from (a sliding-window ring or a recurrent state may not allow a shorter one)
     reusable: Callable[[int, int], int] = lambda n_cached, n_common: n_common
+    constraint: Constraint | None = None  # the task's grammar matcher, made on its first sample
 
     @property
     def state(self) -> SlotState:
@@ -198,6 +200,7 @@ class Slot:
         self.task = None
         self.seq = self.seq[: self.n_past]
         self.rng = None
+        self.constraint = None
 
 
 @attrs.frozen
@@ -227,6 +230,7 @@ class SlotsEngine:
     _inbox: trio.MemoryReceiveChannel[SlotsMessage]
     n_ctx: int  # per slot
     n_batch: int
+    grammars: Grammars | None = None  # constrained decoding (tasks with a grammar)
     _slots: list[Slot] = attrs.field(init=False)
     _released: list[SlotReleased] = attrs.field(init=False, factory=list)
     _order: int = 0
@@ -538,11 +542,28 @@ class SlotsEngine:
             assert slot.task is not None and slot.rng is not None
             params = slot.task.params.sampling
             jobs.append((row, params, slot.rng, slot.seq[: slot.n_past]))
+        constrained = [(k, slot) for k, (slot, _) in enumerate(ready)
+                       if slot.task is not None and slot.task.params.grammar is not None]
 
         def run() -> list[tuple[int, TokenProb | None]]:
+            # constrained slots: their masks, all at once; the unmasked rows still give
+            # the log-probabilities (of the raw distribution, as for every slot)
+            masked: dict[int, np.ndarray] = {}
+            if constrained:
+                assert self.grammars is not None
+                for _, slot in constrained:
+                    if slot.constraint is None:
+                        assert slot.task is not None and slot.task.params.grammar is not None
+                        slot.constraint = self.grammars.constraint(slot.task.params.grammar)
+                rows = apply_masks([s.constraint for _, s in constrained if s.constraint is not None],
+                                   [jobs[k][0] for k, _ in constrained])
+                masked = {k: r for (k, _), r in zip(constrained, rows, strict=True)}
             out: list[tuple[int, TokenProb | None]] = []
-            for row, params, rng, recent in jobs:
-                token = sample(row, params, rng, recent)
+            for k, (row, params, rng, recent) in enumerate(jobs):
+                token = sample(masked.get(k, row), params, rng, recent)
+                constraint = ready[k][0].constraint
+                if constraint is not None:
+                    constraint.consume(token)
                 prob = None
                 if params.n_probs > 0:
                     lp = float(log_softmax(row)[token])
@@ -550,7 +571,7 @@ class SlotsEngine:
                 out.append((token, prob))
             return out
 
-        if self._client.backend.config.n_vocab >= THREAD_SAMPLING_VOCAB:
+        if constrained or self._client.backend.config.n_vocab >= THREAD_SAMPLING_VOCAB:
             return await trio.to_thread.run_sync(run)
         return run()
 

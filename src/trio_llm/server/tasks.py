@@ -33,6 +33,7 @@ class TaskParams:
     cache_prompt: bool = True  # reuse the slot's KV cache for the common prefix
     id_slot: int = -1  # -1: any slot (best prefix match); else wait for this one
     stream: bool = False  # send a TaskPartial per token, not only the final result
+    grammar: str | None = None  # an llguidance grammar (compiled at the edge) the answer must match
 
     def to_json(self) -> dict[str, object]:
         """llama-server's ``generation_settings`` / ``/slots`` ``params`` view."""
