@@ -308,6 +308,19 @@ def test_kv_cache_rows_and_release_carry_raw_bytes(env: Env) -> None:
         assert not env.get(seen, np.uint32).any()
         with pytest.raises(BackendError, match=r"expected \(9, 136\)"):
             kv.write_rows(0, [(r[1], r[1]) for r in rows])
+        with pytest.raises(BackendError, match="17 positions from 0 do not fit a cache of 16 rows"):
+            kv.read_rows(0, 17)
+        # a ring: positions 12..21 of a 16-row sequence are rows 12..15 then 0..5
+        ring = [(quantize_rows(rng.standard_normal((10, kvd)), "q8_0"),
+                 quantize_rows(rng.standard_normal((10, kvd)), "q4_1")) for _ in range(n_layer)]
+        kv.write_rows(1, ring, start=12)
+        whole_seq = kv.read_rows(1, 16)
+        for (k0, v0), (k1, v1), (kr, vr) in zip(ring, whole_seq, kv.read_rows(1, 10, start=12), strict=True):
+            np.testing.assert_array_equal(k1[12:], k0[:4])
+            np.testing.assert_array_equal(k1[:6], k0[4:])
+            np.testing.assert_array_equal(v1[12:], v0[:4])
+            np.testing.assert_array_equal(kr, k0)
+            np.testing.assert_array_equal(vr, v0)
     finally:
         kv.free_device()
         kv.free_host()

@@ -212,32 +212,38 @@ class KVCache:
 
     # -- one sequence's rows, raw (slot files) ------------------------------------
 
-    def read_rows(self, seq_id: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Rows 0..n-1 of sequence ``seq_id`` in every layer, as stored: per layer
-        (K uint8 [n, k_row_bytes], V uint8 [n, v_row_bytes]), copies."""
+    def read_rows(self, seq_id: int, n: int, start: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Positions ``start .. start+n-1`` of sequence ``seq_id`` in every layer, as
+        stored (position p at row p % n_ctx, so a ring's window comes out in position
+        order): per layer (K uint8 [n, k_row_bytes], V uint8 [n, v_row_bytes]), copies."""
         out = [(np.empty((n, lay.k_row_bytes), np.uint8), np.empty((n, lay.v_row_bytes), np.uint8))
                for lay in self.layers]
-        self._copy_rows(seq_id, n, [a for pair in out for a in pair], to_device=False)
+        self._copy_rows(seq_id, n, start, [a for pair in out for a in pair], to_device=False)
         return out
 
-    def write_rows(self, seq_id: int, rows: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
-        """Overwrite rows 0..n-1 of sequence ``seq_id`` with ``read_rows``'s arrays."""
+    def write_rows(self, seq_id: int, rows: Sequence[tuple[np.ndarray, np.ndarray]], start: int = 0) -> None:
+        """Overwrite positions ``start ..`` of sequence ``seq_id`` with ``read_rows``'s
+        arrays."""
         if len(rows) != self.n_layer:
             raise BackendError(f"KV rows for {len(rows)} layers, the cache has {self.n_layer}")
         n = rows[0][0].shape[0] if rows else 0
         arrays = []
         for lay, (k, v) in zip(self.layers, rows, strict=True):
             for a, rb in ((k, lay.k_row_bytes), (v, lay.v_row_bytes)):
-                if a.shape != (n, rb) or n > lay.n_ctx:
-                    raise BackendError(f"KV rows of shape {a.shape}, expected ({n}, {rb}) with n <= {lay.n_ctx}")
+                if a.shape != (n, rb):
+                    raise BackendError(f"KV rows of shape {a.shape}, expected ({n}, {rb})")
                 arrays.append(np.ascontiguousarray(a, np.uint8))
-        self._copy_rows(seq_id, n, arrays, to_device=True)
+        self._copy_rows(seq_id, n, start, arrays, to_device=True)
 
-    def _copy_rows(self, seq_id: int, n: int, arrays: list[np.ndarray], *, to_device: bool) -> None:
+    def _copy_rows(self, seq_id: int, n: int, start: int, arrays: list[np.ndarray], *, to_device: bool) -> None:
         """Between the cache (K then V of each layer) and ``arrays`` (one per buffer,
-        [n, row_bytes]), through one host buffer and one submit."""
+        [n, row_bytes], positions start..start+n-1), through one host buffer and one
+        submit: one copy region per buffer, two where a ring wraps."""
         if not self.k:
             raise BackendError("KV cache access while it is not on the device")
+        for lay in self.layers:
+            if n > lay.n_ctx or start < 0:
+                raise BackendError(f"{n} positions from {start} do not fit a cache of {lay.n_ctx} rows per sequence")
         device = self.alloc.device
         vk = device.vk
         what = "write KV cache" if to_device else "read KV cache"
@@ -254,11 +260,16 @@ class KVCache:
             with device.one_shot(what) as cmd:
                 for i, (buf, lay) in enumerate(zip(bufs, lays, strict=True)):
                     row = lay.k_row_bytes if i % 2 == 0 else lay.v_row_bytes
-                    at_cache, at_host = seq_id * lay.n_ctx * row, offsets[i]
-                    src, dst = (host, buf) if to_device else (buf, host)
-                    region = vk.VkBufferCopy(srcOffset=at_host if to_device else at_cache,
-                                             dstOffset=at_cache if to_device else at_host, size=n * row)
-                    if n:
+                    first = start % lay.n_ctx
+                    head = min(n, lay.n_ctx - first)  # rows before the ring wraps
+                    for cache_row, host_row, count in ((first, 0, head), (0, head, n - head)):
+                        if not count:
+                            continue
+                        at_cache = (seq_id * lay.n_ctx + cache_row) * row
+                        at_host = offsets[i] + host_row * row
+                        src, dst = (host, buf) if to_device else (buf, host)
+                        region = vk.VkBufferCopy(srcOffset=at_host if to_device else at_cache,
+                                                 dstOffset=at_cache if to_device else at_host, size=count * row)
                         vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, 1, [region])
             if not to_device:
                 for a, at in zip(arrays, offsets, strict=False):
