@@ -165,10 +165,18 @@ void main() {
             [[unroll]] for (uint g = 0; g < GW; g++) {
                 dv[g] = vec4(0.0);
             }
-            for (uint d = 0; d < hd4; d++) {
-                vec4 kv = k_load4(kb, 4u * d);
-                [[unroll]] for (uint g = 0; g < GW; g++) {
-                    dv[g] += qs[g * MAX_HD4 + d] * kv;
+            // eight loads in flight, then their products
+            for (uint d0 = 0; d0 < hd4; d0 += 8u) {
+                vec4 kv[8];
+                [[unroll]] for (uint i = 0; i < 8u; i++) {
+                    kv[i] = d0 + i < hd4 ? k_load4(kb, 4u * (d0 + i)) : vec4(0.0);
+                }
+                [[unroll]] for (uint i = 0; i < 8u; i++) {
+                    if (d0 + i < hd4) {
+                        [[unroll]] for (uint g = 0; g < GW; g++) {
+                            dv[g] += qs[g * MAX_HD4 + d0 + i] * kv[i];
+                        }
+                    }
                 }
             }
             [[unroll]] for (uint g = 0; g < GW; g++) {
@@ -206,10 +214,20 @@ void main() {
             [[unroll]] for (uint g = 0; g < GW; g++) {
                 acc[g] *= run_c[g];
             }
-            for (uint jj = kg; jj < nvalid; jj += kg_n) {
-                vec4 vv = v_load4((base + (b0 + jj) % pc.n_ctx) * v_row + v_head, 4u * d4);
-                [[unroll]] for (uint g = 0; g < GW; g++) {
-                    acc[g] += sc[g * WG + jj] * vv;
+            // keys kg, kg + kg_n, ... of the tile, four loads in flight
+            for (uint j0 = kg; j0 < nvalid; j0 += 4u * kg_n) {
+                vec4 vv[4];
+                [[unroll]] for (uint i = 0; i < 4u; i++) {
+                    uint jj = j0 + i * kg_n;
+                    vv[i] = jj < nvalid ? v_load4((base + (b0 + jj) % pc.n_ctx) * v_row + v_head, 4u * d4) : vec4(0.0);
+                }
+                [[unroll]] for (uint i = 0; i < 4u; i++) {
+                    uint jj = j0 + i * kg_n;
+                    if (jj < nvalid) {
+                        [[unroll]] for (uint g = 0; g < GW; g++) {
+                            acc[g] += sc[g * WG + jj] * vv[i];
+                        }
+                    }
                 }
             }
         }
