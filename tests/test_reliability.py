@@ -6,6 +6,7 @@ exit, a signal or a file on disk. Each failed on the code before its fix."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -23,6 +24,7 @@ import trio
 import test_server_http
 from serve_procs import wait_ready
 from test_server_http import Start, client, sse_events
+from trio_llm.residency.arbiter import open_arbiter
 
 start = test_server_http.start  # the in-process server fixture, under its own name
 
@@ -263,7 +265,8 @@ async def test_health_answers_while_a_5_mb_body_is_tokenized(tiny_model: Path) -
     big = " ".join(rng.choice(words, 5 * 1024 * 1024 // 6).tolist())[: 5 * 1024 * 1024]
     worst: dict[str, float] = {}
     for path, body in [
-        ("/completion", {"prompt": big, "n_predict": 1}),
+        # the chat endpoint: template and tokenizer both (/completion and /tokenize
+        # take the same worker-thread path for their tokenizing)
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}], "max_tokens": 1}),
     ]:
         raw = json.dumps(body).encode()
@@ -321,3 +324,128 @@ async def test_an_openai_stream_cut_by_the_grace_ends_with_error_then_done(tiny_
     assert rest[-1] == "[DONE]" and rest[-2]["error"]["code"] == 503, rest[-3:]
     code, log = await _exit(proc, http)
     assert code == 0 and "Traceback" not in log
+
+
+# -- 11. the arena's permissions ----------------------------------------------------------------
+
+NOBODY = 65534
+
+
+def _python_for_nobody() -> str | None:
+    """A Python interpreter another user may run (the venv's may sit under /root)."""
+    for candidate in ("/usr/bin/python3", sys.executable):
+        try:
+            if subprocess.run([candidate, "-c", "0"], user=NOBODY, group=NOBODY, extra_groups=[],
+                              capture_output=True, timeout=30).returncode == 0:
+                return candidate
+        except OSError:
+            continue
+    return None
+
+
+async def test_arena_files_are_never_open_to_all_and_never_followed(tmp_path: Path) -> None:
+    """A private arena's files are 0600 (a wider file of ours is narrowed), a
+    group-writable (shared) arena's 0660; a planted symlink or FIFO makes the arena
+    unusable (uncoordinated, with a warning) instead of followed or blocking."""
+    private = tmp_path / "private"
+    arb = await open_arbiter(private)
+    assert arb.active and stat.S_IMODE(private.stat().st_mode) == 0o700
+    for name in ("token.lock", "want.lock"):
+        assert stat.S_IMODE((private / name).stat().st_mode) == 0o600
+    arb.close()
+    (private / "token.lock").chmod(0o666)  # as the reference fork creates it (umask 0)
+    arb = await open_arbiter(private)
+    assert stat.S_IMODE((private / "token.lock").stat().st_mode) == 0o600
+    arb.close()
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o2770)
+    arb = await open_arbiter(shared)
+    for name in ("token.lock", "want.lock"):
+        assert stat.S_IMODE((shared / name).stat().st_mode) == 0o660
+    arb.close()
+
+    victim = tmp_path / "victim"
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    os.symlink(victim, planted / "token.lock")
+    arb = await open_arbiter(planted)
+    assert not arb.active and not victim.exists()
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "want.lock")
+    with trio.fail_after(5):
+        arb = await open_arbiter(fifo)
+    assert not arb.active
+
+
+async def test_another_user_cannot_open_a_private_arena_but_a_group_member_can(tmp_path: Path) -> None:
+    """Who can disturb whom, for real: as root, run a process as nobody. A private
+    arena (even in a directory others may enter) refuses it; a shared arena (a
+    setgid directory of nobody's group) lets it take part."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to run a process as another user")
+    python = _python_for_nobody()
+    if python is None:
+        pytest.skip("no Python interpreter that another user may run")
+    top = tmp_path / "top"
+    top.mkdir()
+    for p in (tmp_path, tmp_path.parent, tmp_path.parent.parent):
+        p.chmod(p.stat().st_mode | 0o011)  # let nobody reach the arenas below
+    private = top / "private"
+    private.mkdir()
+    private.chmod(0o755)  # enterable by all, as a /tmp/arena often is
+    arb = await open_arbiter(private)
+    probe = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)"
+    r = subprocess.run([python, "-c", probe, str(private / "want.lock")], user=NOBODY, group=NOBODY,
+                       extra_groups=[], capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "PermissionError" in r.stderr, r.stderr
+    assert arb.probe() is False  # nobody could register as a waiter
+    arb.close()
+
+    shared = top / "shared"
+    shared.mkdir()
+    os.chown(shared, 0, NOBODY)
+    shared.chmod(0o2770)
+    arb = await open_arbiter(shared)
+    assert (shared / "token.lock").stat().st_gid == NOBODY  # setgid: the group is the arena's
+    member = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); "
+              "fcntl.flock(fd, fcntl.LOCK_SH); print('waiting', flush=True); time.sleep(30)")
+    waiter = subprocess.Popen([python, "-c", member, str(shared / "want.lock")], user=NOBODY,
+                              group=NOBODY, extra_groups=[], stdout=subprocess.PIPE, text=True)
+    try:
+        assert waiter.stdout is not None
+        assert (await trio.to_thread.run_sync(waiter.stdout.readline)).strip() == "waiting"
+        assert arb.probe() is True  # the group member is seen waiting
+    finally:
+        waiter.kill()
+        waiter.wait()
+        arb.close()
+
+
+async def test_a_long_wait_for_the_token_logs_the_holders_pid(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    standin = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("standin.py")), "--arena", str(tmp_path),
+         "--hold", "60", "--until-stdin"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert standin.stdin is not None and standin.stdout is not None
+    assert (await trio.to_thread.run_sync(standin.stdout.readline)).strip() == "waiting"
+    assert (await trio.to_thread.run_sync(standin.stdout.readline)).strip() == "token"
+    arb = await open_arbiter(tmp_path, report_after=0.2)
+    caplog.set_level(logging.WARNING, "trio_llm.residency.arbiter")
+    with trio.move_on_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(arb.take)
+            while not any("waited" in r.getMessage() for r in caplog.records):
+                await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    messages = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert len(messages) == 1 and f"pid {standin.pid}" in messages[0] and "standin.py" in messages[0]
+    assert not arb.holding
+    standin.stdin.close()
+    assert await trio.to_thread.run_sync(standin.wait) == 0
+    arb.close()
