@@ -30,7 +30,7 @@ from trio_llm.model.synth import QUANTS
 from trio_llm.model.tokenizer import Tokenizer
 from trio_llm.vulkan.backend import VulkanBackend
 
-PRESETS = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-spm", "tiny-gemma3"]
+PRESETS = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-spm", "tiny-gemma3", "tiny-qwen3moe"]
 #: presets whose sliding-window layers the Vulkan backend does not run yet
 NUMPY_ONLY = {"tiny-gemma3"}
 N_CTX = 64

@@ -213,7 +213,9 @@ def test_eog_ids(tokenizers_: dict[str, Tokenizer]) -> None:
     llama3, chatml = tokenizers_["llama3"], tokenizers_["chatml"]
     eog3 = {llama3.token_text(i) for i in llama3.eog_ids}
     assert eog3 == {"<|end_of_text|>", "<|eot_id|>", "<|eom_id|>"}
-    assert {chatml.token_text(i) for i in chatml.eog_ids} == {"<|im_end|>", "<|endoftext|>"}
+    # as llama.cpp: the FIM pad / repository / file-separator tokens end a generation too
+    assert {chatml.token_text(i) for i in chatml.eog_ids} == {"<|im_end|>", "<|endoftext|>", "<|fim_pad|>",
+                                                              "<|repo_name|>", "<|file_sep|>"}
     assert chatml.is_eog(chatml.eos_id) and not chatml.is_eog(0)
     assert tokenizers_["llama2"].eog_ids == frozenset({2})
 

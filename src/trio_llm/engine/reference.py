@@ -15,8 +15,10 @@ the weights, which ``restore()`` then reloads from the GGUF file.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -26,7 +28,8 @@ from trio_llm.engine.memory import LayerMemory, plan_memory, reusable_prefix
 from trio_llm.errors import BackendError, GraphError, InvalidRequest, ModelLoadError
 from trio_llm.graph import Graph, Node, Tensor
 from trio_llm.model.config import ModelConfig
-from trio_llm.model.gguf import GGUFModel, load_gguf
+from trio_llm.model.gguf import GGUFModel, TensorInfo, load_gguf
+from trio_llm.model.quant import dequantize, tensor_bytes
 from trio_llm.models import build_graph
 
 #: most tokens of one sequence per interpretation of the graph (a sliding-window
@@ -153,8 +156,51 @@ class Step:
     out_rows: np.ndarray  # [O] rows whose logits are wanted
 
 
+#: float32 bytes of dequantized experts kept between forward passes (least recently
+#: used go first): a 30B-A3B model's experts would be 120 GB as float32, so they are
+#: dequantized one expert at a time, when a token is routed to it
+EXPERT_CACHE_BYTES = 1 << 29
+
+
+@attrs.define(eq=False)
+class Experts:
+    """A 3-D expert tensor ``[n_expert, n_out, n_in]`` left quantized in the file's
+    memory map; ``get(e)`` dequantizes one expert's matrix (cached, shared budget)."""
+
+    name: str
+    info: TensorInfo
+    cache: OrderedDict[tuple[str, int], np.ndarray]
+
+    @property
+    def n_bytes(self) -> int:
+        return self.info.n_bytes
+
+    def get(self, e: int) -> np.ndarray:
+        key = (self.name, e)
+        m = self.cache.get(key)
+        if m is not None:
+            self.cache.move_to_end(key)
+            return m
+        shape = self.info.shape[1:]
+        per = tensor_bytes(self.info.ggml_type, shape)
+        raw = self.info.raw[e * per : (e + 1) * per]
+        m = np.ascontiguousarray(dequantize(raw, self.info.ggml_type, shape), dtype=np.float32)  # [n_out, n_in]
+        self.cache[key] = m
+        while sum(a.nbytes for a in self.cache.values()) > EXPERT_CACHE_BYTES and len(self.cache) > 1:
+            self.cache.popitem(last=False)
+        return m
+
+
+def load_experts(model: GGUFModel, names: Sequence[str]) -> dict[str, Experts]:
+    """The 3-D expert tensors among ``names``, left quantized (see ``Experts``)."""
+    cache: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+    return {n: Experts(n, model.tensor(n), cache) for n in names if len(model.tensor(n).shape) == 3}
+
+
 def load_weights(model: GGUFModel, names: Sequence[str], progress: Progress | None = None) -> dict[str, np.ndarray]:
-    """Dequantize the tensors ``names`` to float32, in file shape."""
+    """Dequantize the tensors ``names`` to float32, in file shape (3-D expert tensors
+    stay quantized: ``load_experts``)."""
+    names = [n for n in names if len(model.tensor(n).shape) != 3]
     total = sum(model.tensor(n).n_bytes for n in names)
     done = 0
     out: dict[str, np.ndarray] = {}
@@ -182,6 +228,7 @@ class NumpyBackend:
     _path: Path = attrs.field(init=False)
     _progress: Progress | None = attrs.field(init=False)
     _weights: dict[str, np.ndarray] | None = attrs.field(init=False, default=None)
+    _experts: dict[str, Experts] = attrs.field(init=False, factory=dict)
     _weight_bytes: int = attrs.field(init=False, default=0)
     _kv: list[tuple[np.ndarray, np.ndarray]] | None = attrs.field(init=False, default=None)
     _host_kv: list[tuple[np.ndarray, np.ndarray]] | None = attrs.field(init=False, default=None)
@@ -212,7 +259,9 @@ class NumpyBackend:
         self.layers = plan_memory(self.graph, n_ctx=n_ctx, chunk=max_chunk)
         self._mem = {m.layer: m for m in self.layers}
         self._weights = load_weights(model, list(self.graph.weights), progress)
-        self._weight_bytes = sum(a.nbytes for a in self._weights.values())
+        self._experts = load_experts(model, list(self.graph.weights))
+        self._weight_bytes = sum(a.nbytes for a in self._weights.values()) + sum(
+            x.n_bytes for x in self._experts.values())
         self._kv = self._new_kv()
 
     # -- the Backend interface -------------------------------------------------------
@@ -292,6 +341,7 @@ class NumpyBackend:
             self._host_kv, self._kv = self._kv, None
         if depth >= _DEPTH[Level.UNLOAD]:
             self._weights = None
+            self._experts = {}
             self._host_kv = None
         self._level = Level(level)
 
@@ -308,6 +358,7 @@ class NumpyBackend:
 
     def close(self) -> None:
         self._weights = None
+        self._experts = {}
         self._kv = self._host_kv = None
         self._closed = True
 
@@ -352,6 +403,7 @@ class NumpyBackend:
         try:
             if model.config != self.config:
                 raise ModelLoadError(self._path, "the file changed since it was loaded")
+            self._experts = load_experts(model, list(self.graph.weights))
             return load_weights(model, list(self.graph.weights), self._progress)
         finally:
             model.close()
@@ -388,9 +440,9 @@ class NumpyBackend:
         )
         env: dict[int, np.ndarray] = {}
 
-        def val(t: Tensor) -> np.ndarray:
+        def val(t: Tensor) -> Any:
             if t.kind == "weight":
-                return w[t.name]
+                return w[t.name] if len(t.shape) != 3 else self._experts[t.name]
             if t.kind == "input":
                 return step.tokens
             return env[t.id]
@@ -400,8 +452,10 @@ class NumpyBackend:
         assert self.graph.logits is not None
         return np.ascontiguousarray(env[self.graph.logits.id], dtype=np.float32)
 
-    def _op(self, node: Node, args: list[np.ndarray], step: Step) -> np.ndarray:
+    def _op(self, node: Node, args: list[Any], step: Step) -> np.ndarray:
         op = node.op
+        if op.startswith("moe_"):
+            return _moe_op(node, args)
         if op == "get_rows":
             return args[0][args[1]]  # [N, n_embd]
         if op == "linear":
@@ -453,3 +507,38 @@ class NumpyBackend:
             out[a:b] = attend(q[a:b], k_cache[e.seq_id, kp % m.rows], v_cache[e.seq_id, kp % m.rows],
                               e.pos0, window, kp, node.attr("scale"))  # [n, n_head, hd]
         return out.reshape(n_tok, nh * hd)
+
+
+def _moe_op(node: Node, args: list[Any]) -> np.ndarray:
+    """The mixture-of-experts ops (``Graph.moe_topk`` / ``moe_linear`` / ``moe_combine``)."""
+    op = node.op
+    if op == "moe_topk":
+        (logits,) = args  # [N, n_expert]
+        k = node.attr("k")
+        z = logits - logits.max(axis=1, keepdims=True)
+        p = np.exp(z)
+        p /= p.sum(axis=1, keepdims=True)  # [N, n_expert] softmax gating
+        ids = np.argsort(-p, axis=1, kind="stable")[:, :k]  # [N, k] best first
+        wts = np.take_along_axis(p, ids, axis=1)  # [N, k]
+        if node.attr("norm"):  # as llama.cpp: the sum clamped to float16's smallest normal
+            wts = wts / np.maximum(wts.sum(axis=1, keepdims=True), np.float32(6.103515625e-5))
+        s = node.attr("scale")
+        if s not in (0.0, 1.0):
+            wts = wts * np.float32(s)
+        return np.concatenate([ids.astype(np.float32), wts.astype(np.float32)], axis=1)  # [N, 2k]
+    if op == "moe_linear":
+        x, experts, routes = args
+        k = node.attr("k")
+        ids = routes[:, :k].astype(np.int64)  # [N, k]
+        n_out = int(node.out.shape[2])
+        out = np.empty((len(ids), k, n_out), np.float32)  # [N, k, n_out]
+        for e in np.unique(ids):
+            rows, slots = np.nonzero(ids == e)
+            xe = x[rows] if x.ndim == 2 else x[rows, slots]  # [m, n_in]
+            out[rows, slots] = xe @ experts.get(int(e)).T  # [m, n_out]
+        return out
+    if op == "moe_combine":
+        y, routes = args  # [N, k, n], [N, 2k]
+        k = node.attr("k")
+        return np.einsum("nkd,nk->nd", y, routes[:, k:]).astype(np.float32)  # type: ignore[no-any-return]
+    raise GraphError(f"{node.out.name}: the numpy backend has no op {op!r}")

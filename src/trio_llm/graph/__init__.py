@@ -191,6 +191,45 @@ class Graph:
         self._check(act in ("silu", "gelu"), name, f"unknown activation {act!r}")
         return self._node("glu", (gate, up), gate.shape, name, act=act)
 
+    # -- mixture of experts -------------------------------------------------------------
+    # A routing is one value ``[T, 2 * k]``: the k chosen expert ids (as exact floats)
+    # then their k weights, so it lives in an ordinary compute buffer and the expert
+    # ops read the ids from the device (decode graphs stay recorded once).
+
+    def moe_topk(self, logits: Tensor, k: int, name: str, *, gating: Literal["softmax"] = "softmax",
+                 norm: bool = True, scale: float = 1.0) -> Tensor:
+        """Route each token to its ``k`` best experts: softmax over the router logits
+        ``[T, n_expert]``, the top ``k`` probabilities (``norm``: divided by their sum),
+        times ``scale``: ``[T, 2 * k]`` (ids, then weights)."""
+        _expect(len(logits.shape) == 2 and logits.shape[0] == TOKENS, name,
+                f"moe_topk needs router logits [T, n_expert], got {logits!r}")
+        n_expert = logits.shape[1]
+        assert isinstance(n_expert, int)
+        _expect(0 < k <= n_expert, name, f"top-{k} of {n_expert} experts")
+        _expect(gating == "softmax", name, f"unknown gating {gating!r}")
+        return self._node("moe_topk", (logits,), (TOKENS, 2 * k), name, k=int(k), n_expert=n_expert,
+                          gating=gating, norm=bool(norm), scale=float(scale))
+
+    def moe_linear(self, x: Tensor, w: Tensor, routes: Tensor, name: str) -> Tensor:
+        """Each token's chosen experts applied to it: ``x`` ``[T, n_in]`` (the same input
+        for every expert) or ``[T, k, n_in]`` (one per chosen expert), by the expert
+        matrices ``w`` ``[n_expert, n_out, n_in]``: ``[T, k, n_out]``."""
+        _expect(w.kind == "weight" and len(w.shape) == 3, name, f"moe_linear needs 3-D expert weights, got {w!r}")
+        _expect(routes.shape[0] == TOKENS and len(routes.shape) == 2 and routes.width % 2 == 0, name,
+                f"moe_linear needs a routing [T, 2k], got {routes!r}")
+        k = routes.width // 2
+        n_in = w.shape[2]
+        _expect(x.shape in ((TOKENS, n_in), (TOKENS, k, n_in)), name,
+                f"moe_linear of {x!r} by {w!r}: input must be [T, {n_in}] or [T, {k}, {n_in}]")
+        return self._node("moe_linear", (x, w, routes), (TOKENS, k, w.shape[1]), name, k=k)
+
+    def moe_combine(self, y: Tensor, routes: Tensor, name: str) -> Tensor:
+        """The chosen experts' outputs ``[T, k, n]`` summed with their routing weights: ``[T, n]``."""
+        k = routes.width // 2
+        _expect(len(y.shape) == 3 and y.shape[:2] == (TOKENS, k), name,
+                f"moe_combine needs expert outputs [T, {k}, n], got {y!r}")
+        return self._node("moe_combine", (y, routes), (TOKENS, y.shape[2]), name, k=k)
+
     def outputs(self, x: Tensor, name: str = "result_rows") -> Tensor:
         """The rows of ``x`` whose logits are wanted: ``[O, width]``."""
         self._check(len(x.shape) == 2 and x.shape[0] == TOKENS, name, f"outputs needs [T, n], got {x!r}")

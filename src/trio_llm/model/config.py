@@ -15,7 +15,8 @@ RopeMode = Literal["normal", "neox"]
 
 #: architectures we run, and the RoPE layout each implies (each has its file in
 #: ``trio_llm.models``, which builds its graph)
-ARCH_ROPE: dict[str, RopeMode] = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
+ARCH_ROPE: dict[str, RopeMode] = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
+                                 "qwen3moe": "neox"}
 
 
 @attrs.frozen
@@ -42,6 +43,10 @@ class ModelConfig:
     rope_theta_swa: float = 0.0  # the RoPE base of the sliding-window layers
     rope_freq_scale: float = 1.0  # linear RoPE scaling of the other layers (1 / factor)
     attn_scale: float = 0.0  # softmax scale of q.k; 0: 1 / sqrt(head_dim)
+    # mixture of experts (qwen3moe): experts per layer, chosen per token, their FFN width
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
 
     def is_swa(self, il: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[il]

@@ -73,6 +73,10 @@ class Preset:
     #: sliding window (gemma3) and linear RoPE scaling of the global layers
     n_swa: int = 0
     rope_linear: float = 0.0
+    #: mixture of experts (qwen3moe): experts per layer, chosen per token, their width
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
 
     def config(self) -> ModelConfig:
         if self.arch == "gemma3":
@@ -96,9 +100,12 @@ class Preset:
             rope_theta=self.rope_theta,
             rms_eps=self.rms_eps,
             rope_mode=ARCH_ROPE[self.arch],
-            qk_norm=self.arch in ("qwen3", "gemma3"),
+            qk_norm=self.arch in ("qwen3", "gemma3", "qwen3moe"),
             attn_bias=self.arch == "qwen2",
             tied_embeddings=self.tied,
+            n_expert=self.n_expert,
+            n_expert_used=self.n_expert_used,
+            n_ff_exp=self.n_ff_exp,
             **extra,
         )
 
@@ -106,7 +113,7 @@ class Preset:
 def _preset(name: str, arch: str, dims: tuple[int, ...], tied: bool, theta: float, n_ctx: int,
             vocab: tuple[VocabStyle, VocabFamily], model_name: str,
             rope_scaling: tuple[float, float, float, int] | None = None, n_swa: int = 0,
-            rope_linear: float = 0.0) -> Preset:
+            rope_linear: float = 0.0, moe: tuple[int, int, int] = (0, 0, 0)) -> Preset:
     n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff, n_vocab = dims
     return Preset(
         name=name, arch=arch, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
@@ -114,6 +121,7 @@ def _preset(name: str, arch: str, dims: tuple[int, ...], tied: bool, theta: floa
         rope_theta=theta, n_ctx=n_ctx, vocab_style=vocab[0], vocab_family=vocab[1],
         rms_eps=1e-5 if arch == "llama" else 1e-6, model_name=model_name,
         rope_scaling=rope_scaling, n_swa=n_swa, rope_linear=rope_linear,
+        n_expert=moe[0], n_expert_used=moe[1], n_ff_exp=moe[2],
     )
 
 
@@ -140,6 +148,11 @@ PRESETS: dict[str, Preset] = {
         # and one global, with gemma-3-4b's RoPE layout
         _preset("tiny-gemma3", "gemma3", (256, 6, 4, 2, 64, 512, 1024), True, 1e6, 4096,
                 ("llama", "gemma"), "trio-llm tiny-gemma3", n_swa=16, rope_linear=8.0),
+        # 16 experts of width 256, 4 chosen per token (moe: experts, used, width)
+        _preset("tiny-qwen3moe", "qwen3moe", (256, 2, 4, 2, 64, 512, 1024), False, 1e6, 4096,
+                ("gpt2", "chatml"), "trio-llm tiny-qwen3moe", moe=(16, 4, 256)),
+        _preset("qwen3-30b-a3b", "qwen3moe", (2048, 48, 32, 4, 128, 6144, 151936), False, 1e6, 40960,
+                ("gpt2", "chatml"), "synthetic Qwen3-30B-A3B shape", moe=(128, 8, 768)),
         _preset("gemma3-4b", "gemma3", (2560, 34, 8, 4, 256, 10240, 262144), True, 1e6, 131072,
                 ("llama", "gemma"), "synthetic gemma-3-4b shape", n_swa=1024, rope_linear=8.0),
     ]
@@ -194,7 +207,7 @@ class TensorPlan:
     def chunks(self) -> list[tuple[int, int]]:
         """Row ranges, fixed by the shape alone so the bytes never depend on the pool."""
         n_rows = self.shape[0] if len(self.shape) > 1 else 1
-        step = max(1, CHUNK_VALUES // self.shape[-1])
+        step = max(1, CHUNK_VALUES // int(np.prod(self.shape[1:] or self.shape)))
         return [(r, min(r + step, n_rows)) for r in range(0, n_rows, step)]
 
 
@@ -208,7 +221,9 @@ def _role(name: str) -> str:
     """llama-quantize's tensor category: the name's matrix kind (attn_v, ffn_down, ...)."""
     if name in ("output.weight", "token_embd.weight"):
         return name.split(".")[0]
-    return name.split(".")[2] if name.startswith("blk.") else name
+    # llama-quantize matches names by substring: an expert tensor is in its matrix's
+    # category (ffn_down_exps is an ffn_down)
+    return name.split(".")[2].removesuffix("_exps") if name.startswith("blk.") else name
 
 
 def mix_type(name: str, quant: str, cfg: ModelConfig, n_in: int) -> T:
@@ -276,7 +291,10 @@ def plan_tensors(preset: Preset, quant: str, pure: bool = False) -> list[TensorP
         factors = llama3_rope_factors(cfg.head_dim, cfg.rope_theta, *preset.rope_scaling)
         plans.append(TensorPlan("rope_freqs.weight", (len(factors),), T.F32, "const", factors))
     for name, shape in expected_shapes(cfg).items():
-        if len(shape) == 2:
+        if name.endswith("ffn_gate_inp.weight"):
+            # the router stays F32, as llama.cpp's converter and llama-quantize keep it
+            plans.append(TensorPlan(name, shape, T.F32, "matrix"))
+        elif len(shape) >= 2:
             plans.append(TensorPlan(name, shape, _matrix_type(name, quant, cfg, shape[-1], pure), "matrix"))
         else:
             kind: Literal["norm", "bias"] = "bias" if name.endswith(".bias") else "norm"
@@ -396,6 +414,10 @@ def _write_metadata(writer: gguf.GGUFWriter, preset: Preset, quant: str) -> None
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
     if preset.n_swa:
         writer.add_sliding_window(preset.n_swa)
+    if preset.n_expert:
+        writer.add_expert_count(preset.n_expert)
+        writer.add_expert_used_count(preset.n_expert_used)
+        writer.add_expert_feed_forward_length(preset.n_ff_exp)
     if preset.rope_linear:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(preset.rope_linear)

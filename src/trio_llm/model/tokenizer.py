@@ -77,6 +77,12 @@ _EOG_TEXTS = frozenset(
         "<|end|>",
         "<end_of_turn>",
         "<EOT>",
+        # llama.cpp also ends a generation at its fill-in-the-middle pad, repository and
+        # file-separator tokens (Qwen vocabularies have all three)
+        "<|fim_pad|>",
+        "<|fim_repo|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
     }
 )
 

@@ -77,3 +77,25 @@ def head(g: Graph, x: Tensor, eps: float) -> Tensor:
     x = norm(g, x, "output_norm.weight", eps, "result_norm")  # [O, n_embd]
     w = g.weight("output.weight" if g.has("output.weight") else "token_embd.weight")
     return g.set_logits(g.linear(x, w, "result_output"))  # [O, n_vocab]
+
+
+@attrs.frozen
+class Moe:
+    n_expert: int
+    n_expert_used: int
+    norm: bool  # renormalise the chosen experts' weights to sum to 1
+    scale: float = 1.0  # multiplies the weights (``expert_weights_scale``)
+
+
+def moe_ffn(g: Graph, h: Tensor, il: int, moe: Moe, act: Activation) -> Tensor:
+    """llama.cpp's ``build_moe_ffn``: the router picks ``n_expert_used`` of the layer's
+    experts per token (softmax gating), each chosen expert runs its gated FFN, and the
+    outputs are summed with the routing weights: ``[T, n_embd]``."""
+    b = f"blk.{il}."
+    logits = g.linear(h, g.weight(b + "ffn_gate_inp.weight"), "ffn_moe_logits")  # [T, n_expert]
+    routes = g.moe_topk(logits, moe.n_expert_used, "ffn_moe_topk", norm=moe.norm, scale=moe.scale)  # [T, 2k]
+    gate = g.moe_linear(h, g.weight(b + "ffn_gate_exps.weight"), routes, "ffn_moe_gate")  # [T, k, n_ff_exp]
+    up = g.moe_linear(h, g.weight(b + "ffn_up_exps.weight"), routes, "ffn_moe_up")  # [T, k, n_ff_exp]
+    par = g.glu(gate, up, act, "ffn_moe_swiglu")  # [T, k, n_ff_exp]
+    down = g.moe_linear(par, g.weight(b + "ffn_down_exps.weight"), routes, "ffn_moe_down")  # [T, k, n_embd]
+    return g.moe_combine(down, routes, "ffn_moe_out")  # [T, n_embd]
