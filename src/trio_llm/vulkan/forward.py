@@ -488,6 +488,32 @@ class _Lowering:
                          act=node.attr("act"), count_sel=sel)
         self.emit([d], [self.slot(g), self.slot(u)], [self.slot(node.out)])
 
+    # -- mixture of experts: the routing stays on the device, so the expert matvecs read
+    # their ids from it and a recorded graph serves every routing
+
+    def op_moe_topk(self, node: Node) -> None:
+        (x,) = node.inputs
+        d = self.ops.moe_topk(self.view(x), self.view(node.out), self.st, n_expert=node.attr("n_expert"),
+                              k=node.attr("k"), x_stride=x.width, y_stride=node.out.width, cap=self.bucket,
+                              norm=node.attr("norm"), scale=node.attr("scale"))
+        self.emit([d], [self.slot(x)], [self.slot(node.out)])
+
+    def op_moe_linear(self, node: Node) -> None:
+        x, w, routes = node.inputs
+        _, n_rows, n_in = (int(d) for d in w.shape)
+        d = self.ops.moe_matvec(self.weights.slots[w.name].qtype, self.weights.view(w.name), self.view(x),
+                                self.view(node.out), self.st, self.view(routes), n_in=n_in, n_rows=n_rows,
+                                x_stride=x.width, x_pair=n_in if len(x.shape) == 3 else 0,
+                                y_stride=node.out.width, k=node.attr("k"), cap=self.bucket)
+        self.emit([d], [self.slot(x), self.slot(routes)], [self.slot(node.out)])
+
+    def op_moe_combine(self, node: Node) -> None:
+        y, routes = node.inputs
+        n = int(node.out.shape[1])
+        d = self.ops.moe_combine(self.view(y), self.view(routes), self.view(node.out), self.st, n=n,
+                                 k=node.attr("k"), y_stride=node.out.width, cap=self.bucket)
+        self.emit([d], [self.slot(y), self.slot(routes)], [self.slot(node.out)])
+
     @property
     def st(self) -> View:
         return self.act.view("step")

@@ -313,3 +313,39 @@ class Ops:
     def transpose(self, src: View, dst: View, *, rows: int, cols: int) -> Dispatch:
         k = self.kernels.get("transpose", n_bindings=2, n_push=2, local_size=256)
         return Dispatch(k, (src, dst), (rows, cols), (math.ceil(cols / 32), math.ceil(rows / 32), 1))
+
+    # -- mixture of experts ------------------------------------------------------------
+
+    def moe_topk(
+        self, logits: View, routes: View, step: View, *, n_expert: int, k: int, x_stride: int,
+        y_stride: int, cap: int, norm: bool, scale: float,
+    ) -> Dispatch:
+        """Each live token's routing row (k expert ids, then k weights) from its router
+        logits: softmax, top-k, renormalised (``norm``), times ``scale``."""
+        assert n_expert <= 512 and k <= 64
+        kern = self.kernels.get("moe_topk", n_bindings=3, n_push=6, local_size=self.norm_wg)
+        push = (n_expert, k, x_stride, y_stride, int(norm), float(scale))
+        return Dispatch(kern, (logits, routes, step), push, grid(cap))
+
+    def moe_matvec(
+        self, qtype: str, w: View, x: View, y: View, step: View, routes: View, *, n_in: int, n_rows: int,
+        x_stride: int, x_pair: int, y_stride: int, k: int, cap: int,
+    ) -> Dispatch:
+        """y[c, j, :] = W[id(c, j)] . x[c] (``x_pair`` 0) or . x[c, j] for the live tokens
+        c and their k chosen experts j; ``w`` is the whole 3-D expert tensor."""
+        assert n_in % 8 == 0 and x_stride % 4 == 0 and x_pair % 4 == 0
+        nr, rs = self.matvec_rows, self.matvec_rs
+        kern = self.kernels.get(
+            "moe_matvec", n_bindings=5, n_push=7, local_size=nr * self.subgroup,
+            defines=qtype_defines(qtype), spec={2: nr, 3: rs},
+        )
+        push = (n_in, n_rows, x_stride, x_pair, y_stride, k, 2 * k)
+        return Dispatch(kern, (w, x, y, step, routes), push, (math.ceil(n_rows / (nr * rs)), 1, cap * k))
+
+    def moe_combine(
+        self, x: View, routes: View, y: View, step: View, *, n: int, k: int, y_stride: int, cap: int,
+    ) -> Dispatch:
+        """y[c] = sum_j weight(c, j) x[c, j] over the live tokens."""
+        kern = self.kernels.get("moe_combine", n_bindings=4, n_push=5, local_size=self.elem_wg)
+        push = (n, k, k * n, 2 * k, y_stride)
+        return Dispatch(kern, (x, routes, y, step), push, (math.ceil(n / self.elem_wg), cap, 1))

@@ -33,14 +33,15 @@ QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", 
           "Q6_K", "IQ4_NL", "IQ4_XS")
 
 #: shaders with one variant per weight type
-QUANT_SHADERS = ("matvec", "matmul", "get_rows")
+QUANT_SHADERS = ("matvec", "matmul", "get_rows", "moe_matvec")
 #: matvec with rope and the KV-cache write in its epilogue (see matvec.comp)
 ROPE_OUT = {"ROPE_OUT": 1}
 #: matvec of the FFN's gate and up at once, SwiGLU in the epilogue
 GATE_UP = {"GATE_UP": 1}
 #: shaders with a single variant (for f32 caches; the KV readers and writers have one
 #: per cache type, see all_variants)
-PLAIN_SHADERS = ("rms_norm", "rope", "attention", "attn_decode", "swiglu", "add", "scale", "argmax", "transpose")
+PLAIN_SHADERS = ("rms_norm", "rope", "attention", "attn_decode", "swiglu", "add", "scale", "argmax", "transpose",
+                 "moe_topk", "moe_combine")
 #: KV cache type codes (model/kvtypes.py KVType.code) the cache readers and writers take
 KV_CODES = range(8)
 

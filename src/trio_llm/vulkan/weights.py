@@ -113,6 +113,11 @@ class WeightStore:
                 raise UnsupportedModelError(self.model.path, f"tensor {t.name!r} has type {qtype}, which the Vulkan backend does not read")
             if len(t.shape) == 1 and qtype != "F32":
                 raise UnsupportedModelError(self.model.path, f"vector {t.name!r} is {qtype}; the Vulkan backend reads vectors as F32")
+            if len(t.shape) == 3 and t.n_bytes > limits.max_storage_buffer_range:
+                # an expert matvec binds the whole 3-D tensor (ids pick the expert on the device)
+                raise UnsupportedModelError(
+                    self.model.path, f"expert tensor {t.name!r} is {t.n_bytes >> 20} MiB, more than this "
+                                     f"device binds at once ({limits.max_storage_buffer_range >> 20} MiB)")
         groups: list[list] = []
         for t in infos:
             addr = int(t.raw.ctypes.data)

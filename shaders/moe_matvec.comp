@@ -1,0 +1,72 @@
+#version 450
+// Expert matrix-vector products (ggml's mul_mat_id): for each live token c and each of
+// its k chosen experts j, y[c][j][row] = W[e][row] . x[c] (or x[c][j]: x_pair != 0),
+// where e = the routing's id (c, j), read from the device, so a recorded graph serves
+// every routing. W is the 3-D expert tensor [n_expert, n_rows, n_in] (ggml rows).
+// One work group per (c, j) (grid z) and NR x RS rows (grid x); a subgroup reduces RS
+// rows with subgroupAdd, the generic eight-values-per-lane loop of matvec.comp.
+#include "common.glsl"
+
+layout(binding = 0, std430) readonly buffer W16 { uint16_t w16[]; };
+layout(binding = 1, std430) readonly buffer X { vec4 x4[]; };
+layout(binding = 2, std430) writeonly buffer Y { float y[]; };
+DECLARE_STEP(3)
+layout(binding = 4, std430) readonly buffer R { float routes[]; };
+
+layout(push_constant) uniform Push {
+    uint n_in;      // row length
+    uint n_rows;    // rows of one expert
+    uint x_stride;  // floats between tokens of x (multiple of 4)
+    uint x_pair;    // floats between the k inputs of one token (0: one shared input)
+    uint y_stride;  // floats between tokens of y
+    uint k;         // experts per token
+    uint r_stride;  // floats between tokens of the routing (2k)
+} pc;
+
+layout(constant_id = 2) const uint NR = 4;
+layout(constant_id = 3) const uint RS = 2;
+
+#include "quant.glsl"
+
+void main() {
+    uint pair = gl_WorkGroupID.z;
+    uint c = pair / pc.k;
+    uint j = pair - c * pc.k;
+    if (c >= step.n_tokens) {
+        return;
+    }
+    uint e = uint(routes[c * pc.r_stride + j]);
+    uint lane = gl_SubgroupInvocationID;
+    uint sg = gl_SubgroupSize;
+    uint xb = (c * pc.x_stride + j * pc.x_pair) / 4u;
+    uint rw = row_words(pc.n_in);
+    for (uint r = gl_SubgroupID; r < NR; r += gl_NumSubgroups) {
+        uint row0 = (gl_WorkGroupID.x * NR + r) * RS;
+        if (row0 >= pc.n_rows) {
+            break;
+        }
+        uint rows[RS];
+        [[unroll]] for (uint q = 0; q < RS; q++) {
+            rows[q] = e * pc.n_rows + min(row0 + q, pc.n_rows - 1u);
+        }
+        float acc[RS];
+        [[unroll]] for (uint q = 0; q < RS; q++) {
+            acc[q] = 0.0;
+        }
+        for (uint g = lane; g < pc.n_in / 8u; g += sg) {
+            vec4 xa = x4[xb + 2u * g];
+            vec4 xc = x4[xb + 2u * g + 1u];
+            [[unroll]] for (uint q = 0; q < RS; q++) {
+                float w[8];
+                dequant8(rows[q] * rw, g, w);
+                acc[q] += dot(vec4(w[0], w[1], w[2], w[3]), xa) + dot(vec4(w[4], w[5], w[6], w[7]), xc);
+            }
+        }
+        [[unroll]] for (uint q = 0; q < RS; q++) {
+            float s = subgroupAdd(acc[q]);
+            if (subgroupElect() && row0 + q < pc.n_rows) {
+                y[c * pc.y_stride + j * pc.n_rows + row0 + q] = s;
+            }
+        }
+    }
+}
