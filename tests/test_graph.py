@@ -16,7 +16,8 @@ from trio_llm.model.synth import PRESETS
 from trio_llm.models import build_graph, tensor_shapes
 from trio_llm.vulkan.forward import plan_buffers
 
-ARCH_PRESETS = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "llama-8b", "gemma3-4b"]
+ARCH_PRESETS = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "llama-8b", "gemma3-4b", "tiny-qwen3moe",
+                "qwen3-30b-a3b"]
 
 
 def _graph(preset: str) -> Graph:
@@ -94,7 +95,8 @@ def test_the_buffer_plan_never_gives_two_live_values_one_buffer(preset: str) -> 
                 # the node that reads a last
                 assert last.get(a.id, born[a.id]) <= born[b.id], (a, b)
     # same-width rows reuse buffers: far fewer buffers than values
-    assert len(plan.slots) <= 12 < len(values)
+    limit = 14 if PRESETS[preset].n_expert else 12  # an MoE layer adds the router's and the routing's widths
+    assert len(plan.slots) <= limit < len(values)
 
 
 def test_sliding_window_layers_keep_a_ring_and_say_when_a_prefix_is_reusable() -> None:
