@@ -230,6 +230,12 @@ async def test_deep_json_and_lone_surrogates_are_400s(start: Start) -> None:
                 r = await c.post(path, content=raw, headers={"content-type": "application/json"})
                 assert r.status_code == 400 and "deeper than" in r.json()["error"]["message"], (path, r.text)
         assert (await c.post("/completion", content=ok_depth)).status_code == 200
+        # found beyond the eleven: an integer literal past Python's 4300-digit limit
+        # was a 500 ValueError
+        for raw in (b'{"prompt": "hi", "n_predict": ' + b"1" * 5000 + b"}",
+                    b'{"prompt": [1, 2, ' + b"9" * 5000 + b"]}"):
+            r = await c.post("/completion", content=raw)
+            assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
         for path, raw in [
             ("/apply-template", b'{"messages":[{"role":"user","content":"\\ud800"}]}'),
             ("/apply-template", b'{"messages":[{"role":"\\udfff","content":"x"}]}'),

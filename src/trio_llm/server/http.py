@@ -35,6 +35,7 @@ from trio_llm.errors import (
 from trio_llm.model import chat_output as CO
 from trio_llm.server import params as P
 from trio_llm.server import responses as R
+from trio_llm.server import slot_file
 from trio_llm.server.context import Engine, ServerContext
 from trio_llm.server.metrics import CONTENT_TYPE, render
 from trio_llm.server.tasks import (
@@ -142,7 +143,9 @@ def parse_json(raw: bytes) -> Any:
         raise InvalidRequest("the request body is empty; send a JSON object")
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:
+        # JSONDecodeError, UnicodeDecodeError, and the plain ValueError of an integer
+        # literal longer than Python converts (4300 digits, sys.int_info)
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise InvalidRequest(f"the request body nests arrays or objects deeper than {MAX_JSON_DEPTH}") from None
@@ -474,6 +477,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             raise ApiError(400, "'action' must be save, restore or erase", "invalid_request_error")
         if not 0 <= id_slot < ctx.config.parallel:
             raise ApiError(400, f"no slot {id_slot}: this server has {ctx.config.parallel}", "invalid_request_error")
+        t0 = trio.current_time()
         action = SlotAction("erase")
         if kind != "erase":
             folder = ctx.config.slot_save_path
@@ -483,14 +487,27 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             name = body.get("filename") if isinstance(body, dict) else None
             if not isinstance(name, str) or not P.valid_filename(name):
                 raise ApiError(400, "'filename' must be a plain file name (no folders)", "invalid_request_error")
-            action = SlotAction(kind, folder / name, name)  # type: ignore[arg-type]
+            path = folder / name
+            action = SlotAction(kind, path, name)  # type: ignore[arg-type]
+            if kind == "restore":
+                # the file is read and checked here, off the slots loop (see SlotAction)
+                tokens, kv = await trio.to_thread.run_sync(slot_file.load, path, e.model_config, e.n_ctx)
+                action = SlotAction("restore", path, name, tuple(tokens), kv)
         params = TaskParams(n_predict=0, id_slot=id_slot, cache_prompt=False)
         async with aclosing(run_tasks(e, [((), params)], action=action, open_requests=open_requests)) as results:
             async for _, msg in results:
                 if isinstance(msg, TaskError):
                     raise ApiError(msg.code, msg.message, msg.type)
                 if isinstance(msg, TaskActionDone):
-                    return _json(msg.body)
+                    ms = 1e3 * (trio.current_time() - t0)
+                    if action.kind == "restore":
+                        return _json(msg.body | {"timings": {"restore_ms": ms}})  # the read included
+                    if action.kind != "save":
+                        return _json(msg.body)
+                    assert action.path is not None and msg.kv is not None
+                    n = await trio.to_thread.run_sync(slot_file.save, action.path, e.model_config, msg.tokens, msg.kv)
+                    ms = 1e3 * (trio.current_time() - t0)
+                    return _json(msg.body | {"n_written": n, "timings": {"save_ms": ms}})
         raise ApiError(503, "the server is shutting down", "unavailable_error")
 
     @app.get("/metrics")

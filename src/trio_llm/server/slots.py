@@ -35,7 +35,6 @@ from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.constraint import Constraint, Grammars, apply_masks
 from trio_llm.engine.sampling import log_softmax, make_rng, sample, top_logprobs
 from trio_llm.errors import ContextOverflow, InvalidRequest, TrioLLMError
-from trio_llm.server import slot_file
 from trio_llm.server.gate import ResidencyGate
 from trio_llm.server.queue import (
     Assign,
@@ -383,7 +382,9 @@ class SlotsEngine:
             if task is None or task.action is None:
                 continue
             try:
-                result: TaskResult = TaskActionDone(task.id_task, await self._slot_action(slot, task.action))
+                done = await self._slot_action(slot, task.action)
+                result: TaskResult = (attrs.evolve(done, id_task=task.id_task) if isinstance(done, TaskActionDone)
+                                      else TaskActionDone(task.id_task, done))
             except InvalidRequest as exc:
                 result = TaskError(task.id_task, str(exc), 400, "invalid_request_error")
             except TrioLLMError as exc:
@@ -391,33 +392,32 @@ class SlotsEngine:
             if self._send(slot, result):
                 self._release(slot, cancelled=False)
 
-    async def _slot_action(self, slot: Slot, action: SlotAction) -> dict[str, Any]:
-        """Save, restore or erase ``slot``'s KV cache; llama-server's answer for it."""
+    async def _slot_action(self, slot: Slot, action: SlotAction) -> TaskActionDone | dict[str, Any]:
+        """Save, restore or erase ``slot``'s KV cache; llama-server's answer for it.
+        Only the device side runs here: the file was read (restore) or is written
+        (save) by the HTTP handler (see ``SlotAction``)."""
         t0 = trio.current_time()
         if action.kind == "erase":
             n = slot.n_past
             slot.seq, slot.n_past = [], 0
             return {"id_slot": slot.id, "n_erased": n}
-        assert action.path is not None
-        cfg = self._client.backend.config
         if action.kind == "restore":
-            tokens, kv = await trio.to_thread.run_sync(slot_file.load, action.path, cfg, slot.n_ctx)
+            kv = action.kv
+            assert kv is not None
             async with self._gate.resident():
                 self._check_epoch()
                 slot.seq, slot.n_past = [], 0  # nothing of the old cache is valid meanwhile
                 await self._client.write_kv(slot.id, kv)
-                slot.seq, slot.n_past = list(tokens), len(tokens)
+                slot.seq, slot.n_past = list(action.tokens), len(action.tokens)
             ms = 1e3 * (trio.current_time() - t0)
-            return {"id_slot": slot.id, "filename": action.filename, "n_restored": len(tokens),
+            return {"id_slot": slot.id, "filename": action.filename, "n_restored": len(action.tokens),
                     "n_read": kv.nbytes, "timings": {"restore_ms": ms}}
         async with self._gate.resident():
             self._check_epoch()
-            tokens = slot.seq[: slot.n_past]
+            tokens = tuple(slot.seq[: slot.n_past])
             kv = await self._client.read_kv(slot.id, len(tokens))
-        n_written = await trio.to_thread.run_sync(slot_file.save, action.path, cfg, tokens, kv)
-        ms = 1e3 * (trio.current_time() - t0)
-        return {"id_slot": slot.id, "filename": action.filename, "n_saved": len(tokens),
-                "n_written": n_written, "timings": {"save_ms": ms}}
+        body = {"id_slot": slot.id, "filename": action.filename, "n_saved": len(tokens)}
+        return TaskActionDone(-1, body, tokens, kv)
 
     async def _wait_resident(self) -> bool:
         """Wait for the model to be resident. While a wake takes time (a restore, another

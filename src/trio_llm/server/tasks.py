@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import attrs
+import numpy as np
 import trio
 
 from trio_llm.engine.sampling import SamplingParams
@@ -62,11 +63,19 @@ class TaskParams:
 class SlotAction:
     """llama-server's ``POST /slots/{id}?action=...``: save the slot's KV cache to
     ``path``, restore it from there, or erase it. Runs as a task pinned to the slot,
-    so it waits for the slot like any request and never meets a generation in it."""
+    so it waits for the slot like any request and never meets a generation in it.
+
+    The file itself is read and written by the HTTP handler, on a worker thread, not
+    by the slots loop: a slot file can be gigabytes, and a read or write there would
+    stall every other slot's generation for as long (a planted FIFO: forever). So a
+    restore arrives with the file's ``tokens`` and ``kv`` already read and checked,
+    and a save's answer (``TaskActionDone``) carries them back to be written."""
 
     kind: Literal["save", "restore", "erase"]
     path: Path | None = None
     filename: str = ""
+    tokens: tuple[int, ...] = ()  # restore: what the file holds
+    kv: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)  # restore: [n_layer, 2, n, kv_dim]
 
 
 @attrs.frozen
@@ -154,10 +163,13 @@ class TaskError:
 
 @attrs.frozen
 class TaskActionDone:
-    """A slot action finished; ``body`` is llama-server's answer for it."""
+    """A slot action finished; ``body`` is llama-server's answer for it (a save's is
+    completed by the handler once it has written ``tokens`` and ``kv`` to the file)."""
 
     id_task: int
     body: dict[str, Any]
+    tokens: tuple[int, ...] = ()  # save: the slot's cached tokens
+    kv: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)  # save: their KV cache
 
 
 TaskResult = TaskPartial | TaskFinal | TaskError | TaskActionDone
