@@ -16,8 +16,8 @@ llama.cpp in the ``xllamacpp`` wheel (``tests/test_kvtypes.py``):
 
 * f16: round to nearest even (F16C ``vcvtps2ph``; numpy's cast is the same).
 * bf16, q4_0, q4_1, q5_0, q5_1: the ``*_ref`` quantizers, which ``gguf.quants`` ports
-  bit-exactly (q4_0's ``x * id + 8.5`` is evaluated as a fused multiply-add there,
-  and ``gguf`` emulates that in float64).
+  bit-exactly (``x * id + 8.5`` and the like rounded twice, in float32: the wheel's
+  ggml does not fuse them into a multiply-add).
 * q8_0: **not** ``quantize_row_q8_0_ref`` on x86. The CPU backend's AVX/AVX2
   ``quantize_row_q8_0`` takes ``id = 127 / amax`` (the reference: ``1 / (amax / 127)``,
   which can differ in the last bit) and rounds half to even (``_mm256_round_ps``;
