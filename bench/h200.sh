@@ -4,7 +4,7 @@
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
 # Stages: verify (the Vulkan correctness tests on the H200), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after),
-# decode1b, vkmem,
+# decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill),
 # residency, handoff,
 # server, scen1b, scen8b.
 # Unpacks the Vulkan loader (.gl/*.deb) and the Python wheels the image lacks (.whl),
@@ -87,6 +87,11 @@ for s in $STAGES; do case $s in
       find $B/bench/results -name "*.json" -newer /tmp/h200/start -exec cp {} "$RES/before-$tag.json" \;
       stage "decode-$tag-after" 150 $PY bench/decode.py --model "$m" --backends vulkan --repeats 3
     done ;;
+  moe)  # mixture of experts: the MoE kernel tests on the GPU, then qwen3-30b-a3b Q4_K_M (18.6 GB)
+    stage verify-moe 120 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_moe.py tests/test_moe.py
+    if [ "${SMALL:-0}" = 1 ]; then MOE=tiny-qwen3moe; else MOE=qwen3-30b-a3b; fi
+    stage make-moe 480 $PY -m trio_llm make-model --preset $MOE --quant Q4_K_M -o /tmp/m/$MOE-Q4_K_M.gguf -q
+    stage decode-moe-q4km 300 $PY bench/decode.py --model /tmp/m/$MOE-Q4_K_M.gguf --backends vulkan --repeats 3 ;;
   decode1b)  # llama-1b Q4_K_M only
     stage decode-1b-q4km 100 $PY bench/decode.py --model "$(model $B1 Q4_K_M)" --backends vulkan --repeats 3 ;;
   vkmem)
