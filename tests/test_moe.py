@@ -99,3 +99,15 @@ def test_vulkan_batches_and_restores_moe_like_numpy(model_path) -> None:  # type
     finally:
         vk.close()
         ref.close()
+
+
+def test_vulkan_refuses_an_expert_width_its_kernels_cannot_tile(model_path) -> None:  # type: ignore[no-untyped-def]
+    import attrs
+
+    from trio_llm.errors import UnsupportedModelError
+    from trio_llm.vulkan.backend import _check_shapes
+
+    model = load_gguf(model_path("tiny-qwen3moe", "Q8_0"))
+    _check_shapes(model, model.config)  # the preset itself is fine
+    with pytest.raises(UnsupportedModelError, match="expert_feed_forward_length 40 is not a multiple of 32"):
+        _check_shapes(model, attrs.evolve(model.config, n_ff_exp=40))

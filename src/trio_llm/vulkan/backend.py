@@ -459,7 +459,10 @@ class VulkanBackend:
 def _check_shapes(model: GGUFModel, cfg: ModelConfig) -> None:
     """The kernels' shape assumptions, checked once with a readable error."""
     problems = []
-    for what, n in (("n_embd", cfg.n_embd), ("q_dim", cfg.q_dim), ("n_ff", cfg.n_ff)):
+    dims = [("n_embd", cfg.n_embd), ("q_dim", cfg.q_dim), ("n_ff", cfg.n_ff)]
+    if cfg.n_expert:
+        dims.append(("expert_feed_forward_length", cfg.n_ff_exp))
+    for what, n in dims:
         if n % 32:
             problems.append(f"{what} {n} is not a multiple of 32")
     if cfg.head_dim % 4 or cfg.head_dim > 256:
