@@ -76,6 +76,15 @@ shared vec4 qs4[MAX_HEAD_DIM / 4];
 shared float ps[WG];
 shared vec4 part[WG];  // the key groups' partial outputs
 
+// the row of position p: p itself unless the cache is a ring that has wrapped (no
+// division on the common path)
+uint ring_row(uint p) {
+    if (p >= pc.n_ctx) {
+        p = p % pc.n_ctx;
+    }
+    return p;
+}
+
 void main() {
     uint h = gl_WorkGroupID.x;
     uint t = gl_WorkGroupID.y;
@@ -112,7 +121,7 @@ void main() {
         bool live = j < len;
         float s = -1.0e30;
         if (live) {
-            uint kb = (base + j % pc.n_ctx) * k_row + k_head;
+            uint kb = (base + ring_row(j)) * k_row + k_head;
             vec4 dv = vec4(0.0);
             for (uint d0 = 0; d0 < hd4; d0 += 8u) {
                 [[unroll]] for (uint i = 0; i < 8; i++) {
@@ -136,7 +145,7 @@ void main() {
                 [[unroll]] for (uint i = 0; i < 4; i++) {
                     uint jj = j0 + i * kg_n;
                     if (jj < nvalid) {
-                        acc += ps[jj] * v_load4((base + (b0 + jj) % pc.n_ctx) * v_row + v_head, 4u * d4);
+                        acc += ps[jj] * v_load4((base + ring_row(b0 + jj)) * v_row + v_head, 4u * d4);
                     }
                 }
             }

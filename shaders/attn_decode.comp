@@ -100,6 +100,15 @@ shared bool is_last;
 const uint MAX_SPLIT = 256;
 shared float split_w[MAX_SPLIT];  // the combine's per-split weights exp(m_s - M)
 
+// the row of position p: p itself unless the cache is a ring that has wrapped (no
+// division on the common path)
+uint ring_row(uint p) {
+    if (p >= pc.n_ctx) {
+        p = p % pc.n_ctx;
+    }
+    return p;
+}
+
 void main() {
     uint split = gl_WorkGroupID.x;
     uint t = gl_WorkGroupID.z;
@@ -160,7 +169,7 @@ void main() {
             s[g] = -1.0e30;
         }
         if (j < k1) {
-            uint kb = (base + j % pc.n_ctx) * k_row + k_head;
+            uint kb = (base + ring_row(j)) * k_row + k_head;
             vec4 dv[GW];
             [[unroll]] for (uint g = 0; g < GW; g++) {
                 dv[g] = vec4(0.0);
@@ -219,7 +228,7 @@ void main() {
                 vec4 vv[4];
                 [[unroll]] for (uint i = 0; i < 4u; i++) {
                     uint jj = j0 + i * kg_n;
-                    vv[i] = jj < nvalid ? v_load4((base + (b0 + jj) % pc.n_ctx) * v_row + v_head, 4u * d4) : vec4(0.0);
+                    vv[i] = jj < nvalid ? v_load4((base + ring_row(b0 + jj)) * v_row + v_head, 4u * d4) : vec4(0.0);
                 }
                 [[unroll]] for (uint i = 0; i < 4u; i++) {
                     uint jj = j0 + i * kg_n;
