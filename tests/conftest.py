@@ -19,16 +19,18 @@ ModelPathFactory = Callable[..., Path]
 
 @pytest.fixture(scope="session")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> ModelPathFactory:
-    """Factory: ``model_path("tiny", "Q8_0", seed=0, pure=False) -> Path`` of a
-    synthetic GGUF (``pure``: every matrix the mix's base type)."""
+    """Factory: ``model_path("tiny", "Q8_0", seed=0, pure=False, sharp=False) -> Path``
+    of a synthetic GGUF (``pure``: every matrix the mix's base type; ``sharp``: peaked
+    attention and logits, see ``synth.plan_tensors``)."""
     directory = tmp_path_factory.mktemp("models")
-    made: dict[tuple[str, str, int, bool], Path] = {}
+    made: dict[tuple[str, str, int, bool, bool], Path] = {}
 
-    def get(preset: str = "tiny", quant: str = "Q8_0", seed: int = 0, pure: bool = False) -> Path:
-        key = (preset, quant, seed, pure)
+    def get(preset: str = "tiny", quant: str = "Q8_0", seed: int = 0, pure: bool = False,
+            sharp: bool = False) -> Path:
+        key = (preset, quant, seed, pure, sharp)
         if key not in made:
-            name = f"{preset}-{quant}{'-pure' if pure else ''}-s{seed}.gguf"
-            made[key] = make_model(preset, quant, directory / name, seed=seed, pure=pure)
+            name = f"{preset}-{quant}{'-pure' if pure else ''}{'-sharp' if sharp else ''}-s{seed}.gguf"
+            made[key] = make_model(preset, quant, directory / name, seed=seed, pure=pure, sharp=sharp)
         return made[key]
 
     return get

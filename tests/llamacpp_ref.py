@@ -107,6 +107,18 @@ class Reference:
         return Continuation(steps, str(out.get("stop_type", "")))
 
 
+def stops_on(ref: Reference, prompt: Sequence[int], token: int) -> bool:
+    """Whether llama.cpp ends a generation at ``token`` (forced by a logit bias): its
+    end-of-generation set, as the server applies it."""
+    body = {
+        "prompt": [int(t) for t in prompt], "n_predict": 2, "temperature": 0.0, "cache_prompt": False,
+        "logit_bias": [[int(token), 1000.0]], "return_tokens": True,
+    }
+    r = ref._client.post("/completion", json=body)
+    r.raise_for_status()
+    return bool(r.json()["stop_type"] == "eos")
+
+
 def our_greedy(
     backend: Backend, prompt: Sequence[int], is_eog: Callable[[int], bool], n_predict: int = N_PREDICT
 ) -> tuple[list[int], list[np.ndarray]]:

@@ -199,6 +199,7 @@ class TensorPlan:
     ggml_type: T
     kind: Literal["matrix", "norm", "bias", "const"]
     values: tuple[float, ...] | None = None  # the contents of a "const" tensor
+    scale: float = 1.0  # multiplies the drawn values (``sharp`` files)
 
     @property
     def n_bytes(self) -> int:
@@ -280,9 +281,24 @@ def _matrix_type(name: str, quant: str, cfg: ModelConfig, n_in: int, pure: bool)
     return mix_type(name, quant, cfg, n_in)
 
 
-def plan_tensors(preset: Preset, quant: str, pure: bool = False) -> list[TensorPlan]:
+#: ``sharp`` files: q/k projections 5x (attention scores of std ~2.5 instead of ~0.1,
+#: so which positions a query attends to matters; QK-norm architectures renormalise
+#: q and k, their scores are peaked already), the final norm 2x (logits 2x: a more
+#: peaked next-token distribution; at 4x llama.cpp's 8-bit activation rounding grew
+#: past the agreement tolerance on the 2-4 bit types). Measured on tiny F32 in
+#: llama.cpp: zeroing every attn_k moves the top logprobs 0.04 nats in a plain file,
+#: 0.35 with q/k 5x alone.
+SHARP_SCALES = {"attn_q.weight": 5.0, "attn_k.weight": 5.0, "output_norm.weight": 2.0}
+
+
+def plan_tensors(preset: Preset, quant: str, pure: bool = False, sharp: bool = False) -> list[TensorPlan]:
     """Every tensor of the file, in file order, with its type (``pure``: every matrix
-    the mix's base type, as llama-quantize's ``--pure``)."""
+    the mix's base type, as llama-quantize's ``--pure``).
+
+    ``sharp`` scales a few tensors up (``SHARP_SCALES``). N(0, 0.02) weights give
+    near-uniform attention and a flat output distribution, so a file compared with
+    llama.cpp could hide a wrong attention pattern (RoPE, positions, masking) inside
+    the tolerance; a sharp file cannot."""
     if quant not in QUANTS:
         raise MakeModelError(f"unknown quant {quant!r} (choose from {', '.join(QUANTS)})")
     cfg = preset.config()
@@ -291,14 +307,16 @@ def plan_tensors(preset: Preset, quant: str, pure: bool = False) -> list[TensorP
         factors = llama3_rope_factors(cfg.head_dim, cfg.rope_theta, *preset.rope_scaling)
         plans.append(TensorPlan("rope_freqs.weight", (len(factors),), T.F32, "const", factors))
     for name, shape in expected_shapes(cfg).items():
+        scale = SHARP_SCALES.get(name.split(".", 2)[-1] if name.startswith("blk.") else name, 1.0) if sharp else 1.0
         if name.endswith("ffn_gate_inp.weight"):
             # the router stays F32, as llama.cpp's converter and llama-quantize keep it
             plans.append(TensorPlan(name, shape, T.F32, "matrix"))
         elif len(shape) >= 2:
-            plans.append(TensorPlan(name, shape, _matrix_type(name, quant, cfg, shape[-1], pure), "matrix"))
+            ggml_type = _matrix_type(name, quant, cfg, shape[-1], pure)
+            plans.append(TensorPlan(name, shape, ggml_type, "matrix", scale=scale))
         else:
             kind: Literal["norm", "bias"] = "bias" if name.endswith(".bias") else "norm"
-            plans.append(TensorPlan(name, shape, T.F32, kind))
+            plans.append(TensorPlan(name, shape, T.F32, kind, scale=scale))
     return plans
 
 
@@ -335,6 +353,8 @@ def make_chunk(seed: int, plan: TensorPlan, chunk: int, rows: tuple[int, int]) -
     values *= np.float32(WEIGHT_STD)
     if plan.kind == "norm":
         values += np.float32(1.0)
+    if plan.scale != 1.0:
+        values *= np.float32(plan.scale)
     return quantize(values, plan.ggml_type)
 
 
@@ -443,7 +463,7 @@ def _writer(preset: Preset, quant: str, plans: list[TensorPlan]) -> gguf.GGUFWri
     return writer
 
 
-def planned_file_bytes(preset: str, quant: str, pure: bool = False) -> int:
+def planned_file_bytes(preset: str, quant: str, pure: bool = False, sharp: bool = False) -> int:
     """The exact size ``make_model`` will write, without generating any weights.
 
     Writes only the header (metadata and tensor directory) to a scratch file; the
@@ -451,7 +471,7 @@ def planned_file_bytes(preset: str, quant: str, pure: bool = False) -> int:
     """
     if preset not in PRESETS:
         raise MakeModelError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
-    plans = plan_tensors(PRESETS[preset], quant, pure)
+    plans = plan_tensors(PRESETS[preset], quant, pure, sharp)
     writer = _writer(PRESETS[preset], quant, plans)
     align = writer.data_alignment
     with tempfile.TemporaryDirectory() as scratch:
@@ -474,11 +494,13 @@ def make_model(
     progress: Callable[[str], None] | None = None,
     workers: int | None = None,
     pure: bool = False,
+    sharp: bool = False,
 ) -> Path:
     """Write the ``preset`` model as ``quant`` to ``path`` atomically; return the path.
 
     ``quant`` is a ``QUANTS`` name: a plain type, or a llama-quantize mix whose base
-    type ``pure`` puts on every matrix instead (llama-quantize's ``--pure``).
+    type ``pure`` puts on every matrix instead (llama-quantize's ``--pure``). ``sharp``:
+    see ``plan_tensors``.
 
     ``workers`` defaults to one process per CPU for models above ``POOL_THRESHOLD``
     values and to in-process generation below it; the bytes are the same either way.
@@ -488,7 +510,7 @@ def make_model(
     if seed < 0:
         raise MakeModelError(f"seed must be >= 0, got {seed}")
     p = PRESETS[preset]
-    plans = plan_tensors(p, quant, pure)
+    plans = plan_tensors(p, quant, pure, sharp)
     if workers is None:
         n_values = sum(int(np.prod(t.shape)) for t in plans)
         workers = _usable_cpus() if n_values > POOL_THRESHOLD else 1
@@ -577,6 +599,8 @@ def _parser() -> argparse.ArgumentParser:
                              f"each tensor typed as llama-quantize does: {', '.join(MIXES)}")
     parser.add_argument("--pure", action="store_true",
                         help="every matrix in the mix's base type (as llama-quantize --pure)")
+    parser.add_argument("--sharp", action="store_true",
+                        help="q/k and the final norm scaled up: peaked attention and logits (agreement tests)")
     parser.add_argument("-o", "--output", required=True, type=Path, help="GGUF file to write")
     parser.add_argument("--seed", type=int, default=0, help="RNG seed (>= 0)")
     parser.add_argument("--workers", type=int, default=None, help="processes (default: per CPU)")
@@ -608,7 +632,8 @@ def main(argv: list[str]) -> int:
 
     try:
         make_model(args.preset, args.quant, args.output, seed=args.seed,
-                   progress=None if args.quiet else report, workers=args.workers, pure=args.pure)
+                   progress=None if args.quiet else report, workers=args.workers, pure=args.pure,
+                   sharp=args.sharp)
     except OSError as exc:
         print(f"trio-llm make-model: error: {args.output}: {exc.strerror or exc}", file=sys.stderr)
         return 1
