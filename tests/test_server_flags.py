@@ -221,7 +221,7 @@ async def test_builtin_template_alias_keys_and_defaults(start: Start) -> None:
         assert prompt.endswith("<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
                                "<|start_header_id|>assistant<|end_header_id|>\n\n")
         model = (await c.get("/v1/models")).json()["data"][0]
-        assert (model["id"], model["aliases"]) == ("first", ["second"])
+        assert (model["id"], model["aliases"]) == ("first", ["first", "second"])
         params = (await c.get("/props")).json()["default_generation_settings"]["params"]
         assert (params["presence_penalty"], params["ignore_eos"]) == (0.5, True)
     async with client(h, headers={"Authorization": "Bearer k3"}) as c:
@@ -236,3 +236,60 @@ async def test_fit_lowers_the_unset_context_on_the_device(start: Start) -> None:
     assert fitted.context.engine is not None and fitted.context.engine.n_ctx == 4096  # -c 0 was set: kept
     fitted = await start("--backend", "vulkan", "--fit-target", "999999999", "--fit-ctx", "256", "-np", "2")
     assert fitted.context.engine is not None and fitted.context.engine.n_ctx == 128  # 256 over 2 slots
+
+
+async def test_cors_origins_hosts_and_tags(start: Start) -> None:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    h = await start("--cors-origins", "localhost", "--host", "127.0.0.1,::1", "--port", str(port),
+                    "--tags", "chat,small")
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "Authorization"}
+    async with client(h) as c:
+        for origin, allowed in (("http://localhost:8080", True), ("http://[::1]:3000", True),
+                                ("http://localhost.evil.com", False), ("http://evil.com", False)):
+            r = await c.options("/completions", headers={"Origin": origin, **preflight})
+            assert r.status_code == 200
+            assert (r.headers.get("access-control-allow-origin") == origin) is allowed, origin
+        assert (await c.get("/v1/models")).json()["data"][0]["tags"] == ["chat", "small"]
+    async with httpx.AsyncClient(base_url=f"http://[::1]:{port}", timeout=30) as c6:
+        assert (await c6.get("/health")).status_code == 200
+
+
+async def test_generation_prompt_prefill_and_the_date(start: Start, tmp_path: Path) -> None:
+    """add_generation_prompt, the assistant prefill of a last assistant message, and
+    llama.cpp's date_string / datetime reaching the template."""
+    path = tmp_path / "t.jinja"
+    path.write_text(
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- if not enable_thinking %}<think>\n\n</think>\n\n"
+        "{%- endif %}{%- endif %}[{{ date_string }}|{{ datetime }}|]")
+    h = await start("--chat-template-file", str(path))
+    user = [{"role": "user", "content": "hi"}]
+    async with client(h) as c:
+        def prompt(body: dict[str, Any]) -> Any:
+            return c.post("/apply-template", json=body)
+
+        with_gen = (await prompt({"messages": user})).json()["prompt"]
+        assert "<|im_start|>assistant" in with_gen and "<think>" not in with_gen  # thinking on by default
+        import datetime
+
+        today = datetime.date.today()
+        assert f"[{today.strftime('%d %b %Y')}|{today.strftime('%b %d %Y')}|" in with_gen
+        without = (await prompt({"messages": user, "add_generation_prompt": False})).json()["prompt"]
+        assert "<|im_start|>assistant" not in without
+        prefill = (await prompt({"messages": [*user, {"role": "assistant", "content": "Sure, the"}]})).json()["prompt"]
+        assert prefill.endswith("<|im_start|>assistant\nSure, the")
+        two = await prompt({"messages": [*user, {"role": "assistant", "content": "a"},
+                                         {"role": "assistant", "content": "b"}]})
+        assert two.status_code == 400
+        assert (await prompt({"messages": user, "chat_template_kwargs": {"enable_thinking": "no"}})).status_code == 400
+        none = (await prompt({"messages": user, "reasoning_effort": "none"})).json()["prompt"]
+        assert "<think>\n\n</think>" in none  # reasoning_effort none: thinking off

@@ -83,6 +83,12 @@ class ServerConfig:
     reasoning_effort: str = "default"  # --reasoning-effort: the template's reasoning_effort
     reasoning_format: str = "auto"  # --reasoning-format
     grammar: str | None = None  # --grammar/-j: the default llguidance grammar of a request
+    prefill_assistant: bool = True  # --no-prefill-assistant: a last assistant message is not continued
+    tags: str | None = None
+    cors_origins: str = "*"
+    cors_methods: str = "GET, POST, DELETE, OPTIONS"
+    cors_headers: str = "*"
+    cors_credentials: bool = True  # --tags: informational, shown in /v1/models
     skip_chat_parsing: bool = False  # --skip-chat-parsing: the answer is all content
     endpoint_slots: bool = True  # --slots / --no-slots
     endpoint_props: bool = False  # --props: POST /props allowed
@@ -123,13 +129,34 @@ class ServerConfig:
         _check(self.fit_ctx >= 1, "-fitc/--fit-ctx", "must be >= 1")
         _check(-2.0 <= self.presence_penalty <= 2.0, "--presence-penalty", "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "--frequency-penalty", "must be in [-2, 2]")
-        _check("," not in self.host and not self.host.endswith(".sock"), "--host",
-               f"{self.host!r}: one TCP address only (several addresses and UNIX sockets are not supported)")
+        _check(all(h and not h.endswith(".sock") for h in self.hosts), "--host",
+               f"{self.host!r}: TCP addresses only (UNIX sockets are not supported)")
         _check((self.ssl_key_file is None) == (self.ssl_cert_file is None), "--ssl-key-file/--ssl-cert-file",
                "give both or neither")
         if self.model is not None:
             # existence is checked by the loader, which can say what is wrong with the file
             _check(str(self.model) != "", "-m/--model", "empty path")
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """--host takes several addresses, comma-separated (as llama-server)."""
+        return tuple(h.strip() for h in self.host.split(","))
+
+    def cors_allows(self, origin: str) -> bool:
+        """--cors-origins: * (any, echoed), localhost (only a loopback origin), or a list."""
+        if self.cors_origins == "*":
+            return True
+        allowed = {o.strip() for o in self.cors_origins.split(",")}
+        if "localhost" in allowed:
+            from urllib.parse import urlsplit
+
+            try:
+                host = urlsplit(origin).hostname
+            except ValueError:
+                host = None
+            if host in ("localhost", "127.0.0.1", "::1"):
+                return True
+        return origin in allowed
 
     @property
     def api_keys(self) -> frozenset[str]:
@@ -138,8 +165,9 @@ class ServerConfig:
 
     @property
     def model_ids(self) -> tuple[str, ...]:
-        """--alias takes several names, comma-separated; the first is the id."""
-        return tuple(a.strip() for a in (self.alias or "").split(",") if a.strip())
+        """--alias takes several names, comma-separated; as llama-server (a std::set)
+        they are kept sorted and the first is the id."""
+        return tuple(sorted({a.strip() for a in (self.alias or "").split(",") if a.strip()}))
 
     @property
     def n_batch(self) -> int:
@@ -147,11 +175,10 @@ class ServerConfig:
         return min(self.batch_size, self.ubatch_size)
 
     def template_kwargs(self) -> dict[str, Any]:
-        """Template variables from the flags: --reasoning's enable_thinking and
-        --reasoning-effort under --chat-template-kwargs (which wins)."""
-        out: dict[str, Any] = {}
-        if self.reasoning != "auto":
-            out["enable_thinking"] = self.reasoning == "on"
+        """Template variables from the flags: --reasoning's enable_thinking (always
+        given, as llama-server does: true unless --reasoning off) and --reasoning-effort,
+        under --chat-template-kwargs (which wins)."""
+        out: dict[str, Any] = {"enable_thinking": self.reasoning != "off"}
         if self.reasoning_effort != "default":
             out["reasoning_effort"] = self.reasoning_effort
         return out | self.chat_template_kwargs

@@ -293,8 +293,7 @@ async def _serve_http(
     *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     hc = hypercorn.config.Config()
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    hc.bind = [f"{host}:{config.port}"]
+    hc.bind = [f"[{h}]:{config.port}" if ":" in h else f"{h}:{config.port}" for h in config.hosts]
     # hypercorn's own deadline is only a backstop: ours (below) ends the requests
     # first, so that they can still send their answer
     hc.graceful_timeout = config.shutdown_timeout + 2 * ANSWER_FLUSH_SECONDS

@@ -111,6 +111,7 @@ class ChatTemplate:
     _template: jinja2.Template
     _strip_bos: bool
     _strip_eos: bool
+    _now: Callable[[], datetime.datetime] = datetime.datetime.now
 
     @classmethod
     def from_metadata(
@@ -155,6 +156,7 @@ class ChatTemplate:
             template=template,
             strip_bos=tokenizer.add_bos and bool(bos),
             strip_eos=tokenizer.add_eos and bool(eos),
+            now=now,
         )
 
     def render(
@@ -166,7 +168,11 @@ class ChatTemplate:
         calls ``raise_exception``) → `TemplateError` with its message. Extra keyword
         arguments become template variables (``tools``, ``enable_thinking``, ...).
         """
-        context = dict(kwargs)
+        # llama.cpp's extra context (common_chat_extra_context): today, in the two
+        # spellings templates read (Llama 3.x's date_string, firefunction's datetime)
+        today = self._now()
+        context: dict[str, Any] = {"date_string": today.strftime("%d %b %Y"), "datetime": today.strftime("%b %d %Y")}
+        context.update(kwargs)
         context.update(
             messages=normalize_messages(messages),
             add_generation_prompt=add_generation_prompt,

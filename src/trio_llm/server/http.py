@@ -361,10 +361,9 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         if request.method == "OPTIONS":
             # a browser's CORS preflight carries no credentials: answer it before the
             # key check, as llama-server does (the request that follows is checked)
-            resp = Response("", status=204)
-            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
-            resp.headers["Access-Control-Allow-Headers"] = request.headers.get(
-                "Access-Control-Request-Headers", "Authorization, Content-Type, X-Api-Key")
+            resp = Response("", status=200)
+            resp.headers["Access-Control-Allow-Methods"] = ctx.config.cors_methods
+            resp.headers["Access-Control-Allow-Headers"] = ctx.config.cors_headers
             resp.headers["Access-Control-Max-Age"] = "600"
             return resp
         if request.path in PUBLIC_PATHS:
@@ -388,9 +387,10 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         # web front ends on another origin (llama-server's CORS: the origin echoed,
         # credentials allowed); without an Origin header nothing is added
         origin = request.headers.get("Origin")
-        if origin:
+        if origin and ctx.config.cors_allows(origin):
             resp.headers["Access-Control-Allow-Origin"] = origin
-            resp.headers["Access-Control-Allow-Credentials"] = "true"
+            if ctx.config.cors_credentials:
+                resp.headers["Access-Control-Allow-Credentials"] = "true"
             resp.headers["Vary"] = "Origin"
         return resp
 
@@ -417,8 +417,10 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             "size": e.file_bytes,
         }
         model = {"id": ctx.model_id, "object": "model", "created": e.created, "owned_by": "llamacpp", "meta": meta}
-        if len(ctx.config.model_ids) > 1:
-            model["aliases"] = list(ctx.config.model_ids[1:])
+        if ctx.config.model_ids:
+            model["aliases"] = list(ctx.config.model_ids)
+        if ctx.config.tags:
+            model["tags"] = [t.strip() for t in ctx.config.tags.split(",") if t.strip()]
         return _json({"object": "list", "data": [model]})
 
     def generation_settings() -> dict[str, Any]:
@@ -585,7 +587,15 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         the grammar of a forced tool call."""
         template = eng().template
         inputs = P.chat_inputs(body, ctx.config, template.source)
-        text = str(template.render(inputs.messages, add_generation_prompt=True, **inputs.kwargs))
+        text = str(template.render(inputs.messages, add_generation_prompt=inputs.add_generation_prompt,
+                                   **inputs.kwargs))
+        if inputs.continue_final:
+            # prefill: the answer continues the last assistant message, so the prompt
+            # ends with its text (the template's end-of-turn after it is cut)
+            last = str(inputs.messages[-1].get("content") or "")
+            at = text.rfind(last) if last else -1
+            if at >= 0:
+                text = text[: at + len(last)]
         spec = attrs.evolve(inputs.output, thinking_open=text.rstrip().endswith(CO.THINK_OPEN))
         return text, spec, inputs.grammar
 

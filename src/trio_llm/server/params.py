@@ -397,11 +397,6 @@ def template_kwargs(body: Mapping[str, Any], config: ServerConfig) -> dict[str, 
     ``--reasoning``, ``--reasoning-effort``) under the request's ``chat_template_kwargs``
     (and its ``reasoning_effort``), as llama-server merges them."""
     out = config.template_kwargs()
-    effort = _get(body, "reasoning_effort")
-    if effort is not _MISSING:
-        if not isinstance(effort, str):
-            raise InvalidRequest("'reasoning_effort' must be a string")
-        out["reasoning_effort"] = effort
     kwargs = _get(body, "chat_template_kwargs")
     if kwargs is not _MISSING:
         if not isinstance(kwargs, dict):
@@ -409,7 +404,18 @@ def template_kwargs(body: Mapping[str, Any], config: ServerConfig) -> dict[str, 
         reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & kwargs.keys()
         if reserved:
             raise InvalidRequest(f"'chat_template_kwargs' cannot set {sorted(reserved)[0]!r}")
+        if "enable_thinking" in kwargs and not isinstance(kwargs["enable_thinking"], bool):
+            raise InvalidRequest('invalid type for "enable_thinking" (expected boolean)')
         out |= kwargs
+    effort = _get(body, "reasoning_effort")
+    if effort is not _MISSING:
+        if not isinstance(effort, str):
+            raise InvalidRequest("'reasoning_effort' must be a string")
+        if effort == "none":  # OpenAI's "none": no thinking at all
+            out["enable_thinking"] = False
+            out.pop("reasoning_effort", None)
+        elif effort:
+            out["reasoning_effort"] = effort
     return out
 
 
@@ -479,6 +485,8 @@ class ChatInputs:
     kwargs: dict[str, Any]
     output: CO.OutputSpec
     grammar: str | None = None  # tool_choice "required" / named: the call's grammar
+    add_generation_prompt: bool = True
+    continue_final: bool = False  # the last message is the assistant's, to be continued
 
 
 def chat_inputs(body: Any, config: ServerConfig, template_source: str | None) -> ChatInputs:
@@ -512,12 +520,23 @@ def chat_inputs(body: Any, config: ServerConfig, template_source: str | None) ->
                 messages = [{"role": "system", "content": note}, *messages]
     if config.skip_chat_parsing:
         fmt = None
+    add_gen = get_bool(body, "add_generation_prompt", True)
+    continue_final = bool(config.prefill_assistant and messages and messages[-1].get("role") == "assistant")
+    if continue_final:
+        if len(messages) >= 2 and messages[-2].get("role") == "assistant":
+            raise InvalidRequest("Cannot have 2 or more assistant messages at the end of the list.")
+        if messages[-1].get("tool_calls"):
+            raise InvalidRequest("Cannot continue an assistant message that contains tool calls.")
+        add_gen = False
+    if tools and choice != "none" and _get(body, "grammar") is not _MISSING:
+        raise InvalidRequest("Cannot use custom grammar constraints with tools.")
     grammar = None
     if choice == "required":
         if fmt is None:
             raise InvalidRequest("'tool_choice' \"required\" needs the answer parsed (not --skip-chat-parsing)")
         grammar = C.tool_call_grammar(fmt, tools, named)
-    return ChatInputs(messages, kwargs, CO.OutputSpec(fmt, str(fmt_), False, tuple(tools)), grammar)
+    return ChatInputs(messages, kwargs, CO.OutputSpec(fmt, str(fmt_), False, tuple(tools)), grammar, add_gen,
+                      continue_final)
 
 
 def parse_chat(body: Any, tok: Encoder, limits: Limits, rendered: str, grammar: str | None = None) -> CompletionRequest:
