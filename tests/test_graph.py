@@ -119,8 +119,10 @@ def test_gemma3_ring_caches_compute_what_full_caches_do(model_path) -> None:  # 
     give the logits of one pass with every position kept."""
     model = load_gguf(model_path("tiny-gemma3", "Q8_0"))
     toks = np.random.default_rng(3).integers(10, 1000, 40).astype(np.int32)
-    ring = NumpyBackend(model, n_ctx=64, n_seq=1, max_chunk=4)
-    full = NumpyBackend(model, n_ctx=64, n_seq=1, max_chunk=64)
+    # a float32 cache: f16 would round the two passes' float32 noise apart now and then
+    f32 = {"cache_type_k": "f32", "cache_type_v": "f32"}
+    ring = NumpyBackend(model, n_ctx=64, n_seq=1, max_chunk=4, **f32)
+    full = NumpyBackend(model, n_ctx=64, n_seq=1, max_chunk=64, **f32)
     assert [m.rows for m in ring.layers[:2]] == [20, 20] and full.layers[0].kind == "kv"
     np.testing.assert_allclose(ring.forward_all_logits(toks), full.forward_all_logits(toks), atol=2e-5)
     # continuing a reusable prefix equals recomputing it; a prefix the ring lost is refused
@@ -164,14 +166,15 @@ def _kinds(ops) -> list[str]:  # type: ignore[no-untyped-def]
 @pytest.mark.vulkan
 def test_the_lowering_fuses_what_the_decode_kernels_do(model_path) -> None:  # type: ignore[no-untyped-def]
     """llama decode: q/k/v rotate and store the cache in their projections, gate+up+SwiGLU
-    is one matvec, the output projections add into the residual; 7 barriers a layer.
+    is one matvec, the output projections add into the residual, attention is the split
+    (flash-decoding) kernel; 7 barriers a layer.
     Prefill (a bucket past 8 tokens) runs each op on its own."""
     from trio_llm.vulkan.backend import VulkanBackend
 
     be = VulkanBackend(load_gguf(model_path("tiny", "Q8_0")), n_ctx=64, n_seq=1)
     try:
         decode = _kinds(be.lowered(1))
-        layer = ["rms_norm", "|", "matvec_rope", "matvec_rope", "matvec_rope", "|", "attention", "|",
+        layer = ["rms_norm", "|", "matvec_rope", "matvec_rope", "matvec_rope", "|", "attn_decode", "|",
                  "matvec", "|", "rms_norm", "|", "gate_up", "|", "matvec", "|"]
         assert decode[:2] == ["get_rows", "|"]
         body = decode[2 : 2 + 2 * len(layer)]

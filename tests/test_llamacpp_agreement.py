@@ -26,15 +26,21 @@ import pytest
 
 from llamacpp_ref import Reference, agree, our_greedy, server_piece, stops_on
 from trio_llm.engine.reference import NumpyBackend
-from trio_llm.errors import UnsupportedModelError
 from trio_llm.model.gguf import load_gguf
+from trio_llm.model.kvtypes import KV_TYPES
 from trio_llm.model.synth import QUANTS
 from trio_llm.model.tokenizer import Tokenizer
 from trio_llm.vulkan.backend import VulkanBackend
 
+#: cache types whose agreement with llama.cpp is not claimed: with a q4_0 or q4_1 cache
+#: llama.cpp's top logprobs and ours part by 0.12-0.34 nats (0.15 is the bar), even
+#: with F32 weights and a one-token prompt, where attention returns the stored V row
+#: itself; the stored bytes are llama.cpp's (test_kvtypes.py), so the difference is in
+#: how llama.cpp's CPU flash attention reads them, not yet found. Both types still
+#: run and are checked op by op against numpy (test_vulkan_kv.py).
+KV_OPEN = ("q4_0", "q4_1")
+
 PRESETS = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-spm", "tiny-gemma3", "tiny-qwen3moe"]
-#: presets whose sliding-window layers the Vulkan backend does not run yet
-NUMPY_ONLY = {"tiny-gemma3"}
 N_CTX = 64
 #: prompt lengths: above 8 tokens the Vulkan prefill takes the tiled matmul kernels,
 #: at most 8 the matvec ones with several columns; decode is matvec with one
@@ -50,25 +56,28 @@ def _prompts(tok: Tokenizer, lengths: tuple[int, ...]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def llama(model_path) -> Iterator:  # type: ignore[no-untyped-def]
-    """(preset, quant) -> (path, Reference, Tokenizer), one llama.cpp load per file."""
-    made: dict[tuple[str, str], tuple[Path, Reference, Tokenizer]] = {}
+    """(preset, quant, KV type) -> (path, Reference, Tokenizer), one llama.cpp load each."""
+    made: dict[tuple[str, str, str], tuple[Path, Reference, Tokenizer]] = {}
 
-    def get(preset: str, quant: str) -> tuple[Path, Reference, Tokenizer]:
-        if (preset, quant) not in made:
+    def get(preset: str, quant: str, kv: str = "f16") -> tuple[Path, Reference, Tokenizer]:
+        if (preset, quant, kv) not in made:
             path = model_path(preset, quant, sharp=True)
             tok = Tokenizer.from_metadata(load_gguf(path).metadata)
-            made[(preset, quant)] = (path, Reference(path, n_ctx=N_CTX), tok)
-        return made[(preset, quant)]
+            ref = Reference(path, n_ctx=N_CTX, cache_type_k=kv, cache_type_v=kv)
+            made[(preset, quant, kv)] = (path, ref, tok)
+        return made[(preset, quant, kv)]
 
     yield get
     for _, ref, _ in made.values():
         ref.close()
 
 
-def _check(llama, preset: str, quant: str, kind: str) -> None:  # type: ignore[no-untyped-def]
-    path, ref, tok = llama(preset, quant)
+def _check(llama, preset: str, quant: str, kind: str, kv: str = "f16") -> None:  # type: ignore[no-untyped-def]
+    path, ref, tok = llama(preset, quant, kv)
     model = load_gguf(path)
-    backend = NumpyBackend(model, n_ctx=N_CTX, n_seq=1) if kind == "numpy" else VulkanBackend(model, n_ctx=N_CTX, n_seq=1)
+    types = {"cache_type_k": kv, "cache_type_v": kv}
+    backend = (NumpyBackend(model, n_ctx=N_CTX, n_seq=1, **types) if kind == "numpy"
+               else VulkanBackend(model, n_ctx=N_CTX, n_seq=1, **types))
     failures, report = [], []
     try:
         for prompt in _prompts(tok, PROMPT_LENGTHS[kind]):
@@ -80,8 +89,8 @@ def _check(llama, preset: str, quant: str, kind: str) -> None:  # type: ignore[n
                 failures.append(f"prompt {prompt}: {v.why}\n  ours   {ours[0]}\n  theirs {theirs.tokens}")
     finally:
         backend.close()
-    print(f"{preset} {quant} {kind}: " + "; ".join(report))
-    assert not failures, f"{preset} {quant} on {kind}:\n" + "\n".join(failures)
+    print(f"{preset} {quant} {kind} {kv}: " + "; ".join(report))
+    assert not failures, f"{preset} {quant} on {kind} with a {kv} cache:\n" + "\n".join(failures)
 
 
 @pytest.mark.parametrize("quant", list(QUANTS))
@@ -94,10 +103,6 @@ def test_numpy_agrees_with_llamacpp(llama, preset: str, quant: str) -> None:  # 
 @pytest.mark.parametrize("quant", list(QUANTS))
 @pytest.mark.parametrize("preset", PRESETS)
 def test_vulkan_agrees_with_llamacpp(llama, preset: str, quant: str) -> None:  # type: ignore[no-untyped-def]
-    if preset in NUMPY_ONLY:
-        with pytest.raises(UnsupportedModelError, match="sliding-window"):
-            VulkanBackend(load_gguf(llama(preset, quant)[0]), n_ctx=N_CTX, n_seq=1)
-        return
     _check(llama, preset, quant, "vulkan")
 
 
@@ -143,6 +148,15 @@ def test_a_wrong_rope_pairing_does_not_pass(llama, tmp_path: Path, preset: str) 
     finally:
         backend.close()
     assert not v.ok and v.compared <= 2, v
+
+
+@pytest.mark.parametrize("kind", ["numpy", pytest.param("vulkan", marks=pytest.mark.vulkan)])
+@pytest.mark.parametrize("kv", [t for t in KV_TYPES if t not in ("f16", *KV_OPEN)])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_kv_cache_type_agrees_with_llamacpp(llama, preset: str, kv: str, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """-ctk/-ctv: each cache type (f16, the default, is in every row above) on one
+    weight type, both backends, llama.cpp with the same cache types."""
+    _check(llama, preset, "Q8_0", kind, kv)
 
 
 def _lp(values: dict[int, float], n: int = 8) -> np.ndarray:

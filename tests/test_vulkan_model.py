@@ -32,6 +32,13 @@ QUANTS = ["F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_K_M", "Q3_K_M", "Q5_
 REL_TOL = {"F32": 1e-4, "F16": 1e-4, "Q8_0": 1e-4, "Q4_0": 1e-4, "Q4_K": 1e-4, "Q6_K": 1e-4, "Q4_K_M": 1e-4,
            "Q3_K_M": 1e-4, "Q5_K_M": 1e-4}
 
+#: the equivalence of the kernels is checked with a float32 cache: rounding K and V to
+#: f16 (the default, as llama-server's) turns float32 summation-order noise into whole
+#: f16 steps now and then, which flips near-ties of random weights; the cache types are
+#: checked against llama.cpp itself (test_llamacpp_agreement.py) and op by op
+#: (test_vulkan_kv.py)
+F32_KV = {"cache_type_k": "f32", "cache_type_v": "f32"}
+
 N_GREEDY = 64
 N_CTX = 96
 PROMPTS = [
@@ -61,8 +68,8 @@ def greedy_batched(backend: VulkanBackend | NumpyBackend, prompts: list[np.ndarr
 @pytest.mark.parametrize("preset", PRESETS)
 def test_logits_and_greedy_match_reference(model_path, preset: str, quant: str) -> None:  # type: ignore[no-untyped-def]
     model = load_gguf(model_path(preset, quant))
-    ref = NumpyBackend(model, n_ctx=N_CTX, n_seq=2)
-    vk = VulkanBackend(model, n_ctx=N_CTX, n_seq=2)
+    ref = NumpyBackend(model, n_ctx=N_CTX, n_seq=2, **F32_KV)
+    vk = VulkanBackend(model, n_ctx=N_CTX, n_seq=2, **F32_KV)
     try:
         # two sequences in one batch (17 tokens: the tiled prefill kernels, then
         # 2-column decode); test_single_sequence_runs_equal_batched_runs covers the
@@ -81,7 +88,7 @@ def test_logits_and_greedy_match_reference(model_path, preset: str, quant: str) 
 def test_single_sequence_runs_equal_batched_runs(model_path) -> None:  # type: ignore[no-untyped-def]
     """A sequence's logits do not depend on what else shares its batch."""
     model = load_gguf(model_path("tiny-qwen3", "Q8_0"))
-    vk = VulkanBackend(model, n_ctx=32, n_seq=3)
+    vk = VulkanBackend(model, n_ctx=32, n_seq=3, **F32_KV)
     try:
         batched = vk.forward([SeqBatch(0, PROMPTS[0], 0), SeqBatch(2, PROMPTS[1], 0)])
         step = vk.forward([SeqBatch(2, np.array([5], np.int32), 5), SeqBatch(0, np.array([6], np.int32), 12)])
@@ -98,8 +105,8 @@ def test_single_sequence_runs_equal_batched_runs(model_path) -> None:  # type: i
 def test_chunked_prefill_equals_reference(model_path) -> None:  # type: ignore[no-untyped-def]
     """A batch larger than the biggest graph runs as chunks; entries may span chunks."""
     model = load_gguf(model_path("tiny", "Q4_K_M"))
-    ref = NumpyBackend(model, n_ctx=64, n_seq=2)
-    vk = VulkanBackend(model, n_ctx=64, n_seq=2, max_chunk=16)
+    ref = NumpyBackend(model, n_ctx=64, n_seq=2, **F32_KV)
+    vk = VulkanBackend(model, n_ctx=64, n_seq=2, max_chunk=16, **F32_KV)
     try:
         long = np.arange(3, 43, dtype=np.int32)  # 40 + 5 tokens: chunks of 16, 16, 13
         batch = [SeqBatch(0, long, 0), SeqBatch(1, PROMPTS[1], 0)]
@@ -115,7 +122,7 @@ def test_chunked_prefill_equals_reference(model_path) -> None:  # type: ignore[n
 @pytest.mark.parametrize("level", [Level.WEIGHTS, Level.ALL, Level.UNLOAD])
 def test_release_restore_cycles_give_identical_output(model_path, level: Level) -> None:  # type: ignore[no-untyped-def]
     model = load_gguf(model_path("tiny-qwen2", "Q6_K"))
-    vk = VulkanBackend(model, n_ctx=32, n_seq=1)
+    vk = VulkanBackend(model, n_ctx=32, n_seq=1, **F32_KV)
     try:
         prompt = PROMPTS[0]
         first = vk.forward([SeqBatch(0, prompt, 0)])
@@ -147,7 +154,7 @@ def test_release_restore_cycles_give_identical_output(model_path, level: Level) 
 
 def test_escalating_release_then_close_in_every_state(model_path) -> None:  # type: ignore[no-untyped-def]
     model = load_gguf(model_path("tiny", "Q8_0"))
-    vk = VulkanBackend(model, n_ctx=16, n_seq=1)
+    vk = VulkanBackend(model, n_ctx=16, n_seq=1, **F32_KV)
     want = vk.forward([SeqBatch(0, PROMPTS[1], 0)])
     vk.forward([SeqBatch(0, np.array([4], np.int32), 5)])
     vk.release(Level.WEIGHTS)
@@ -165,7 +172,7 @@ def test_escalating_release_then_close_in_every_state(model_path) -> None:  # ty
 
 def test_bad_batches_raise_typed_errors(model_path) -> None:  # type: ignore[no-untyped-def]
     model = load_gguf(model_path("tiny", "Q8_0"))
-    vk = VulkanBackend(model, n_ctx=8, n_seq=2)
+    vk = VulkanBackend(model, n_ctx=8, n_seq=2, **F32_KV)
     try:
         with pytest.raises(ContextOverflow):
             vk.forward([SeqBatch(0, np.arange(9, dtype=np.int32), 0)])
@@ -193,7 +200,7 @@ def test_tensors_beyond_the_storage_range_are_bound_in_pieces(model_path, preset
     from trio_llm.vulkan.device import shared_device
 
     model = load_gguf(model_path(preset, quant))
-    whole = VulkanBackend(model, n_ctx=24, n_seq=2)
+    whole = VulkanBackend(model, n_ctx=24, n_seq=2, **F32_KV)
     try:
         want = whole.forward([SeqBatch(0, PROMPTS[0], 0), SeqBatch(1, PROMPTS[1], 0)])
     finally:
@@ -202,7 +209,7 @@ def test_tensors_beyond_the_storage_range_are_bound_in_pieces(model_path, preset
     limits = device.limits
     device.limits = attrs.evolve(limits, max_storage_buffer_range=128 << 10)
     try:
-        split = VulkanBackend(model, n_ctx=24, n_seq=2)
+        split = VulkanBackend(model, n_ctx=24, n_seq=2, **F32_KV)
         try:
             pieces = split._weights.pieces("token_embd.weight")
             assert len(pieces) > 1 and pieces[-1][2] == model.config.n_vocab
@@ -213,7 +220,7 @@ def test_tensors_beyond_the_storage_range_are_bound_in_pieces(model_path, preset
     finally:
         device.limits = limits
     np.testing.assert_array_equal(got, want)
-    ref = NumpyBackend(model, n_ctx=24, n_seq=2)
+    ref = NumpyBackend(model, n_ctx=24, n_seq=2, **F32_KV)
     ref.forward([SeqBatch(1, PROMPTS[1], 0)])
     want_step = ref.forward([SeqBatch(1, np.array([7], np.int32), 5)])
     np.testing.assert_allclose(step, want_step, atol=1e-4 * np.abs(want_step).max())
@@ -225,7 +232,7 @@ def test_weight_shadow_imported_or_copied(model_path, monkeypatch: pytest.Monkey
     GPUs use) restore the same weights; the copy is made once and kept across cycles."""
     monkeypatch.setenv("TRIO_LLM_VK_HOST_IMPORT", host_import)
     model = load_gguf(model_path("tiny-qwen3", "Q4_K_M"))
-    vk = VulkanBackend(model, n_ctx=16, n_seq=1)
+    vk = VulkanBackend(model, n_ctx=16, n_seq=1, **F32_KV)
     try:
         want = vk.forward([SeqBatch(0, PROMPTS[1], 0)])
         imported = vk.device_info()["weights_shadow"] == "imported"
@@ -250,7 +257,7 @@ def test_twenty_release_restore_cycles_keep_greedy_output(model_path) -> None:  
     after each one the greedy continuation of a prompt evaluated *before* the release
     is the one computed with no release at all (weights and KV both came back)."""
     model = load_gguf(model_path("tiny", "Q4_K_M"))
-    vk = VulkanBackend(model, n_ctx=64, n_seq=1)
+    vk = VulkanBackend(model, n_ctx=64, n_seq=1, **F32_KV)
 
     def greedy_from(logits: np.ndarray, pos: int, n: int = 8) -> list[int]:
         out = []
@@ -289,7 +296,7 @@ def test_a_restore_that_runs_out_of_memory_midway_can_be_retried(model_path, mon
     from trio_llm.vulkan.memory import Allocator
 
     model = load_gguf(model_path("tiny", "Q8_0"))
-    vk = VulkanBackend(model, n_ctx=32, n_seq=1)
+    vk = VulkanBackend(model, n_ctx=32, n_seq=1, **F32_KV)
     try:
         prompt = PROMPTS[0]
         vk.forward([SeqBatch(0, prompt, 0)])
@@ -327,7 +334,7 @@ def test_kv_of_a_sequence_copied_to_another_continues_it(model_path, kind: str) 
     do): the next token of sequence 1 has the logits sequence 0 would give; the
     cache read back equals what was written, on both backends."""
     model = load_gguf(model_path("tiny", "Q8_0"))
-    be = VulkanBackend(model, n_ctx=32, n_seq=2) if kind == "vulkan" else NumpyBackend(model, n_ctx=32, n_seq=2)
+    be = VulkanBackend(model, n_ctx=32, n_seq=2, **F32_KV) if kind == "vulkan" else NumpyBackend(model, n_ctx=32, n_seq=2, **F32_KV)
     try:
         prompt = PROMPTS[0]
         be.forward([SeqBatch(0, prompt, 0)])

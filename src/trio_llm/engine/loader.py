@@ -9,11 +9,12 @@ back, so a deployment that expects a GPU fails loudly without one.
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import Any, Literal
 
 from trio_llm.engine.backend import Backend, Progress
 from trio_llm.errors import BackendUnavailable, InvalidRequest
 from trio_llm.model.gguf import GGUFModel
+from trio_llm.model.kvtypes import DEFAULT_KV_TYPE
 
 log = logging.getLogger(__name__)
 
@@ -28,29 +29,33 @@ def open_backend(
     n_ctx: int,
     n_seq: int,
     progress: Progress | None = None,
+    cache_type_k: str = DEFAULT_KV_TYPE,
+    cache_type_v: str = DEFAULT_KV_TYPE,
 ) -> Backend:
     """Build the backend named by ``kind``; raises ``BackendUnavailable`` when an
     explicit "vulkan" cannot run here and ``InvalidRequest`` for an unknown kind."""
     if kind not in BACKEND_KINDS:
         raise InvalidRequest(f"unknown backend {kind!r} (choose from {', '.join(BACKEND_KINDS)})")
+    kw: dict[str, Any] = dict(n_ctx=n_ctx, n_seq=n_seq, progress=progress, cache_type_k=cache_type_k,
+                              cache_type_v=cache_type_v)
     if kind == "numpy":
-        return _numpy(model, n_ctx=n_ctx, n_seq=n_seq, progress=progress)
+        return _numpy(model, **kw)
     try:
-        return _vulkan(model, n_ctx=n_ctx, n_seq=n_seq, progress=progress)
+        return _vulkan(model, **kw)
     except BackendUnavailable as exc:
         if kind == "vulkan":
             raise
         log.warning("Vulkan is unavailable (%s); using the numpy reference backend", exc)
-    return _numpy(model, n_ctx=n_ctx, n_seq=n_seq, progress=progress)
+    return _numpy(model, **kw)
 
 
-def _numpy(model: GGUFModel, *, n_ctx: int, n_seq: int, progress: Progress | None) -> Backend:
+def _numpy(model: GGUFModel, **kw: Any) -> Backend:
     from trio_llm.engine.reference import NumpyBackend
 
-    return NumpyBackend(model, n_ctx=n_ctx, n_seq=n_seq, progress=progress)
+    return NumpyBackend(model, **kw)
 
 
-def _vulkan(model: GGUFModel, *, n_ctx: int, n_seq: int, progress: Progress | None) -> Backend:
+def _vulkan(model: GGUFModel, **kw: Any) -> Backend:
     try:
         # Imported here so that "numpy" never loads cffi or libvulkan. The vulkan
         # package raises OSError at import when libvulkan.so is missing, and an
@@ -59,5 +64,5 @@ def _vulkan(model: GGUFModel, *, n_ctx: int, n_seq: int, progress: Progress | No
         from trio_llm.vulkan.backend import VulkanBackend
     except (OSError, ImportError) as exc:
         raise BackendUnavailable(f"cannot load the Vulkan backend: {exc}") from None
-    backend: Backend = VulkanBackend(model, n_ctx=n_ctx, n_seq=n_seq, progress=progress)
+    backend: Backend = VulkanBackend(model, **kw)
     return backend

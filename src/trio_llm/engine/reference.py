@@ -29,12 +29,18 @@ from trio_llm.errors import BackendError, GraphError, InvalidRequest, ModelLoadE
 from trio_llm.graph import Graph, Node, Tensor
 from trio_llm.model.config import ModelConfig
 from trio_llm.model.gguf import GGUFModel, TensorInfo, load_gguf
+from trio_llm.model.kvtypes import DEFAULT_KV_TYPE, kv_type, roundtrip
 from trio_llm.model.quant import dequantize, tensor_bytes
 from trio_llm.models import build_graph
 
 #: most tokens of one sequence per interpretation of the graph (a sliding-window
 #: layer's cache holds this many beyond its window)
 DEFAULT_CHUNK = 512
+
+#: the type llama.cpp's CPU flash attention converts q to before its dot products with
+#: a K cache of each type (``vec_dot_type``; q8_1 stores the values q8_0 does)
+Q_TYPE_FOR_K = {"f32": "f32", "f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0",
+                "q4_1": "q8_0", "q5_1": "q8_0"}
 
 #: how deep each level releases, so a deeper release after a shallower one escalates
 _DEPTH = {Level.WEIGHTS: 1, Level.ALL: 2, Level.UNLOAD: 3}
@@ -236,10 +242,14 @@ class NumpyBackend:
     _tables: dict[int, tuple[np.ndarray, np.ndarray]] = attrs.field(init=False, factory=dict)
     _level: Level | None = attrs.field(init=False, default=None)  # None: resident
     _closed: bool = attrs.field(init=False, default=False)
+    #: (K, V) cache types: the cache holds exactly the values a cache of these types
+    #: holds in llama.cpp (``kvtypes.roundtrip``), kept as float32 arrays
+    cache_types: tuple[str, str] = attrs.field(init=False, default=("f32", "f32"))
 
     def __init__(
         self, model: GGUFModel, *, n_ctx: int, n_seq: int, progress: Progress | None = None,
-        max_chunk: int = DEFAULT_CHUNK,
+        max_chunk: int = DEFAULT_CHUNK, cache_type_k: str = DEFAULT_KV_TYPE,
+        cache_type_v: str = DEFAULT_KV_TYPE,
     ) -> None:
         self.__attrs_init__()
         if n_ctx < 1 or n_seq < 1:
@@ -250,6 +260,14 @@ class NumpyBackend:
         self.n_ctx = n_ctx
         self.n_seq = n_seq
         self._chunk = max_chunk
+        try:
+            self.cache_types = (kv_type(cache_type_k).name, kv_type(cache_type_v).name)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        for what, t in zip("KV", self.cache_types, strict=True):
+            if self.config.head_dim % kv_type(t).block:
+                raise InvalidRequest(f"a {t} {what} cache needs head_dim a multiple of {kv_type(t).block}, "
+                                     f"not {self.config.head_dim}")
         self._path = Path(model.path)
         self._progress = progress
         try:
@@ -302,12 +320,18 @@ class NumpyBackend:
         return np.concatenate(out)  # [n, n_vocab]
 
     def memory(self) -> dict[str, int]:
+        """The KV cache counts what its types would take on a device (the arrays here
+        are float32 whatever the type)."""
         mem = dict.fromkeys(MEMORY_CATEGORIES, 0)
         if self._weights is not None and self._level is None:
             mem["weights"] = self._weight_bytes
         if self._kv is not None:
-            mem["kv_cache"] = sum(k.nbytes + v.nbytes for k, v in self._kv)
+            mem["kv_cache"] = self.kv_bytes()
         return mem
+
+    def kv_bytes(self) -> int:
+        kt, vt = (kv_type(t) for t in self.cache_types)
+        return sum(self.n_seq * m.rows * (kt.row_bytes(m.kv_dim) + vt.row_bytes(m.kv_dim)) for m in self.layers)
 
     def host_memory(self) -> dict[str, int]:
         """Bytes that a release moved to the host shadow, by category."""
@@ -315,7 +339,7 @@ class NumpyBackend:
         if self._weights is not None and self._level is not None:
             mem["weights"] = self._weight_bytes
         if self._host_kv is not None:
-            mem["kv_cache"] = sum(k.nbytes + v.nbytes for k, v in self._host_kv)
+            mem["kv_cache"] = self.kv_bytes()
         return mem
 
     def device_info(self) -> dict[str, object]:
@@ -325,6 +349,8 @@ class NumpyBackend:
             "backend": self.name,
             "numpy": np.__version__,
             "dtype": "float32",
+            "cache_type_k": self.cache_types[0],
+            "cache_type_v": self.cache_types[1],
         }
 
     def reusable_prefix(self, n_cached: int, n_common: int) -> int:
@@ -491,7 +517,8 @@ class NumpyBackend:
         nh, nkv, hd = node.attr("n_head"), node.attr("n_head_kv"), node.attr("head_dim")
         window = node.attr("window")
         n_tok = len(q)
-        q = q.reshape(n_tok, nh, hd)  # [N, n_head, hd]
+        # llama.cpp's flash attention converts q to the K cache's dot-product type first
+        q = roundtrip(q, Q_TYPE_FOR_K[self.cache_types[0]]).reshape(n_tok, nh, hd)  # [N, n_head, hd]
         k = k.reshape(n_tok, nkv, hd)  # [N, n_head_kv, hd]
         v = v.reshape(n_tok, nkv, hd)  # [N, n_head_kv, hd]
         out = np.empty_like(q)  # [N, n_head, hd]
@@ -499,8 +526,9 @@ class NumpyBackend:
             a, b = step.bounds[i], step.bounds[i + 1]
             end = e.pos0 + (b - a)
             rows = np.arange(e.pos0, end) % m.rows
-            k_cache[e.seq_id, rows] = k[a:b]
-            v_cache[e.seq_id, rows] = v[a:b]
+            kt, vt = self.cache_types
+            k_cache[e.seq_id, rows] = roundtrip(k[a:b].reshape(b - a, -1), kt).reshape(k[a:b].shape)
+            v_cache[e.seq_id, rows] = roundtrip(v[a:b].reshape(b - a, -1), vt).reshape(v[a:b].shape)
             lo = max(0, e.pos0 - window + 1) if window else 0
             lo = max(lo, end - m.rows)  # what the ring still holds
             kp = np.arange(lo, end)  # [T] key positions

@@ -29,7 +29,7 @@ from trio_llm.errors import (
 )
 from trio_llm.model.config import ModelConfig
 from trio_llm.model.gguf import GGUFModel
-from trio_llm.model.kvtypes import dequantize_rows, quantize_rows
+from trio_llm.model.kvtypes import DEFAULT_KV_TYPE, dequantize_rows, kv_type, quantize_rows
 from trio_llm.models import build_graph
 from trio_llm.vulkan.device import Device, shared_device, vk_errors
 from trio_llm.vulkan.forward import (
@@ -88,6 +88,8 @@ class VulkanBackend:
         progress: Progress | None = None,
         device: str | None = None,
         max_chunk: int = STEP_CAP,
+        cache_type_k: str = DEFAULT_KV_TYPE,
+        cache_type_v: str = DEFAULT_KV_TYPE,
     ) -> None:
         if n_ctx < 1 or n_seq < 1:
             raise InvalidRequest(f"n_ctx and n_seq must be positive, got {n_ctx} and {n_seq}")
@@ -100,6 +102,10 @@ class VulkanBackend:
         if not 1 <= max_chunk <= STEP_CAP:
             raise InvalidRequest(f"max_chunk must be within 1..{STEP_CAP}, got {max_chunk}")
         self._max_chunk = _pow2(max_chunk)
+        try:
+            self.cache_types = (kv_type(cache_type_k).name, kv_type(cache_type_v).name)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
         self._level: Level | None = None
         self._closed = False
         self._lost = False
@@ -145,13 +151,15 @@ class VulkanBackend:
                 f"buffer range ({limit >> 20} MiB): use fewer slots"
             )
         self._mem = plan_memory(self._ir, n_ctx=self.n_ctx, chunk=self._cap)
-        if any(m.window for m in self._mem):
-            raise UnsupportedModelError(
-                model.path, "sliding-window attention layers (gemma3) run on the numpy backend only, "
-                            "not yet on Vulkan: use --backend numpy")
+        kt, vt = self.cache_types
+        for what, t in (("K", kt), ("V", vt)):
+            block = kv_type(t).block
+            if cfg.head_dim % block:
+                raise InvalidRequest(f"a {t} {what} cache needs head_dim a multiple of {block}, "
+                                     f"not {cfg.head_dim}")
         dec_cap = min(MATVEC_MAX_COLS, self._cap)  # the decode buckets' attention work
         self._kv = KVCache(
-            self._alloc, [LayerKV(self.n_seq, m.rows, m.kv_dim) for m in self._mem],
+            self._alloc, [LayerKV(self.n_seq, m.rows, m.kv_dim, kt, vt) for m in self._mem],
             part_floats=attention_part_floats(dec_cap, cfg.n_head, cfg.head_dim, decode_splits(self.n_ctx)),
             n_counters=attention_counters(dec_cap, cfg.n_head, cfg.n_head_kv),
         )

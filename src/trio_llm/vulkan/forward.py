@@ -43,6 +43,7 @@ from trio_llm.vulkan.ops import (
     ROPE_NORMAL,
     STEP_BYTES,
     Ops,
+    decode_splits,
     row_bytes,
 )
 from trio_llm.vulkan.weights import WeightStore
@@ -249,6 +250,11 @@ class _Lowering:
         i, m = self.mem[layer]
         return whole(self.kv.k[i]), whole(self.kv.v[i]), m
 
+    def types(self, layer: int) -> tuple[str, str]:
+        """The (K, V) cache types of ``layer``."""
+        lay = self.kv.layers[self.mem[layer][0]]
+        return lay.k_type, lay.v_type
+
     def single(self, w: Tensor) -> bool:
         return len(self.weights.pieces(w.name)) == 1
 
@@ -401,13 +407,13 @@ class _Lowering:
                               y_stride=n, eps=node.attr("eps"), cap=cap, rows_per_tok=x.width // n, count_sel=sel)
         self.emit([d], [self.slot(x)], [self.slot(node.out)])
 
-    def _cache_target(self, node: Node) -> tuple[View, object, LayerMemory] | None:
-        """Where a value bound for the KV cache goes: (cache view, hazard key, plan)."""
+    def _cache_target(self, node: Node) -> tuple[View, object, LayerMemory, str] | None:
+        """Where a value bound for the KV cache goes: (cache view, hazard key, plan, type)."""
         if node.out.id not in self._to_cache:
             return None
         attn = self._cons[node.out.id][0]
         kc, _, m = self.cache(attn.layer)
-        return kc, ("k", attn.layer), m
+        return kc, ("k", attn.layer), m, self.types(attn.layer)[0]
 
     def op_rope(self, node: Node) -> None:
         x = node.inputs[0]
@@ -424,7 +430,7 @@ class _Lowering:
                                      dst, self.st, factors, n_in=int(w.shape[1]), n_rows=n_rows,
                                      x_stride=src.width, y_stride=n_rows, head_dim=hd, rope=True, theta=theta,
                                      to_cache=cache is not None, n_ctx=cache[2].rows if cache else 0,
-                                     maxc=self.bucket)
+                                     maxc=self.bucket, kv_type=cache[3] if cache else "f32")
             self.emit([d], [self.slot(src)], [key])
             return
         mode = ROPE_NORMAL if node.attr("mode") == "normal" else ROPE_NEOX
@@ -435,25 +441,25 @@ class _Lowering:
         else:
             d = self.ops.rope(self.view(x), cache[0], factors, self.st, n_heads=nh, head_dim=hd, x_stride=x.width,
                               mode=mode, theta=theta, cap=self.bucket, to_cache=True, n_ctx=cache[2].rows,
-                              kv_dim=x.width)
+                              kv_dim=x.width, kv_type=cache[3])
             self.emit([d], [self.slot(x)], [cache[1]])
 
-    def _store(self, t: Tensor, dst: View, key: object, m: LayerMemory, nh: int, hd: int) -> None:
+    def _store(self, t: Tensor, dst: View, key: object, m: LayerMemory, nh: int, hd: int, kv_type: str) -> None:
         """Copy a computed k or v into the cache (rope.comp with mode 0)."""
         factors = self.act.view(next(iter(self.rope_buf.values())))
         d = self.ops.rope(self.view(t), dst, factors, self.st, n_heads=nh, head_dim=hd, x_stride=t.width,
                           mode=ROPE_NONE, theta=10000.0, cap=self.bucket, to_cache=True, n_ctx=m.rows,
-                          kv_dim=t.width)
+                          kv_dim=t.width, kv_type=kv_type)
         self.emit([d], [self.slot(t)], [key])
 
     def op_attention(self, node: Node) -> None:
         q, k, v = node.inputs
         kc, vc, m = self.cache(node.layer)
+        kt, vt = self.types(node.layer)
         nh, nkv, hd = node.attr("n_head"), node.attr("n_head_kv"), node.attr("head_dim")
-        if m.kind != "kv" or node.attr("window"):
-            raise GraphError(f"{node.out.name}: sliding-window attention is not on the Vulkan backend yet")
+        window = node.attr("window")
         if k.id not in self._to_cache:
-            self._store(k, kc, ("k", node.layer), m, nkv, hd)
+            self._store(k, kc, ("k", node.layer), m, nkv, hd, kt)
         lin = self._v_out.get(node.out.id)
         if lin is not None:  # the v projection writes the cache itself (matvec ROPE_OUT, no rotation)
             src, w = lin.inputs
@@ -462,14 +468,25 @@ class _Lowering:
                                      vc, self.st, self.act.view(next(iter(self.rope_buf.values()))),
                                      n_in=int(w.shape[1]), n_rows=n_rows, x_stride=src.width, y_stride=n_rows,
                                      head_dim=hd, rope=False, theta=10000.0, to_cache=True, n_ctx=m.rows,
-                                     maxc=self.bucket)
+                                     maxc=self.bucket, kv_type=vt)
             self.emit([d], [self.slot(src)], [("v", node.layer)])
         else:
-            self._store(v, vc, ("v", node.layer), m, nkv, hd)
-        d = self.ops.attention(self.view(q), kc, vc, self.view(node.out), self.st, n_head=nh, n_head_kv=nkv,
-                               head_dim=hd, n_ctx=m.rows, q_stride=q.width, o_stride=node.out.width,
-                               cap=self.bucket, scale=node.attr("scale"))
-        self.emit([d], [self.slot(q), ("k", node.layer), ("v", node.layer)], [self.slot(node.out)])
+            self._store(v, vc, ("v", node.layer), m, nkv, hd, vt)
+        common = dict(n_head=nh, n_head_kv=nkv, head_dim=hd, n_ctx=m.rows, q_stride=q.width,
+                      o_stride=node.out.width, cap=self.bucket, scale=node.attr("scale"), k_type=kt, v_type=vt,
+                      n_swa=window)
+        reads = [self.slot(q), ("k", node.layer), ("v", node.layer)]
+        if self.decode and self.kv.part is not None and self.kv.counters is not None:
+            # few queries at any depth: the KV sequence split over work groups (flash-decoding)
+            d = self.ops.attention_decode(self.view(q), kc, vc, self.view(node.out), whole(self.kv.part),
+                                          whole(self.kv.counters), self.st,
+                                          n_split=decode_splits(m.rows if not window else min(m.rows, window)),
+                                          **common)  # type: ignore[arg-type]
+            # the partials and counters are reused by every layer's attention
+            self.emit([d], reads + ["kv_part"], [self.slot(node.out), "kv_part"])
+        else:
+            d = self.ops.attention(self.view(q), kc, vc, self.view(node.out), self.st, **common)  # type: ignore[arg-type]
+            self.emit([d], reads, [self.slot(node.out)])
 
     def op_glu(self, node: Node) -> None:
         g, u = node.inputs
