@@ -2,7 +2,7 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: verify (the Vulkan correctness tests on the H200), attndepth (decode attention at
+# Stages: verify (the Vulkan correctness tests on the H200), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill),
 # residency, handoff,
@@ -52,6 +52,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader | t
 # the big model is made in the background while the small ones are measured
 ( model $B8 Q4_K_M > /dev/null ) 2> "$RES/make-8b.log" &
 M8=$!
+case " $STAGES " in *" decodeg3 "*)
+  ( model gemma3-4b Q4_K_M > /dev/null ) 2> "$RES/make-gemma3.log" & MG3=$! ;; esac
 M1=$(model $B1 Q8_0)
 say "$B1 model made"
 
@@ -92,6 +94,10 @@ for s in $STAGES; do case $s in
     if [ "${SMALL:-0}" = 1 ]; then MOE=tiny-qwen3moe; else MOE=qwen3-30b-a3b; fi
     stage make-moe 480 $PY -m trio_llm make-model --preset $MOE --quant Q4_K_M -o /tmp/m/$MOE-Q4_K_M.gguf -q
     stage decode-moe-q4km 300 $PY bench/decode.py --model /tmp/m/$MOE-Q4_K_M.gguf --backends vulkan --repeats 3 ;;
+  decodeg3)  # gemma3-4b Q4_K_M (sliding-window layers), made in the background meanwhile
+    wait $MG3 2>/dev/null
+    stage decode-gemma3-4b-q4km 200 $PY bench/decode.py --model /tmp/m/gemma3-4b-Q4_K_M.gguf --backends vulkan \
+      --repeats 3 ;;
   decode1b)  # llama-1b Q4_K_M only
     stage decode-1b-q4km 100 $PY bench/decode.py --model "$(model $B1 Q4_K_M)" --backends vulkan --repeats 3 ;;
   vkmem)
