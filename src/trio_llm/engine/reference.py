@@ -15,6 +15,7 @@ the weights, which ``restore()`` then reloads from the GGUF file.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +33,8 @@ from trio_llm.model.gguf import GGUFModel, TensorInfo, load_gguf
 from trio_llm.model.kvtypes import DEFAULT_KV_TYPE, kv_type, roundtrip
 from trio_llm.model.quant import dequantize, tensor_bytes
 from trio_llm.models import build_graph
+
+log = logging.getLogger(__name__)
 
 #: most tokens of one sequence per interpretation of the graph (a sliding-window
 #: layer's cache holds this many beyond its window)
@@ -281,6 +284,8 @@ class NumpyBackend:
         self._weight_bytes = sum(a.nbytes for a in self._weights.values()) + sum(
             x.n_bytes for x in self._experts.values())
         self._kv = self._new_kv()
+        log.info("numpy: KV cache %s/%s: %d bytes per token, %d MiB", *self.cache_types,
+                 self.kv_bytes_per_token(), self.kv_bytes() >> 20)
 
     # -- the Backend interface -------------------------------------------------------
 
@@ -351,7 +356,13 @@ class NumpyBackend:
             "dtype": "float32",
             "cache_type_k": self.cache_types[0],
             "cache_type_v": self.cache_types[1],
+            "kv_bytes_per_token": self.kv_bytes_per_token(),
+            "kv_bytes": self.kv_bytes(),
         }
+
+    def kv_bytes_per_token(self) -> int:
+        kt, vt = (kv_type(t) for t in self.cache_types)
+        return sum(kt.row_bytes(m.kv_dim) + vt.row_bytes(m.kv_dim) for m in self.layers)
 
     def reusable_prefix(self, n_cached: int, n_common: int) -> int:
         return reusable_prefix(self.layers, n_cached, n_common)

@@ -183,9 +183,9 @@ class VulkanBackend:
         if self._progress is not None:
             self._progress(total, total)
         log.info(
-            "vulkan: %s on %s, %d MiB of weights (shadow: %s), KV %d MiB",
-            cfg.name, device.name, total >> 20, self._weights.shadow_kind(),
-            self._kv.total_bytes >> 20,
+            "vulkan: %s on %s, %d MiB of weights (shadow: %s), KV cache %s/%s: %d bytes per token, %d MiB",
+            cfg.name, device.name, total >> 20, self._weights.shadow_kind(), *self.cache_types,
+            self._kv.bytes_per_token, self._kv.total_bytes >> 20,
         )
 
     # -- the Backend interface -------------------------------------------------------
@@ -262,6 +262,10 @@ class VulkanBackend:
             weights_shadow=self._weights.shadow_kind() if not self._closed else "none",
             max_chunk=self._cap,
             graphs=sorted(self._graphs),
+            cache_type_k=self.cache_types[0],
+            cache_type_v=self.cache_types[1],
+            kv_bytes_per_token=self._kv.bytes_per_token,
+            kv_bytes=self._kv.total_bytes,
         )
         return info
 
