@@ -177,7 +177,8 @@ async def test_a_forced_tool_call_round_trips_through_the_openai_client(
     h = await start("--chat-template-file", qwen_like)
     oai = openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="x")
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    kw: dict[str, Any] = dict(model="m", messages=ASKED, tools=CITY_TOOLS, tool_choice=choice, max_tokens=64)
+    kw: dict[str, Any] = dict(model="m", messages=ASKED, tools=CITY_TOOLS, tool_choice=choice, max_tokens=256,
+                              temperature=0)
     if not stream:
         r = await oai.chat.completions.create(**kw)
         msg = r.choices[0].message
