@@ -89,10 +89,12 @@ async def test_random_sigkills_of_holders_and_waiters_under_alternating_load(
 ) -> None:
     """Two servers answer alternating requests without pause while, N times, a
     reference-fork stand-in joins the arena and is SIGKILLed at a random moment:
-    while it waits (registered on want.lock) or while it holds the token. Once, a
-    third trio-llm server is SIGKILLed while it holds the token mid-generation.
-    Every survivor request is answered (0 failed), and afterwards nobody is
-    stranded: a fresh process gets the token, and both servers serve again."""
+    while it waits (registered on want.lock) or while it holds the token.
+    A third trio-llm server is SIGKILLed while it waits for the token at load (or,
+    if it got the token between two requests, once loaded), and a fourth while it
+    holds the token mid-generation. Every survivor request is answered (0 failed),
+    and afterwards nobody is stranded: a fresh process gets the token, and both
+    servers serve again."""
     rng = random.Random(17)
     a = await serve(tiny_model, "--vram-arena", str(tmp_path))
     b = await serve(tiny_model, "--vram-arena", str(tmp_path), "--no-warmup")
@@ -133,6 +135,22 @@ async def test_random_sigkills_of_holders_and_waiters_under_alternating_load(
             await trio.to_thread.run_sync(victim.wait)
             killed[want] += 1
             await trio.sleep(rng.uniform(0.0, 0.2))
+        # a trio-llm waiter killed while it waits for the token at load (the two
+        # servers keep it busy): nothing of it stays registered
+        d = await trio.lowlevel.open_process(
+            [*SERVE, "-m", str(tiny_model), "--vram-arena", str(tmp_path), "--no-warmup"],
+            stderr=subprocess.PIPE,
+        )
+        assert d.stderr is not None
+        seen = b""
+        with trio.fail_after(60):
+            while b"waiting for the GPU token" not in seen and b"trio-llm: ready" not in seen:
+                chunk = await d.stderr.receive_some()
+                assert chunk, seen.decode()
+                seen += chunk
+        d.kill()
+        await d.wait()
+        killed["server"] = 1
         # a trio-llm holder killed mid-generation: the others go on
         c = await serve(tiny_model, "--vram-arena", str(tmp_path), "--no-warmup")
         long = {"prompt": "a long answer", "n_predict": 2000, "ignore_eos": True}
@@ -153,7 +171,7 @@ async def test_random_sigkills_of_holders_and_waiters_under_alternating_load(
             while len(answered) < n_before + 4:
                 await trio.sleep(0.05)
         stop_load.set()
-    assert killed == {"waiting": 6, "token": 6}
+    assert killed == {"waiting": 6, "token": 6, "server": 1}
     assert failures == [] and len(answered) >= 10, (failures, len(answered))
     # nobody stranded: an outsider gets the token (the servers yield once idle)...
     outsider = subprocess.Popen([*STANDIN, "--arena", str(tmp_path), "--hold", "0"], stdout=subprocess.PIPE, text=True)
