@@ -204,6 +204,7 @@ class Arbiter:
             if not self.active:
                 self._holding = True
                 self._takes += 1
+                await trio.lowlevel.cancel_shielded_checkpoint()
                 return
         t0 = trio.current_time()
         self._waiting = True
@@ -302,7 +303,9 @@ class Arbiter:
 
     def _reopen(self) -> None:
         """Close our files and open the arena again (creating it if it is gone). On
-        failure, uncoordinated, as at start-up. Never while holding the token."""
+        failure, uncoordinated, as at start-up. Never while holding the token. A few
+        syscalls on a local directory, run in place like the non-blocking flocks:
+        none of them waits."""
         assert not self._holding
         for name in ("_probe_fd", "_want_fd", "_token_fd"):
             fd = getattr(self, name)
