@@ -170,9 +170,11 @@ void kv_store_block(uint t, uint row_w, uint b, float v[32]) {
     // q4_1 / q5_1: d = (max - min) / 15 (or 31), stored min
     float mn = v[0];
     float mx = v[0];
+    // comparisons, not min()/max(): among equal values (+0 and -0) the first stays, as
+    // in llama.cpp's loop; NVIDIA's min() took -0 over an earlier +0 (one byte off)
     [[unroll]] for (uint j = 1; j < 32u; j++) {
-        mn = min(mn, v[j]);
-        mx = max(mx, v[j]);
+        mn = v[j] < mn ? v[j] : mn;
+        mx = v[j] > mx ? v[j] : mx;
     }
     bool five = t == KV_Q5_1;
     precise float range = mx - mn;
