@@ -16,8 +16,8 @@ from trio_llm.model.synth import PRESETS
 from trio_llm.models import build_graph, tensor_shapes
 from trio_llm.vulkan.forward import plan_buffers
 
-ARCH_PRESETS = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "llama-8b", "gemma3-4b", "tiny-qwen3moe",
-                "qwen3-30b-a3b"]
+ARCH_PRESETS = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "llama-8b", "gemma3-4b", "tiny-qwen3moe", "tiny-qwen35",
+                "qwen3-30b-a3b", "qwen35-9b"]
 
 
 def _graph(preset: str) -> Graph:
@@ -55,7 +55,9 @@ def test_a_file_missing_a_tensor_fails_the_build_with_its_name() -> None:
 def test_every_layer_has_one_attention_and_the_head_gives_logits(preset: str) -> None:
     cfg = PRESETS[preset].config()
     g = _graph(preset)
-    assert sorted(g.attention_layers()) == list(range(cfg.n_layer))
+    # every layer mixes tokens once: by attention, or (hybrids) by its recurrent state
+    mixing = sorted([*g.attention_layers(), *g.recurrent_layers()])
+    assert mixing == list(range(cfg.n_layer))
     assert g.logits is not None and g.logits.shape == ("O", cfg.n_vocab)
     # every weight the graph reads is one the architecture file lists (or an optional one)
     assert set(g.weights) <= set(tensor_shapes(cfg))
@@ -95,7 +97,9 @@ def test_the_buffer_plan_never_gives_two_live_values_one_buffer(preset: str) -> 
                 # the node that reads a last
                 assert last.get(a.id, born[a.id]) <= born[b.id], (a, b)
     # same-width rows reuse buffers: far fewer buffers than values
-    limit = 14 if PRESETS[preset].n_expert else 12  # an MoE layer adds the router's and the routing's widths
+    # an MoE layer adds the router's and the routing's widths, a delta-net layer its
+    # projections', its gates' and its convolution's
+    limit = 14 if PRESETS[preset].n_expert else 18 if PRESETS[preset].ssm[0] else 12
     assert len(plan.slots) <= limit < len(values)
 
 

@@ -10,8 +10,10 @@ Kinds today (both backends lay their buffers out from this plan):
   a 1024-position window costs 1.5k rows at any context. A prefix is usable only while
   the ring still holds the window before its end.
 
-Recurrent state (conv + delta-net state per sequence, not truncatable at all) is the
-third kind the hybrid architectures add.
+- ``recurrent``: a gated delta-net layer's state (qwen35): per sequence, the short
+  convolution's last inputs and the delta rule's matrix, the same size at any length.
+  It holds the sequence at exactly the positions it has absorbed and cannot be cut back:
+  a cached sequence continues only from all of itself (``plan_recurrent``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import attrs
 
 from trio_llm.graph import Graph
 
-Kind = Literal["kv", "kv_swa"]
+Kind = Literal["kv", "kv_swa", "recurrent"]
 
 
 @attrs.frozen
@@ -40,6 +42,8 @@ class LayerMemory:
     def reusable(self, n_cached: int, n_keep: int) -> bool:
         """Can a sequence whose cache holds positions ``[0, n_cached)`` continue at
         ``n_keep <= n_cached`` (overwriting from there)?"""
+        if self.kind == "recurrent":
+            return n_keep == n_cached
         if self.kind == "kv" or n_cached <= self.rows:
             return True
         # the next query (position n_keep) reads keys down to n_keep - window + 1; the
@@ -60,6 +64,11 @@ def plan_memory(graph: Graph, *, n_ctx: int, chunk: int) -> list[LayerMemory]:
         else:
             out.append(LayerMemory(il, "kv", n_ctx, window, kv_dim))
     return out
+
+
+def plan_recurrent(graph: Graph) -> list[LayerMemory]:
+    """One entry per layer with recurrent state, in layer order."""
+    return [LayerMemory(il, "recurrent", 0, 0, 0) for il in sorted(graph.recurrent_layers())]
 
 
 def reusable_prefix(layers: Sequence[LayerMemory], n_cached: int, n_common: int) -> int:

@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 
 from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch, check_batch
-from trio_llm.engine.memory import LayerMemory, plan_memory, reusable_prefix
+from trio_llm.engine.memory import LayerMemory, plan_memory, plan_recurrent, reusable_prefix
 from trio_llm.errors import BackendError, GraphError, InvalidRequest, ModelLoadError
 from trio_llm.graph import Graph, Node, Tensor
 from trio_llm.model.config import ModelConfig
@@ -57,6 +57,10 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))  # type: ignore[no-any-return]
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))  # type: ignore[no-any-return]
 
 
 def rope_tables(
@@ -238,6 +242,13 @@ class NumpyBackend:
     _progress: Progress | None = attrs.field(init=False)
     _weights: dict[str, np.ndarray] | None = attrs.field(init=False, default=None)
     _experts: dict[str, Experts] = attrs.field(init=False, factory=dict)
+    recurrent: list[LayerMemory] = attrs.field(init=False, factory=list)
+    # recurrent state (gated delta-net layers) by node id: a conv node's last inputs
+    # [n_seq, d_conv - 1, C], a delta rule's matrices [n_seq, n_v, d, d]; and how many
+    # positions each sequence's state has absorbed
+    _rs: dict[int, np.ndarray] | None = attrs.field(init=False, default=None)
+    _host_rs: dict[int, np.ndarray] | None = attrs.field(init=False, default=None)
+    _rs_pos: np.ndarray = attrs.field(init=False, factory=lambda: np.zeros(0, np.int64))
     _weight_bytes: int = attrs.field(init=False, default=0)
     _kv: list[tuple[np.ndarray, np.ndarray]] | None = attrs.field(init=False, default=None)
     _host_kv: list[tuple[np.ndarray, np.ndarray]] | None = attrs.field(init=False, default=None)
@@ -286,6 +297,8 @@ class NumpyBackend:
         self._kv = self._new_kv()
         log.info("numpy: KV cache %s/%s: %d bytes per token, %d MiB", *self.cache_types,
                  self.kv_bytes_per_token(), self.kv_bytes() >> 20)
+        self.recurrent = plan_recurrent(self.graph)
+        self._rs = self._new_rs()
 
     # -- the Backend interface -------------------------------------------------------
 
@@ -332,6 +345,8 @@ class NumpyBackend:
             mem["weights"] = self._weight_bytes
         if self._kv is not None:
             mem["kv_cache"] = self.kv_bytes()
+        if self._rs is not None:
+            mem["kv_cache"] += sum(a.nbytes for a in self._rs.values())
         return mem
 
     def kv_bytes(self) -> int:
@@ -345,6 +360,8 @@ class NumpyBackend:
             mem["weights"] = self._weight_bytes
         if self._host_kv is not None:
             mem["kv_cache"] = self.kv_bytes()
+        if self._host_rs is not None:
+            mem["kv_cache"] += sum(a.nbytes for a in self._host_rs.values())
         return mem
 
     def device_info(self) -> dict[str, object]:
@@ -365,7 +382,7 @@ class NumpyBackend:
         return sum(kt.row_bytes(m.kv_dim) + vt.row_bytes(m.kv_dim) for m in self.layers)
 
     def reusable_prefix(self, n_cached: int, n_common: int) -> int:
-        return reusable_prefix(self.layers, n_cached, n_common)
+        return reusable_prefix(self.layers + self.recurrent, n_cached, n_common)
 
     def release(self, level: Level) -> None:
         self._check_open()
@@ -376,10 +393,12 @@ class NumpyBackend:
             # The "copy to host" of a device backend; numpy already lives on the host,
             # so handing the arrays over is that copy, and the "device" side is freed.
             self._host_kv, self._kv = self._kv, None
+            self._host_rs, self._rs = self._rs, None
         if depth >= _DEPTH[Level.UNLOAD]:
             self._weights = None
             self._experts = {}
             self._host_kv = None
+            self._host_rs = None
         self._level = Level(level)
 
     def restore(self) -> None:
@@ -391,12 +410,16 @@ class NumpyBackend:
         if self._kv is None:
             self._kv = self._host_kv if self._host_kv is not None else self._new_kv()
             self._host_kv = None
+        if self._rs is None:
+            self._rs = self._host_rs if self._host_rs is not None else self._new_rs()
+            self._host_rs = None
         self._level = None
 
     def close(self) -> None:
         self._weights = None
         self._experts = {}
         self._kv = self._host_kv = None
+        self._rs = self._host_rs = None
         self._closed = True
 
     @property
@@ -408,6 +431,7 @@ class NumpyBackend:
         """Positions a layer's cache no longer holds (a sliding window's past) read as 0."""
         if self._kv is None:
             raise BackendError("read_kv while released; restore first")
+        self._no_recurrent_slots()
         out = np.zeros((self.config.n_layer, 2, n, self.config.kv_dim), np.float32)  # [L, 2, n, kv_dim]
         for m, (k, v) in zip(self.layers, self._kv, strict=True):
             pos = np.arange(max(0, n - m.rows), n)
@@ -418,6 +442,7 @@ class NumpyBackend:
     def write_kv(self, seq_id: int, kv: np.ndarray) -> None:
         if self._kv is None:
             raise BackendError("write_kv while released; restore first")
+        self._no_recurrent_slots()
         n = kv.shape[2]
         for m, (k, v) in zip(self.layers, self._kv, strict=True):
             pos = np.arange(max(0, n - m.rows), n)
@@ -425,6 +450,36 @@ class NumpyBackend:
             v[seq_id, pos % m.rows] = kv[m.layer, 1, pos].reshape(len(pos), *v.shape[2:])
 
     # -- internals -----------------------------------------------------------------
+
+    def _no_recurrent_slots(self) -> None:
+        if self.recurrent:
+            raise BackendError("slot save/restore of a gated delta-net model (its recurrent state) is not "
+                               "supported yet")
+
+    def _new_rs(self) -> dict[int, np.ndarray]:
+        """Zero recurrent state for every sequence (a fresh one also forgets positions)."""
+        self._rs_pos = np.zeros(self.n_seq, np.int64)
+        out: dict[int, np.ndarray] = {}
+        for nodes in self.graph.recurrent_layers().values():
+            for n in nodes:
+                if n.op == "ssm_conv":
+                    shape: tuple[int, ...] = (self.n_seq, n.attr("d_conv") - 1, n.out.width)
+                else:
+                    d = n.attr("head_dim")
+                    shape = (self.n_seq, n.attr("n_v_heads"), d, d)
+                out[n.out.id] = np.zeros(shape, np.float32)
+        return out
+
+    def _enter_state(self, entries: list[SeqBatch]) -> None:
+        """A recurrent state continues only where it stopped; position 0 starts afresh."""
+        assert self._rs is not None
+        for e in entries:
+            if e.pos0 == 0:
+                for a in self._rs.values():
+                    a[e.seq_id] = 0.0
+            elif self._rs_pos[e.seq_id] != e.pos0:
+                raise BackendError(f"sequence {e.seq_id}'s recurrent state holds {self._rs_pos[e.seq_id]} "
+                                   f"positions; it cannot continue at {e.pos0}")
 
     def _new_kv(self) -> list[tuple[np.ndarray, np.ndarray]]:
         out = []
@@ -458,8 +513,9 @@ class NumpyBackend:
     def _rope(self, node: Node, factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         tables = self._tables.get(node.out.id)
         if tables is None:
+            dim = node.attrs.get("n_rot", node.attr("head_dim"))  # partial RoPE: frequencies over n_rot
             tables = self._tables[node.out.id] = rope_angles(
-                node.attr("head_dim"), node.attr("theta"), self.n_ctx, factors, node.attr("freq_scale"))
+                dim, node.attr("theta"), self.n_ctx, factors, node.attr("freq_scale"))
         return tables
 
     def _run(self, entries: list[SeqBatch], out_rows: np.ndarray) -> np.ndarray:
@@ -476,6 +532,8 @@ class NumpyBackend:
             out_rows=np.asarray(out_rows, dtype=np.int64),
         )
         env: dict[int, np.ndarray] = {}
+        if self.recurrent:
+            self._enter_state(entries)
 
         def val(t: Tensor) -> Any:
             if t.kind == "weight":
@@ -486,6 +544,8 @@ class NumpyBackend:
 
         for node in self.graph.nodes:
             env[node.out.id] = self._op(node, [val(t) for t in node.inputs], step)
+        for e in entries:
+            self._rs_pos[e.seq_id] = e.pos0 + len(e.tokens)
         assert self.graph.logits is not None
         return np.ascontiguousarray(env[self.graph.logits.id], dtype=np.float32)
 
@@ -509,17 +569,76 @@ class NumpyBackend:
             x = args[0]
             cos, sin = self._rope(node, args[1] if len(args) > 1 else None)
             nh, hd = node.attr("n_heads"), node.attr("head_dim")
-            y = apply_rope(x.reshape(len(x), nh, hd), cos[step.pos], sin[step.pos], node.attr("mode"))
+            nr = node.attrs.get("n_rot", hd)
+            y = x.reshape(len(x), nh, hd).copy()
+            y[..., :nr] = apply_rope(y[..., :nr], cos[step.pos], sin[step.pos], node.attr("mode"))
             return y.reshape(x.shape)
         if op == "glu":
             gate, up = args
-            act = silu(gate) if node.attr("act") == "silu" else gelu(gate)
+            kind = node.attr("act")
+            act = silu(gate) if kind == "silu" else gelu(gate) if kind == "gelu" else sigmoid(gate)
             return act * up  # type: ignore[no-any-return]
+        if op == "take":
+            x = args[0]
+            grp, start, n = node.attr("group"), node.attr("start"), node.attr("n")
+            return np.ascontiguousarray(x.reshape(len(x), -1, grp)[:, :, start : start + n]).reshape(len(x), -1)
+        if op == "l2_norm":
+            x = args[0]
+            xg = x.reshape(len(x), -1, node.attr("group"))
+            norm_ = np.sqrt(np.sum(np.square(xg, dtype=np.float64), axis=-1, keepdims=True)).astype(np.float32)
+            return (xg / np.maximum(norm_, np.float32(node.attr("eps")))).reshape(x.shape)  # type: ignore[no-any-return]
+        if op == "ssm_conv":
+            return self._ssm_conv(node, args[0], args[1], step)
+        if op == "delta_net":
+            return self._delta_net(node, *args, step=step)
         if op == "outputs":
             return args[0][step.out_rows]
         if op == "attention":
             return self._attention(node, *args, step=step)
         raise GraphError(f"{node.out.name}: the numpy backend has no op {op!r}")
+
+    def _ssm_conv(self, node: Node, x: np.ndarray, w: np.ndarray, step: Step) -> np.ndarray:
+        """Per sequence: its conv state then this step's inputs, each output the
+        ``d_conv`` taps ending at its token (ggml_ssm_conv), then SiLU; the state keeps
+        the last ``d_conv - 1`` inputs."""
+        assert self._rs is not None
+        state = self._rs[node.out.id]  # [n_seq, K - 1, C]
+        k = node.attr("d_conv")
+        out = np.empty_like(x)  # [N, C]
+        for i, e in enumerate(step.entries):
+            a, b = step.bounds[i], step.bounds[i + 1]
+            inp = np.concatenate([state[e.seq_id], x[a:b]])  # [K - 1 + n, C]
+            acc = np.zeros((b - a, x.shape[1]), np.float32)
+            for j in range(k):
+                acc += inp[j : j + b - a] * w[:, j]
+            out[a:b] = acc
+            state[e.seq_id] = inp[len(inp) - (k - 1) :]
+        return silu(out)
+
+    def _delta_net(self, node: Node, q: np.ndarray, k: np.ndarray, v: np.ndarray, alpha: np.ndarray,
+                   beta: np.ndarray, dt: np.ndarray, a: np.ndarray, *, step: Step) -> np.ndarray:
+        """The gated delta rule token by token (``Graph.delta_net``), all heads at once.
+        The state S[h] is [d (key), d (value)]."""
+        assert self._rs is not None
+        state = self._rs[node.out.id]  # [n_seq, n_v, d, d]
+        nk, nv, d = node.attr("n_k_heads"), node.attr("n_v_heads"), node.attr("head_dim")
+        n = len(q)
+        kh = np.arange(nv) % nk  # v head h reads k head h % n_k (ggml_repeat tiles the k heads)
+        qs = (q.reshape(n, nk, d) * np.float32(1.0 / np.sqrt(d)))[:, kh]  # [N, n_v, d]
+        ks = k.reshape(n, nk, d)[:, kh]  # [N, n_v, d]
+        vs = v.reshape(n, nv, d)
+        decay = np.exp(np.logaddexp(np.float32(0), alpha + dt) * a).astype(np.float32)  # [N, n_v]
+        b_ = sigmoid(beta)  # [N, n_v]
+        out = np.empty((n, nv, d), np.float32)
+        for i, e in enumerate(step.entries):
+            s = state[e.seq_id]  # [n_v, d, d] (a view: updated in place)
+            for t in range(step.bounds[i], step.bounds[i + 1]):
+                s *= decay[t][:, None, None]
+                kv = np.einsum("hij,hi->hj", s, ks[t])  # [n_v, d]
+                delta = (vs[t] - kv) * b_[t][:, None]  # [n_v, d]
+                s += ks[t][:, :, None] * delta[:, None, :]
+                out[t] = np.einsum("hij,hi->hj", s, qs[t])
+        return out.reshape(n, nv * d)
 
     def _attention(self, node: Node, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, step: Step) -> np.ndarray:
         assert self._kv is not None

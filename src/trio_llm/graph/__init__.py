@@ -32,7 +32,7 @@ TOKENS = "T"
 OUTPUTS = "O"
 
 RopeMode = Literal["normal", "neox"]
-Activation = Literal["silu", "gelu"]
+Activation = Literal["silu", "gelu", "sigmoid"]
 
 
 @attrs.frozen(eq=False)
@@ -155,18 +155,22 @@ class Graph:
         return self._node("rms_norm", (x, w), x.shape, name, eps=float(eps), group=n)
 
     def rope(self, x: Tensor, name: str, *, n_heads: int, head_dim: int, mode: RopeMode, theta: float,
-             freq_scale: float = 1.0, factors: Tensor | None = None) -> Tensor:
+             freq_scale: float = 1.0, factors: Tensor | None = None, n_rot: int = 0) -> Tensor:
         """Rotary embedding of every head of ``x`` ``[T, n_heads * head_dim]`` at each
         token's position; ``factors`` ``[head_dim / 2]`` divide the frequencies (llama 3
-        long-context scaling), ``freq_scale`` multiplies the positions (linear scaling)."""
+        long-context scaling), ``freq_scale`` multiplies the positions (linear scaling).
+        ``n_rot`` > 0: only the first ``n_rot`` values of each head rotate (partial RoPE,
+        frequencies over ``n_rot``), the rest pass through."""
+        self._check(0 <= n_rot <= head_dim and n_rot % 2 == 0, name, f"rope of {n_rot} of {head_dim} values")
         self._check(x.shape == (TOKENS, n_heads * head_dim), name,
                 f"rope of {n_heads} heads of {head_dim} needs [T, {n_heads * head_dim}], got {x!r}")
         self._check(head_dim % 2 == 0, name, f"rope needs an even head_dim, got {head_dim}")
         inputs = (x,) if factors is None else (x, factors)
         if factors is not None:
             self._check(factors.shape == (head_dim // 2,), name, f"rope factors must be [{head_dim // 2}], got {factors!r}")
+        kw: dict[str, Any] = {"n_rot": int(n_rot)} if n_rot and n_rot != head_dim else {}
         return self._node("rope", inputs, x.shape, name, n_heads=n_heads, head_dim=head_dim, mode=mode,
-                          theta=float(theta), freq_scale=float(freq_scale))
+                          theta=float(theta), freq_scale=float(freq_scale), **kw)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, name: str, *, n_head: int, n_head_kv: int,
                   head_dim: int, scale: float, window: int = 0) -> Tensor:
@@ -188,7 +192,7 @@ class Graph:
     def glu(self, gate: Tensor, up: Tensor, act: Activation, name: str) -> Tensor:
         """``act(gate) * up`` (SwiGLU with silu, GeGLU with gelu's tanh form)."""
         self._check(gate.shape == up.shape, name, f"glu of {gate!r} and {up!r}: shapes differ")
-        self._check(act in ("silu", "gelu"), name, f"unknown activation {act!r}")
+        self._check(act in ("silu", "gelu", "sigmoid"), name, f"unknown activation {act!r}")
         return self._node("glu", (gate, up), gate.shape, name, act=act)
 
     # -- mixture of experts -------------------------------------------------------------
@@ -230,6 +234,50 @@ class Graph:
                 f"moe_combine needs expert outputs [T, {k}, n], got {y!r}")
         return self._node("moe_combine", (y, routes), (TOKENS, y.shape[2]), name, k=k)
 
+    # -- gated delta-net (linear attention with recurrent state: qwen35) ------------------
+
+    def take(self, x: Tensor, group: int, start: int, n: int, name: str) -> Tensor:
+        """Values ``[start, start + n)`` of every ``group`` consecutive values of each
+        row: a head-interleaved split (``group`` = a head's parts) or a column range
+        (``group`` = the row)."""
+        self._check(len(x.shape) == 2 and x.width % group == 0 and 0 <= start and start + n <= group, name,
+                    f"take [{start}, {start + n}) of groups of {group} from {x!r}")
+        return self._node("take", (x,), (x.shape[0], x.width // group * n), name, group=group, start=start, n=n)
+
+    def l2_norm(self, x: Tensor, group: int, eps: float, name: str) -> Tensor:
+        """Each ``group`` values divided by their Euclidean norm (at least ``eps``)."""
+        self._check(x.width % group == 0, name, f"l2_norm groups of {group} do not tile {x!r}")
+        return self._node("l2_norm", (x,), x.shape, name, group=group, eps=float(eps))
+
+    def ssm_conv(self, x: Tensor, w: Tensor, name: str) -> Tensor:
+        """The short causal convolution of each channel over the sequence's last
+        ``d_conv`` inputs (the ``d_conv - 1`` before this step are the layer's conv
+        state), then SiLU: ``x`` ``[T, C]`` by ``w`` ``[C, d_conv]`` gives ``[T, C]``."""
+        self._check(self._layer >= 0, name, "ssm_conv outside a layer has no state")
+        self._check(w.kind == "weight" and len(w.shape) == 2 and x.shape == (TOKENS, w.shape[0]), name,
+                    f"ssm_conv of {x!r} by {w!r}: needs [T, C] and [C, d_conv]")
+        return self._node("ssm_conv", (x, w), x.shape, name, d_conv=int(w.shape[1]))
+
+    def delta_net(self, q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, dt: Tensor, a: Tensor,
+                  name: str, *, n_k_heads: int, n_v_heads: int, head_dim: int) -> Tensor:
+        """The gated delta rule over the layer's recurrent state S ``[n_v_heads, d, d]``
+        (d = ``head_dim``), per token and v head h with its k head ``h % n_k_heads``:
+        ``S = exp(g) S``, ``S += k (beta (v - S^T k))^T``, out = ``S^T q / sqrt(d)``,
+        where the decay ``g = softplus(alpha + dt) * a`` and ``beta = sigmoid(beta)``.
+        q, k ``[T, n_k_heads * d]``, v ``[T, n_v_heads * d]``, alpha and beta
+        ``[T, n_v_heads]``, dt and a ``[n_v_heads]``: ``[T, n_v_heads * d]``."""
+        self._check(self._layer >= 0, name, "delta_net outside a layer has no state")
+        self._check(n_v_heads % n_k_heads == 0, name, f"{n_v_heads} v heads do not share {n_k_heads} k heads")
+        for t, n in ((q, n_k_heads), (k, n_k_heads), (v, n_v_heads)):
+            self._check(t.shape == (TOKENS, n * head_dim), name, f"delta_net needs [T, {n * head_dim}], got {t!r}")
+        for t in (alpha, beta):
+            self._check(t.shape == (TOKENS, n_v_heads), name,
+                        f"delta_net gates must be [T, {n_v_heads}], got {t!r}")
+        for t in (dt, a):
+            self._check(t.shape == (n_v_heads,), name, f"delta_net dt and a must be [{n_v_heads}], got {t!r}")
+        return self._node("delta_net", (q, k, v, alpha, beta, dt, a), v.shape, name, n_k_heads=n_k_heads,
+                          n_v_heads=n_v_heads, head_dim=head_dim)
+
     def outputs(self, x: Tensor, name: str = "result_rows") -> Tensor:
         """The rows of ``x`` whose logits are wanted: ``[O, width]``."""
         self._check(len(x.shape) == 2 and x.shape[0] == TOKENS, name, f"outputs needs [T, n], got {x!r}")
@@ -252,6 +300,14 @@ class Graph:
 
     def producers(self) -> dict[int, Node]:
         return {node.out.id: node for node in self.nodes}
+
+    def recurrent_layers(self) -> dict[int, list[Node]]:
+        """Each layer's nodes that keep recurrent state (its conv and its delta rule)."""
+        out: dict[int, list[Node]] = {}
+        for n in self.nodes:
+            if n.op in ("ssm_conv", "delta_net"):
+                out.setdefault(n.layer, []).append(n)
+        return out
 
     def attention_layers(self) -> dict[int, Node]:
         """Each layer's attention node (the layers that have a KV cache)."""

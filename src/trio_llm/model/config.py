@@ -16,7 +16,7 @@ RopeMode = Literal["normal", "neox"]
 #: architectures we run, and the RoPE layout each implies (each has its file in
 #: ``trio_llm.models``, which builds its graph)
 ARCH_ROPE: dict[str, RopeMode] = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
-                                 "qwen3moe": "neox"}
+                                 "qwen3moe": "neox", "qwen35": "neox"}
 
 
 @attrs.frozen
@@ -47,6 +47,18 @@ class ModelConfig:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    # gated delta-net hybrids (qwen35): the recurrent layers, the short convolution's
+    # width, the k and v heads of the delta rule and their size, the rotated part of a
+    # full-attention head (partial RoPE; 0: all of it)
+    recurrent_layers: tuple[bool, ...] = ()
+    ssm_d_conv: int = 0
+    ssm_n_k_heads: int = 0
+    ssm_n_v_heads: int = 0
+    ssm_head_dim: int = 0
+    n_rot: int = 0
+
+    def is_recurrent(self, il: int) -> bool:
+        return bool(self.recurrent_layers) and self.recurrent_layers[il]
 
     def is_swa(self, il: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[il]

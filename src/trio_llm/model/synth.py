@@ -77,13 +77,24 @@ class Preset:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    #: gated delta-net hybrids (qwen35): (conv width, k heads, v heads, head size) of
+    #: the delta-net layers, and the rotated part of an attention head
+    ssm: tuple[int, int, int, int] = (0, 0, 0, 0)
+    n_rot: int = 0
 
     def config(self) -> ModelConfig:
+        extra: dict[str, object]
         if self.arch == "gemma3":
             from trio_llm.models import gemma3
 
             extra = gemma3.derived(self.n_layer, self.n_embd, self.n_head, self.head_dim, self.n_swa,
                                    self.rope_linear)
+        elif self.arch == "qwen35":
+            from trio_llm.models.qwen35 import FULL_ATTENTION_INTERVAL
+
+            d_conv, n_k, n_v, d = self.ssm
+            extra = dict(recurrent_layers=tuple((il + 1) % FULL_ATTENTION_INTERVAL != 0 for il in range(self.n_layer)),
+                         ssm_d_conv=d_conv, ssm_n_k_heads=n_k, ssm_n_v_heads=n_v, ssm_head_dim=d, n_rot=self.n_rot)
         else:
             extra = {}
         return ModelConfig(
@@ -100,20 +111,21 @@ class Preset:
             rope_theta=self.rope_theta,
             rms_eps=self.rms_eps,
             rope_mode=ARCH_ROPE[self.arch],
-            qk_norm=self.arch in ("qwen3", "gemma3", "qwen3moe"),
+            qk_norm=self.arch in ("qwen3", "gemma3", "qwen3moe", "qwen35"),
             attn_bias=self.arch == "qwen2",
             tied_embeddings=self.tied,
             n_expert=self.n_expert,
             n_expert_used=self.n_expert_used,
             n_ff_exp=self.n_ff_exp,
-            **extra,
+            **extra,  # type: ignore[arg-type]
         )
 
 
 def _preset(name: str, arch: str, dims: tuple[int, ...], tied: bool, theta: float, n_ctx: int,
             vocab: tuple[VocabStyle, VocabFamily], model_name: str,
             rope_scaling: tuple[float, float, float, int] | None = None, n_swa: int = 0,
-            rope_linear: float = 0.0, moe: tuple[int, int, int] = (0, 0, 0)) -> Preset:
+            rope_linear: float = 0.0, moe: tuple[int, int, int] = (0, 0, 0),
+            ssm: tuple[int, int, int, int] = (0, 0, 0, 0), n_rot: int = 0) -> Preset:
     n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff, n_vocab = dims
     return Preset(
         name=name, arch=arch, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
@@ -121,7 +133,7 @@ def _preset(name: str, arch: str, dims: tuple[int, ...], tied: bool, theta: floa
         rope_theta=theta, n_ctx=n_ctx, vocab_style=vocab[0], vocab_family=vocab[1],
         rms_eps=1e-5 if arch == "llama" else 1e-6, model_name=model_name,
         rope_scaling=rope_scaling, n_swa=n_swa, rope_linear=rope_linear,
-        n_expert=moe[0], n_expert_used=moe[1], n_ff_exp=moe[2],
+        n_expert=moe[0], n_expert_used=moe[1], n_ff_exp=moe[2], ssm=ssm, n_rot=n_rot,
     )
 
 
@@ -153,6 +165,15 @@ PRESETS: dict[str, Preset] = {
                 ("gpt2", "chatml"), "trio-llm tiny-qwen3moe", moe=(16, 4, 256)),
         _preset("qwen3-30b-a3b", "qwen3moe", (2048, 48, 32, 4, 128, 6144, 151936), False, 1e6, 40960,
                 ("gpt2", "chatml"), "synthetic Qwen3-30B-A3B shape", moe=(128, 8, 768)),
+        # gated delta-net hybrids: three delta-net layers to one gated-attention layer;
+        # ssm: (conv width, k heads, v heads, head size); a quarter of each attention
+        # head rotates
+        _preset("tiny-qwen35", "qwen35", (256, 4, 4, 2, 64, 512, 1024), False, 1e7, 4096,
+                ("gpt2", "chatml"), "trio-llm tiny-qwen35", ssm=(4, 2, 4, 64), n_rot=16),
+        _preset("qwen35-0.8b", "qwen35", (1024, 24, 8, 2, 256, 3584, 248320), True, 1e7, 262144,
+                ("gpt2", "chatml"), "synthetic Qwen3.5-0.8B shape", ssm=(4, 16, 16, 128), n_rot=64),
+        _preset("qwen35-9b", "qwen35", (4096, 32, 16, 4, 256, 12288, 248320), False, 1e7, 262144,
+                ("gpt2", "chatml"), "synthetic Qwen3.5-9B shape", ssm=(4, 16, 32, 128), n_rot=64),
         _preset("gemma3-4b", "gemma3", (2560, 34, 8, 4, 256, 10240, 262144), True, 1e6, 131072,
                 ("llama", "gemma"), "synthetic gemma-3-4b shape", n_swa=1024, rope_linear=8.0),
     ]
@@ -308,9 +329,14 @@ def plan_tensors(preset: Preset, quant: str, pure: bool = False, sharp: bool = F
         plans.append(TensorPlan("rope_freqs.weight", (len(factors),), T.F32, "const", factors))
     for name, shape in expected_shapes(cfg).items():
         scale = SHARP_SCALES.get(name.split(".", 2)[-1] if name.startswith("blk.") else name, 1.0) if sharp else 1.0
-        if name.endswith("ffn_gate_inp.weight"):
-            # the router stays F32, as llama.cpp's converter and llama-quantize keep it
+        if name.endswith(("ffn_gate_inp.weight", "ssm_conv1d.weight", "ssm_alpha.weight", "ssm_beta.weight")):
+            # the router and the delta-net's small matrices stay F32, as llama.cpp's
+            # converter and llama-quantize keep them
             plans.append(TensorPlan(name, shape, T.F32, "matrix"))
+        elif name.endswith(".ssm_a"):
+            # the delta rule's decay rates, -exp(A_log): negative, so the state decays
+            rates = -np.exp(np.linspace(-1.0, 1.0, shape[0]))
+            plans.append(TensorPlan(name, shape, T.F32, "const", tuple(float(r) for r in rates)))
         elif len(shape) >= 2:
             ggml_type = _matrix_type(name, quant, cfg, shape[-1], pure)
             plans.append(TensorPlan(name, shape, ggml_type, "matrix", scale=scale))
@@ -429,11 +455,25 @@ def _write_metadata(writer: gguf.GGUFWriter, preset: Preset, quant: str) -> None
     writer.add_head_count_kv(cfg.n_head_kv)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.n_rot or cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
     if preset.n_swa:
         writer.add_sliding_window(preset.n_swa)
+    if cfg.recurrent_layers:
+        from trio_llm.models.qwen35 import FULL_ATTENTION_INTERVAL
+
+        d_conv, n_k, n_v, d = preset.ssm
+        writer.add_ssm_conv_kernel(d_conv)
+        writer.add_ssm_inner_size(n_v * d)
+        writer.add_ssm_state_size(d)
+        writer.add_ssm_time_step_rank(n_v)
+        writer.add_ssm_group_count(n_k)
+        writer.add_full_attention_interval(FULL_ATTENTION_INTERVAL)
+        # llama.cpp's multi-section RoPE: Qwen3.5's 11/11/10 of 32 pairs, scaled to n_rot
+        half = cfg.n_rot // 2
+        a = round(half * 11 / 32)
+        writer.add_rope_dimension_sections([a, a, half - 2 * a, 0])
     if preset.n_expert:
         writer.add_expert_count(preset.n_expert)
         writer.add_expert_used_count(preset.n_expert_used)

@@ -137,6 +137,10 @@ class VulkanBackend:
             self._ir = build_graph(cfg, {n: t.shape for n, t in model.tensors.items()})
         except GraphError as exc:
             raise ModelLoadError(model.path, str(exc)) from None
+        if self._ir.recurrent_layers():
+            raise UnsupportedModelError(
+                model.path, "gated delta-net layers (qwen35) run on the numpy backend only, not yet on Vulkan: "
+                            "use --backend numpy")
         self._plan = plan_buffers(self._ir)
         # the largest bucket: a forward with more tokens runs as several chunks; every
         # activation of a chunk must fit one binding (128 MiB on lavapipe)

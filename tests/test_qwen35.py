@@ -1,0 +1,144 @@
+"""Gated delta-net hybrids (qwen35) on the numpy reference: the recurrent state a
+sequence carries between forward passes, its memory kind (reusable only as the whole
+cached sequence), release/restore, and prefix reuse through the slots loop. Agreement
+with llama.cpp is in test_llamacpp_agreement.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from test_server_slots import collect, make_rig
+from trio_llm.engine.backend import Level, SeqBatch
+from trio_llm.engine.memory import LayerMemory, reusable_prefix
+from trio_llm.engine.reference import NumpyBackend
+from trio_llm.errors import BackendError, GraphError, UnsupportedModelError
+from trio_llm.graph import Graph
+from trio_llm.model.gguf import load_gguf
+from trio_llm.server.tasks import TaskFinal
+
+PROMPT = np.array([17, 230, 5, 891, 64, 300, 12, 77, 450, 9, 601, 33], np.int32)
+
+
+@pytest.fixture(scope="module")
+def model(model_path):  # type: ignore[no-untyped-def]
+    return load_gguf(model_path("tiny-qwen35", "Q8_0"))
+
+
+def test_the_hybrid_pattern_and_its_memory_plan(model) -> None:  # type: ignore[no-untyped-def]
+    cfg = model.config
+    assert cfg.recurrent_layers == (True, True, True, False) and cfg.n_rot == 16
+    be = NumpyBackend(model, n_ctx=32, n_seq=2)
+    try:
+        assert [m.layer for m in be.layers] == [3]  # one layer with a KV cache
+        assert [(m.layer, m.kind) for m in be.recurrent] == [(0, "recurrent"), (1, "recurrent"), (2, "recurrent")]
+        # a recurrent state continues only from all of itself
+        assert be.reusable_prefix(10, 10) == 10 and be.reusable_prefix(10, 12) == 10
+        assert be.reusable_prefix(10, 9) == 0 and be.reusable_prefix(10, 3) == 0
+    finally:
+        be.close()
+    kinds = [LayerMemory(0, "kv", 64, 0, 8), LayerMemory(1, "recurrent", 0, 0, 0)]
+    assert reusable_prefix(kinds, 20, 20) == 20 and reusable_prefix(kinds, 20, 19) == 0
+
+
+def test_the_state_carries_a_sequence_across_passes_and_sequences_apart(model) -> None:  # type: ignore[no-untyped-def]
+    be = NumpyBackend(model, n_ctx=32, n_seq=2)
+    try:
+        whole = be.forward_all_logits(PROMPT, seq_id=0)  # [12, n_vocab] in one pass
+        # the same sequence in three passes (prefill pieces, then decode), in slot 1,
+        # while slot 0 runs something else in the same batches
+        other = np.array([3, 4, 5, 6, 7], np.int32)
+        be.forward([SeqBatch(1, PROMPT[:5], 0), SeqBatch(0, other, 0)])
+        be.forward([SeqBatch(1, PROMPT[5:11], 5)])
+        last = be.forward([SeqBatch(1, PROMPT[11:], 11), SeqBatch(0, PROMPT[:1], 5)])
+        np.testing.assert_allclose(last[0], whole[-1], rtol=0, atol=1e-4)
+        # a pass that does not start where the state stopped is refused, by name
+        with pytest.raises(BackendError, match="recurrent state holds 12 positions; it cannot continue at 7"):
+            be.forward([SeqBatch(1, PROMPT[:2], 7)])
+        # position 0 starts the state afresh
+        again = be.forward([SeqBatch(1, PROMPT, 0)])
+        np.testing.assert_allclose(again[0], whole[-1], rtol=0, atol=1e-4)
+        with pytest.raises(BackendError, match="slot save/restore of a gated delta-net model"):
+            be.read_kv(1, 12)
+    finally:
+        be.close()
+
+
+@pytest.mark.parametrize("level", [Level.WEIGHTS, Level.ALL, Level.UNLOAD])
+def test_release_keeps_the_state_or_says_it_is_gone(model, level: Level) -> None:  # type: ignore[no-untyped-def]
+    be = NumpyBackend(model, n_ctx=32, n_seq=1)
+    try:
+        be.forward([SeqBatch(0, PROMPT[:11], 0)])
+        state_bytes = be.memory()["kv_cache"]
+        be.release(level)
+        if level is not Level.WEIGHTS:
+            assert be.memory()["kv_cache"] == 0 and be.host_memory()["kv_cache"] == (
+                state_bytes if level is Level.ALL else 0)
+        be.restore()
+        if level is Level.UNLOAD:  # nothing survived: the state starts again at position 0
+            with pytest.raises(BackendError, match="holds 0 positions"):
+                be.forward([SeqBatch(0, PROMPT[11:], 11)])
+            be.forward([SeqBatch(0, PROMPT[:11], 0)])
+        got = be.forward([SeqBatch(0, PROMPT[11:], 11)])
+        want = be.forward_all_logits(PROMPT)[-1]
+        np.testing.assert_allclose(got[0], want, rtol=0, atol=1e-4)
+    finally:
+        be.close()
+
+
+def test_delta_net_ops_check_shapes_at_build_time() -> None:
+    g = Graph(shapes={"w": (64, 16), "conv": (64, 4), "dt": (4,), "a": (4,), "a3": (3,)})
+    g.layer(0)
+    x = g.get_rows(g.weight("w"), g.tokens())  # [T, 16]
+    h = g.linear(x, g.weight("w"), "h")  # [T, 64]
+    c = g.ssm_conv(h, g.weight("conv"), "conv")
+    q = g.take(c, 64, 0, 16, "q")  # [T, 16]: 2 k heads of 8
+    v = g.take(c, 64, 32, 32, "v")  # [T, 32]: 4 v heads of 8
+    gate = g.take(c, 64, 60, 4, "gate")  # [T, 4]
+    out = g.delta_net(q, q, v, gate, gate, g.weight("dt"), g.weight("a"), "dn", n_k_heads=2, n_v_heads=4, head_dim=8)
+    assert out.shape == ("T", 32) and g.take(h, 16, 8, 8, "halves").shape == ("T", 32)
+    with pytest.raises(GraphError, match="take"):
+        g.take(h, 16, 10, 8, "bad")
+    with pytest.raises(GraphError, match=r"dt and a must be \[4\]"):
+        g.delta_net(q, q, v, gate, gate, g.weight("dt"), g.weight("a3"), "bad", n_k_heads=2, n_v_heads=4,
+                    head_dim=8)
+    with pytest.raises(GraphError, match="do not share"):
+        g.delta_net(q, q, v, gate, gate, g.weight("dt"), g.weight("a"), "bad", n_k_heads=3, n_v_heads=4,
+                    head_dim=8)
+
+
+@pytest.mark.vulkan
+def test_vulkan_refuses_delta_net_layers_in_one_line(model) -> None:  # type: ignore[no-untyped-def]
+    from trio_llm.vulkan.backend import VulkanBackend
+
+    with pytest.raises(UnsupportedModelError, match="gated delta-net layers .* numpy backend only"):
+        VulkanBackend(model, n_ctx=32, n_seq=1)
+
+
+async def _answer(r, prompt: list[int]) -> TaskFinal:  # type: ignore[no-untyped-def]
+    t, recv = r.task(prompt, n_predict=4, ban_eog=True)
+    await r.queue.post(t)
+    (final,) = await collect(recv)
+    assert isinstance(final, TaskFinal)
+    return final
+
+
+async def test_slots_reuse_a_whole_cached_sequence_and_recompute_a_cut_one(
+    model_path, nursery: trio.Nursery
+) -> None:  # type: ignore[no-untyped-def]
+    path = model_path("tiny-qwen35", "Q8_0")
+    r = await make_rig(path, nursery, n_seq=1, n_ctx=128)
+    first = await _answer(r, [int(t) for t in PROMPT])
+    # the next turn extends everything the slot holds: its state continues
+    turn = [int(t) for t in PROMPT] + list(first.tokens) + [40, 41, 42]
+    got = await _answer(r, turn)
+    assert got.timings.cache_n > len(PROMPT)
+    # a prompt that shares only a prefix cannot cut the state back: recomputed
+    cut = [int(t) for t in PROMPT[:6]] + [50, 51]
+    got_cut = await _answer(r, cut)
+    assert got_cut.timings.cache_n == 0
+    fresh = await make_rig(path, nursery, n_seq=1, n_ctx=128)
+    assert (await _answer(fresh, turn)).tokens == got.tokens
+    fresh2 = await make_rig(path, nursery, n_seq=1, n_ctx=128)
+    assert (await _answer(fresh2, cut)).tokens == got_cut.tokens
