@@ -3,7 +3,7 @@
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
 # Stages: verify (the Vulkan correctness tests on the H200), decodeg3 (gemma3-4b), attndepth (decode attention at
-# depth, op level), decode, decodeab (before/after),
+# depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill),
 # residency, handoff,
 # server, scen1b, scen8b.
@@ -98,6 +98,15 @@ for s in $STAGES; do case $s in
     wait $MG3 2>/dev/null
     stage decode-gemma3-4b-q4km 200 $PY bench/decode.py --model /tmp/m/gemma3-4b-Q4_K_M.gguf --backends vulkan \
       --repeats 3 ;;
+  qtypes)  # llama-1b in the mixes the newer weight types carry, then the Q3_K / Q5_K wide
+    # matvec loops against the generic loop they replaced (TRIO_LLM_MATVEC_GENERIC=1)
+    for q in ${QTYPES_MIXES:-Q3_K_M Q5_K_M Q4_K_XL IQ4_XS}; do
+      stage "decode-1b-$q" 100 $PY bench/decode.py --model "$(model $B1 $q)" --backends vulkan --repeats 2
+    done
+    for q in Q3_K_M Q5_K_M; do
+      stage "decode-1b-$q-generic" 100 env TRIO_LLM_MATVEC_GENERIC=1 $PY bench/decode.py \
+        --model "$(model $B1 $q)" --backends vulkan --repeats 2
+    done ;;
   decode1b)  # llama-1b Q4_K_M only
     stage decode-1b-q4km 100 $PY bench/decode.py --model "$(model $B1 Q4_K_M)" --backends vulkan --repeats 3 ;;
   vkmem)

@@ -18,8 +18,9 @@
 //         reads 4 bytes of qs (four 2-bit planes) and 4 of hmask, 16 values, and
 //         its four 6-bit scales from three paired loads of the scale bytes
 // Other types use the generic loop: eight values per lane through quant.glsl's
-// dequant8, adjacent lanes on adjacent groups. (The Q3_K and Q5_K loops are not yet
-// measured on the H200 against the generic one they replaced.) (For Q8_0 a path giving each lane 16
+// dequant8, adjacent lanes on adjacent groups; GENERIC_LOOP puts the four types above
+// on it too (TRIO_LLM_MATVEC_GENERIC=1, for an A/B of their loops on the H200: the
+// Q3_K and Q5_K loops are not yet measured there). (For Q8_0 a path giving each lane 16
 // values of a block measured slower on the H200: 1.03 against 0.76 ms of matvec per
 // llama-1b token; a block per lane with 32-bit loads was slower still.) With the K-quants, a sub-block's scale and min multiply the
 // sums of q*x and of x once instead of every value.
@@ -133,7 +134,7 @@ void main() {
         [[unroll]] for (uint c = 0; c < MAXC * RS; c++) {
             acc[c] = 0.0;
         }
-#if defined(QTYPE_Q4_K) || defined(QTYPE_Q5_K)
+#if !defined(GENERIC_LOOP) && (defined(QTYPE_Q4_K) || defined(QTYPE_Q5_K))
 #if defined(QTYPE_Q4_K)
         const uint STRIDE128 = 9u;  // 144-byte blocks are 9 uvec4
         const uint QS128 = 1u;      // the nibbles follow the 16-byte header
@@ -212,7 +213,7 @@ void main() {
                 }
             }
         }
-#elif defined(QTYPE_Q6_K)
+#elif !defined(GENERIC_LOOP) && defined(QTYPE_Q6_K)
         uint nb = pc.n_in / 256u;
         for (uint t = lane; t < nb * 16u; t += sg) {
             uint blk = t >> 4;
@@ -247,7 +248,7 @@ void main() {
                 }
             }
         }
-#elif defined(QTYPE_Q3_K)
+#elif !defined(GENERIC_LOOP) && defined(QTYPE_Q3_K)
         uint nb = pc.n_in / 256u;
         for (uint t = lane; t < nb * 16u; t += sg) {
             uint blk = t >> 4;

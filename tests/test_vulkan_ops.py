@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
 
+from trio_llm.vulkan import shaders
 from trio_llm.vulkan.device import Device, shared_device
 from trio_llm.vulkan.graph import Barrier, Copy, Graph, Op
 from trio_llm.vulkan.kernels import KernelCache
@@ -28,6 +29,7 @@ from trio_llm.vulkan.ops import (
     Ops,
     fill_step,
 )
+from trio_llm.vulkan.shaders import WIDE_MATVEC
 
 pytestmark = pytest.mark.vulkan
 
@@ -149,6 +151,30 @@ def test_matvec_columns_and_residual(env: Env, qtype: str, cols: int) -> None:
     scale = np.abs(want).max()
     np.testing.assert_allclose(env.get(y).reshape(ncol, rows), want, atol=2e-5 * scale, rtol=0)
     np.testing.assert_allclose(env.get(y2).reshape(ncol, rows), want + resid, atol=2e-5 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", WIDE_MATVEC)
+def test_matvec_generic_loop_of_the_wide_types(env: Env, qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRIO_LLM_MATVEC_GENERIC=1 (the A/B switch for the H200) puts the types with a
+    wide-load loop on the generic one: the same products, plain and GATE_UP."""
+    rows, cols, ncol = 70, 512, 3
+    raw, ref = make_weights(qtype, rows, cols, seed=11)
+    x = np.random.default_rng(12).standard_normal((ncol, cols)).astype(np.float32)
+    w, xv, y, g = env.put(raw), env.put(x), env.zeros(ncol * rows), env.zeros(ncol * (rows // 2))
+    st = env.step([0] * ncol)
+    wide = env.ops.matvec(qtype, w, xv, y, st, n_in=cols, n_rows=rows, x_stride=cols, y_stride=rows).kernel
+    monkeypatch.setattr(shaders, "GENERIC_MATVEC", True)
+    assert shaders.matvec_defines(qtype) == {f"QTYPE_{qtype}": 1, "GENERIC_LOOP": 1}
+    mv = env.ops.matvec(qtype, w, xv, y, st, n_in=cols, n_rows=rows, x_stride=cols, y_stride=rows)
+    assert mv.kernel is not wide
+    gu = env.ops.matvec_gate_up(qtype, w, xv, g, st, n_in=cols, n_rows=rows // 2, row_a=0, row_b=rows // 2,
+                                x_stride=cols, y_stride=rows // 2)
+    env.run([mv, gu])
+    want = x @ ref.T  # [ncol, rows]
+    np.testing.assert_allclose(env.get(y).reshape(ncol, rows), want, atol=2e-5 * np.abs(want).max(), rtol=0)
+    a, b = want[:, : rows // 2], want[:, rows // 2 :]
+    glu = a / (1 + np.exp(-np.clip(a.astype(np.float64), -80, 80))) * b  # no overflow
+    np.testing.assert_allclose(env.get(g).reshape(ncol, rows // 2), glu, atol=3e-5 * np.abs(glu).max(), rtol=0)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

@@ -19,7 +19,15 @@ from trio_llm.model.kvtypes import KVType, kv_type
 from trio_llm.vulkan.graph import Dispatch
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import View
-from trio_llm.vulkan.shaders import GATE_UP, QTYPES, ROPE_OUT, STEP_CAP, kv_defines, qtype_defines
+from trio_llm.vulkan.shaders import (
+    GATE_UP,
+    QTYPES,
+    ROPE_OUT,
+    STEP_CAP,
+    kv_defines,
+    matvec_defines,
+    qtype_defines,
+)
 
 #: the step buffer: [n_tokens, n_out, 0, 0] then tokens, positions, seq ids, output rows
 STEP_HEADER = 4
@@ -126,7 +134,7 @@ class Ops:
         nr, rs = self.matvec_rows, self.matvec_rs
         k = self.kernels.get(
             "matvec", n_bindings=4, n_push=7, local_size=nr * self.subgroup,
-            defines=qtype_defines(qtype), spec={1: maxc, 2: nr, 3: rs},
+            defines=matvec_defines(qtype), spec={1: maxc, 2: nr, 3: rs},
         )
         push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add))
         return Dispatch(k, (w, x, y, step), push, grid(math.ceil(n_rows / (nr * rs))))
@@ -152,7 +160,7 @@ class Ops:
             nr = 32 // rs
         k = self.kernels.get(
             "matvec", n_bindings=5, n_push=13, local_size=nr * self.subgroup,
-            defines={**qtype_defines(qtype), **ROPE_OUT, **kv_defines(KV_TYPE=t)}, spec={1: maxc, 2: nr, 3: rs},
+            defines={**matvec_defines(qtype), **ROPE_OUT, **kv_defines(KV_TYPE=t)}, spec={1: maxc, 2: nr, 3: rs},
         )
         push = (n_in, n_rows, x_stride, y_stride, y_off, COUNT_TOKENS, 0,
                 head_dim, int(rope), int(to_cache), n_ctx, n_rows, float(math.log2(theta)))
@@ -168,7 +176,7 @@ class Ops:
         nr = self.matvec_rows
         k = self.kernels.get(
             "matvec", n_bindings=4, n_push=9, local_size=nr * self.subgroup,
-            defines={**qtype_defines(qtype), **GATE_UP}, spec={1: maxc, 2: nr, 3: 2},
+            defines={**matvec_defines(qtype), **GATE_UP}, spec={1: maxc, 2: nr, 3: 2},
         )
         push = (n_in, n_rows, x_stride, y_stride, 0, COUNT_TOKENS, 0, row_a, row_b)
         return Dispatch(k, (w, x, y, step), push, grid(math.ceil(n_rows / nr)))

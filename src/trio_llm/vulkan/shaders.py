@@ -137,6 +137,20 @@ def qtype_defines(qtype: str) -> dict[str, object]:
     return {f"QTYPE_{qtype}": 1}
 
 
+#: weight types with a wide-load decode loop of their own in matvec.comp
+WIDE_MATVEC = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")
+#: ``TRIO_LLM_MATVEC_GENERIC=1``: those types take the generic eight-values-per-lane
+#: loop instead, for an A/B of the wide loops on one tree (bench/h200.sh qtypes)
+GENERIC_MATVEC = os.environ.get("TRIO_LLM_MATVEC_GENERIC", "0") == "1"
+
+
+def matvec_defines(qtype: str, generic: bool | None = None) -> dict[str, object]:
+    """``qtype_defines`` for matvec.comp, with ``GENERIC_LOOP`` when asked for (by
+    default: when ``TRIO_LLM_MATVEC_GENERIC=1``) and the type has a wide loop."""
+    generic = GENERIC_MATVEC if generic is None else generic
+    return {**qtype_defines(qtype), **({"GENERIC_LOOP": 1} if generic and qtype in WIDE_MATVEC else {})}
+
+
 def kv_defines(**types: object) -> dict[str, object]:
     """``KV_TYPE`` / ``K_TYPE`` / ``V_TYPE`` defines of the KV cache types given (a
     ``KVType`` or a code); f32 (0) adds none, so f32 variants keep their old key."""
@@ -172,6 +186,12 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for code in KV_CODES[1:]:
         for q in QTYPES if code in (1, 3) else ("Q8_0",):
             yield "matvec", {**qtype_defines(q), **ROPE_OUT, **kv_defines(KV_TYPE=code)}
+    # the generic loop of the wide-loop types (TRIO_LLM_MATVEC_GENERIC=1), f16 caches
+    for q in WIDE_MATVEC:
+        g = matvec_defines(q, generic=True)
+        yield "matvec", g
+        yield "matvec", {**g, **GATE_UP}
+        yield "matvec", {**g, **ROPE_OUT, **kv_defines(KV_TYPE=1)}
 
 
 def main(argv: list[str]) -> int:
