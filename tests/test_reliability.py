@@ -156,6 +156,63 @@ async def test_a_waiting_wake_survives_inbox_messages(tiny_model: Path, tmp_path
     assert code == 0 and "Traceback" not in log, log
 
 
+async def test_a_slot_action_waiting_for_a_contended_wake_serves_the_inbox(tiny_model: Path, tmp_path: Path) -> None:
+    """Found beyond the eleven: a slot restore (or save) on a cold server waited for
+    the wake without serving the slots loop's inbox, so while another process held
+    the GPU no cancellation was seen, and a restore whose client had gone still
+    overwrote the slot's cache once the token came. Now the wait serves the inbox
+    like a generation's: the departed restore is dropped (the slot keeps its cache),
+    and a generation and a save posted meanwhile are both answered after the wake."""
+    arena, folder = tmp_path / "arena", tmp_path / "slots"
+    folder.mkdir()
+    proc, http = await _serve(tiny_model, "--vram-arena", str(arena), "-np", "2", "--no-warmup",
+                              "--slot-save-path", str(folder))
+    short = {"prompt": "Hello", "n_predict": 1, "id_slot": 0}
+    longer = {"prompt": "A longer prompt, cached in slot zero", "n_predict": 1, "id_slot": 0}
+    assert (await http.post("/completion", json=short)).status_code == 200
+    assert (await http.post("/slots/0?action=save", json={"filename": "short.bin"})).status_code == 200
+    assert (await http.post("/completion", json=longer)).status_code == 200
+    cached = (await http.get("/slots")).json()[0]["n_cached"]
+    standin = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("standin.py")), "--arena", str(arena),
+         "--hold", "60", "--until-stdin"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert standin.stdin is not None and standin.stdout is not None
+    assert (await trio.to_thread.run_sync(standin.stdout.readline)).strip() == "waiting"
+    assert (await trio.to_thread.run_sync(standin.stdout.readline)).strip() == "token"
+
+    async def props() -> dict[str, Any]:
+        return (await http.get("/props")).json()["residency"]  # type: ignore[no-any-return]
+
+    with trio.fail_after(30):
+        while (await props())["token_held"]:
+            await trio.sleep(0.02)
+    try:
+        await httpx.AsyncClient(base_url=str(http.base_url), timeout=1.0).post(
+            "/slots/0?action=restore", json={"filename": "short.bin"})
+        raise AssertionError("the restore answered while the GPU was held elsewhere")
+    except httpx.TimeoutException:
+        pass  # its client left while it waited for the wake
+    answers: list[int] = []
+
+    async def post(path: str, body: dict[str, Any]) -> None:
+        answers.append((await http.post(path, json=body)).status_code)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(post, "/completion", {"prompt": "meanwhile", "n_predict": 2, "id_slot": 1})
+        nursery.start_soon(post, "/slots/1?action=save", {"filename": "one.bin"})
+        await trio.sleep(0.5)
+        standin.stdin.write("release\n")
+        standin.stdin.flush()
+    assert answers == [200, 200]
+    assert (await http.get("/slots")).json()[0]["n_cached"] == cached  # not overwritten
+    assert sorted(p.name for p in folder.iterdir()) == ["one.bin", "short.bin"]
+    assert await trio.to_thread.run_sync(standin.wait) == 0
+    code, log = await _stop(proc, http)
+    assert code == 0 and "Traceback" not in log, log
+
+
 # -- 2, 8, 9, 10. slot files --------------------------------------------------------------
 
 

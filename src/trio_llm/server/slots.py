@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from enum import Enum
+from functools import partial
 from typing import Any, Protocol
 
 import attrs
@@ -382,6 +383,13 @@ class SlotsEngine:
             if task is None or task.action is None:
                 continue
             try:
+                # save and restore need the device: wait for it serving the inbox, as a
+                # generation does, so that cancellations and new requests are handled
+                # meanwhile, and the action itself is dropped if its client goes away
+                if task.action.kind != "erase" and not await self._wait_serving_inbox(
+                    partial(self._task_left, slot, task)
+                ):
+                    continue
                 done = await self._slot_action(slot, task.action)
                 result: TaskResult = (attrs.evolve(done, id_task=task.id_task) if isinstance(done, TaskActionDone)
                                       else TaskActionDone(task.id_task, done))
@@ -391,6 +399,10 @@ class SlotsEngine:
                 result = TaskError(task.id_task, str(exc), 500, "server_error")
             if self._send(slot, result):
                 self._release(slot, cancelled=False)
+
+    @staticmethod
+    def _task_left(slot: Slot, task: ServerTask) -> bool:
+        return slot.task is not task
 
     async def _slot_action(self, slot: Slot, action: SlotAction) -> TaskActionDone | dict[str, Any]:
         """Save, restore or erase ``slot``'s KV cache; llama-server's answer for it.
@@ -425,7 +437,12 @@ class SlotsEngine:
         its slot at once and a new one joins the pass that follows the wake. Returns
         False when nothing is left to run (every waiting request went away, or a slot
         action arrived, which runs first). Only a wait: the pass itself holds
-        ``gate.resident()``.
+        ``gate.resident()``."""
+        return await self._wait_serving_inbox(lambda: not self._active() or self._pending_action())
+
+    async def _wait_serving_inbox(self, give_up: Callable[[], bool]) -> bool:
+        """Wait for the model to be resident (True), serving the inbox meanwhile, until
+        ``give_up()`` holds after a message (False).
 
         The waker stays alive across inbox messages: cancelling it on every message
         would withdraw and re-register the demand each time, which under an arbiter
@@ -451,7 +468,7 @@ class SlotsEngine:
             async def listen() -> None:
                 while True:
                     self._handle(await self._inbox.receive())
-                    if not self._active() or self._pending_action():
+                    if give_up():
                         nursery.cancel_scope.cancel()
                         return
 
