@@ -6,7 +6,9 @@
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill),
 # residency, handoff,
-# server, scen1b, scen8b.
+# server, scen1b, scen8b,
+# e2e (bench/e2e.py: trio-llm serve beside llama-server Vulkan and CUDA through HTTP; needs
+#   .lcpp carried too: `bash ../shared/tools/llamacpp/prepare.sh` here first).
 # Unpacks the Vulkan loader (.gl/*.deb) and the Python wheels the image lacks (.whl),
 # makes the synthetic models, then runs the stages in order, each bounded by `timeout`.
 # Everything lands in $OUT/h200.tar.gz (re-packed after every stage, so a run cut
@@ -14,8 +16,27 @@
 set -u
 OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT" /tmp/h200/res /tmp/m
-RES=/tmp/h200/res; touch /tmp/h200/start
+RES=/tmp/h200/res; touch /tmp/h200/start; T0=$(date +%s)
 STAGES=${*:-residency handoff scen1b server scen8b}
+elapsed() { echo $(( $(date +%s) - T0 )); }
+
+# e2e: llama.cpp's CUDA llama-server builds from the start, in the background (about 5 min
+# on the 16 cores), at nice 19 so that our own server, measured meanwhile, keeps its CPU.
+# Its own session (setsid), so that the end of this script can stop it by its group id.
+LCPP=/tmp/lcpp; CUDA_BUILD=0
+case " $STAGES " in *" e2e "*)
+  if [ -f .lcpp/h200.sh ] && [ -f .lcpp/src.tgz ] && [ "${E2E_CUDA:-1}" = 1 ]; then
+    mkdir -p $LCPP; rm -f $LCPP/cuda.done $LCPP/cuda.pid; CUDA_BUILD=1
+    setsid bash -c 'echo $$ > /tmp/lcpp/cuda.pid; nice -n 19 bash .lcpp/h200.sh cuda; echo $? > /tmp/lcpp/cuda.done' \
+      > "$RES/lcpp-cuda.log" 2>&1 < /dev/null &
+  fi ;;
+esac
+stop_build() {
+  if [ -f $LCPP/cuda.pid ] && [ ! -f $LCPP/cuda.done ]; then
+    kill -- -"$(cat $LCPP/cuda.pid)" 2>/dev/null && echo "== CUDA build stopped unfinished" >> "$OUT/summary.txt"
+  fi
+}
+trap stop_build EXIT
 
 if ! ldconfig -p | grep -q libvulkan.so.1; then  # the H200 image has no loader
   for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
@@ -140,6 +161,25 @@ for i in range(4):
       stage "scenario-$sc-8b" 120 $PY -m trio_llm scenario run "$sc" --length "${L8:-12}" --backend vulkan \
         --model "$M8B" --out "$RES/scenario-$sc-8b" -q
     done ;;
+  e2e)  # end to end through HTTP (bench/e2e.py), one record; trio-llm first, while CUDA builds
+    [ -f .lcpp/h200.sh ] || { say "e2e: no .lcpp/ carried (bash ../shared/tools/llamacpp/prepare.sh here)"; continue; }
+    VK=$(bash .lcpp/h200.sh vulkan 2> "$RES/lcpp-vulkan.log" | tail -n 1)
+    left=$(( ${E2E_END:-570} - $(elapsed) ))  # seconds of the 10-minute device call left for it
+    K1=${E2E_K1:-0}; K8=${E2E_K8:-0}  # e.g. E2E_K1=8 E2E_K8=4: concurrent clients, -np K
+    CUDA=(); [ $CUDA_BUILD = 1 ] && CUDA=(--llama-cuda $LCPP/cuda/bin/llama-server --wait-for $LCPP/cuda.done)
+    if [ "${SMALL:-0}" = 1 ]; then P1=64,256; P8=64,256; export GGML_VK_VISIBLE_DEVICES=0  # lavapipe
+    else P1=512,8192,32768; P8=512,16384; fi
+    # the 8b file may still be in the making (in the background): e2e.py waits for it
+    stage e2e $((left + 20)) $PY bench/e2e.py --backend vulkan \
+      --model "$M1" --prompts "${E2E_P1:-$P1}" --clients "$K1" \
+      --model "/tmp/m/$B8-Q4_K_M.gguf" --prompts "${E2E_P8:-$P8}" --clients "$K8" \
+      --llama-vulkan "$VK" ${CUDA[@]+"${CUDA[@]}"} \
+      --budget-s "$left" --reserve-s 15 --log-dir "$RES/e2e-logs" ${E2E_ARGS:-} \
+      --note "trio-llm and llama-server Vulkan measured while llama.cpp CUDA built at nice 19"
+    stop_build
+    for f in $LCPP/cuda-cmake.log $LCPP/cuda-build.log; do [ -f "$f" ] && tail -n 40 "$f" > "$RES/lcpp-$(basename "$f")"; done
+    [ -f $LCPP/cuda.done ] && say "CUDA build rc=$(cat $LCPP/cuda.done)"
+    pack ;;
 esac; done
 pack
 say "done"
