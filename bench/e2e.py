@@ -324,9 +324,11 @@ class Run:
 
         Per-token time grows with depth (attention reads every earlier position): with
         two or more rows it is fitted as a + b*n (prefill: average over the prompt;
-        decode: at the prompt's depth), which matched the H200 figures of 512/8k/32k
-        within 5 %; from one row, rates are taken to fall as (n / n_prev) ** 0.5.
-        Times the requests of a row (warm-up, repeats, the streamed one).
+        decode: at the prompt's depth), which matched trio-llm's H200 figures of
+        512/8k/32k within 5 %; from one row, the prefill rate is taken to fall as
+        (n / n_prev) ** 0.35 and the decode rate as ** 0.6 (trio-llm on the H200, issue
+        13: 512 -> 8k on llama-1b, 512 -> 16k on llama-8b; llama.cpp falls less, so its
+        estimates err long). Times the requests of a row (warm-up, repeats, streamed).
         """
         if not prev:
             return None
@@ -341,8 +343,8 @@ class Run:
 
             pp_s, tg_s = per_token("pp"), per_token("tg")
         else:
-            scale = max(1.0, n / last["n"]) ** 0.5
-            pp_s, tg_s = scale / last["pp"], scale / last["tg"]
+            r = max(1.0, n / last["n"])
+            pp_s, tg_s = r**0.35 / last["pp"], r**0.6 / last["tg"]
         per = n * pp_s + self.args.n_predict * tg_s + last["overhead_s"]
         return per * (self.args.repeats + 2)
 
@@ -423,27 +425,37 @@ class Run:
 
     # one server on one model
 
-    def measure(self, server: str, job: dict[str, Any]) -> dict[str, Any]:
+    def measure(self, server: str, job: dict[str, Any], result: dict[str, Any]) -> None:
+        """All rows (and the clients round) of one server on one model, into ``result``
+        (already part of the record, so that whatever is measured survives a failure
+        or an interruption); a failing server ends its rows, with the reason listed."""
         a = self.args
         label, model, lengths = job["label"], job["path"], job["prompts"]
-        result: dict[str, Any] = {"rows": {}, "starts": []}
         prompts: Prompts = job["prompt_maker"]
         text = a.text_prompts
         prev: list[dict[str, Any]] = []
         srv: Server | None = None
+        per_row_start = a.ctx == "row"
+
+        def stop() -> None:
+            nonlocal srv
+            if srv is not None:
+                result["starts"][-1]["exit"] = srv.stop()
+                srv = None
+
         try:
             for n in lengths:
                 est = self.estimate(prev, n)
                 room = self.left() - a.reserve_s * self.starts_left
-                if est is not None and est > room:
-                    self.skip(label, server, f"prompt {n}", f"estimated {est:.0f} s, {room:.0f} s left in the budget")
+                if (est or 0.0) > room or room <= 0:
+                    why = f"estimated {est:.0f} s" if est is not None else "a first row"
+                    self.skip(label, server, f"prompt {n}", f"{why}, {room:.0f} s left in the budget "
+                                                            f"beyond {a.reserve_s:.0f} s per server start to come")
+                    if per_row_start:
+                        self.starts_left = max(0, self.starts_left - 1)
                     continue
-                if self.left() <= 0:
-                    self.skip(label, server, f"prompt {n}", "the budget is spent")
-                    continue
-                if srv is None or a.ctx == "row":
-                    if srv is not None:
-                        srv.stop()
+                if srv is None or per_row_start:
+                    stop()
                     ctx = (max(lengths) if a.ctx == "max" else n) + a.n_predict + a.ctx_margin
                     srv, info = self.start(server, label, model, ctx, 1)
                     result["starts"].append(info)
@@ -455,36 +467,42 @@ class Run:
                     break
                 text = text or r["prompt_kind"] == "text"  # once refused, the rest of the rows too
                 summary = summarize(r)
-                result["rows"][str(n)] = {**r, **summary}
+                result["rows"][str(n)] = {**r, **summary, "estimated_s": est, "took_s": common.now() - t_row}
                 pp, tg = summary["prefill_tps"].median, summary["decode_tps"].median
                 overhead = max(0.0, summary["wall_s"].median - summary["prompt_ms"].median / 1e3
                                - summary["predicted_ms"].median / 1e3)
                 prev.append({"n": n, "pp": pp, "tg": tg, "overhead_s": overhead})
-                result["rows"][str(n)]["estimated_s"] = est
-                result["rows"][str(n)]["took_s"] = common.now() - t_row
                 print(f"e2e: {server} {label} prompt {n}: prefill {pp:,.0f} tok/s, decode {tg:,.1f} tok/s"
                       + (f", ttft {1e3 * r['stream']['ttft_s']:,.0f} ms" if "stream" in r else ""),
                       file=sys.stderr, flush=True)
+        except (ServerFailed, httpx.HTTPError) as e:
+            result["error"] = f"{type(e).__name__}: {e}"[:2000]
+            self.skip(label, server, "the rest", result["error"])
+            if not per_row_start and srv is None:  # it never started: no clients round either
+                return
         finally:
-            if srv is not None:
-                result["starts"][-1]["exit"] = srv.stop()
+            stop()
         k = job["clients"]
-        if k:
-            if self.left() - a.reserve_s * self.starts_left < a.reserve_s:
-                self.skip(label, server, f"{k} clients", "no time left in the budget")
-            else:
-                ctx = k * (a.client_prompt + a.n_predict + a.ctx_margin)
-                srv, info = self.start(server, label, model, ctx, k)
-                result["starts"].append(info)
-                try:
-                    result["clients"] = self.clients(srv, prompts, k, text)
-                finally:
-                    info["exit"] = srv.stop()
-                c = result["clients"]
-                if "aggregate_tps" in c:
-                    print(f"e2e: {server} {label} {k} clients: aggregate {c['aggregate_tps'].median:,.0f} tok/s",
-                          file=sys.stderr, flush=True)
-        return result
+        if not k:
+            return
+        if self.left() - a.reserve_s * self.starts_left < 0:
+            self.skip(label, server, f"{k} clients", "no time left in the budget")
+            self.starts_left = max(0, self.starts_left - 1)
+            return
+        ctx = k * (a.client_prompt + a.n_predict + a.ctx_margin)
+        try:
+            srv, info = self.start(server, label, model, ctx, k)
+        except ServerFailed as e:
+            self.skip(label, server, f"{k} clients", str(e)[:2000])
+            return
+        result["starts"].append(info)
+        try:
+            result["clients"] = c = self.clients(srv, prompts, k, text)
+        finally:
+            stop()
+        if "aggregate_tps" in c:
+            print(f"e2e: {server} {label} {k} clients: aggregate {c['aggregate_tps'].median:,.0f} tok/s",
+                  file=sys.stderr, flush=True)
 
     def wait_for(self, server: str, path: Path, limit: float = float("inf")) -> bool:
         """Wait (within the budget, at most ``limit`` s) for a file to appear: the CUDA
@@ -541,35 +559,38 @@ def ratios(per_server: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def table(figures: dict[str, Any], servers: list[str]) -> list[dict[str, Any]]:
+def table(figures: dict[str, Any], servers: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows per model and prompt length (and one per clients round: aggregate tok/s in
+    the tg columns); columns: each server's pp/tg/ttft, then trio-llm's ratios."""
+    others = [o for o in ("cuda", "vulkan") if o in servers and "trio" in servers]
+    cols = ["model", "prompt"] + [f"{s} {f}" for s in servers for f in ("pp", "tg", "ttft ms")]
+    cols += [f"{f}/{o}" for o in others for f in ("pp", "tg")]
     rows: list[dict[str, Any]] = []
     for label, per in figures["models"].items():
-        lengths = sorted({int(n) for s in per.values() for n in s["rows"]}, key=int)
+        lengths = sorted({int(n) for s in per.values() for n in s["rows"]})
         rat = ratios(per)
         for n in lengths:
-            row: dict[str, Any] = {"model": label, "prompt": n}
+            row: dict[str, Any] = dict.fromkeys(cols, "") | {"model": label, "prompt": n}
             for s in servers:
                 r = per.get(s, {}).get("rows", {}).get(str(n))
-                row[f"{s} pp"] = r["prefill_tps"] if r else ""
-                row[f"{s} tg"] = r["decode_tps"] if r else ""
-                row[f"{s} ttft ms"] = 1e3 * r["ttft_s"].median if r and "ttft_s" in r else ""
-            for o in ("cuda", "vulkan"):
-                if o in servers:
-                    q = rat.get(f"trio/{o}", {}).get(str(n), {})
-                    row[f"pp/{o}"] = q.get("prefill_tps", "")
-                    row[f"tg/{o}"] = q.get("decode_tps", "")
+                if r:
+                    row[f"{s} pp"], row[f"{s} tg"] = r["prefill_tps"], r["decode_tps"]
+                    if "ttft_s" in r:
+                        row[f"{s} ttft ms"] = 1e3 * r["ttft_s"].median
+            for o in others:
+                q = rat.get(f"trio/{o}", {}).get(str(n), {})
+                row[f"pp/{o}"], row[f"tg/{o}"] = q.get("prefill_tps", ""), q.get("decode_tps", "")
             rows.append(row)
         ks = {s: per[s]["clients"] for s in servers if "aggregate_tps" in per.get(s, {}).get("clients", {})}
         if ks:
             k = next(iter(ks.values()))["clients"]
-            row = {"model": label, "prompt": f"{k} clients"}
-            for s in servers:
-                row[f"{s} tg"] = ks[s]["aggregate_tps"] if s in ks else ""
-            for o in ("cuda", "vulkan"):
-                if o in servers:
-                    row[f"tg/{o}"] = rat.get(f"trio/{o}", {}).get(f"clients{k}", {}).get("aggregate_tps", "")
+            row = dict.fromkeys(cols, "") | {"model": label, "prompt": f"{k} clients"}
+            for s in ks:
+                row[f"{s} tg"] = ks[s]["aggregate_tps"]
+            for o in others:
+                row[f"tg/{o}"] = rat.get(f"trio/{o}", {}).get(f"clients{k}", {}).get("aggregate_tps", "")
             rows.append(row)
-    return rows
+    return rows, cols
 
 
 def gpu_info() -> str | None:
@@ -682,11 +703,9 @@ def main() -> int:
                     continue
                 if "prompt_maker" not in j:
                     j["prompt_maker"] = Prompts(j["path"], args.seed, args.text_word)
-                try:
-                    figures["models"][j["label"]][server] = run.measure(server, j)
-                except (ServerFailed, httpx.HTTPError, BudgetExhausted) as e:
-                    run.skip(j["label"], server, "the rest", f"{type(e).__name__}: {e}")
-                    figures["models"][j["label"]].setdefault(server, {"rows": {}, "error": str(e)[:2000]})
+                result: dict[str, Any] = {"rows": {}, "starts": []}
+                figures["models"][j["label"]][server] = result
+                run.measure(server, j, result)
     except (Terminated, KeyboardInterrupt) as e:
         interrupted = type(e).__name__
         print(f"e2e: interrupted ({interrupted}); writing what was measured", file=sys.stderr, flush=True)
@@ -702,7 +721,8 @@ def main() -> int:
     print(f"n_predict {args.n_predict}, median of {args.repeats} (one warm-up), cache_prompt off, -np 1; "
           f"pp/tg = prefill/decode tok/s from timings; ttft = first SSE event of one streamed request; "
           f"ratios are trio-llm / llama.cpp")
-    common.print_table(table(figures, servers))
+    rows, cols = table(figures, servers)
+    common.print_table(rows, cols)
     for s in run.skipped:
         print(f"skipped: {s['server']} {s['model']} {s['what']}: {s['reason']}")
     out = common.write_result("e2e", params, figures)
