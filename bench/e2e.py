@@ -22,7 +22,8 @@ Per prompt length (a row): one warm-up request of that length, ``--repeats`` req
 (``n_predict`` 128, ``cache_prompt: false``, ``ignore_eos: true``, ``temperature: 0``)
 whose ``timings.prompt_per_second`` / ``predicted_per_second`` / ``prompt_n`` /
 ``predicted_n`` and client wall time are kept, then one streamed request (``stream:
-true``) for the time to first token: request sent -> first SSE ``data:`` event. The
+true``) for the time to first token: request sent -> first SSE ``data:`` event (only up
+to ``--ttft-max`` tokens when given: beyond, it is about ``prompt_ms`` anyway). The
 prompt is random ordinary token ids (GGUF token type NORMAL, fixed seed, BOS first,
 the same ids for every server), or ``"hello " * (n - 1)`` with ``--text-prompts``; a
 server that answers an id prompt with HTTP 5xx (the prebuilt Vulkan llama-server does,
@@ -346,7 +347,11 @@ class Run:
             r = max(1.0, n / last["n"])
             pp_s, tg_s = r**0.35 / last["pp"], r**0.6 / last["tg"]
         per = n * pp_s + self.args.n_predict * tg_s + last["overhead_s"]
-        return per * (self.args.repeats + 2)
+        return per * (self.args.repeats + 1 + self.streamed(n))
+
+    def streamed(self, n: int) -> bool:
+        """Whether row n gets its streamed request (time to first token)."""
+        return not self.args.ttft_max or n <= self.args.ttft_max
 
     def row(self, s: Server, prompts: Prompts, n: int, text: bool) -> dict[str, Any]:
         a = self.args
@@ -373,7 +378,8 @@ class Run:
             try:
                 for i in range(a.repeats):
                     reps.append(ask(1 + i, complete))
-                out["stream"] = ask(1 + a.repeats, stream)
+                if self.streamed(n):
+                    out["stream"] = ask(1 + a.repeats, stream)
             except BudgetExhausted as e:
                 out["cut"] = str(e)
                 if not reps:
@@ -633,6 +639,9 @@ def main() -> int:
     ap.add_argument("--trio-arg", action="append", default=[], help="an extra flag for trio-llm serve (repeatable)")
     ap.add_argument("--llama-arg", action="append", default=[], help="an extra flag for llama-server (repeatable)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ttft-max", type=int, default=0,
+                    help="the streamed request (time to first token) only for prompts up to this length (0: all); "
+                         "for long prompts it is about prompt_ms and costs a whole request more")
     ap.add_argument("--n-predict", type=int, default=128)
     ap.add_argument("--text-prompts", action="store_true", help='prompts of plain text ("hello " * n) for every server')
     ap.add_argument("--text-word", default="hello",

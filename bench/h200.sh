@@ -164,18 +164,22 @@ for i in range(4):
   e2e)  # end to end through HTTP (bench/e2e.py), one record; trio-llm first, while CUDA builds
     [ -f .lcpp/h200.sh ] || { say "e2e: no .lcpp/ carried (bash ../shared/tools/llamacpp/prepare.sh here)"; continue; }
     VK=$(bash .lcpp/h200.sh vulkan 2> "$RES/lcpp-vulkan.log" | tail -n 1)
-    left=$(( ${E2E_END:-570} - $(elapsed) ))  # seconds of the 10-minute device call left for it
+    LL=(); [ -n "$VK" ] && [ -x "$VK" ] && LL=(--llama-vulkan "$VK")
+    NOTE=""
+    if [ $CUDA_BUILD = 1 ]; then
+      LL+=(--llama-cuda $LCPP/cuda/bin/llama-server --wait-for $LCPP/cuda.done)
+      NOTE="trio-llm and llama-server Vulkan measured while llama.cpp CUDA built at nice 19"
+    fi
     K1=${E2E_K1:-0}; K8=${E2E_K8:-0}  # e.g. E2E_K1=8 E2E_K8=4: concurrent clients, -np K
-    CUDA=(); [ $CUDA_BUILD = 1 ] && CUDA=(--llama-cuda $LCPP/cuda/bin/llama-server --wait-for $LCPP/cuda.done)
     if [ "${SMALL:-0}" = 1 ]; then P1=64,256; P8=64,256; export GGML_VK_VISIBLE_DEVICES=0  # lavapipe
     else P1=512,8192,32768; P8=512,16384; fi
-    # the 8b file may still be in the making (in the background): e2e.py waits for it
-    stage e2e $((left + 20)) $PY bench/e2e.py --backend vulkan \
+    wait8b  # its making (all cores) would disturb our server's figures; the build runs at nice 19
+    left=$(( ${E2E_END:-565} - $(elapsed) ))  # seconds of the 10-minute device call left for it
+    if [ $left -lt 60 ]; then say "e2e: only $left s left, not started"; stop_build; continue; fi
+    stage e2e $((left + 15)) $PY bench/e2e.py --backend vulkan \
       --model "$M1" --prompts "${E2E_P1:-$P1}" --clients "$K1" \
-      --model "/tmp/m/$B8-Q4_K_M.gguf" --prompts "${E2E_P8:-$P8}" --clients "$K8" \
-      --llama-vulkan "$VK" ${CUDA[@]+"${CUDA[@]}"} \
-      --budget-s "$left" --reserve-s 15 --log-dir "$RES/e2e-logs" ${E2E_ARGS:-} \
-      --note "trio-llm and llama-server Vulkan measured while llama.cpp CUDA built at nice 19"
+      --model "$M8B" --prompts "${E2E_P8:-$P8}" --clients "$K8" ${LL[@]+"${LL[@]}"} \
+      --budget-s "$left" --reserve-s 15 --ttft-max 8192 --log-dir "$RES/e2e-logs" ${E2E_ARGS:-} --note "$NOTE"
     stop_build
     for f in $LCPP/cuda-cmake.log $LCPP/cuda-build.log; do [ -f "$f" ] && tail -n 40 "$f" > "$RES/lcpp-$(basename "$f")"; done
     [ -f $LCPP/cuda.done ] && say "CUDA build rc=$(cat $LCPP/cuda.done)"
