@@ -66,7 +66,9 @@ def test_prefill_and_greedy_decode_match_transformers(model_path, preset: str, q
     path = model_path(preset, quant)
     model = load_gguf(path)
     cfg = model.config
-    be = NumpyBackend(model, n_ctx=N_PROMPT + N_DECODE, n_seq=1)
+    # a float32 cache: transformers keeps K and V in float32, and an f16 cache (our
+    # default, as llama-server's) alone moves the logits past 1e-4 of their span
+    be = NumpyBackend(model, n_ctx=N_PROMPT + N_DECODE, n_seq=1, cache_type_k="f32", cache_type_v="f32")
     prompt = np.random.default_rng(7).integers(0, cfg.n_vocab, N_PROMPT).astype(np.int32)
 
     # ours: a prefill, then greedy decode one token at a time through the KV cache
