@@ -42,9 +42,17 @@ from trio_llm.vulkan.backend import VulkanBackend
 #: open types still run and are checked op by op against numpy (test_vulkan_kv.py).
 KV_OPEN = ("q4_0", "q4_1", "q5_0", "q5_1")
 
-PRESETS = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-spm", "tiny-gemma3", "tiny-qwen3moe", "tiny-qwen35"]
+PRESETS = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-spm", "tiny-gemma3", "tiny-qwen3moe", "tiny-qwen35",
+           "tiny-qwen35moe"]
 #: presets whose layers the Vulkan backend does not run yet, and what its refusal names
-NUMPY_ONLY = {"tiny-qwen35": "delta-net"}
+NUMPY_ONLY = {"tiny-qwen35": "delta-net", "tiny-qwen35moe": "delta-net"}
+#: (preset, type) rows whose agreement is not claimed, run as strict expected failures
+#: (a row that starts to agree fails, so this list cannot go stale): a mixture of experts
+#: turns llama.cpp's 8-bit activation rounding into a different expert where two are
+#: nearly tied. tiny-qwen35moe Q4_K: one step jumps to 0.15 nats (0.03 before and
+#: after) where the router's 4th and 5th logits are 0.001 apart; with the router 30x
+#: instead of 10x (synth.SHARP_SCALES) two other types parted instead.
+MOE_OPEN = {("tiny-qwen35moe", "Q4_K")}
 N_CTX = 64
 #: prompt lengths: above 8 tokens the Vulkan prefill takes the tiled matmul kernels,
 #: at most 8 the matvec ones with several columns; decode is matvec with one. One
@@ -106,7 +114,9 @@ def _check(llama, preset: str, quant: str, kind: str, kv: str = "f16") -> None: 
 
 @pytest.mark.parametrize("quant", list(QUANTS))
 @pytest.mark.parametrize("preset", PRESETS)
-def test_numpy_agrees_with_llamacpp(llama, preset: str, quant: str) -> None:  # type: ignore[no-untyped-def]
+def test_numpy_agrees_with_llamacpp(llama, request, preset: str, quant: str) -> None:  # type: ignore[no-untyped-def]
+    if (preset, quant) in MOE_OPEN:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="MoE router near-tie (MOE_OPEN)"))
     _check(llama, preset, quant, "numpy")
 
 

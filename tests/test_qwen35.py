@@ -21,9 +21,9 @@ from trio_llm.server.tasks import TaskFinal
 PROMPT = np.array([17, 230, 5, 891, 64, 300, 12, 77, 450, 9, 601, 33], np.int32)
 
 
-@pytest.fixture(scope="module")
-def model(model_path):  # type: ignore[no-untyped-def]
-    return load_gguf(model_path("tiny-qwen35", "Q8_0"))
+@pytest.fixture(scope="module", params=["tiny-qwen35", "tiny-qwen35moe"])
+def model(model_path, request):  # type: ignore[no-untyped-def]
+    return load_gguf(model_path(request.param, "Q8_0"))
 
 
 def test_the_hybrid_pattern_and_its_memory_plan(model) -> None:  # type: ignore[no-untyped-def]
@@ -85,6 +85,17 @@ def test_release_keeps_the_state_or_says_it_is_gone(model, level: Level) -> None
         np.testing.assert_allclose(got[0], want, rtol=0, atol=1e-4)
     finally:
         be.close()
+
+
+def test_qwen35moe_adds_routed_and_gated_shared_experts(model_path) -> None:  # type: ignore[no-untyped-def]
+    cfg = load_gguf(model_path("tiny-qwen35moe", "Q8_0")).config
+    assert (cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_ff_shexp) == (16, 4, 256, 256)
+    from trio_llm.models import build_graph, tensor_shapes
+
+    g = build_graph(cfg, tensor_shapes(cfg))
+    ops = [n.op for n in g.nodes if n.layer == 0]
+    assert ops.count("moe_linear") == 3 and ops.count("gate_rows") == 1 and "delta_net" in ops
+    assert tensor_shapes(cfg)["blk.0.ffn_gate_inp_shexp.weight"] == (256,)
 
 
 def test_delta_net_ops_check_shapes_at_build_time() -> None:

@@ -587,6 +587,9 @@ class NumpyBackend:
             xg = x.reshape(len(x), -1, node.attr("group"))
             norm_ = np.sqrt(np.sum(np.square(xg, dtype=np.float64), axis=-1, keepdims=True)).astype(np.float32)
             return (xg / np.maximum(norm_, np.float32(node.attr("eps")))).reshape(x.shape)  # type: ignore[no-any-return]
+        if op == "gate_rows":
+            x, h, w_ = args
+            return x * sigmoid(h @ w_)[:, None]  # type: ignore[no-any-return]
         if op == "ssm_conv":
             return self._ssm_conv(node, args[0], args[1], step)
         if op == "delta_net":

@@ -278,6 +278,14 @@ class Graph:
         return self._node("delta_net", (q, k, v, alpha, beta, dt, a), v.shape, name, n_k_heads=n_k_heads,
                           n_v_heads=n_v_heads, head_dim=head_dim)
 
+    def gate_rows(self, x: Tensor, h: Tensor, w: Tensor, name: str) -> Tensor:
+        """Each row of ``x`` times ``sigmoid(h_row . w)``: a one-output linear gate (a
+        shared expert's, whose gate is a vector ``[n_in]`` in the file)."""
+        self._check(w.kind == "weight" and len(w.shape) == 1 and len(h.shape) == 2 and h.shape[1] == w.shape[0],
+                    name, f"gate_rows needs h [T, n] and a weight [n], got {h!r} and {w!r}")
+        self._check(x.shape[0] == h.shape[0], name, f"gate_rows of {x!r} by {h!r}: rows differ")
+        return self._node("gate_rows", (x, h, w), x.shape, name)
+
     def outputs(self, x: Tensor, name: str = "result_rows") -> Tensor:
         """The rows of ``x`` whose logits are wanted: ``[O, width]``."""
         self._check(len(x.shape) == 2 and x.shape[0] == TOKENS, name, f"outputs needs [T, n], got {x!r}")

@@ -16,7 +16,8 @@ RopeMode = Literal["normal", "neox"]
 #: architectures we run, and the RoPE layout each implies (each has its file in
 #: ``trio_llm.models``, which builds its graph)
 ARCH_ROPE: dict[str, RopeMode] = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
-                                 "qwen3moe": "neox", "qwen35": "neox"}
+                                 "qwen3moe": "neox", "qwen35": "neox",
+                                 "qwen35moe": "neox"}
 
 
 @attrs.frozen
@@ -47,6 +48,7 @@ class ModelConfig:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    n_ff_shexp: int = 0  # the shared expert's width (qwen35moe); 0: none
     # gated delta-net hybrids (qwen35): the recurrent layers, the short convolution's
     # width, the k and v heads of the delta rule and their size, the rotated part of a
     # full-attention head (partial RoPE; 0: all of it)

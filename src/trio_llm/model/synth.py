@@ -81,6 +81,7 @@ class Preset:
     #: the delta-net layers, and the rotated part of an attention head
     ssm: tuple[int, int, int, int] = (0, 0, 0, 0)
     n_rot: int = 0
+    n_ff_shexp: int = 0  # a shared expert's width (qwen35moe)
 
     def config(self) -> ModelConfig:
         extra: dict[str, object]
@@ -89,7 +90,7 @@ class Preset:
 
             extra = gemma3.derived(self.n_layer, self.n_embd, self.n_head, self.head_dim, self.n_swa,
                                    self.rope_linear)
-        elif self.arch == "qwen35":
+        elif self.arch in ("qwen35", "qwen35moe"):
             from trio_llm.models.qwen35 import FULL_ATTENTION_INTERVAL
 
             d_conv, n_k, n_v, d = self.ssm
@@ -111,12 +112,13 @@ class Preset:
             rope_theta=self.rope_theta,
             rms_eps=self.rms_eps,
             rope_mode=ARCH_ROPE[self.arch],
-            qk_norm=self.arch in ("qwen3", "gemma3", "qwen3moe", "qwen35"),
+            qk_norm=self.arch in ("qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe"),
             attn_bias=self.arch == "qwen2",
             tied_embeddings=self.tied,
             n_expert=self.n_expert,
             n_expert_used=self.n_expert_used,
             n_ff_exp=self.n_ff_exp,
+            n_ff_shexp=self.n_ff_shexp,
             **extra,  # type: ignore[arg-type]
         )
 
@@ -125,7 +127,7 @@ def _preset(name: str, arch: str, dims: tuple[int, ...], tied: bool, theta: floa
             vocab: tuple[VocabStyle, VocabFamily], model_name: str,
             rope_scaling: tuple[float, float, float, int] | None = None, n_swa: int = 0,
             rope_linear: float = 0.0, moe: tuple[int, int, int] = (0, 0, 0),
-            ssm: tuple[int, int, int, int] = (0, 0, 0, 0), n_rot: int = 0) -> Preset:
+            ssm: tuple[int, int, int, int] = (0, 0, 0, 0), n_rot: int = 0, n_ff_shexp: int = 0) -> Preset:
     n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff, n_vocab = dims
     return Preset(
         name=name, arch=arch, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
@@ -134,6 +136,7 @@ def _preset(name: str, arch: str, dims: tuple[int, ...], tied: bool, theta: floa
         rms_eps=1e-5 if arch == "llama" else 1e-6, model_name=model_name,
         rope_scaling=rope_scaling, n_swa=n_swa, rope_linear=rope_linear,
         n_expert=moe[0], n_expert_used=moe[1], n_ff_exp=moe[2], ssm=ssm, n_rot=n_rot,
+        n_ff_shexp=n_ff_shexp,
     )
 
 
@@ -174,6 +177,13 @@ PRESETS: dict[str, Preset] = {
                 ("gpt2", "chatml"), "synthetic Qwen3.5-0.8B shape", ssm=(4, 16, 16, 128), n_rot=64),
         _preset("qwen35-9b", "qwen35", (4096, 32, 16, 4, 256, 12288, 248320), False, 1e7, 262144,
                 ("gpt2", "chatml"), "synthetic Qwen3.5-9B shape", ssm=(4, 16, 32, 128), n_rot=64),
+        # hybrids with a mixture of experts and a shared expert in every layer
+        _preset("tiny-qwen35moe", "qwen35moe", (256, 4, 4, 2, 64, 256, 1024), False, 1e7, 4096,
+                ("gpt2", "chatml"), "trio-llm tiny-qwen35moe", moe=(16, 4, 256), ssm=(4, 2, 4, 64), n_rot=16,
+                n_ff_shexp=256),
+        _preset("qwen35-35b-a3b", "qwen35moe", (2048, 40, 16, 2, 256, 512, 248320), False, 1e7, 262144,
+                ("gpt2", "chatml"), "synthetic Qwen3.5-35B-A3B shape", moe=(256, 8, 512), ssm=(4, 16, 32, 128),
+                n_rot=64, n_ff_shexp=512),
         _preset("gemma3-4b", "gemma3", (2560, 34, 8, 4, 256, 10240, 262144), True, 1e6, 131072,
                 ("llama", "gemma"), "synthetic gemma-3-4b shape", n_swa=1024, rope_linear=8.0),
     ]
@@ -245,7 +255,7 @@ def _role(name: str) -> str:
         return name.split(".")[0]
     # llama-quantize matches names by substring: an expert tensor is in its matrix's
     # category (ffn_down_exps is an ffn_down)
-    return name.split(".")[2].removesuffix("_exps") if name.startswith("blk.") else name
+    return name.split(".")[2].removesuffix("_exps").removesuffix("_shexp") if name.startswith("blk.") else name
 
 
 def mix_type(name: str, quant: str, cfg: ModelConfig, n_in: int) -> T:
@@ -308,8 +318,11 @@ def _matrix_type(name: str, quant: str, cfg: ModelConfig, n_in: int, pure: bool)
 #: llama.cpp: zeroing every attn_k moves the top logprobs 0.04 nats in a plain file,
 #: 0.35 in a sharp one. The logits are left as they are: scaling them 2x doubled
 #: llama.cpp's 8-bit activation-rounding differences too (and an MoE router near-tie
-#: then crossed the agreement tolerance).
-SHARP_SCALES = {"attn_q.weight": 5.0, "attn_k.weight": 5.0}
+#: then crossed the agreement tolerance). MoE routers 10x: with N(0, 0.02) routers
+#: the expert probabilities are nearly uniform and llama.cpp's 8-bit activation rounding
+#: flips near-tied top-k choices (measured on tiny-qwen35moe: 11 of 23 types parted by
+#: 0.15-0.35 nats); real routers are decisive, and a sharp one makes the choice matter.
+SHARP_SCALES = {"attn_q.weight": 5.0, "attn_k.weight": 5.0, "ffn_gate_inp.weight": 10.0}
 
 
 def plan_tensors(preset: Preset, quant: str, pure: bool = False, sharp: bool = False) -> list[TensorPlan]:
@@ -332,7 +345,10 @@ def plan_tensors(preset: Preset, quant: str, pure: bool = False, sharp: bool = F
         if name.endswith(("ffn_gate_inp.weight", "ssm_conv1d.weight", "ssm_alpha.weight", "ssm_beta.weight")):
             # the router and the delta-net's small matrices stay F32, as llama.cpp's
             # converter and llama-quantize keep them
-            plans.append(TensorPlan(name, shape, T.F32, "matrix"))
+            plans.append(TensorPlan(name, shape, T.F32, "matrix", scale=scale))
+        elif name.endswith("ffn_gate_inp_shexp.weight"):
+            # a shared expert's gate: a one-output linear layer stored as a vector
+            plans.append(TensorPlan(name, shape, T.F32, "bias"))
         elif name.endswith(".ssm_a"):
             # the delta rule's decay rates, -exp(A_log): negative, so the state decays
             rates = -np.exp(np.linspace(-1.0, 1.0, shape[0]))
@@ -478,6 +494,8 @@ def _write_metadata(writer: gguf.GGUFWriter, preset: Preset, quant: str) -> None
         writer.add_expert_count(preset.n_expert)
         writer.add_expert_used_count(preset.n_expert_used)
         writer.add_expert_feed_forward_length(preset.n_ff_exp)
+    if preset.n_ff_shexp:
+        writer.add_expert_shared_feed_forward_length(preset.n_ff_shexp)
     if preset.rope_linear:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(preset.rope_linear)

@@ -85,6 +85,7 @@ class Moe:
     n_expert_used: int
     norm: bool  # renormalise the chosen experts' weights to sum to 1
     scale: float = 1.0  # multiplies the weights (``expert_weights_scale``)
+    shared: bool = False  # a shared expert (``ffn_*_shexp``) gated by ``ffn_gate_inp_shexp``
 
 
 def moe_ffn(g: Graph, h: Tensor, il: int, moe: Moe, act: Activation) -> Tensor:
@@ -98,4 +99,12 @@ def moe_ffn(g: Graph, h: Tensor, il: int, moe: Moe, act: Activation) -> Tensor:
     up = g.moe_linear(h, g.weight(b + "ffn_up_exps.weight"), routes, "ffn_moe_up")  # [T, k, n_ff_exp]
     par = g.glu(gate, up, act, "ffn_moe_swiglu")  # [T, k, n_ff_exp]
     down = g.moe_linear(par, g.weight(b + "ffn_down_exps.weight"), routes, "ffn_moe_down")  # [T, k, n_embd]
-    return g.moe_combine(down, routes, "ffn_moe_out")  # [T, n_embd]
+    out = g.moe_combine(down, routes, "ffn_moe_out")  # [T, n_embd]
+    if not moe.shared:
+        return out
+    # the shared expert sees every token, scaled by its own sigmoid gate
+    sg = g.linear(h, g.weight(b + "ffn_gate_shexp.weight"), "ffn_shexp_gate")  # [T, n_ff_shexp]
+    su = g.linear(h, g.weight(b + "ffn_up_shexp.weight"), "ffn_shexp_up")
+    shexp = g.linear(g.glu(sg, su, act, "ffn_shexp_act"), g.weight(b + "ffn_down_shexp.weight"), "ffn_shexp")
+    shexp = g.gate_rows(shexp, h, g.weight(b + "ffn_gate_inp_shexp.weight"), "ffn_shexp_gated")  # [T, n_embd]
+    return g.add(out, shexp, "ffn_out")
