@@ -201,6 +201,38 @@ def test_matmul_tiles_and_edges(env: Env, qtype: str) -> None:
     np.testing.assert_allclose(env.get(y2).reshape(ntok, rows), want + resid, atol=2e-5 * scale, rtol=0)
 
 
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_XS"])
+def test_matmul_on_cooperative_matrices(env: Env, qtype: str) -> None:
+    """matmul_cm.comp (devices with 16x16x16 f16 cooperative matrices): the weights and
+    activations go through f16 tiles, so it equals numpy on f16-rounded inputs with f32
+    accumulation; edges, live-token masking and add as the scalar path."""
+    if not env.device.coopmat:
+        pytest.skip(f"{env.device.name} reports no 16x16x16 f16 cooperative matrices (lavapipe has none)")
+    ops = attrs.evolve(env.ops, coopmat=True)
+    rows, cols, ntok = 100, 512, 70
+    raw, ref = make_weights(qtype, rows, cols, seed=3)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((ntok, cols)).astype(np.float32)
+    resid = rng.standard_normal((ntok, rows)).astype(np.float32)
+    w, xv = env.put(raw), env.put(x, extra=58 * cols * 4)
+    y = env.put(np.full(128 * rows, 7.0, np.float32))
+    y2 = env.put(resid)
+    st = env.step(list(range(ntok)))
+    env.run([
+        ops.matmul(qtype, w, xv, y, st, n_in=cols, n_rows=rows, x_stride=cols, y_stride=rows, cap=128),
+        ops.matmul(qtype, w, xv, y2, st, n_in=cols, n_rows=rows, x_stride=cols, y_stride=rows, cap=128, add=True),
+    ])
+    f16 = np.float16
+    want = x.astype(f16).astype(np.float64) @ ref.astype(f16).astype(np.float64).T
+    scale = np.abs(want).max()
+    got = env.get(y).reshape(128, rows)
+    np.testing.assert_allclose(got[:ntok], want, atol=2e-5 * scale, rtol=0)
+    assert np.all(got[ntok:] == 7.0)
+    np.testing.assert_allclose(env.get(y2).reshape(ntok, rows), want + resid, atol=2e-5 * scale, rtol=0)
+    # and within f16's rounding of the exact product
+    np.testing.assert_allclose(got[:ntok], x @ ref.T, atol=5e-3 * scale, rtol=0)
+
+
 def np_rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps) * w
 

@@ -132,7 +132,8 @@ class VulkanBackend:
             kernels = device.extras["kernels"] = KernelCache(device)
         self._kernels: KernelCache = kernels
         self._ops = Ops(self._kernels, subgroup=device.limits.subgroup_size,
-                        matvec_rows=max(1, 64 // device.limits.subgroup_size))
+                        matvec_rows=max(1, 64 // device.limits.subgroup_size),
+                        coopmat=device.coopmat and 256 % device.limits.subgroup_size == 0)
         try:
             self._ir = build_graph(cfg, {n: t.shape for n, t in model.tensors.items()})
         except GraphError as exc:

