@@ -8,6 +8,7 @@ names the flag the user typed, because that is what they can fix.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,6 +60,7 @@ class ServerConfig:
     n_cpu_moe: int | None = None  # --n-cpu-moe: accepted for compatibility
     sleep_mode: SleepMode = "weights"
     vram_arena: Path | None = None
+    arena_quantum: float = 5.0  # --arena-quantum: a waiter makes a busy holder yield after this; 0: only when idle
     sleep_idle_seconds: float = -1.0  # -1: idle sleep off
     shutdown_timeout: float = 5.0  # SIGTERM: in-flight work gets this long, then is cancelled
     # llama-server's flags beyond the basics (trio_llm.server.flags has the whole table)
@@ -122,6 +124,8 @@ class ServerConfig:
             "--sleep-idle-seconds",
             "must be -1 (off) or >= 0",
         )
+        _check(math.isfinite(self.arena_quantum) and self.arena_quantum >= 0, "--arena-quantum",
+               f"{self.arena_quantum} is not a number of seconds >= 0 (0: yield only when idle)")
         _check(self.shutdown_timeout >= 0, "shutdown timeout", "must be >= 0")
         _check(self.api_key is None or bool(self.api_key), "--api-key", "empty key")
         _check(self.threads == -1 or self.threads >= 1, "-t/--threads", f"{self.threads} is not -1 or >= 1")

@@ -214,7 +214,8 @@ async def build_gate(
     idle = config.sleep_idle_seconds if config.sleep_idle_seconds >= 0 else None
     residency = Residency(client)
     await nursery.start(residency.run)
-    controller = SleepController(SleepConfig(level, idle_seconds=idle), residency, arbiter)
+    cfg = SleepConfig(level, idle_seconds=idle, quantum=config.arena_quantum)
+    controller = SleepController(cfg, residency, arbiter)
     await nursery.start(controller.run)
     return controller
 
@@ -392,7 +393,8 @@ async def _run_loaded(
                             await client.forward([SeqBatch(0, np.full(n, first, np.int32), 0)])
                 device = await client.call(lambda b: b.device_info(), "device_info")
                 registry = make_registry(
-                    StatisticsSources(slots.statistics, queue.statistics, actor.statistics, gate.is_sleeping)
+                    StatisticsSources(slots.statistics, queue.statistics, actor.statistics, gate.is_sleeping,
+                                      arena=getattr(gate, "arena_statistics", None))
                 )
                 path = Path(model.path)
                 ctx.set_engine(

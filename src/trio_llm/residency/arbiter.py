@@ -61,6 +61,9 @@ WANT_FILE = "want.lock"
 REPORT_AFTER = 10.0
 #: polls of a take between two checks that the arena files are still ours
 _STALE_CHECK_POLLS = 20
+#: upper bounds (seconds) of the buckets of ``ArbiterStatistics.wait_buckets``, the
+#: ``trio_llm_arena_wait_seconds`` histogram: from one poll to a long generation
+WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 def arena_from(flag: str | os.PathLike[str] | None) -> Path | None:
@@ -90,6 +93,15 @@ def _try_flock(fd: int, operation: int) -> bool:
             raise ArenaUnavailable(f"flock failed: {exc.strerror or exc}") from exc
 
 
+def _now() -> float:
+    """trio's clock when there is a run (always, in the server); statistics read
+    outside one (a test's teardown) see the hold up to the last known instant."""
+    try:
+        return trio.current_time()
+    except RuntimeError:
+        return 0.0
+
+
 def _unlock(fd: int) -> None:
     while True:
         try:
@@ -111,6 +123,9 @@ class ArbiterStatistics:
     probes: int
     probes_positive: int  # probes that found a waiter
     wait_seconds: float  # total time spent inside take()
+    held_seconds: float = 0.0  # total time holding the token (the current hold included)
+    #: take() calls by wait, cumulative per ``WAIT_BUCKETS`` bound (the last: all)
+    wait_buckets: tuple[int, ...] = ()
 
 
 @attrs.define(eq=False)
@@ -137,6 +152,9 @@ class Arbiter:
     _probes: int = 0
     _probes_positive: int = 0
     _wait_seconds: float = 0.0
+    _held_seconds: float = 0.0
+    _held_since: float | None = None  # trio time of the take, while holding
+    _wait_counts: list[int] = attrs.field(factory=lambda: [0] * (len(WAIT_BUCKETS) + 1))
     _stale: bool = False  # our files are no longer the arena's (removed or replaced)
     _reopens: int = 0
 
@@ -153,7 +171,24 @@ class Arbiter:
     def holding(self) -> bool:
         return self._holding
 
+    def _took(self) -> None:
+        """Record a won token (no checkpoint: called in the step that won it)."""
+        self._holding = True
+        self._takes += 1
+        self._held_since = _now()
+
+    def _observe_wait(self, seconds: float) -> None:
+        i = next((k for k, bound in enumerate(WAIT_BUCKETS) if seconds <= bound), len(WAIT_BUCKETS))
+        self._wait_counts[i] += 1
+
     def statistics(self) -> ArbiterStatistics:
+        held = self._held_seconds
+        if self._held_since is not None:
+            held += max(0.0, _now() - self._held_since)
+        cumulative, total = [], 0
+        for n in self._wait_counts:
+            total += n
+            cumulative.append(total)
         return ArbiterStatistics(
             active=self.active,
             arena=str(self._arena) if self._arena is not None else None,
@@ -165,6 +200,8 @@ class Arbiter:
             probes=self._probes,
             probes_positive=self._probes_positive,
             wait_seconds=self._wait_seconds,
+            held_seconds=held,
+            wait_buckets=tuple(cumulative),
         )
 
     def _check_open(self) -> None:
@@ -181,8 +218,7 @@ class Arbiter:
             raise RuntimeError("this process already holds the VRAM token")
         if self.active and not _try_flock(self._token_fd, fcntl.LOCK_EX):
             raise trio.WouldBlock
-        self._holding = True
-        self._takes += 1
+        self._took()
 
     async def take(self) -> None:
         """Wait for the token, registered on want.lock so the holder sees us and yields.
@@ -195,15 +231,13 @@ class Arbiter:
         if self._holding:
             raise RuntimeError("this process already holds the VRAM token")
         if not self.active:
-            self._holding = True
-            self._takes += 1
+            self._took()
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
         if self._check_stale():
             self._reopen()
             if not self.active:
-                self._holding = True
-                self._takes += 1
+                self._took()
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 return
         t0 = trio.current_time()
@@ -222,8 +256,7 @@ class Arbiter:
                         registered = False
                     self._reopen()
                     if not self.active:
-                        self._holding = True
-                        self._takes += 1
+                        self._took()
                         break
                 # register first, then try, so a holder that probes between our
                 # attempts always sees us; want.lock can be briefly unavailable while a
@@ -233,8 +266,7 @@ class Arbiter:
                 if _try_flock(self._token_fd, fcntl.LOCK_EX):
                     # no await between winning the lock and recording it: a
                     # cancellation cannot land in between
-                    self._holding = True
-                    self._takes += 1
+                    self._took()
                     break
                 if not logged:
                     log.info("VRAM arbiter: waiting for the GPU token")
@@ -250,7 +282,9 @@ class Arbiter:
             if registered:
                 _unlock(self._want_fd)
             self._waiting = False
-            self._wait_seconds += trio.current_time() - t0
+            waited = trio.current_time() - t0
+            self._wait_seconds += waited
+            self._observe_wait(waited)
 
     def probe(self) -> bool:
         """Does another process wait for the token? Never blocks; reads live lock state."""
@@ -278,6 +312,9 @@ class Arbiter:
             _unlock(self._token_fd)
         self._holding = False
         self._gives += 1
+        if self._held_since is not None:
+            self._held_seconds += max(0.0, _now() - self._held_since)
+            self._held_since = None
         if self._stale:
             self._reopen()
 

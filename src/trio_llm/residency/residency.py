@@ -145,6 +145,7 @@ class ResidencyStatistics:
     last_restore_seconds: float
     last_bytes_moved: int  # device bytes freed by the last release / allocated by the last restore
     device_bytes: dict[str, int]  # cached after every transition
+    restored_bytes: int = 0  # device bytes allocated by all restores (trio_llm_arena_restored_bytes_total)
 
 
 @attrs.frozen
@@ -175,6 +176,7 @@ class Residency:
     _last_release: float = 0.0
     _last_restore: float = 0.0
     _last_moved: int = 0
+    _restored_bytes: int = 0
 
     def __attrs_post_init__(self) -> None:
         self._send, self._recv = trio.open_memory_channel(1)
@@ -206,6 +208,7 @@ class Residency:
             last_restore_seconds=self._last_restore,
             last_bytes_moved=self._last_moved,
             device_bytes=dict(self._memory),
+            restored_bytes=self._restored_bytes,
         )
 
     async def wait_for(self, predicate: Callable[[State], bool], deadline: float = math.inf) -> bool:
@@ -321,6 +324,7 @@ class Residency:
         self._memory = await self._memory_after()
         self._last_restore = trio.current_time() - t0
         self._last_moved = _total(self._memory) - held
+        self._restored_bytes += max(0, self._last_moved)
         self._restores += 1
         self._set(end_restore(self._state))
         log.info(

@@ -19,9 +19,15 @@ Invariants:
 - Resident iff the token is held, at every point where no transition is running
   (asserted under ``__debug__``): a wake takes the token before restoring, a sleep
   releases before giving the token back.
-- Never sleeps while busy (any task in the server), while a forward pass is in
-  flight, or while anyone waits for the model; never yields within ``grace`` (100 ms)
-  of a wake, because the request that woke us is not queued yet.
+- Never sleeps under a forward pass. Sleeps only when idle (no task in the server,
+  nobody waiting for the model), with one exception, the *quantum* (issue 16): a
+  holder resident for ``quantum`` seconds with a waiter on want.lock yields at the
+  next step boundary with requests in flight; the release begins only after the
+  pass in flight has returned, and is withdrawn if a re-probe finds nobody waiting.
+  A quantum yield keeps the KV cache (at ``unload`` it releases at ``all``).
+- Never yields within ``grace`` (100 ms) of a wake that had no work in hand (the
+  request that woke us is not queued yet); a wake for work in hand (busy when it
+  became resident) has no grace: it may yield the moment that work is done.
 - A forward pass and a release exclude each other. ``resident()`` registers the pass
   in the same step (no checkpoint) that finds the model resident and no release
   decided; ``run`` marks a release as decided in the same step that decides it, before
@@ -48,7 +54,7 @@ import trio
 
 from trio_llm.engine.backend import Level
 from trio_llm.errors import ArenaUnavailable, BackendError, InvalidRequest, TrioLLMError
-from trio_llm.residency.arbiter import Arbiter
+from trio_llm.residency.arbiter import WAIT_BUCKETS, Arbiter
 from trio_llm.residency.residency import DEPTH, Residency, State
 
 log = logging.getLogger(__name__)
@@ -67,6 +73,15 @@ class SleepConfig:
     #: after a yield, how long a wake lets the processes we yielded to take the token
     #: first (see ``SleepController._let_waiters_go_first``)
     handoff_window: float = 0.5
+    #: --arena-quantum: after this long resident, a waiter makes us yield even while
+    #: busy, at the next step boundary; 0: yield only when idle (the protocol's rule)
+    quantum: float = 0.0
+
+
+def quantum_level(level: Level) -> Level:
+    """The level of a quantum yield: the configured one, but never one that loses the
+    KV cache, since the paused generations resume on it (``unload`` → ``all``)."""
+    return Level.ALL if level is Level.UNLOAD else level
 
 
 # ---- the decision: a pure function of live state --------------------------------------
@@ -91,6 +106,8 @@ class Live:
     last_probe: float
     arbiter_active: bool
     passes: int = 0  # forward passes in flight (inside ``resident()``)
+    #: the last wake had work in hand (busy when it became resident): no grace
+    woke_in_hand: bool = False
 
 
 @attrs.frozen
@@ -102,10 +119,22 @@ class Decision:
 
 
 def decide(cfg: SleepConfig, live: Live) -> Decision:
+    """What the controller does next. Reasons of a PROBE: ``yield`` (idle, the
+    protocol's yield) and ``quantum`` (busy, resident for the quantum); of a SLEEP:
+    ``requested`` and ``idle``."""
     if live.state in (State.COLD, State.UNLOADED):
         return Decision(Act.WAKE, reason="demand") if live.demand else Decision(Act.WAIT)
-    if live.state is not State.RESIDENT or live.busy or live.passes or live.demand:
-        return Decision(Act.WAIT)  # invariant 3: only an idle holder sleeps or yields
+    if live.state is not State.RESIDENT:
+        return Decision(Act.WAIT)
+    if live.busy or live.passes or live.demand:
+        # invariant 3: a busy holder yields only for the quantum, and the caller
+        # releases only at a step boundary (``SleepController._quantum_yield``)
+        if not (live.arbiter_active and cfg.quantum > 0):
+            return Decision(Act.WAIT)
+        probe_at = max(live.woke_at + cfg.quantum, live.last_probe + cfg.probe_interval)
+        if live.now >= probe_at:
+            return Decision(Act.PROBE, quantum_level(cfg.level), "quantum")
+        return Decision(Act.WAIT, deadline=probe_at)
     if live.sleep_request is not None:
         return Decision(Act.SLEEP, live.sleep_request, "requested")
     deadline = math.inf
@@ -115,7 +144,8 @@ def decide(cfg: SleepConfig, live: Live) -> Decision:
             return Decision(Act.SLEEP, cfg.level, "idle")
         deadline = idle_deadline
     if live.arbiter_active:
-        probe_at = max(live.woke_at + cfg.grace, live.last_probe + cfg.probe_interval)
+        grace = 0.0 if live.woke_in_hand else cfg.grace
+        probe_at = max(live.woke_at + grace, live.last_probe + cfg.probe_interval)
         if live.now >= probe_at:
             return Decision(Act.PROBE, cfg.level, "yield")
         deadline = min(deadline, probe_at)
@@ -134,12 +164,32 @@ class SleepStatistics:
     token_held: bool
     wakes: int
     idle_sleeps: int
-    yields: int
+    yields: int  # yields to a waiter, idle or quantum
+    quantum_yields: int  # of those, at a step boundary with work in flight
+    quantum_withdrawn: int  # quantum yields decided, then the waiter had gone
     requested_sleeps: int
     wake_failures: int
     last_wake_seconds: float  # demand seen → resident (token wait + restore)
     woke_at: float  # trio time the model last became resident (start-up counts)
     last_sleep_seconds: float  # decision → released and token given back
+    woke_in_hand: bool  # the last wake had work in hand (no grace after it)
+    quantum: float  # --arena-quantum (0: off)
+
+
+@attrs.frozen
+class ArenaStatistics:
+    """What ``/metrics`` shows of the arena (``trio_llm_arena_*``; docs/arbiter.md)."""
+
+    active: bool  # coordinating through an arena
+    resident: bool
+    quantum: float
+    acquisitions: int  # tokens taken (the coordinated load counts)
+    yields: dict[str, int]  # by reason: idle, quantum, budget, shutdown
+    wait_bounds: tuple[float, ...]  # the histogram's upper bounds (then +Inf)
+    wait_buckets: tuple[int, ...]  # take() calls, cumulative per bound, the last: all
+    wait_seconds: float
+    held_seconds: float
+    restored_bytes: int
 
 
 @attrs.define(eq=False)
@@ -174,6 +224,10 @@ class SleepController:
     _wakes: int = 0
     _idle_sleeps: int = 0
     _yields: int = 0
+    _quantum_yields: int = 0
+    _quantum_withdrawn: int = 0
+    _woke_in_hand: bool = False
+    _shutdown_gives: int = 0
     _requested_sleeps: int = 0
     _wake_failures: int = 0
     _last_wake: float = 0.0
@@ -286,11 +340,36 @@ class SleepController:
             wakes=self._wakes,
             idle_sleeps=self._idle_sleeps,
             yields=self._yields,
+            quantum_yields=self._quantum_yields,
+            quantum_withdrawn=self._quantum_withdrawn,
             requested_sleeps=self._requested_sleeps,
             wake_failures=self._wake_failures,
             last_wake_seconds=self._last_wake,
             woke_at=self._woke_at,
             last_sleep_seconds=self._last_sleep,
+            woke_in_hand=self._woke_in_hand,
+            quantum=self._cfg.quantum,
+        )
+
+    def arena_statistics(self) -> ArenaStatistics:
+        res = self._residency.statistics()
+        arb = self._arbiter.statistics()
+        return ArenaStatistics(
+            active=arb.active,
+            resident=res.state is State.RESIDENT,
+            quantum=self._cfg.quantum,
+            acquisitions=arb.takes,
+            yields={
+                "idle": self._yields - self._quantum_yields,
+                "quantum": self._quantum_yields,
+                "budget": 0,  # co-residency is not built (docs/arbiter.md)
+                "shutdown": self._shutdown_gives,
+            },
+            wait_bounds=WAIT_BUCKETS,
+            wait_buckets=arb.wait_buckets,
+            wait_seconds=arb.wait_seconds,
+            held_seconds=arb.held_seconds,
+            restored_bytes=res.restored_bytes,
         )
 
     def props(self) -> dict[str, Any]:
@@ -311,6 +390,11 @@ class SleepController:
                 "waiting": arb.waiting,
                 "probes": arb.probes,
                 "contended_takes": arb.contended_takes,
+                "quantum": self._cfg.quantum,
+                "acquisitions": arb.takes,
+                "held_seconds": arb.held_seconds,
+                "wait_seconds": arb.wait_seconds,
+                "grace_waived": self._woke_in_hand,
             },
             "cycles": {
                 "releases": res.releases,
@@ -318,9 +402,12 @@ class SleepController:
                 "wakes": self._wakes,
                 "idle_sleeps": self._idle_sleeps,
                 "yields": self._yields,
+                "quantum_yields": self._quantum_yields,
+                "quantum_withdrawn": self._quantum_withdrawn,
                 "requested_sleeps": self._requested_sleeps,
                 "failures": res.failures,
             },
+            "restored_bytes": res.restored_bytes,
             "last_release_seconds": res.last_release_seconds,
             "last_restore_seconds": res.last_restore_seconds,
             "last_wake_seconds": self._last_wake,
@@ -345,6 +432,7 @@ class SleepController:
             last_probe=self._last_probe,
             arbiter_active=self._arbiter.active,
             passes=self._passes,
+            woke_in_hand=self._woke_in_hand,
         )
 
     def _check_invariant(self) -> None:
@@ -375,7 +463,10 @@ class SleepController:
                     self._last_probe = trio.current_time()
                     if self._probe():
                         assert decision.level is not None
-                        await self._sleep(decision.level, decision.reason)
+                        if decision.reason == "quantum":
+                            await self._quantum_yield(decision.level)
+                        else:
+                            await self._sleep(decision.level, decision.reason)
                 else:
                     self._check_invariant()
                     with trio.move_on_at(decision.deadline):
@@ -424,6 +515,9 @@ class SleepController:
             return
         now = trio.current_time()
         self._woke_at = self._idle_since = now
+        # the work that asked for this wake is in hand (queued, assigned or in a
+        # slot): no grace after it (``decide``); a POST /wake_up keeps the grace
+        self._woke_in_hand = self._busy
         self._last_wake = now - t0
         self._wakes += 1
         self._check_invariant()
@@ -468,6 +562,28 @@ class SleepController:
             while self._probe():
                 await trio.sleep(cfg.probe_interval / 2)
 
+    async def _quantum_yield(self, level: Level) -> None:
+        """Yield with work in flight, at the next step boundary. Called in the step
+        that probed positive (no checkpoint in between): ``_leaving`` holds off every
+        pass from now on, the pass in flight (if any) runs to its end, and then the
+        live state decides again: still a waiter → release; gone → withdraw (nothing
+        latched). The paused requests stay in their slots and want the model back as
+        any wake does."""
+        self._leaving = True
+        try:
+            while self._passes:
+                await self._changed.wait()
+            if self._residency.state is not State.RESIDENT:
+                return
+            self._last_probe = trio.current_time()
+            if not self._probe():
+                self._quantum_withdrawn += 1
+                return
+            await self._release(level, "quantum")
+        finally:
+            self._leaving = False
+            self._notify()
+
     async def _sleep(self, level: Level, reason: str) -> None:
         """Release, then give the token back. Called in the step that decided it (no
         checkpoint in between), so ``_leaving`` is set before any pass could start."""
@@ -493,8 +609,9 @@ class SleepController:
         self._last_sleep = trio.current_time() - t0
         if reason == "idle":
             self._idle_sleeps += 1
-        elif reason == "yield":
+        elif reason in ("yield", "quantum"):
             self._yields += 1
+            self._quantum_yields += reason == "quantum"
             self._yielded_at = trio.current_time()
         else:
             self._requested_sleeps += 1
@@ -509,3 +626,4 @@ class SleepController:
         await self._residency.wait_for(lambda s: s not in (State.RELEASING, State.RESTORING))
         if self._arbiter.holding and self._residency.state in (State.COLD, State.UNLOADED):
             self._arbiter.give_back()
+            self._shutdown_gives += 1

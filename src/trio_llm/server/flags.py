@@ -651,10 +651,19 @@ FLAGS: tuple[Flag, ...] = (
       dest="vram_arena", conv=Path),
     W("--shutdown-timeout", "seconds in-flight requests get after SIGTERM", value="S", dest="shutdown_timeout",
       conv=_float),
+    W("--arena-quantum", "with --vram-arena: after this long resident, a waiting server gets the GPU at the next "
+      "step boundary, even with requests in flight (0: yield only when idle; default 5)", value="SECONDS",
+      dest="arena_quantum", conv=_float),
+    R("--arena-budget", "co-residency under a memory budget is not built yet (docs/arbiter.md): servers on an "
+      "arena take turns", value="MIB"),
+    R("--arena-pin", "pinned arena models are not built yet (docs/arbiter.md): servers on an arena take turns"),
+    R("--arena-priority", "arena priorities are not built yet (docs/arbiter.md): waiters are served in no "
+      "order", value="N"),
 )
 
 #: trio-llm's own flags (not llama-server's), for the docs
-OWN = frozenset({"--backend", "--sleep-mode", "--vram-arena", "--shutdown-timeout"})
+OWN = frozenset({"--backend", "--sleep-mode", "--vram-arena", "--shutdown-timeout", "--arena-quantum",
+                 "--arena-budget", "--arena-pin", "--arena-priority"})
 
 
 def _index(flags: Sequence[Flag]) -> dict[str, tuple[Flag, bool]]:

@@ -13,10 +13,16 @@ from collections.abc import Callable, Iterator
 
 import attrs
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from trio_llm.engine.actor import BackendActorStatistics
+from trio_llm.residency.sleep import ArenaStatistics
 from trio_llm.server.queue import QueueStatistics
 from trio_llm.server.slots import SlotsStatistics
 
@@ -29,6 +35,9 @@ class StatisticsSources:
     queue: Callable[[], QueueStatistics]
     backend: Callable[[], BackendActorStatistics]
     is_sleeping: Callable[[], bool]
+    #: the residency gate's arena figures (``SleepController.arena_statistics``); None:
+    #: a gate without them, and no ``trio_llm_arena_*`` metrics
+    arena: Callable[[], ArenaStatistics] | None = None
 
 
 @attrs.define(eq=False)
@@ -83,6 +92,30 @@ class ServerCollector(Collector):
         yield counter("trio_llm_backend_calls", "Calls into the backend actor.", b.calls)
         yield counter("trio_llm_backend_busy_seconds", "Time the backend actor spent in calls.", b.busy_seconds)
         yield gauge("trio_llm_is_sleeping", "1 while the model is not resident.", float(self.sources.is_sleeping()))
+        if self.sources.arena is not None:
+            yield from _arena_metrics(self.sources.arena())
+
+
+def _arena_metrics(a: ArenaStatistics) -> Iterator[Metric]:
+    """The arena as a scheduler (issue 16): residency, hand-offs and their costs."""
+    yield GaugeMetricFamily("trio_llm_arena_resident", "1 while this server's model is resident on the GPU.",
+                            value=float(a.resident))
+    yield CounterMetricFamily("trio_llm_arena_acquisitions", "GPU tokens taken (the coordinated load counts).",
+                              value=a.acquisitions)
+    yields = CounterMetricFamily("trio_llm_arena_yields", "GPU tokens given to a waiting server, by reason.",
+                                 labels=["reason"])
+    for reason, n in a.yields.items():
+        yields.add_metric([reason], n)
+    yield yields
+    cumulative = list(a.wait_buckets) or [0] * (len(a.wait_bounds) + 1)
+    buckets = [(f"{b:g}", n) for b, n in zip(a.wait_bounds, cumulative, strict=False)]
+    buckets.append(("+Inf", cumulative[-1]))
+    yield HistogramMetricFamily("trio_llm_arena_wait_seconds", "Time each take of the GPU token waited.",
+                                buckets=buckets, sum_value=a.wait_seconds)
+    yield CounterMetricFamily("trio_llm_arena_held_seconds", "Time this server held the GPU token.",
+                              value=a.held_seconds)
+    yield CounterMetricFamily("trio_llm_arena_restored_bytes", "Device bytes allocated by restores (wakes).",
+                              value=a.restored_bytes)
 
 
 def make_registry(sources: StatisticsSources) -> CollectorRegistry:
