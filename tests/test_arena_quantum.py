@@ -288,3 +288,64 @@ async def test_arena_statistics(tiny_model: Path, tmp_path: Path, autojump_clock
         assert a.wait_buckets[bounds.index(0.25)] == 1 and a.wait_buckets[bounds.index(0.5)] == 2
         assert 0.3 - 0.01 <= a.wait_seconds <= 0.3 + 0.01
         assert t0 < trio.current_time()
+
+
+def test_metrics_render_the_arena(tiny_model: Path) -> None:
+    """The prometheus-client text of ``trio_llm_arena_*`` from a statistics record."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from trio_llm.residency.sleep import ArenaStatistics
+    from trio_llm.server.metrics import _arena_metrics
+
+    a = ArenaStatistics(
+        active=True, resident=True, quantum=5.0, acquisitions=3,
+        yields={"idle": 1, "quantum": 2, "budget": 0, "shutdown": 0},
+        wait_bounds=(0.01, 0.1), wait_buckets=(1, 2, 3), wait_seconds=1.25,
+        held_seconds=7.5, restored_bytes=4096,
+    )
+
+    class One:
+        def collect(self) -> object:
+            return _arena_metrics(a)
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(One())  # type: ignore[arg-type]
+    text = generate_latest(reg).decode()
+    for line in (
+        "trio_llm_arena_resident 1.0",
+        "trio_llm_arena_acquisitions_total 3.0",
+        'trio_llm_arena_yields_total{reason="quantum"} 2.0',
+        'trio_llm_arena_yields_total{reason="idle"} 1.0',
+        'trio_llm_arena_wait_seconds_bucket{le="0.01"} 1.0',
+        'trio_llm_arena_wait_seconds_bucket{le="0.1"} 2.0',
+        'trio_llm_arena_wait_seconds_bucket{le="+Inf"} 3.0',
+        "trio_llm_arena_wait_seconds_count 3.0",
+        "trio_llm_arena_wait_seconds_sum 1.25",
+        "trio_llm_arena_held_seconds_total 7.5",
+        "trio_llm_arena_restored_bytes_total 4096.0",
+    ):
+        assert line in text.splitlines(), (line, text)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--arena-quantum", "-1"], "--arena-quantum"),
+        (["--arena-quantum", "nan"], "--arena-quantum"),
+        (["--arena-quantum", "soon"], "--arena-quantum"),
+        (["--arena-budget", "999999999"], "co-residency under a memory budget is not built"),
+        (["--arena-pin"], "pinned arena models are not built"),
+        (["--arena-priority", "2"], "arena priorities are not built"),
+    ],
+)
+def test_bad_arena_flags_are_one_line(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from test_flags import one_line_exit
+
+    assert needle in one_line_exit(args, capsys)
+
+
+def test_arena_quantum_reaches_the_config() -> None:
+    from trio_llm.runtime import parse_config
+
+    assert parse_config(["--arena-quantum", "0.25"], {}).arena_quantum == 0.25
+    assert parse_config([], {}).arena_quantum == 5.0
