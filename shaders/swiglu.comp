@@ -26,6 +26,8 @@ void main() {
     // 0.5 a (1 + tanh(z)) = a * sigmoid(2 z), which stays finite for large |z|
     float z = 0.7978845608028654 * (a + 0.044715 * a * a * a);
     y[k] = a / (1.0 + exp(-2.0 * z)) * u[k];
+#elif defined(SIGMOID)
+    y[k] = u[k] / (1.0 + exp(-a));  // sigmoid(gate) * up: qwen35's gated attention output
 #else
     y[k] = a / (1.0 + exp(-a)) * u[k];
 #endif

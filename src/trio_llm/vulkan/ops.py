@@ -261,7 +261,8 @@ class Ops:
         act: str = "silu", count_sel: int = COUNT_TOKENS,
     ) -> Dispatch:
         """y = act(g) * u: SwiGLU (silu) or GeGLU (gelu, tanh form)."""
-        defines: dict[str, object] | None = {"GELU": 1} if act == "gelu" else None
+        by_act: dict[str, dict[str, object]] = {"gelu": {"GELU": 1}, "sigmoid": {"SIGMOID": 1}}
+        defines = by_act.get(act)
         k = self.kernels.get("swiglu", n_bindings=4, n_push=3, local_size=self.elem_wg, defines=defines)
         return Dispatch(k, (g, u, y, step), (n, stride, count_sel), (math.ceil(n / self.elem_wg), cap, 1))
 
@@ -365,3 +366,50 @@ class Ops:
         kern = self.kernels.get("moe_combine", n_bindings=4, n_push=5, local_size=self.elem_wg)
         push = (n, k, k * n, 2 * k, y_stride)
         return Dispatch(kern, (x, routes, y, step), push, (math.ceil(n / self.elem_wg), cap, 1))
+
+    # -- gated delta-net (qwen35) -----------------------------------------------------
+
+    def take(
+        self, x: View, y: View, step: View, *, group: int, start: int, n: int, n_out: int, x_stride: int,
+        y_stride: int, cap: int,
+    ) -> Dispatch:
+        """y[t, g * n + i] = x[t, g * group + start + i] over the live rows."""
+        kern = self.kernels.get("take", n_bindings=3, n_push=6, local_size=self.elem_wg)
+        push = (group, start, n, n_out, x_stride, y_stride)
+        return Dispatch(kern, (x, y, step), push, (math.ceil(n_out / self.elem_wg), cap, 1))
+
+    def l2_norm(self, x: View, y: View, step: View, *, n: int, rows_per_tok: int, eps: float, cap: int) -> Dispatch:
+        """Every n values of each live row divided by their norm (at least eps)."""
+        kern = self.kernels.get("l2_norm", n_bindings=3, n_push=3, local_size=self.norm_wg)
+        return Dispatch(kern, (x, y, step), (n, rows_per_tok, float(eps)), grid(cap * rows_per_tok))
+
+    def gate_rows(self, x: View, h: View, w: View, y: View, step: View, *, n: int, n_in: int, cap: int) -> Dispatch:
+        """y[t] = x[t] * sigmoid(h[t] . w) over the live rows."""
+        kern = self.kernels.get("gate_rows", n_bindings=5, n_push=2, local_size=self.norm_wg)
+        return Dispatch(kern, (x, h, w, y, step), (n, n_in), grid(cap))
+
+    def rope_partial(
+        self, x: View, step: View, *, n_heads: int, head_dim: int, n_rot: int, x_stride: int, theta: float,
+        cap: int,
+    ) -> Dispatch:
+        """In place: the first n_rot values of each head rotated (half-split pairs)."""
+        kern = self.kernels.get("rope_partial", n_bindings=2, n_push=5, local_size=self.elem_wg)
+        push = (n_heads, head_dim, n_rot, x_stride, float(math.log2(theta)))
+        return Dispatch(kern, (x, step), push, (math.ceil(n_heads * n_rot // 2 / self.elem_wg), cap, 1))
+
+    def ssm_conv(
+        self, x: View, w: View, y: View, state: View, step: View, *, c: int, k: int, cap: int, phase: int,
+    ) -> Dispatch:
+        """Phase 0: y = silu(causal conv of x over the sequence, with its conv state);
+        phase 1 (after a barrier): the state moved on to each sequence's last k - 1 inputs."""
+        kern = self.kernels.get("ssm_conv", n_bindings=5, n_push=2, local_size=self.elem_wg,
+                                defines={"PHASE": phase})
+        return Dispatch(kern, (x, w, y, state, step), (c, k), (math.ceil(c / self.elem_wg), cap, 1))
+
+    def delta_net(
+        self, q: View, k: View, v: View, alpha: View, beta: View, dt: View, a: View, o: View, state: View,
+        step: View, *, n_k: int, n_v: int, d: int, cap: int,
+    ) -> Dispatch:
+        """The gated delta rule over each sequence's run of tokens (``Graph.delta_net``)."""
+        kern = self.kernels.get("delta_net", n_bindings=10, n_push=2, local_size=d)
+        return Dispatch(kern, (q, k, v, alpha, beta, dt, a, o, state, step), (n_k, n_v), (n_v, cap, 1))

@@ -41,7 +41,7 @@ GATE_UP = {"GATE_UP": 1}
 #: shaders with a single variant (for f32 caches; the KV readers and writers have one
 #: per cache type, see all_variants)
 PLAIN_SHADERS = ("rms_norm", "rope", "attention", "attn_decode", "swiglu", "add", "scale", "argmax", "transpose",
-                 "moe_topk", "moe_combine")
+                 "moe_topk", "moe_combine", "take", "l2_norm", "gate_rows", "rope_partial", "delta_net")
 #: KV cache type codes (model/kvtypes.py KVType.code) the cache readers and writers take
 KV_CODES = range(8)
 
@@ -213,6 +213,9 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for name in PLAIN_SHADERS:
         yield name, {}
     yield "swiglu", {"GELU": 1}
+    yield "swiglu", {"SIGMOID": 1}
+    yield "ssm_conv", {"PHASE": 0}
+    yield "ssm_conv", {"PHASE": 1}
     # the cache writers in every KV type, the readers with K and V of one type (and
     # the mixed pairs the tests use); the q/k/v projections' ROPE_OUT for f16 (the
     # default) and q8_0 caches with every weight type, and for every cache type with
