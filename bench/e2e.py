@@ -334,7 +334,7 @@ class Run:
         if not prev:
             return None
         last = prev[-1]
-        if len(prev) >= 2 and n > last["n"]:
+        if len(prev) >= 2 and n > last["n"] > prev[-2]["n"]:
             first = prev[-2]
 
             def per_token(key: str) -> float:
@@ -393,6 +393,7 @@ class Run:
         n = a.client_prompt
         rounds: list[dict[str, Any]] = []
         errors: list[str] = []
+        out_fallback = ""
 
         def one(i: int, r: int, results: list[Any]) -> None:
             try:
@@ -402,9 +403,8 @@ class Run:
             except Exception as e:  # reported in the record; the round is not counted
                 errors.append(f"client {i}: {e}"[:300])
 
-        for r in range(a.repeats + 1):
-            if self.left() <= 0:
-                break
+        r = 0  # round 0 is the warm-up
+        while r <= a.repeats and self.left() > 0:
             results: list[Any] = [None] * k
             threads = [threading.Thread(target=one, args=(i, r, results), daemon=True) for i in range(k)]
             t0 = common.now()
@@ -413,13 +413,21 @@ class Run:
             for t in threads:
                 t.join()
             wall = common.now() - t0
+            if errors and r == 0 and not text and any("HTTP 5" in e for e in errors):
+                out_fallback = errors[0]  # as in the rows: a 5xx on id prompts -> text prompts
+                errors.clear()
+                text = True
+                continue  # the warm-up again, with text
             if errors:
                 break
-            if r == 0:
-                continue
-            rounds.append({"wall_s": wall, "requests": results,
-                           "aggregate_tps": sum(x["predicted_n"] for x in results) / wall})
-        out: dict[str, Any] = {"clients": k, "prompt_tokens_asked": n, "rounds": rounds}
+            if r > 0:
+                rounds.append({"wall_s": wall, "requests": results,
+                               "aggregate_tps": sum(x["predicted_n"] for x in results) / wall})
+            r += 1
+        out: dict[str, Any] = {"clients": k, "prompt_tokens_asked": n, "rounds": rounds,
+                               "prompt_kind": "text" if text else "ids"}
+        if out_fallback:
+            out["fallback_to_text"] = out_fallback
         if errors:
             out["errors"] = errors
         if rounds:
