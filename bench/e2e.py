@@ -640,8 +640,9 @@ def main() -> int:
     ap.add_argument("--llama-vulkan", type=Path, help="llama-server with the Vulkan backend")
     ap.add_argument("--wait-for", type=Path, help="before llama-server CUDA, wait (within the budget) for this file "
                                                    "to exist: the background build's done-marker")
-    ap.add_argument("--wait-model-s", type=float, default=240,
-                    help="how long to wait for a --model file that does not exist yet (being made elsewhere)")
+    ap.add_argument("--wait-model-s", type=float, default=0,
+                    help="how long to wait for a --model file that does not exist yet (being made elsewhere); "
+                         "0: a missing file is an error")
     ap.add_argument("--no-trio", action="store_true", help="only the llama-servers")
     ap.add_argument("--backend", default="vulkan", help="trio-llm serve --backend (default vulkan)")
     ap.add_argument("--trio-arg", action="append", default=[], help="an extra flag for trio-llm serve (repeatable)")
@@ -681,6 +682,10 @@ def main() -> int:
         ap.error("--repeats and --n-predict must be >= 1")
     prompt_lists = per_model(args.prompts, [512, 8192, 32768, 131072], "--prompts")
     client_counts = per_model(args.clients, 0, "--clients")
+    if not args.wait_model_s:
+        for m in args.model:
+            if not m.is_file():
+                ap.error(f"{m}: no such file")
     for p in (args.llama_cuda, args.llama_vulkan):
         if p is not None and args.wait_for is None and not p.exists():
             ap.error(f"{p}: no such file")
