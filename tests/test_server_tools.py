@@ -210,3 +210,32 @@ async def test_server_wide_grammar_flag(start: Start) -> None:  # noqa: F811
         assert r["content"] == "ok" and r["stop_type"] == "eos"
         own = (await c.post("/completion", json={"prompt": "x", "n_predict": 8, "grammar": 'root ::= "no"'})).json()
         assert own["content"] == "no"
+
+
+async def test_grammar_on_a_sentencepiece_vocabulary(start: Start, tiny_spm_model: Path) -> None:  # noqa: F811
+    """SentencePiece writes a dummy-prefix space before a text's first word; the
+    grammar must still get exactly its text (llama.cpp's test_completion_with_grammar)."""
+    h = await start("-m", str(tiny_spm_model))
+    async with client(h) as c:
+        for path, extra in (("/completion", {"prompt": "x", "n_predict": 6}),
+                            ("/chat/completions", {"messages": ASKED, "max_tokens": 6})):
+            r = (await c.post(path, json={"grammar": 'root ::= "a"{5,5}', **extra})).json()
+            text = r["content"] if "content" in r else r["choices"][0]["message"]["content"]
+            assert text == "aaaaa"
+            r = (await c.post(path, json={"json_schema": {"const": "42"}, **extra})).json()
+            text = r["content"] if "content" in r else r["choices"][0]["message"]["content"]
+            assert text == '"42"'
+
+
+def test_templates_as_llama_cpp_renders_them(tiny_model: Path) -> None:
+    from trio_llm.model.chat import ChatTemplate
+    from trio_llm.model.gguf import load_gguf
+    from trio_llm.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_metadata(load_gguf(tiny_model).metadata)
+    source = ("{{ 'functions: ' + functions + '|' }}{% generation %}{{ messages[0].content }}{% endgeneration %}"
+              "|{{ date_string }}")
+    text = ChatTemplate.from_source(source, tok).render([{"role": "user", "content": "hi"}])
+    import datetime
+
+    assert text == f"functions: |hi|{datetime.date.today().strftime('%d %b %Y')}"

@@ -43,11 +43,42 @@ class _Vocabulary:
                        for i in range(n)]
         self.is_tokenizer_wrapper = True
         self._tokenizer = tokenizer
+        self._special = special
+        self._pieces: dict[bytes, int] | None = None
 
     def __call__(self, text: str | bytes) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return list(self._tokenizer.encode(text, add_special=False, parse_special=False))
+        """Tokens that spell exactly ``text``: llguidance relies on it. A SentencePiece
+        vocabulary puts its dummy-prefix space before the first word; that first token
+        is then replaced by the one spelling the word alone (or by byte tokens)."""
+        raw = text if isinstance(text, bytes) else text.encode()
+        ids = list(self._tokenizer.encode(raw.decode("utf-8", errors="replace"), add_special=False,
+                                          parse_special=False))
+        spelled = b"".join(self.tokens[i] for i in ids)
+        if spelled == raw or not ids:
+            return ids
+        if spelled == b" " + raw:
+            first = self.tokens[ids[0]][1:]
+            fixed = [self._by_piece[first]] if first in self._by_piece else self._bytes(first)
+            if fixed is not None:
+                return fixed + ids[1:]
+        whole = self._bytes(raw)
+        return whole if whole is not None else ids
+
+    def _bytes(self, data: bytes) -> list[int] | None:
+        """Byte-fallback tokens (``<0xNN>``) for ``data``, where the vocabulary has them."""
+        out = [self._by_piece.get(bytes([b])) for b in data]
+        return None if any(t is None for t in out) else [t for t in out if t is not None]
+
+    @property
+    def _by_piece(self) -> dict[bytes, int]:
+        if self._pieces is None:
+            self._pieces = {}
+            # a word's own token before a byte-fallback token (<0x61>) spelling the same
+            order = sorted(range(len(self.tokens)), key=lambda i: self._tokenizer.token_text(i).startswith("<0x"))
+            for i in order:
+                if i not in self._special:
+                    self._pieces.setdefault(self.tokens[i], i)
+        return self._pieces
 
 
 @attrs.define(eq=False)

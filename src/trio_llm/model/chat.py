@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 
 from trio_llm.errors import InvalidRequest, TemplateError
@@ -91,9 +92,37 @@ def _tojson(
     )
 
 
+class _Undefined(jinja2.Undefined):
+    """An undefined variable joined to a string is the empty string, as in llama.cpp's
+    Jinja engine (the firefunction-v2 template adds ``functions`` to its system prompt
+    whether or not any were given); every other use still fails."""
+
+    def __add__(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        if len(args) == 1 and isinstance(args[0], str):
+            return args[0]
+        return self._fail_with_undefined_error()
+
+    def __radd__(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        if len(args) == 1 and isinstance(args[0], str):
+            return args[0]
+        return self._fail_with_undefined_error()
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers' mark of the assistant's
+    tokens (for training masks); rendering it is rendering its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 def _environment(now: Callable[[], datetime.datetime]) -> jinja2.Environment:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag], undefined=_Undefined
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

@@ -739,7 +739,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
                 lp = R.chat_logprobs([msg.prob], piece, top)
             deltas = readers[i].feed(msg.text) if msg.text else []
             if lp is not None and not deltas:
-                deltas = [{"content": ""}]
+                deltas = [{}]  # the token's log-probabilities, its text held back
             return [chunk(d, i, logprobs=lp if k == 0 else None) for k, d in enumerate(deltas)]
 
         def on_final(i: int, msg: TaskFinal) -> list[bytes]:
@@ -761,7 +761,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
         async def events() -> AsyncIterator[bytes]:
             for i in range(req.n):
-                yield chunk({"role": "assistant", "content": ""}, i)
+                # llama-server's first delta: the role, content null (never an empty string)
+                yield chunk({"role": "assistant", "content": None}, i)
             async for event in _task_events(e, req.choices(), on_partial, on_final, open_requests):
                 yield event
             yield SSE_DONE
