@@ -246,6 +246,14 @@ def test_parse_completion_defaults_and_values(tok: Tokenizer) -> None:
     assert req.params.n_predict == -1
 
 
+def test_logit_bias_by_text_biases_each_of_its_tokens(tok: Tokenizer) -> None:
+    """llama-server's ``[" Hello", -100]`` (and an OpenAI key that is not a number)."""
+    ids = tok.encode(" the cat", add_special=False, parse_special=False)
+    for bias in ([[" the cat", -100]], {" the cat": -100}):
+        req = P.parse_completion({"prompt": "a", "logit_bias": bias}, tok, LIMITS)
+        assert req.params.sampling.logit_bias == tuple((t, -100.0) for t in ids)
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
@@ -264,7 +272,8 @@ def test_parse_completion_defaults_and_values(tok: Tokenizer) -> None:
         ({"prompt": "a", "stop": [1]}, "'stop'"),
         ({"prompt": "a", "n_probs": 1000}, "'n_probs'"),
         ({"prompt": "a", "id_slot": 2}, "'id_slot'"),
-        ({"prompt": "a", "logit_bias": {"x": 1}}, "not a token id"),
+        ({"prompt": "a", "logit_bias": [[None, 1]]}, "not a token id"),
+        ({"prompt": "a", "logit_bias": [[1.5, 1]]}, "not a token id"),
         ({"prompt": "a", "logit_bias": [[5000, 1]]}, "outside the vocabulary"),
         ({"prompt": "a", "seed": 1.5}, "'seed' must be an integer"),
         ({"prompt": "a", "top_k": True}, "'top_k' must be an integer"),

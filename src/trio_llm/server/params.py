@@ -99,9 +99,10 @@ def get_stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(w for w in words if w)
 
 
-def _logit_bias(body: Mapping[str, Any], n_vocab: int) -> list[tuple[int, float]]:
+def _logit_bias(body: Mapping[str, Any], n_vocab: int, tok: Encoder | None = None) -> list[tuple[int, float]]:
     """OpenAI's ``{"token id": bias}`` or llama-server's ``[[id, bias], ...]``
-    (``false`` as a bias bans the token)."""
+    (``false`` as a bias bans the token); as llama-server, a token given as text
+    (``[" Hello", -1]``, or a key that is not a number) biases every token of it."""
     v = _get(body, "logit_bias")
     if v is _MISSING:
         return []
@@ -116,18 +117,25 @@ def _logit_bias(body: Mapping[str, Any], n_vocab: int) -> list[tuple[int, float]
     for pair in pairs:
         if not isinstance(pair, list | tuple) or len(pair) != 2:
             raise InvalidRequest("'logit_bias' entries must be [token, bias] pairs")
-        tok, bias = pair
-        try:
-            tok = int(tok)
-        except (TypeError, ValueError):
-            raise InvalidRequest(f"'logit_bias' names {tok!r}, not a token id") from None
-        if not 0 <= tok < n_vocab:
-            raise InvalidRequest(f"'logit_bias' names token {tok}, outside the vocabulary of {n_vocab}")
+        key, bias = pair
         if bias is False:
             bias = -math.inf
         if isinstance(bias, bool) or not isinstance(bias, int | float) or math.isnan(bias):
             raise InvalidRequest("'logit_bias' values must be numbers")
-        out.append((tok, float(bias)))
+        ids: list[int]
+        if isinstance(key, str) and not key.strip().lstrip("-").isdigit():
+            if tok is None:
+                raise InvalidRequest(f"'logit_bias' names {key!r}, not a token id")
+            ids = tok.encode(key, add_special=False, parse_special=False)
+        elif isinstance(key, str) or (isinstance(key, int | float) and not isinstance(key, bool)
+                                       and float(key).is_integer()):
+            ids = [int(key)]
+        else:
+            raise InvalidRequest(f"'logit_bias' names {key!r}, not a token id")
+        for t in ids:
+            if not 0 <= t < n_vocab:
+                raise InvalidRequest(f"'logit_bias' names token {t}, outside the vocabulary of {n_vocab}")
+            out.append((t, float(bias)))
     return out
 
 
@@ -135,7 +143,7 @@ def sampling_params(
     body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_probs: int
 ) -> SamplingParams:
     d = limits.defaults
-    bias = _logit_bias(body, limits.n_vocab)
+    bias = _logit_bias(body, limits.n_vocab, tok)
     if get_bool(body, "ignore_eos", d.ignore_eos):
         bias += [(t, -math.inf) for t in sorted(tok.eog_ids)]
     seed = get_int(body, "seed", d.seed, -1, (1 << 64) - 1)
