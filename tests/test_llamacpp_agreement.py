@@ -26,7 +26,6 @@ import pytest
 
 from llamacpp_ref import Reference, agree, our_greedy, server_piece, stops_on
 from trio_llm.engine.reference import NumpyBackend
-from trio_llm.errors import UnsupportedModelError
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.kvtypes import KV_TYPES
 from trio_llm.model.synth import QUANTS
@@ -44,15 +43,13 @@ KV_OPEN = ("q4_0", "q4_1", "q5_0", "q5_1")
 
 PRESETS = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-spm", "tiny-gemma3", "tiny-qwen3moe", "tiny-qwen35",
            "tiny-qwen35moe"]
-#: presets whose layers the Vulkan backend does not run yet, and what its refusal names
-NUMPY_ONLY = {"tiny-qwen35": "delta-net", "tiny-qwen35moe": "delta-net"}
 #: (preset, type) rows whose agreement is not claimed, run as strict expected failures
 #: (a row that starts to agree fails, so this list cannot go stale): a mixture of experts
 #: turns llama.cpp's 8-bit activation rounding into a different expert where two are
 #: nearly tied. tiny-qwen35moe Q4_K: one step jumps to 0.15 nats (0.03 before and
 #: after) where the router's 4th and 5th logits are 0.001 apart; with the router 30x
 #: instead of 10x (synth.SHARP_SCALES) two other types parted instead.
-MOE_OPEN = {("tiny-qwen35moe", "Q4_K")}
+MOE_OPEN = {("tiny-qwen35moe", "Q4_K")}  # numpy rows (the Vulkan row's one prompt agrees)
 N_CTX = 64
 #: prompt lengths: above 8 tokens the Vulkan prefill takes the tiled matmul kernels,
 #: at most 8 the matvec ones with several columns; decode is matvec with one. One
@@ -90,10 +87,6 @@ def llama(model_path) -> Iterator:  # type: ignore[no-untyped-def]
 def _check(llama, preset: str, quant: str, kind: str, kv: str = "f16") -> None:  # type: ignore[no-untyped-def]
     path, ref, tok = llama(preset, quant, kv)
     model = load_gguf(path)
-    if kind == "vulkan" and preset in NUMPY_ONLY:  # refused in one line, until it runs there
-        with pytest.raises(UnsupportedModelError, match=NUMPY_ONLY[preset]):
-            VulkanBackend(model, n_ctx=N_CTX, n_seq=1)
-        return
     types = {"cache_type_k": kv, "cache_type_v": kv}
     backend = (NumpyBackend(model, n_ctx=N_CTX, n_seq=1, **types) if kind == "numpy"
                else VulkanBackend(model, n_ctx=N_CTX, n_seq=1, **types))

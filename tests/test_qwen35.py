@@ -13,7 +13,7 @@ from test_server_slots import collect, make_rig
 from trio_llm.engine.backend import Level, SeqBatch
 from trio_llm.engine.memory import LayerMemory, reusable_prefix
 from trio_llm.engine.reference import NumpyBackend
-from trio_llm.errors import BackendError, GraphError, UnsupportedModelError
+from trio_llm.errors import BackendError, GraphError
 from trio_llm.graph import Graph
 from trio_llm.model.gguf import load_gguf
 from trio_llm.server.tasks import TaskFinal
@@ -120,11 +120,40 @@ def test_delta_net_ops_check_shapes_at_build_time() -> None:
 
 
 @pytest.mark.vulkan
-def test_vulkan_refuses_delta_net_layers_in_one_line(model) -> None:  # type: ignore[no-untyped-def]
+def test_vulkan_carries_the_state_as_numpy_does_and_keeps_it_across_release(model) -> None:  # type: ignore[no-untyped-def]
+    """Two sequences in one batch (one continued in pieces, one fresh), then decode:
+    Vulkan's logits equal numpy's; a release at every level (the state copied to the host
+    and back at ``all``, dropped at ``unload``) continues the same."""
     from trio_llm.vulkan.backend import VulkanBackend
 
-    with pytest.raises(UnsupportedModelError, match="gated delta-net layers .* numpy backend only"):
-        VulkanBackend(model, n_ctx=32, n_seq=1)
+    ref = NumpyBackend(model, n_ctx=32, n_seq=2)
+    vk = VulkanBackend(model, n_ctx=32, n_seq=2)
+    try:
+        other = np.array([3, 4, 5, 6, 7], np.int32)
+        for be in (ref, vk):
+            be.forward([SeqBatch(1, PROMPT[:5], 0), SeqBatch(0, other, 0)])
+            be.forward([SeqBatch(1, PROMPT[5:11], 5)])
+        want = ref.forward([SeqBatch(1, PROMPT[11:], 11), SeqBatch(0, PROMPT[:1], 5)])
+        got = vk.forward([SeqBatch(1, PROMPT[11:], 11), SeqBatch(0, PROMPT[:1], 5)])
+        scale = float(np.abs(want).max())
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * scale)
+        nxt = np.array([9], np.int32)
+        before = vk.forward([SeqBatch(1, nxt, 12)])
+        for level in (Level.WEIGHTS, Level.ALL, Level.UNLOAD):
+            vk.forward([SeqBatch(1, PROMPT, 0)])
+            vk.release(level)
+            cold = vk.memory()
+            if level is not Level.WEIGHTS:
+                assert cold["kv_cache"] == 0
+            vk.restore()
+            if level is Level.UNLOAD:  # the state is gone: recomputed from position 0
+                vk.forward([SeqBatch(1, PROMPT, 0)])
+            np.testing.assert_allclose(vk.forward([SeqBatch(1, nxt, 12)]), before, rtol=0, atol=1e-5 * scale)
+        with pytest.raises(BackendError, match="slot save/restore of a gated delta-net model"):
+            vk.read_kv(1, 12)
+    finally:
+        vk.close()
+        ref.close()
 
 
 async def _answer(r, prompt: list[int]) -> TaskFinal:  # type: ignore[no-untyped-def]

@@ -51,6 +51,7 @@ from trio_llm.vulkan.ops import (
     decode_splits,
     fill_step,
 )
+from trio_llm.vulkan.recurrent import RecurrentState, state_bytes
 from trio_llm.vulkan.shaders import STEP_CAP
 from trio_llm.vulkan.weights import WeightStore
 
@@ -138,10 +139,8 @@ class VulkanBackend:
             self._ir = build_graph(cfg, {n: t.shape for n, t in model.tensors.items()})
         except GraphError as exc:
             raise ModelLoadError(model.path, str(exc)) from None
-        if self._ir.recurrent_layers():
-            raise UnsupportedModelError(
-                model.path, "gated delta-net layers (qwen35) run on the numpy backend only, not yet on Vulkan: "
-                            "use --backend numpy")
+        # gated delta-net layers' per-sequence state (qwen35), kept and released with the KV cache
+        self._rs = RecurrentState(self._alloc, state_bytes(self._ir, self.n_seq))
         self._plan = plan_buffers(self._ir)
         # the largest bucket: a forward with more tokens runs as several chunks; every
         # activation of a chunk must fit one binding (128 MiB on lavapipe)
@@ -185,6 +184,7 @@ class VulkanBackend:
         self._weights.upload()
         self._act.allocate()
         self._kv.allocate()
+        self._rs.allocate()
         if self._progress is not None:
             self._progress(total, total)
         log.info(
@@ -255,7 +255,7 @@ class VulkanBackend:
         mem["weights"] = sum(
             s.shadow.size for s in self._weights.segments if s.shadow is not None and not s.shadow.imported
         )
-        mem["kv_cache"] = sum(b.size for b in self._kv.host)
+        mem["kv_cache"] = sum(b.size for b in self._kv.host) + self._rs.host_bytes
         return mem
 
     def device_info(self) -> dict[str, object]:
@@ -293,10 +293,13 @@ class VulkanBackend:
             if depth >= _DEPTH[Level.ALL]:
                 if depth < _DEPTH[Level.UNLOAD]:
                     self._kv.to_host()
+                    self._rs.to_host()
                 self._kv.free_device()
+                self._rs.free_device()
                 self._act.free()
             if depth >= _DEPTH[Level.UNLOAD]:
                 self._kv.free_host()
+                self._rs.free_host()
                 self._weights.release_shadow()
         self._level = Level(level)
         self._releases += 1
@@ -310,9 +313,10 @@ class VulkanBackend:
             self._act.allocate()
             # weights largest first, then the KV cache's per-layer buffers (small): one
             # pipeline of allocations and copies
-            jobs = self._weights.restore_jobs() + self._kv.restore_jobs()
+            jobs = self._weights.restore_jobs() + self._kv.restore_jobs() + self._rs.restore_jobs()
             allocate_and_copy(self._alloc, jobs, during=self._rebind)
             self._kv.restored()
+            self._rs.restored()
         self._level = None
         self._restores += 1
 
@@ -323,6 +327,7 @@ class VulkanBackend:
             if seg.device is not None:
                 out[("w", i)] = seg.device
         out.update(self._kv.roles())
+        out.update(self._rs.roles())
         for name, buf in self._act.bufs.items():
             out[("a", name)] = buf
         return out
@@ -374,6 +379,9 @@ class VulkanBackend:
         self._check_open()
         if self._level is not None:
             raise BackendError(f"slot KV access while released (level {self._level.value}); restore first")
+        if self._rs.sizes:
+            raise BackendError("slot save/restore of a gated delta-net model (its recurrent state) is not "
+                               "supported yet")
         what = "write KV cache" if to_device else "read KV cache"
         with self._guard(what):
             lays = self._kv.layers
@@ -455,7 +463,7 @@ class VulkanBackend:
         """The model's graph lowered for ``bucket`` tokens (with other kernel settings
         when ``ops`` is given: the decode benchmark compares them)."""
         return build_ops(ops or self._ops, self._ir, self._plan, self._weights, self._act, self._kv,
-                         self._mem, self._rope_buf, bucket=bucket)
+                         self._mem, self._rope_buf, bucket=bucket, rs=self._rs)
 
     def _drop_graphs(self) -> None:
         graphs, self._graphs = self._graphs, {}

@@ -46,6 +46,7 @@ from trio_llm.vulkan.ops import (
     decode_splits,
     row_bytes,
 )
+from trio_llm.vulkan.recurrent import RecurrentState
 from trio_llm.vulkan.weights import WeightStore
 
 MATVEC_MAX_COLS = 8
@@ -201,6 +202,7 @@ class _Lowering:
     mem: dict[int, tuple[int, LayerMemory]]  # layer -> (index in kv, plan)
     rope_buf: dict[int, str]
     bucket: int
+    rs: RecurrentState | None = None  # gated delta-net state buffers, by node id
     out: list[Op] = attrs.field(factory=list)
     _dirty: set[object] = attrs.field(factory=set)
     _read: set[object] = attrs.field(factory=set)
@@ -272,6 +274,8 @@ class _Lowering:
         self._cons = self.graph.consumers()
         pair_rows = self.ops.matvec_rs % 2 == 0
         for node in self.graph.nodes:
+            if node.op == "rope" and "n_rot" in node.attrs:
+                continue  # partial RoPE rotates in place; its k is stored as a plain value
             if node.op == "rope":
                 lin = self.linear_of(node.inputs[0])
                 readers = self._cons.get(node.out.id, [])
@@ -415,7 +419,26 @@ class _Lowering:
         kc, _, m = self.cache(attn.layer)
         return kc, ("k", attn.layer), m, self.types(attn.layer)[0]
 
+    def _partial_rope(self, node: Node) -> None:
+        """qwen35's partial RoPE: the value copied to the output's buffer if it is not
+        there already, then its first n_rot values of each head rotated in place."""
+        x = node.inputs[0]
+        if len(node.inputs) > 1 or node.attr("freq_scale") != 1.0 or node.attr("mode") != "neox":
+            raise GraphError(f"{node.out.name}: partial RoPE on Vulkan is the plain half-split form only")
+        w = x.width
+        if self.slot(x) != self.slot(node.out):
+            d = self.ops.take(self.view(x), self.view(node.out), self.st, group=w, start=0, n=w, n_out=w,
+                              x_stride=w, y_stride=w, cap=self.bucket)
+            self.emit([d], [self.slot(x)], [self.slot(node.out)])
+        d = self.ops.rope_partial(self.view(node.out), self.st, n_heads=node.attr("n_heads"),
+                                  head_dim=node.attr("head_dim"), n_rot=node.attr("n_rot"), x_stride=w,
+                                  theta=node.attr("theta"), cap=self.bucket)
+        self.emit([d], [self.slot(node.out)], [self.slot(node.out)])
+
     def op_rope(self, node: Node) -> None:
+        if "n_rot" in node.attrs:
+            self._partial_rope(node)
+            return
         x = node.inputs[0]
         nh, hd = node.attr("n_heads"), node.attr("head_dim")
         theta = node.attr("theta")
@@ -531,6 +554,53 @@ class _Lowering:
                                  k=node.attr("k"), y_stride=node.out.width, cap=self.bucket)
         self.emit([d], [self.slot(y), self.slot(routes)], [self.slot(node.out)])
 
+    # -- gated delta-net (qwen35): the state buffers are hazards of their own
+
+    def op_take(self, node: Node) -> None:
+        (x,) = node.inputs
+        d = self.ops.take(self.view(x), self.view(node.out), self.st, group=node.attr("group"),
+                          start=node.attr("start"), n=node.attr("n"), n_out=node.out.width, x_stride=x.width,
+                          y_stride=node.out.width, cap=self.bucket)
+        self.emit([d], [self.slot(x)], [self.slot(node.out)])
+
+    def op_l2_norm(self, node: Node) -> None:
+        (x,) = node.inputs
+        n = node.attr("group")
+        d = self.ops.l2_norm(self.view(x), self.view(node.out), self.st, n=n, rows_per_tok=x.width // n,
+                             eps=node.attr("eps"), cap=self.bucket)
+        self.emit([d], [self.slot(x)], [self.slot(node.out)])
+
+    def op_gate_rows(self, node: Node) -> None:
+        x, h, w = node.inputs
+        d = self.ops.gate_rows(self.view(x), self.view(h), self.view(w), self.view(node.out), self.st,
+                               n=x.width, n_in=h.width, cap=self.bucket)
+        self.emit([d], [self.slot(x), self.slot(h)], [self.slot(node.out)])
+
+    def _state(self, node: Node) -> tuple[View, object]:
+        if self.rs is None or node.out.id not in self.rs.bufs:
+            raise GraphError(f"{node.out.name}: no recurrent state buffer for this node")
+        return self.rs.view(node.out.id), ("rs", node.out.id)
+
+    def op_ssm_conv(self, node: Node) -> None:
+        x, w = node.inputs
+        if self.weights.slots[w.name].qtype != "F32":
+            raise GraphError(f"{node.out.name}: the Vulkan conv reads an F32 {w.name}")
+        state, key = self._state(node)
+        kw = dict(c=x.width, k=node.attr("d_conv"), cap=self.bucket)
+        d0 = self.ops.ssm_conv(self.view(x), self.view(w), self.view(node.out), state, self.st, phase=0, **kw)
+        self.emit([d0], [self.slot(x), key], [self.slot(node.out)])
+        d1 = self.ops.ssm_conv(self.view(x), self.view(w), self.view(node.out), state, self.st, phase=1, **kw)
+        self.emit([d1], [self.slot(x), key], [key])
+
+    def op_delta_net(self, node: Node) -> None:
+        q, k, v, alpha, beta, dt, a = node.inputs
+        state, key = self._state(node)
+        vq, vk, vv, va, vb, vdt, vad = (self.view(t) for t in (q, k, v, alpha, beta, dt, a))
+        d = self.ops.delta_net(vq, vk, vv, va, vb, vdt, vad, self.view(node.out), state, self.st,
+                               n_k=node.attr("n_k_heads"), n_v=node.attr("n_v_heads"), d=node.attr("head_dim"),
+                               cap=self.bucket)
+        self.emit([d], [self.slot(t) for t in (q, k, v, alpha, beta)] + [key], [self.slot(node.out), key])
+
     @property
     def st(self) -> View:
         return self.act.view("step")
@@ -538,8 +608,8 @@ class _Lowering:
 
 def build_ops(
     ops: Ops, graph: Graph, plan: BufferPlan, weights: WeightStore, act: Activations, kv: KVCache,
-    mem: list[LayerMemory], rope_buf: dict[int, str], *, bucket: int,
+    mem: list[LayerMemory], rope_buf: dict[int, str], *, bucket: int, rs: RecurrentState | None = None,
 ) -> list[Op]:
     """Every dispatch of one forward pass over at most ``bucket`` tokens."""
     by_layer = {m.layer: (i, m) for i, m in enumerate(mem)}
-    return _Lowering(ops, graph, plan, weights, act, kv, by_layer, rope_buf, bucket).run()
+    return _Lowering(ops, graph, plan, weights, act, kv, by_layer, rope_buf, bucket, rs).run()
