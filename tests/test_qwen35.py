@@ -5,6 +5,8 @@ with llama.cpp is in test_llamacpp_agreement.py."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import trio
@@ -151,6 +153,10 @@ def test_vulkan_carries_the_state_as_numpy_does_and_keeps_it_across_release(mode
             np.testing.assert_allclose(vk.forward([SeqBatch(1, nxt, 12)]), before, rtol=0, atol=1e-5 * scale)
         with pytest.raises(BackendError, match="slot save/restore of a gated delta-net model"):
             vk.read_kv(1, 12)
+        # the same memory kinds as numpy: only the whole cached sequence continues
+        assert vk.reusable_prefix(10, 10) == 10 and vk.reusable_prefix(10, 9) == 0
+        with pytest.raises(BackendError, match="recurrent state holds 13 positions; it cannot continue at 7"):
+            vk.forward([SeqBatch(1, PROMPT[:2], 7)])
     finally:
         vk.close()
         ref.close()
@@ -182,3 +188,52 @@ async def test_slots_reuse_a_whole_cached_sequence_and_recompute_a_cut_one(
     assert (await _answer(fresh, turn)).tokens == got.tokens
     fresh2 = await make_rig(path, nursery, n_seq=1, n_ctx=128)
     assert (await _answer(fresh2, cut)).tokens == got_cut.tokens
+
+
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("vulkan", marks=pytest.mark.vulkan)])
+async def test_a_hybrid_server_sleeps_at_all_and_continues_its_cached_turn(
+    model_path, nursery: trio.Nursery, backend: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Through a real server: after ``POST /sleep?level=all`` the same request gives the
+    same greedy answer, and the next turn (everything the slot holds, and more) reuses
+    the cache, recurrent state included."""
+    import httpx
+
+    from trio_llm.config import ServerConfig
+    from trio_llm.runtime import serve
+
+    done = trio.Event()
+
+    async def run(config: ServerConfig, *, task_status: Any) -> None:
+        try:
+            await serve(config, task_status=task_status)
+        finally:
+            done.set()
+
+    config = ServerConfig(model=model_path("tiny-qwen35", "Q8_0"), port=0, backend=backend, ctx_size=256,
+                          parallel=1, shutdown_timeout=2.0, temp=0.0, sleep_idle_seconds=3600)
+    h = await nursery.start(run, config)
+    with trio.fail_after(60):
+        await h.context.loaded.wait()
+    prompt = [int(t) for t in PROMPT]
+    try:
+        async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
+            first = (await c.post("/completion", json={"prompt": prompt, "n_predict": 6})).json()
+            assert (await c.post("/sleep?level=all")).json()["is_sleeping"] is True
+            again = (await c.post("/completion", json={"prompt": prompt, "n_predict": 6})).json()
+            assert again["tokens"] == first["tokens"]
+            assert (await c.post("/sleep?level=all")).json()["is_sleeping"] is True
+            turn = prompt + first["tokens"] + [40, 41, 42]
+            nxt = (await c.post("/completion", json={"prompt": turn, "n_predict": 4})).json()
+            assert nxt["timings"]["cache_n"] >= len(prompt) + len(first["tokens"]) - 1
+    finally:
+        h.shutdown()
+        with trio.fail_after(10):
+            await done.wait()
+    # the same turn from nothing gives the same answer
+    fresh = NumpyBackend(load_gguf(model_path("tiny-qwen35", "Q8_0")), n_ctx=256, n_seq=1)
+    try:
+        logits = fresh.forward([SeqBatch(0, np.array(turn, np.int32), 0)])
+        assert int(np.argmax(logits[0])) == nxt["tokens"][0]
+    finally:
+        fresh.close()

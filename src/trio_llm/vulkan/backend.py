@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 
 from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch, check_batch
-from trio_llm.engine.memory import plan_memory, reusable_prefix
+from trio_llm.engine.memory import plan_memory, plan_recurrent, reusable_prefix
 from trio_llm.errors import (
     BackendError,
     DeviceLost,
@@ -141,6 +141,8 @@ class VulkanBackend:
             raise ModelLoadError(model.path, str(exc)) from None
         # gated delta-net layers' per-sequence state (qwen35), kept and released with the KV cache
         self._rs = RecurrentState(self._alloc, state_bytes(self._ir, self.n_seq))
+        self._recurrent = plan_recurrent(self._ir)
+        self._rs_pos = np.zeros(self.n_seq, np.int64)  # positions each sequence's state has absorbed
         self._plan = plan_buffers(self._ir)
         # the largest bucket: a forward with more tokens runs as several chunks; every
         # activation of a chunk must fit one binding (128 MiB on lavapipe)
@@ -239,7 +241,7 @@ class VulkanBackend:
         return logits
 
     def reusable_prefix(self, n_cached: int, n_common: int) -> int:
-        return reusable_prefix(self._mem, n_cached, n_common)
+        return reusable_prefix(self._mem + self._recurrent, n_cached, n_common)
 
     def memory(self) -> dict[str, int]:
         mem = dict.fromkeys(MEMORY_CATEGORIES, 0)
@@ -300,6 +302,7 @@ class VulkanBackend:
             if depth >= _DEPTH[Level.UNLOAD]:
                 self._kv.free_host()
                 self._rs.free_host()
+                self._rs_pos[:] = 0  # the state is gone: sequences start again at 0
                 self._weights.release_shadow()
         self._level = Level(level)
         self._releases += 1
@@ -479,6 +482,13 @@ class VulkanBackend:
         if self._level is not None:
             raise BackendError(f"forward while released (level {self._level.value}); restore first")
         check_batch(entries, n_seq=self.n_seq, n_ctx=self.n_ctx, n_vocab=self.config.n_vocab)
+        if self._rs.sizes:  # a recurrent state continues only where it stopped (position 0: afresh)
+            for e in entries:
+                if e.pos0 and self._rs_pos[e.seq_id] != e.pos0:
+                    raise BackendError(f"sequence {e.seq_id}'s recurrent state holds {self._rs_pos[e.seq_id]} "
+                                       f"positions; it cannot continue at {e.pos0}")
+            for e in entries:
+                self._rs_pos[e.seq_id] = e.pos0 + len(e.tokens)
 
 
 def _check_shapes(model: GGUFModel, cfg: ModelConfig) -> None:
