@@ -42,9 +42,12 @@ def test_quantum_decision() -> None:
     # quantum 0: a busy holder never probes (today's rule)
     assert decide(off, live(now=1e6)) == decide(off, live(now=1e6, passes=1))
     assert decide(off, live(now=1e6)).act is Act.WAIT
-    # busy before the quantum: wait until it is up, not a moment longer
-    d = decide(q5, live(now=4.0, woke_at=0.0))
+    # busy before the quantum: wait until it is up, not a moment longer (and look at
+    # the queue every probe interval meanwhile: a higher-priority waiter shortens it)
+    d = decide(q5, live(now=4.995, woke_at=0.0))
     assert (d.act, d.deadline) == (Act.WAIT, 5.0)
+    d = decide(q5, live(now=4.0, woke_at=0.0))
+    assert (d.act, d.deadline) == (Act.WAIT, pytest.approx(4.01))
     # at the quantum: probe, even under a pass in flight (the yield waits for it)
     for kw in ({}, {"passes": 1}, {"demand": 2}, {"busy": False, "passes": 1}):
         d = decide(q5, live(now=5.0, **kw))
@@ -335,7 +338,8 @@ def test_metrics_render_the_arena(tiny_model: Path) -> None:
         (["--arena-quantum", "soon"], "--arena-quantum"),
         (["--arena-budget", "999999999"], "co-residency under a memory budget is not built"),
         (["--arena-pin"], "pinned arena models are not built"),
-        (["--arena-priority", "2"], "arena priorities are not built"),
+        (["--arena-priority", "1000"], "--arena-priority"),
+        (["--arena-priority", "high"], "--arena-priority"),
     ],
 )
 def test_bad_arena_flags_are_one_line(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -349,3 +353,38 @@ def test_arena_quantum_reaches_the_config() -> None:
 
     assert parse_config(["--arena-quantum", "0.25"], {}).arena_quantum == 0.25
     assert parse_config([], {}).arena_quantum == 5.0
+
+
+def test_a_higher_priority_waiter_shortens_the_quantum() -> None:
+    from trio_llm.residency.sleep import effective_quantum
+
+    cfg = SleepConfig(Level.WEIGHTS, quantum=4.0, priority=1)
+    assert effective_quantum(cfg, None) == 4.0  # nobody queued (or a fork waiter)
+    assert effective_quantum(cfg, 0) == 4.0 and effective_quantum(cfg, 1) == 4.0
+    assert effective_quantum(cfg, 2) == 2.0 and effective_quantum(cfg, 4) == 0.5
+    d = decide(cfg, live(now=0.495, waiter_priority=4))
+    assert (d.act, d.deadline) == (Act.WAIT, 0.5)
+    d = decide(cfg, live(now=0.6, waiter_priority=4))
+    assert (d.act, d.reason) == (Act.PROBE, "quantum")
+    d = decide(cfg, live(now=3.995, waiter_priority=1))
+    assert (d.act, d.deadline) == (Act.WAIT, 4.0)
+
+
+async def test_a_high_priority_waiter_gets_a_busy_holder_sooner(
+    tiny_model: Path, tmp_path: Path, autojump_clock: object
+) -> None:
+    """Quantum 4 s; a waiter two steps above us makes it 1 s (``effective_quantum``),
+    read from the arena's queue; an equal one waits the whole 4 s."""
+    from trio_llm.residency.arbiter import open_arbiter
+
+    for prio, expected in ((2, 1.0), (0, 4.0)):
+        waiter = await open_arbiter(tmp_path / str(prio), priority=prio)
+        async with stack(tiny_model, tmp_path / str(prio), SleepConfig(Level.WEIGHTS, quantum=4.0)) as s:
+            t0 = s.ctl.statistics().woke_at
+            s.ctl.set_busy(True)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(waiter.take)
+                t = await released_at(s.residency)
+            assert t == pytest.approx(t0 + expected, abs=0.011), prio
+            waiter.give_back()
+        waiter.close()

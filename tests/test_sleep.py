@@ -391,7 +391,10 @@ async def test_a_broken_arena_fails_the_wake_not_the_server(
 ) -> None:
     async with stack(tiny_model, tmp_path, SleepConfig(Level.WEIGHTS)) as s:
         await s.ctl.request_sleep(None)
-        os.close(s.arbiter._token_fd)  # fault injection: flock on it now fails (EBADF)
+        # fault injection: flock on it now fails (EBADF); a number never open, so that
+        # no descriptor opened later (a queue ticket) can take its place
+        os.close(s.arbiter._token_fd)
+        s.arbiter._token_fd = 1 << 20
         with pytest.raises(ArenaUnavailable):
             await s.ctl.wait_until_no_sleep()
         assert s.ctl.statistics().wake_failures == 1

@@ -61,6 +61,7 @@ class ServerConfig:
     sleep_mode: SleepMode = "weights"
     vram_arena: Path | None = None
     arena_quantum: float = 5.0  # --arena-quantum: a waiter makes a busy holder yield after this; 0: only when idle
+    arena_priority: int = 0  # --arena-priority: among queued waiters the higher goes first
     sleep_idle_seconds: float = -1.0  # -1: idle sleep off
     shutdown_timeout: float = 5.0  # SIGTERM: in-flight work gets this long, then is cancelled
     # llama-server's flags beyond the basics (trio_llm.server.flags has the whole table)
@@ -126,6 +127,7 @@ class ServerConfig:
         )
         _check(math.isfinite(self.arena_quantum) and self.arena_quantum >= 0, "--arena-quantum",
                f"{self.arena_quantum} is not a number of seconds >= 0 (0: yield only when idle)")
+        _check(-100 <= self.arena_priority <= 100, "--arena-priority", f"{self.arena_priority} is not in [-100, 100]")
         _check(self.shutdown_timeout >= 0, "shutdown timeout", "must be >= 0")
         _check(self.api_key is None or bool(self.api_key), "--api-key", "empty key")
         _check(self.threads == -1 or self.threads >= 1, "-t/--threads", f"{self.threads} is not -1 or >= 1")

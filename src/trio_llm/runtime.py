@@ -214,7 +214,7 @@ async def build_gate(
     idle = config.sleep_idle_seconds if config.sleep_idle_seconds >= 0 else None
     residency = Residency(client)
     await nursery.start(residency.run)
-    cfg = SleepConfig(level, idle_seconds=idle, quantum=config.arena_quantum)
+    cfg = SleepConfig(level, idle_seconds=idle, quantum=config.arena_quantum, priority=config.arena_priority)
     controller = SleepController(cfg, residency, arbiter)
     await nursery.start(controller.run)
     return controller
@@ -342,7 +342,7 @@ async def _watch_signals(stop: trio.Event, root: trio.CancelScope) -> None:
 async def _run_engine(ctx: ServerContext, stop: trio.Event, http_done: trio.Event, show_progress: bool) -> None:
     """Load the model and run the actors until the HTTP server has shut down."""
     config = ctx.config
-    arbiter = await open_arbiter(config.vram_arena)
+    arbiter = await open_arbiter(config.vram_arena, priority=config.arena_priority)
     try:
         if await _take_for_load(arbiter, stop):
             await _run_loaded(ctx, stop, http_done, show_progress, arbiter)

@@ -50,6 +50,7 @@ import attrs
 import trio
 
 from trio_llm.errors import ArenaUnavailable
+from trio_llm.residency.queue import Queue, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ WANT_FILE = "want.lock"
 REPORT_AFTER = 10.0
 #: polls of a take between two checks that the arena files are still ours
 _STALE_CHECK_POLLS = 20
+#: a waiter that is not at the head of the queue takes the token anyway once it has
+#: seen it free this long (a frozen or dead-slow head must not hold everybody up)
+SKIP_AFTER = 0.25
 #: upper bounds (seconds) of the buckets of ``ArbiterStatistics.wait_buckets``, the
 #: ``trio_llm_arena_wait_seconds`` histogram: from one poll to a long generation
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -156,6 +160,10 @@ class Arbiter:
     _held_since: float | None = None  # trio time of the take, while holding
     _wait_counts: list[int] = attrs.field(factory=lambda: [0] * (len(WAIT_BUCKETS) + 1))
     _stale: bool = False  # our files are no longer the arena's (removed or replaced)
+    _priority: int = 0  # --arena-priority: our rank among trio-llm waiters
+    _queue: Queue | None = None  # ARENA/queue/ (None: no queue, today's free-for-all)
+    _skip_after: float = SKIP_AFTER
+    _overtakes: int = 0  # takes that went ahead of a live head ticket (it did not take)
     _reopens: int = 0
 
     @classmethod
@@ -246,6 +254,8 @@ class Arbiter:
         logged = False
         reported = False
         polls = 0
+        ticket: Ticket | None = None
+        free_since: float | None = None  # not our turn, but the token free since then
         try:
             while True:
                 polls += 1
@@ -254,6 +264,8 @@ class Arbiter:
                     if registered:
                         _unlock(self._want_fd)
                         registered = False
+                    self._leave_queue(ticket)
+                    ticket = None
                     self._reopen()
                     if not self.active:
                         self._took()
@@ -263,9 +275,27 @@ class Arbiter:
                 # holder's probe owns it exclusively, so registration is retried too
                 if not registered and self._want_fd >= 0:
                     registered = _try_flock(self._want_fd, fcntl.LOCK_SH)
-                if _try_flock(self._token_fd, fcntl.LOCK_EX):
+                if ticket is None:
+                    ticket = self._enqueue()
+                head = self._my_turn(ticket)
+                turn = head
+                if head:
+                    free_since = None
+                else:
+                    # not our turn; but is the token free (the head not taking it)?
+                    if _try_flock(self._token_fd, fcntl.LOCK_SH):
+                        _unlock(self._token_fd)
+                        now = trio.current_time()
+                        free_since = now if free_since is None else free_since
+                        if now - free_since >= self._skip_after:
+                            turn = True
+                    else:
+                        free_since = None
+                if turn and _try_flock(self._token_fd, fcntl.LOCK_EX):
                     # no await between winning the lock and recording it: a
                     # cancellation cannot land in between
+                    if not head:
+                        self._overtakes += 1
                     self._took()
                     break
                 if not logged:
@@ -279,12 +309,60 @@ class Arbiter:
                                 waited, describe_holders(self._token_fd))
                 await trio.sleep(self._poll_interval)
         finally:
+            self._leave_queue(ticket)
             if registered:
                 _unlock(self._want_fd)
             self._waiting = False
             waited = trio.current_time() - t0
             self._wait_seconds += waited
             self._observe_wait(waited)
+
+    def _enqueue(self) -> Ticket | None:
+        """Our ticket, or None (no queue, or the counter busy this instant)."""
+        if self._queue is None:
+            return None
+        try:
+            return self._queue.enqueue(self._priority)
+        except OSError as exc:
+            self._drop_queue(exc)
+            return None
+
+    def _my_turn(self, ticket: Ticket | None) -> bool:
+        """May we try the token now? Without a ticket (no queue, or not yet), yes, as
+        the protocol alone would; with one, when it is the head of the live tickets."""
+        if ticket is None or self._queue is None:
+            return True
+        try:
+            return self._queue.is_head(ticket)
+        except OSError as exc:
+            self._drop_queue(exc)
+            return True
+
+    def _leave_queue(self, ticket: Ticket | None) -> None:
+        if ticket is not None and self._queue is not None:
+            self._queue.leave(ticket)
+        elif ticket is not None:
+            with contextlib.suppress(OSError):
+                os.close(ticket.fd)  # the queue was dropped: closing drops the lock
+
+    def _drop_queue(self, exc: OSError) -> None:
+        log.warning("VRAM arbiter: the waiting queue in %s failed (%s); waiters are served "
+                    "in no particular order", self._arena, exc.strerror or exc)
+        if self._queue is not None:
+            with contextlib.suppress(OSError):
+                self._queue.close()
+        self._queue = None
+
+    def waiting_priority(self) -> int | None:
+        """The highest priority among trio-llm processes queued for the token; None
+        if none is (nobody waits, or only reference-fork processes). Never blocks."""
+        if self._queue is None:
+            return None
+        try:
+            return self._queue.top_priority()
+        except OSError as exc:
+            self._drop_queue(exc)
+            return None
 
     def probe(self) -> bool:
         """Does another process wait for the token? Never blocks; reads live lock state."""
@@ -352,9 +430,14 @@ class Arbiter:
                 setattr(self, name, -1)
         self._stale = False
         self._reopens += 1
+        if self._queue is not None:
+            with contextlib.suppress(OSError):
+                self._queue.close()
+            self._queue = None
         assert self._arena is not None
         try:
             self._token_fd, self._want_fd, self._probe_fd = _open_arena(self._arena)
+            self._queue = _open_queue(self._arena)
         except (OSError, ArenaUnavailable) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
             log.warning("VRAM arbiter: cannot re-open arena %s (%s); running without "
@@ -367,6 +450,10 @@ class Arbiter:
         if self._holding:
             self.give_back()
         self._closed = True
+        if self._queue is not None:
+            with contextlib.suppress(OSError):
+                self._queue.close()
+            self._queue = None
         for name in ("_probe_fd", "_want_fd", "_token_fd"):
             fd = getattr(self, name)
             if fd >= 0:
@@ -426,6 +513,17 @@ def _open_arena(arena: Path) -> tuple[int, int, int]:
     return fds[0], fds[1], fds[2]
 
 
+def _open_queue(arena: Path) -> Queue | None:
+    """The waiting queue (``queue.py``); None, logged, if it cannot be used: the
+    arena still works, only without an order among waiters."""
+    try:
+        return Queue.open(arena, arena_file_mode(os.stat(arena).st_mode))
+    except OSError as exc:
+        log.warning("VRAM arbiter: cannot use the waiting queue in %s (%s); waiters are served "
+                    "in no particular order", arena, exc.strerror or exc)
+        return None
+
+
 def _check_file(path: Path, fd: int, mode: int) -> None:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -479,7 +577,7 @@ def describe_holders(fd: int) -> str:
 
 async def open_arbiter(
     arena: str | os.PathLike[str] | None, *, poll_interval: float = 0.005,
-    report_after: float = REPORT_AFTER,
+    report_after: float = REPORT_AFTER, priority: int = 0,
 ) -> Arbiter:
     """The arbiter for ``arena`` (``None``: disabled). An arena that cannot be opened or
     written is logged as a warning and gives an uncoordinated arbiter, never an error:
@@ -489,6 +587,7 @@ async def open_arbiter(
     path = Path(arena)
     try:
         token_fd, want_fd, probe_fd = await trio.to_thread.run_sync(_open_arena, path)
+        queue = await trio.to_thread.run_sync(_open_queue, path)
     except (OSError, ArenaUnavailable) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         log.warning(
@@ -496,7 +595,7 @@ async def open_arbiter(
             path,
             reason,
         )
-        return Arbiter(path, poll_interval=poll_interval, report_after=report_after)
+        return Arbiter(path, poll_interval=poll_interval, report_after=report_after, priority=priority)
     log.info("VRAM arbiter: sharing the GPU through %s", path)
     return Arbiter(
         path,
@@ -505,4 +604,6 @@ async def open_arbiter(
         probe_fd=probe_fd,
         poll_interval=poll_interval,
         report_after=report_after,
+        priority=priority,
+        queue=queue,
     )

@@ -76,6 +76,18 @@ class SleepConfig:
     #: --arena-quantum: after this long resident, a waiter makes us yield even while
     #: busy, at the next step boundary; 0: yield only when idle (the protocol's rule)
     quantum: float = 0.0
+    #: --arena-priority: a queued waiter of higher priority than ours shortens our
+    #: quantum, halving it for each step of difference (``effective_quantum``)
+    priority: int = 0
+
+
+def effective_quantum(cfg: SleepConfig, waiter_priority: int | None) -> float:
+    """The quantum against the highest-priority queued waiter: ``quantum`` against an
+    equal or lower one (or a reference-fork waiter, which has no priority), halved
+    for every step it ranks above us."""
+    if waiter_priority is None or waiter_priority <= cfg.priority:
+        return cfg.quantum
+    return cfg.quantum / 2 ** min(waiter_priority - cfg.priority, 30)
 
 
 def quantum_level(level: Level) -> Level:
@@ -108,6 +120,8 @@ class Live:
     passes: int = 0  # forward passes in flight (inside ``resident()``)
     #: the last wake had work in hand (busy when it became resident): no grace
     woke_in_hand: bool = False
+    #: the highest priority among queued trio-llm waiters (None: none queued)
+    waiter_priority: int | None = None
 
 
 @attrs.frozen
@@ -131,10 +145,13 @@ def decide(cfg: SleepConfig, live: Live) -> Decision:
         # releases only at a step boundary (``SleepController._quantum_yield``)
         if not (live.arbiter_active and cfg.quantum > 0):
             return Decision(Act.WAIT)
-        probe_at = max(live.woke_at + cfg.quantum, live.last_probe + cfg.probe_interval)
+        quantum = effective_quantum(cfg, live.waiter_priority)
+        probe_at = max(live.woke_at + quantum, live.last_probe + cfg.probe_interval)
         if live.now >= probe_at:
             return Decision(Act.PROBE, quantum_level(cfg.level), "quantum")
-        return Decision(Act.WAIT, deadline=probe_at)
+        # re-decide every probe interval: a higher-priority waiter queueing meanwhile
+        # shortens the quantum, and no other event would tell us
+        return Decision(Act.WAIT, deadline=min(probe_at, live.now + cfg.probe_interval))
     if live.sleep_request is not None:
         return Decision(Act.SLEEP, live.sleep_request, "requested")
     deadline = math.inf
@@ -228,6 +245,8 @@ class SleepController:
     _quantum_withdrawn: int = 0
     _woke_in_hand: bool = False
     _shutdown_gives: int = 0
+    _waiter_priority: int | None = None  # cached ``Arbiter.waiting_priority()``
+    _waiter_priority_at: float = -math.inf
     _requested_sleeps: int = 0
     _wake_failures: int = 0
     _last_wake: float = 0.0
@@ -391,6 +410,7 @@ class SleepController:
                 "probes": arb.probes,
                 "contended_takes": arb.contended_takes,
                 "quantum": self._cfg.quantum,
+                "priority": self._cfg.priority,
                 "acquisitions": arb.takes,
                 "held_seconds": arb.held_seconds,
                 "wait_seconds": arb.wait_seconds,
@@ -433,7 +453,21 @@ class SleepController:
             arbiter_active=self._arbiter.active,
             passes=self._passes,
             woke_in_hand=self._woke_in_hand,
+            waiter_priority=self._queued_priority(),
         )
+
+    def _queued_priority(self) -> int | None:
+        """The top priority in the arena's queue, re-read at most once per probe
+        interval, and only where it can matter: busy and resident, with a quantum."""
+        cfg = self._cfg
+        if not (cfg.quantum > 0 and self._arbiter.active and self._residency.state is State.RESIDENT
+                and (self._busy or self._passes)):
+            return None
+        now = trio.current_time()
+        if now - self._waiter_priority_at >= cfg.probe_interval:
+            self._waiter_priority_at = now
+            self._waiter_priority = self._arbiter.waiting_priority()
+        return self._waiter_priority
 
     def _check_invariant(self) -> None:
         if __debug__:

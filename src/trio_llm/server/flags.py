@@ -657,8 +657,9 @@ FLAGS: tuple[Flag, ...] = (
     R("--arena-budget", "co-residency under a memory budget is not built yet (docs/arbiter.md): servers on an "
       "arena take turns", value="MIB"),
     R("--arena-pin", "pinned arena models are not built yet (docs/arbiter.md): servers on an arena take turns"),
-    R("--arena-priority", "arena priorities are not built yet (docs/arbiter.md): waiters are served in no "
-      "order", value="N"),
+    W("--arena-priority", "with --vram-arena: among waiting servers the higher goes first (equal: first come), "
+      "and it halves a lower holder's quantum per step of difference (default 0)", value="N",
+      dest="arena_priority", conv=_int),
 )
 
 #: trio-llm's own flags (not llama-server's), for the docs
