@@ -163,12 +163,12 @@ def gpu_breakdown(be, model, replays: int = 20) -> dict:  # type: ignore[no-unty
 
 
 def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  # type: ignore[no-untyped-def]
-                residency_too: bool = False, breakdown_too: bool = False) -> dict:
+                residency_too: bool = False, breakdown_too: bool = False, n_cpu_moe: float = 0.0) -> dict:
     n_ctx = max(pp, tg) + 8
     if kind == "vulkan":
         from trio_llm.vulkan.backend import VulkanBackend
 
-        load_s, be = common.timed(lambda: VulkanBackend(model, n_ctx=n_ctx, n_seq=1))
+        load_s, be = common.timed(lambda: VulkanBackend(model, n_ctx=n_ctx, n_seq=1, n_cpu_moe=n_cpu_moe))
     else:
         from trio_llm.engine.reference import NumpyBackend
 
@@ -252,6 +252,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--residency", action="store_true", help="also time release/restore (Vulkan)")
+    ap.add_argument("--n-cpu-moe", type=float, default=0.0,
+                    help="keep the experts of this many layers in host memory (Vulkan; fractional)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the decode graph's parts (Vulkan): without barriers, per kernel")
     args = ap.parse_args()
@@ -261,7 +263,7 @@ def main() -> int:
     rows = []
     for kind in args.backends.split(","):
         r = run_backend(kind.strip(), model, args.pp, args.tg, args.repeats, args.warmup, args.residency,
-                        args.breakdown)
+                        args.breakdown, args.n_cpu_moe)
         r["bytes_per_token"] = per_token
         r["hbm_share"] = common.stats([v * per_token / HBM_BYTES_PER_S for v in r["tg_tps"].values])
         rows.append(r)
@@ -287,7 +289,7 @@ def main() -> int:
                   f"restore {fig['restore_s'].median * 1e3:.1f} ms, first forward {fig['first_forward_s'].median * 1e3:.1f} ms, cold {fig['cold_bytes'] / 2**20:.1f} MiB "
                   f"of {fig['resident_bytes'] / 2**20:.1f} MiB")
     params = {"model": str(path), "preset": args.preset, "quant": args.quant, "pp": args.pp,
-              "tg": args.tg, "repeats": args.repeats, "warmup": args.warmup}
+              "tg": args.tg, "repeats": args.repeats, "warmup": args.warmup, "n_cpu_moe": args.n_cpu_moe}
     name = f"decode-{path.stem}" if args.model else f"decode-{args.preset}-{args.quant}"
     out = common.write_result(name, params, rows)
     print(f"wrote {out.relative_to(common.ROOT)}")

@@ -5,6 +5,7 @@
 # Stages: verify (the Vulkan correctness tests on the H200), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill),
+# cpumoe (qwen35-35b-a3b Q4_K_M at --n-cpu-moe 0, 10, 10.5, 20),
 # residency, handoff,
 # server, scen1b, scen8b,
 # e2e (bench/e2e.py: trio-llm serve beside llama-server Vulkan and CUDA through HTTP; needs
@@ -116,6 +117,13 @@ for s in $STAGES; do case $s in
     if [ "${SMALL:-0}" = 1 ]; then MOE=tiny-qwen3moe; else MOE=qwen3-30b-a3b; fi
     stage make-moe 480 $PY -m trio_llm make-model --preset $MOE --quant Q4_K_M -o /tmp/m/$MOE-Q4_K_M.gguf -q
     stage decode-moe-q4km 300 $PY bench/decode.py --model /tmp/m/$MOE-Q4_K_M.gguf --backends vulkan --repeats 3 ;;
+  cpumoe)  # qwen35-35b-a3b Q4_K_M (21 GB) with --n-cpu-moe 0, 10, 10.5, 20: decode cost per host-resident layer
+    if [ "${SMALL:-0}" = 1 ]; then MOE=tiny-qwen35moe; NS="0 1 1.5"; else MOE=qwen35-35b-a3b; NS="0 10 10.5 20"; fi
+    stage make-moe35 480 $PY -m trio_llm make-model --preset $MOE --quant Q4_K_M -o /tmp/m/$MOE-Q4_K_M.gguf -q
+    for n in $NS; do
+      stage "decode-moe35-ncmoe$n" 240 $PY bench/decode.py --model /tmp/m/$MOE-Q4_K_M.gguf --backends vulkan \
+        --repeats 2 --n-cpu-moe $n
+    done ;;
   decodeg3)  # gemma3-4b Q4_K_M (sliding-window layers), made in the background meanwhile
     wait $MG3 2>/dev/null
     stage decode-gemma3-4b-q4km 200 $PY bench/decode.py --model /tmp/m/gemma3-4b-Q4_K_M.gguf --backends vulkan \

@@ -57,7 +57,7 @@ class ServerConfig:
     warmup: bool = True
     backend: BackendKind = "auto"
     n_gpu_layers: int | None = None  # -ngl: accepted for compatibility; see docs/server.md
-    n_cpu_moe: int | None = None  # --n-cpu-moe: accepted for compatibility
+    n_cpu_moe: float | None = None  # --n-cpu-moe: experts of this many layers in host memory (fractional)
     sleep_mode: SleepMode = "weights"
     vram_arena: Path | None = None
     arena_quantum: float = 5.0  # --arena-quantum: a waiter makes a busy holder yield after this; 0: only when idle

@@ -141,6 +141,7 @@ def _load(config: ServerConfig, progress: LoadProgress) -> Loaded:
     from trio_llm.model.tokenizer import Tokenizer
 
     model = load_gguf(_model_path(config))
+    _check_gpu_layers(config, model.config.n_layer)
     tokenizer = Tokenizer.from_metadata(model.metadata)
     if config.chat_template is not None:  # --chat-template / --chat-template-file
         template = ChatTemplate.from_source(config.chat_template, tokenizer)
@@ -155,8 +156,23 @@ def _load(config: ServerConfig, progress: LoadProgress) -> Loaded:
         from threadpoolctl import threadpool_limits
 
         threadpool_limits(limits=config.threads, user_api="blas")
+    if config.n_cpu_moe:
+        extra["n_cpu_moe"] = config.n_cpu_moe
     backend = open_backend(config.backend, model, n_ctx=n_ctx, n_seq=config.parallel, progress=progress, **extra)
     return Loaded(model, tokenizer, template, backend, os.stat(model.path))
+
+
+def _check_gpu_layers(config: ServerConfig, n_layer: int) -> None:
+    """-ngl below the layer count would keep layers on the CPU, which the Vulkan backend
+    does not do: refused in one line rather than ignored (any count at or above it, and
+    "all"/"auto", is the whole model on the device; numpy runs everything on the CPU)."""
+    ngl = config.n_gpu_layers
+    if ngl is not None and 0 <= ngl < n_layer and config.backend != "numpy":
+        from trio_llm.errors import InvalidRequest
+
+        raise InvalidRequest(f"-ngl {ngl}: keeping {n_layer - ngl} of the model's {n_layer} layers on the CPU is "
+                             "not supported (the whole model runs on the device): use -ngl all, or "
+                             "--n-cpu-moe for expert weights")
 
 
 def fit_slot_ctx(config: ServerConfig, model: Any) -> int:

@@ -31,6 +31,7 @@ def open_backend(
     progress: Progress | None = None,
     cache_type_k: str = DEFAULT_KV_TYPE,
     cache_type_v: str = DEFAULT_KV_TYPE,
+    n_cpu_moe: float = 0.0,
 ) -> Backend:
     """Build the backend named by ``kind``; raises ``BackendUnavailable`` when an
     explicit "vulkan" cannot run here and ``InvalidRequest`` for an unknown kind."""
@@ -38,10 +39,14 @@ def open_backend(
         raise InvalidRequest(f"unknown backend {kind!r} (choose from {', '.join(BACKEND_KINDS)})")
     kw: dict[str, Any] = dict(n_ctx=n_ctx, n_seq=n_seq, progress=progress, cache_type_k=cache_type_k,
                               cache_type_v=cache_type_v)
+    if n_cpu_moe:
+        from trio_llm.engine.placement import cpu_moe_tensors
+
+        cpu_moe_tensors(model.config, n_cpu_moe)  # a bad count is refused on either backend
     if kind == "numpy":
-        return _numpy(model, **kw)
+        return _numpy(model, **kw)  # everything is in host memory already
     try:
-        return _vulkan(model, **kw)
+        return _vulkan(model, **kw, **({"n_cpu_moe": n_cpu_moe} if n_cpu_moe else {}))
     except BackendUnavailable as exc:
         if kind == "vulkan":
             raise

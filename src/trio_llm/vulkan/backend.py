@@ -19,6 +19,7 @@ import numpy as np
 
 from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch, check_batch
 from trio_llm.engine.memory import plan_memory, plan_recurrent, reusable_prefix
+from trio_llm.engine.placement import cpu_moe_tensors
 from trio_llm.errors import (
     BackendError,
     DeviceLost,
@@ -91,6 +92,7 @@ class VulkanBackend:
         max_chunk: int = STEP_CAP,
         cache_type_k: str = DEFAULT_KV_TYPE,
         cache_type_v: str = DEFAULT_KV_TYPE,
+        n_cpu_moe: float = 0.0,
     ) -> None:
         if n_ctx < 1 or n_seq < 1:
             raise InvalidRequest(f"n_ctx and n_seq must be positive, got {n_ctx} and {n_seq}")
@@ -115,6 +117,7 @@ class VulkanBackend:
         self._before: dict[tuple[str, object], Buffer] = {}  # role -> buffer freed by a release
         self._forwards = self._tokens = self._submits = self._recorded = 0
         self._releases = self._restores = 0
+        self._host_tensors = cpu_moe_tensors(cfg, n_cpu_moe)
         self._device: Device | None = shared_device(device)
         try:
             with self._device.lock, vk_errors("load model"):
@@ -179,7 +182,8 @@ class VulkanBackend:
                    for name in self._ir.weights if any(n.op == "rope" and len(n.inputs) > 1
                                                        and n.inputs[1].name == name for n in self._ir.nodes)}
         self._rope_buf, consts = rope_consts(self._ir, factors)
-        self._weights = WeightStore(self._alloc, model)
+        # --n-cpu-moe: these expert tensors are read from host-visible memory
+        self._weights = WeightStore(self._alloc, model, host_tensors=self._host_tensors)
         self._act = Activations(self._alloc, self._plan, cfg.n_vocab, self._cap, min(self.n_seq, self._cap), consts)
         total = self._weights.total_bytes()
         self._weights.ensure_shadow(self._progress)
@@ -194,6 +198,9 @@ class VulkanBackend:
             cfg.name, device.name, total >> 20, self._weights.shadow_kind(), *self.cache_types,
             self._kv.bytes_per_token, self._kv.total_bytes >> 20,
         )
+        if self._host_tensors:
+            log.info("vulkan: --n-cpu-moe keeps %d expert tensors (%d MiB) in host memory",
+                     len(self._host_tensors), self._weights.host_bytes() >> 20)
 
     # -- the Backend interface -------------------------------------------------------
 
@@ -326,9 +333,7 @@ class VulkanBackend:
     def _roles(self) -> dict[tuple[str, object], Buffer]:
         """The device buffers a graph can reference, by role."""
         out: dict[tuple[str, object], Buffer] = {}
-        for i, seg in enumerate(self._weights.segments):
-            if seg.device is not None:
-                out[("w", i)] = seg.device
+        out.update(self._weights.roles())
         out.update(self._kv.roles())
         out.update(self._rs.roles())
         for name, buf in self._act.bufs.items():

@@ -79,6 +79,7 @@ class Segment:
     size: int
     base: int  # host address the segment image starts at (file layout) or 0 (packed)
     tensors: list[str]
+    host: bool = False  # bound from its host copy, never on the device (--n-cpu-moe)
     device: Buffer | None = None
     shadow: Buffer | None = None
 
@@ -89,6 +90,8 @@ class WeightStore:
 
     alloc: Allocator
     model: GGUFModel
+    #: tensors read by the GPU from host-visible memory instead of device memory
+    host_tensors: frozenset[str] = frozenset()
     slots: dict[str, Slot] = attrs.field(factory=dict)
     segments: list[Segment] = attrs.field(factory=list)
     # the mapped bytes of every tensor: holding these views keeps the file mapping
@@ -121,7 +124,7 @@ class WeightStore:
         groups: list[list] = []
         for t in infos:
             addr = int(t.raw.ctypes.data)
-            if groups:
+            if groups and (groups[-1][0].name in self.host_tensors) == (t.name in self.host_tensors):
                 g = groups[-1]
                 start = int(g[0].raw.ctypes.data) & ~(PAGE - 1)
                 prev_end = int(g[-1].raw.ctypes.data) + g[-1].n_bytes
@@ -145,7 +148,8 @@ class WeightStore:
                 end = int(g[-1].raw.ctypes.data) + g[-1].n_bytes
                 size = -(-(end - base) // PAGE) * PAGE
             seg = len(self.segments)
-            self.segments.append(Segment(size=size, base=base, tensors=[t.name for t in g]))
+            self.segments.append(Segment(size=size, base=base, tensors=[t.name for t in g],
+                                         host=g[0].name in self.host_tensors))
             for t, off in zip(g, offsets, strict=True):
                 self.slots[t.name] = Slot(t.name, t.ggml_type.name, tuple(t.shape), seg, off, t.n_bytes)
 
@@ -160,7 +164,9 @@ class WeightStore:
         done = 0
         for seg in self.segments:
             if seg.shadow is None:
-                seg.shadow = self._import(seg) or self._copy(seg)
+                # a host segment is bound by shaders: imported pages are transfer sources
+                # only, so it gets the one-time host-visible copy
+                seg.shadow = self._copy(seg) if seg.host else self._import(seg) or self._copy(seg)
             done += seg.size
             if progress is not None:
                 progress(done, total)
@@ -189,7 +195,7 @@ class WeightStore:
     def restore_jobs(self) -> list[CopyJob]:
         """A copy job per segment not on the device, largest first (the last copy of a
         pipelined restore is what the allocations cannot hide: keep it small)."""
-        todo = sorted((s for s in self.segments if s.device is None), key=lambda s: -s.size)
+        todo = sorted((s for s in self.segments if s.device is None and not s.host), key=lambda s: -s.size)
         jobs = []
         for seg in todo:
             assert seg.shadow is not None, "ensure_shadow() first"
@@ -219,13 +225,28 @@ class WeightStore:
 
     @property
     def resident(self) -> bool:
-        return all(seg.device is not None for seg in self.segments)
+        return all(seg.device is not None or seg.host for seg in self.segments)
+
+    def host_bytes(self) -> int:
+        """Bytes of the tensors the GPU reads from host memory."""
+        return sum(s.size for s in self.segments if s.host)
+
+    def roles(self) -> dict[tuple[str, object], Buffer]:
+        """The buffers a recorded graph binds, by segment: the device copy, or a host
+        segment's host copy."""
+        out: dict[tuple[str, object], Buffer] = {}
+        for i, seg in enumerate(self.segments):
+            buf = seg.shadow if seg.host else seg.device
+            if buf is not None:
+                out[("w", i)] = buf
+        return out
 
     # -- binding -------------------------------------------------------------------
 
     def view(self, name: str) -> View:
         slot = self.slots[name]
-        buf = self.segments[slot.segment].device
+        seg = self.segments[slot.segment]
+        buf = seg.shadow if seg.host else seg.device
         assert buf is not None, "weights are not resident"
         return View(buf, slot.offset, slot.nbytes)
 
