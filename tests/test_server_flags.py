@@ -293,3 +293,14 @@ async def test_generation_prompt_prefill_and_the_date(start: Start, tmp_path: Pa
         assert (await prompt({"messages": user, "chat_template_kwargs": {"enable_thinking": "no"}})).status_code == 400
         none = (await prompt({"messages": user, "reasoning_effort": "none"})).json()["prompt"]
         assert "<think>\n\n</think>" in none  # reasoning_effort none: thinking off
+
+
+async def test_ignore_eos_shows_in_generation_settings(start: Start) -> None:
+    """llama-server lists the end-of-generation tokens ignore_eos bans (bias null: -inf)."""
+    h = await start()
+    async with client(h) as c:
+        body = {"prompt": "Once", "n_predict": 2, "ignore_eos": True}
+        bias = (await c.post("/completion", json=body)).json()["generation_settings"]["logit_bias"]
+        assert bias and all(e["bias"] is None for e in bias)
+        body["ignore_eos"] = False
+        assert (await c.post("/completion", json=body)).json()["generation_settings"]["logit_bias"] == []

@@ -12,6 +12,7 @@ is, and that belongs to the queue and the slots loop.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,6 +53,8 @@ class TaskParams:
             "frequency_penalty": s.frequency_penalty,
             "seed": s.seed,
             "n_probs": s.n_probs,
+            # llama-server's shape; -inf (a banned token, ignore_eos) is null in JSON
+            "logit_bias": [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in s.logit_bias],
             "stop": list(self.stop),
             "stream": self.stream,
             "cache_prompt": self.cache_prompt,
