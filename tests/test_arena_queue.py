@@ -209,3 +209,30 @@ async def test_a_file_in_the_way_of_the_queue_is_one_warning(
         assert len(lines) == 1 and "no particular order" in lines[0]
     finally:
         arb.close()
+
+
+async def test_the_queue_follows_the_arena_permission_policy(tmp_path: Path) -> None:
+    """Private arena: queue/ 0700 and tickets 0600; a shared (group-writable, setgid)
+    arena: queue/ 2770 and 0660, whatever the umask (mkdir alone would apply it)."""
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    private.mkdir(mode=0o700)
+    shared.mkdir()
+    shared.chmod(0o2770)
+    old = os.umask(0o022)
+    try:
+        for arena, dir_mode, file_mode in ((private, 0o700, 0o600), (shared, 0o2770, 0o660)):
+            holder = await open_arbiter(arena)
+            arb = await open_arbiter(arena)
+            holder.take_nowait()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(arb.take)
+                await trio.sleep(0.05)
+                q = arena / QUEUE_DIR
+                assert oct(q.stat().st_mode & 0o7777) == oct(dir_mode)
+                for f in q.iterdir():
+                    assert oct(f.stat().st_mode & 0o777) == oct(file_mode), f
+                holder.give_back()
+            holder.close()
+            arb.close()
+    finally:
+        os.umask(old)

@@ -78,6 +78,13 @@ def _try_lock(fd: int, op: int) -> bool:
             raise
 
 
+def _set_mode(fd: int, mode: int) -> None:
+    """O_CREAT applies the umask: a file we own gets the policy's mode exactly."""
+    st = os.fstat(fd)
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
+        os.fchmod(fd, mode)
+
+
 @attrs.define(eq=False)
 class Ticket:
     """Our place in the queue: the locked file, and its rank."""
@@ -104,9 +111,17 @@ class Queue:
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, dir_mode)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISDIR(st.st_mode):
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+            # mkdir applies the umask (022 would leave a shared arena's group unable to
+            # queue): set the policy's mode, keeping a setgid bit inherited from the arena
+            if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o777 != dir_mode:
+                os.fchmod(fd, dir_mode | (st.st_mode & stat.S_ISGID))
+        except BaseException:
             os.close(fd)
-            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+            raise
         return cls(fd, mode)
 
     def close(self) -> None:
@@ -119,6 +134,7 @@ class Queue:
         at this instant (try again at the next poll)."""
         fd = os.open(SEQ_FILE, os.O_RDWR | os.O_CREAT | _OPEN, self.mode, dir_fd=self.dir_fd)
         try:
+            _set_mode(fd, self.mode)
             if not _try_lock(fd, fcntl.LOCK_EX):
                 return None
             text = os.pread(fd, 32, 0).strip()
@@ -137,6 +153,7 @@ class Queue:
                 os.unlink(tmp, dir_fd=self.dir_fd)
             return None
         try:
+            _set_mode(tfd, self.mode)
             name = ticket_name(priority, seq, pid)
             # the lock is on the inode: the ticket is never visible unlocked
             os.rename(tmp, name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
