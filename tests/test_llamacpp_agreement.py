@@ -32,14 +32,13 @@ from trio_llm.model.synth import QUANTS
 from trio_llm.model.tokenizer import Tokenizer
 from trio_llm.vulkan.backend import VulkanBackend
 
-#: cache types whose agreement with llama.cpp is not claimed: with a 4- or 5-bit block
-#: cache (q4_0, q4_1, q5_0, q5_1) llama.cpp's top logprobs and ours part by 0.12-0.34
-#: nats (0.15 is the bar), even with F32 weights and a one-token prompt, where
-#: attention returns the stored V row itself; the bytes we store are llama.cpp's
-#: (test_kvtypes.py), so the difference is somewhere in how llama.cpp's CPU flash
-#: attention gets or reads them, not found yet. f32, f16, bf16 and q8_0 agree. The
-#: open types still run and are checked op by op against numpy (test_vulkan_kv.py).
-KV_OPEN = ("q4_0", "q4_1", "q5_0", "q5_1")
+#: (preset, cache type, backend) rows whose agreement is not claimed, run as strict
+#: expected failures. With llama.cpp's Hadamard rotation of quantized caches in both
+#: backends (kvtypes.rotation_blocks) every 4-, 5- and 8-bit cache agrees but this one:
+#: tiny-qwen2 with a q4_1 cache on numpy parts at step 4 between two tokens 0.13 nats
+#: apart in llama.cpp's distribution (the bar is 0.1), every logprob within 0.15 until
+#: then; its Vulkan row (another prompt) agrees.
+KV_OPEN = {("tiny-qwen2", "q4_1", "numpy")}
 
 PRESETS = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-spm", "tiny-gemma3", "tiny-qwen3moe", "tiny-qwen35",
            "tiny-qwen35moe"]
@@ -165,11 +164,13 @@ def test_a_wrong_rope_pairing_does_not_pass(llama, tmp_path: Path, preset: str) 
 
 
 @pytest.mark.parametrize("kind", ["numpy", pytest.param("vulkan", marks=pytest.mark.vulkan)])
-@pytest.mark.parametrize("kv", [t for t in KV_TYPES if t not in ("f16", *KV_OPEN)])
+@pytest.mark.parametrize("kv", [t for t in KV_TYPES if t != "f16"])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_every_kv_cache_type_agrees_with_llamacpp(llama, preset: str, kv: str, kind: str) -> None:  # type: ignore[no-untyped-def]
+def test_every_kv_cache_type_agrees_with_llamacpp(llama, request, preset: str, kv: str, kind: str) -> None:  # type: ignore[no-untyped-def]
     """-ctk/-ctv: each cache type (f16, the default, is in every row above) on one
     weight type, both backends, llama.cpp with the same cache types."""
+    if (preset, kv, kind) in KV_OPEN:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="q4_1 near-tie (KV_OPEN)"))
     _check(llama, preset, "Q8_0", kind, kv)
 
 

@@ -505,3 +505,19 @@ def test_rebind_points_a_recorded_graph_at_new_buffers(env: Env) -> None:
         assert not graph.stale
     finally:
         graph.close()
+
+
+@pytest.mark.parametrize("block", [64, 128, 256])
+def test_hadamard_rotates_each_block_as_numpy(env: Env, block: int) -> None:
+    """hadamard.comp against kvtypes.hadamard, in place, only the live rows."""
+    from trio_llm.model.kvtypes import hadamard
+
+    rng = np.random.default_rng(block)
+    width, ntok = 512, 5
+    x = rng.standard_normal((8, width)).astype(np.float32)
+    xv = env.put(x)
+    st = env.step(list(range(ntok)))
+    env.run([env.ops.hadamard(xv, xv, st, width=width, stride=width, block=block, cap=8)])
+    got = env.get(xv).reshape(8, width)
+    np.testing.assert_allclose(got[:ntok], hadamard(x[:ntok], block), atol=1e-5, rtol=0)
+    assert np.array_equal(got[ntok:], x[ntok:])

@@ -30,7 +30,7 @@ from trio_llm.errors import BackendError, GraphError, InvalidRequest, ModelLoadE
 from trio_llm.graph import Graph, Node, Tensor
 from trio_llm.model.config import ModelConfig
 from trio_llm.model.gguf import GGUFModel, TensorInfo, load_gguf
-from trio_llm.model.kvtypes import DEFAULT_KV_TYPE, kv_type, roundtrip
+from trio_llm.model.kvtypes import DEFAULT_KV_TYPE, hadamard, kv_type, rotation_blocks, roundtrip
 from trio_llm.model.quant import dequantize, tensor_bytes
 from trio_llm.models import build_graph
 
@@ -650,6 +650,11 @@ class NumpyBackend:
         nh, nkv, hd = node.attr("n_head"), node.attr("n_head_kv"), node.attr("head_dim")
         window = node.attr("window")
         n_tok = len(q)
+        kb, vb = rotation_blocks(*self.cache_types, hd)  # llama.cpp's rotation of quantized caches
+        if kb:
+            q, k = hadamard(q, kb), hadamard(k, kb)
+        if vb:
+            v = hadamard(v, vb)
         # llama.cpp's flash attention converts q to the K cache's dot-product type first
         q = roundtrip(q, Q_TYPE_FOR_K[self.cache_types[0]]).reshape(n_tok, nh, hd)  # [N, n_head, hd]
         k = k.reshape(n_tok, nkv, hd)  # [N, n_head_kv, hd]
@@ -667,7 +672,8 @@ class NumpyBackend:
             kp = np.arange(lo, end)  # [T] key positions
             out[a:b] = attend(q[a:b], k_cache[e.seq_id, kp % m.rows], v_cache[e.seq_id, kp % m.rows],
                               e.pos0, window, kp, node.attr("scale"))  # [n, n_head, hd]
-        return out.reshape(n_tok, nh * hd)
+        out = out.reshape(n_tok, nh * hd)
+        return hadamard(out, vb) if vb else out
 
 
 def _moe_op(node: Node, args: list[Any]) -> np.ndarray:

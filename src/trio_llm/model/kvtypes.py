@@ -161,3 +161,32 @@ def _quantize_q8_0_x86(blocks: np.ndarray) -> np.ndarray:
     out[:, :2] = d.view(np.uint8)
     out[:, 2:] = q.view(np.uint8)
     return out
+
+
+def rotation_blocks(k_name: str | KVType, v_name: str | KVType, head_dim: int) -> tuple[int, int]:
+    """llama.cpp's rotation of a quantized cache (llama-kv-cache.cpp ``attn_rot_k`` /
+    ``attn_rot_v``, on since April 2026): with a quantized K and ``head_dim % 64 == 0``, q
+    and k are multiplied by a normalised Walsh-Hadamard matrix in blocks of the largest
+    power of two dividing ``head_dim`` before k is stored; with a quantized V, v is rotated
+    in blocks of 64 before it is stored and the attention output rotated back (the
+    matrix is its own inverse). It spreads outliers over a block before the 4- to 8-bit
+    rounding. Returns the (K, V) block sizes, 0 where there is no rotation."""
+    if head_dim % 64:
+        return 0, 0
+    kb = head_dim & -head_dim if kv_type(k_name).quantized else 0
+    vb = 64 if kv_type(v_name).quantized else 0
+    return kb, vb
+
+
+def hadamard(x: np.ndarray, block: int) -> np.ndarray:
+    """``x`` [..., n] times the normalised Walsh-Hadamard matrix (Sylvester order) of
+    size ``block`` in every block of the last axis, as float32."""
+    shape = x.shape
+    y: np.ndarray = x.astype(np.float32).reshape(-1, block)
+    h = 1
+    while h < block:  # the fast transform: butterflies of distance h
+        y = y.reshape(-1, block // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = np.stack([a + b, a - b], axis=2)
+        h *= 2
+    return (y.reshape(shape) * np.float32(1.0 / np.sqrt(block))).astype(np.float32)

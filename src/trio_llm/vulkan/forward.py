@@ -32,6 +32,7 @@ import numpy as np
 from trio_llm.engine.memory import LayerMemory
 from trio_llm.errors import GraphError
 from trio_llm.graph import OUTPUTS, Graph, Node, Tensor
+from trio_llm.model.kvtypes import rotation_blocks
 from trio_llm.vulkan.graph import Barrier, Copy, Op
 from trio_llm.vulkan.kvcache import KVCache
 from trio_llm.vulkan.memory import Allocator, Buffer, View, whole
@@ -252,6 +253,10 @@ class _Lowering:
         i, m = self.mem[layer]
         return whole(self.kv.k[i]), whole(self.kv.v[i]), m
 
+    def rotation(self, node: Node) -> tuple[int, int]:
+        """llama.cpp's Hadamard blocks (K, V) around this attention's quantized cache."""
+        return rotation_blocks(*self.types(node.layer), node.attr("head_dim"))
+
     def types(self, layer: int) -> tuple[str, str]:
         """The (K, V) cache types of ``layer``."""
         lay = self.kv.layers[self.mem[layer][0]]
@@ -280,7 +285,7 @@ class _Lowering:
                 lin = self.linear_of(node.inputs[0])
                 readers = self._cons.get(node.out.id, [])
                 if len(readers) == 1 and readers[0].op == "attention" and readers[0].inputs[1] is node.out \
-                        and readers[0].inputs[0] is not node.out:
+                        and readers[0].inputs[0] is not node.out and not self.rotation(readers[0])[0]:
                     self._to_cache.add(node.out.id)
                 if (self.decode and pair_rows and node.attr("mode") == "normal" and lin is not None
                         and self.only_reader(lin.out, node) and self.single(lin.inputs[1])):
@@ -289,7 +294,8 @@ class _Lowering:
             elif node.op == "attention":
                 lin = self.linear_of(node.inputs[2])
                 if (self.decode and pair_rows and lin is not None and self.only_reader(lin.out, node)
-                        and self.single(lin.inputs[1]) and lin.inputs[1].shape[0] % 2 == 0):
+                        and self.single(lin.inputs[1]) and lin.inputs[1].shape[0] % 2 == 0
+                        and not self.rotation(node)[1]):
                     self._v_out[node.out.id] = lin
                     self._absorbed.add(lin.out.id)
             elif node.op == "glu" and self.decode and node.attr("act") == "silu":
@@ -481,6 +487,12 @@ class _Lowering:
         kt, vt = self.types(node.layer)
         nh, nkv, hd = node.attr("n_head"), node.attr("n_head_kv"), node.attr("head_dim")
         window = node.attr("window")
+        kb, vb = self.rotation(node)
+        if kb:  # q and k rotated in place before k is stored (they are read by this node only)
+            self._rotate(q, kb)
+            self._rotate(k, kb)
+        if vb and node.out.id not in self._v_out:
+            self._rotate(v, vb)
         if k.id not in self._to_cache:
             self._store(k, kc, ("k", node.layer), m, nkv, hd, kt)
         lin = self._v_out.get(node.out.id)
@@ -510,6 +522,14 @@ class _Lowering:
         else:
             d = self.ops.attention(self.view(q), kc, vc, self.view(node.out), self.st, **common)  # type: ignore[arg-type]
             self.emit([d], reads, [self.slot(node.out)])
+        if vb:  # the output rotated back (the matrix is its own inverse)
+            self._rotate(node.out, vb)
+
+    def _rotate(self, t: Tensor, block: int) -> None:
+        sel, cap = self.rows(t)
+        d = self.ops.hadamard(self.view(t), self.view(t), self.st, width=t.width, stride=t.width, block=block,
+                              cap=cap, count_sel=sel)
+        self.emit([d], [self.slot(t)], [self.slot(t)])
 
     def op_glu(self, node: Node) -> None:
         g, u = node.inputs

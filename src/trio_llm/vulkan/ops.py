@@ -306,6 +306,16 @@ class Ops:
     ) -> Dispatch:
         return self.glu(g, u, y, step, n=n, stride=stride, cap=cap, count_sel=count_sel)
 
+    def hadamard(
+        self, x: View, y: View, step: View, *, width: int, stride: int, block: int, cap: int,
+        count_sel: int = COUNT_TOKENS,
+    ) -> Dispatch:
+        """y = x rotated by the normalised Walsh-Hadamard matrix in blocks of ``block``
+        (a power of two up to 256) along each live row (hadamard.comp)."""
+        assert block & (block - 1) == 0 and 2 <= block <= 256 and width % block == 0
+        k = self.kernels.get("hadamard", n_bindings=3, n_push=4, local_size=256)
+        return Dispatch(k, (x, y, step), (width, stride, block, count_sel), (width // block, cap, 1))
+
     def scale(
         self, x: View, y: View, step: View, *, n: int, stride: int, cap: int, scale: float,
         count_sel: int = COUNT_TOKENS,
