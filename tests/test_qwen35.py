@@ -237,3 +237,33 @@ async def test_a_hybrid_server_sleeps_at_all_and_continues_its_cached_turn(
         assert int(np.argmax(logits[0])) == nxt["tokens"][0]
     finally:
         fresh.close()
+
+
+def test_the_chunked_prefill_form_equals_the_recurrence() -> None:
+    """The delta rule's prefill form (chunks of 64, llama.cpp's) against the token by
+    token recurrence, over 150 tokens (three chunks, the last partial) from a nonzero
+    state, with strong and weak decays."""
+    from trio_llm.engine.reference import _delta_chunk
+
+    rng = np.random.default_rng(4)
+    n, nv, d = 150, 3, 16
+    q = rng.standard_normal((n, nv, d)).astype(np.float32)
+    k = rng.standard_normal((n, nv, d)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(d)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((n, nv, d)).astype(np.float32)
+    g = (-np.abs(rng.standard_normal((n, nv))) * np.array([0.01, 1.0, 8.0])).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((n, nv))))).astype(np.float32)
+    s0 = (0.1 * rng.standard_normal((nv, d, d))).astype(np.float32)
+    s_ref, want = s0.copy(), np.empty_like(v)
+    for t in range(n):
+        s_ref *= np.exp(g[t])[:, None, None]
+        delta = (v[t] - np.einsum("hij,hi->hj", s_ref, k[t])) * beta[t][:, None]
+        s_ref += k[t][:, :, None] * delta[:, None, :]
+        want[t] = np.einsum("hij,hi->hj", s_ref, q[t])
+    s, got = s0.copy(), np.empty_like(v)
+    for c0 in range(0, n, 64):
+        got[c0 : c0 + 64] = _delta_chunk(s, q[c0 : c0 + 64], k[c0 : c0 + 64], v[c0 : c0 + 64], g[c0 : c0 + 64],
+                                         beta[c0 : c0 + 64])
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(s, s_ref, rtol=0, atol=2e-5)

@@ -630,12 +630,19 @@ class NumpyBackend:
         qs = (q.reshape(n, nk, d) * np.float32(1.0 / np.sqrt(d)))[:, kh]  # [N, n_v, d]
         ks = k.reshape(n, nk, d)[:, kh]  # [N, n_v, d]
         vs = v.reshape(n, nv, d)
-        decay = np.exp(np.logaddexp(np.float32(0), alpha + dt) * a).astype(np.float32)  # [N, n_v]
+        glog = (np.logaddexp(np.float32(0), alpha + dt) * a).astype(np.float32)  # [N, n_v] log decays
+        decay = np.exp(glog)  # [N, n_v]
         b_ = sigmoid(beta)  # [N, n_v]
         out = np.empty((n, nv, d), np.float32)
         for i, e in enumerate(step.entries):
             s = state[e.seq_id]  # [n_v, d, d] (a view: updated in place)
-            for t in range(step.bounds[i], step.bounds[i + 1]):
+            a_, b1 = int(step.bounds[i]), int(step.bounds[i + 1])
+            if b1 - a_ > 1:  # prefill: the chunked form, DELTA_CHUNK tokens at a time
+                for c0 in range(a_, b1, DELTA_CHUNK):
+                    c1 = min(b1, c0 + DELTA_CHUNK)
+                    out[c0:c1] = _delta_chunk(s, qs[c0:c1], ks[c0:c1], vs[c0:c1], glog[c0:c1], b_[c0:c1])
+                continue
+            for t in range(a_, b1):  # decode: the recurrence itself
                 s *= decay[t][:, None, None]
                 kv = np.einsum("hij,hi->hj", s, ks[t])  # [n_v, d]
                 delta = (vs[t] - kv) * b_[t][:, None]  # [n_v, d]
@@ -674,6 +681,40 @@ class NumpyBackend:
                               e.pos0, window, kp, node.attr("scale"))  # [n, n_head, hd]
         out = out.reshape(n_tok, nh * hd)
         return hadamard(out, vb) if vb else out
+
+
+#: tokens per chunk of the delta rule's prefill form (llama.cpp's chunk size)
+DELTA_CHUNK = 64
+
+
+def _delta_chunk(s: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+                 beta: np.ndarray) -> np.ndarray:
+    """The gated delta rule over a chunk of C tokens at once, all heads batched (the
+    chunked form llama.cpp's prefill and fla's ``chunk_gated_delta_rule`` use): with G
+    the cumulative log decay, T = (I - A)^-1 for the strictly lower A = -(beta k k^T)
+    exp(G_i - G_j) (solved row by row), the chunk's corrected values are
+    ``T beta v - T beta k exp(G) S``, its outputs the decayed read of the state plus the
+    causal in-chunk attention over them, and the state moves on by the chunk's decay.
+    Equal to the token-by-token recurrence up to rounding (tested). ``s`` [n_v, d, d]
+    is updated in place; q (already scaled), k, v [C, n_v, d], g and beta [C, n_v]."""
+    c = len(q)
+    qh, kh, vh = (np.ascontiguousarray(x.transpose(1, 0, 2), dtype=np.float64) for x in (q, k, v))  # [n_v, C, d]
+    gc = np.cumsum(g.T.astype(np.float64), axis=1)  # [n_v, C]
+    bh = beta.T.astype(np.float64)[:, :, None]  # [n_v, C, 1]
+    low = np.tril(np.ones((c, c), bool))
+    diff = np.where(low, gc[:, :, None] - gc[:, None, :], -np.inf)  # [n_v, C, C], i >= j
+    dm = np.exp(diff)
+    kb = kh * bh
+    a = np.tril(-(kb @ kh.transpose(0, 2, 1)) * dm, -1)  # [n_v, C, C] strictly lower
+    for i in range(1, c):
+        a[:, i, :i] += np.einsum("hj,hjm->hm", a[:, i, :i], a[:, :i, :i])
+    t = a + np.eye(c)
+    s64 = s.astype(np.float64)
+    vnew = t @ (vh * bh) - (t @ (kb * np.exp(gc)[:, :, None])) @ s64  # [n_v, C, d]
+    o = (qh * np.exp(gc)[:, :, None]) @ s64 + ((qh @ kh.transpose(0, 2, 1)) * dm) @ vnew
+    last = gc[:, -1]
+    s[:] = s64 * np.exp(last)[:, None, None] + (kh * np.exp(last[:, None] - gc)[:, :, None]).transpose(0, 2, 1) @ vnew
+    return o.transpose(1, 0, 2).astype(np.float32)  # type: ignore[no-any-return]  # [C, n_v, d]
 
 
 def _moe_op(node: Node, args: list[Any]) -> np.ndarray:
