@@ -349,3 +349,23 @@ def test_kv_of_a_sequence_copied_to_another_continues_it(model_path, kind: str) 
         assert be.read_kv(1, 0).shape[2] == 0
     finally:
         be.close()
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
+def test_gemma3_ring_caches_match_reference(model_path, quant: str) -> None:  # type: ignore[no-untyped-def]
+    """tiny-gemma3 (window 16) with chunks of 8: its sliding-window layers keep rings of
+    24 rows, which 76 positions wrap three times; the global layer keeps them all. The
+    Vulkan backend follows numpy's greedy path and logits."""
+    model = load_gguf(model_path("tiny-gemma3", quant))
+    ref = NumpyBackend(model, n_ctx=N_CTX, n_seq=2, max_chunk=8, **F32_KV)
+    vk = VulkanBackend(model, n_ctx=N_CTX, n_seq=2, max_chunk=8, **F32_KV)
+    try:
+        assert [m.rows for m in ref.layers] == [m.rows for m in vk._mem] == [24] * 5 + [N_CTX]
+        got_first, got = greedy_batched(vk, PROMPTS, N_GREEDY)
+        want_first, want = greedy_batched(ref, PROMPTS, N_GREEDY)
+        scale = float(np.abs(want_first).max())
+        assert float(np.abs(got_first - want_first).max()) <= 1e-4 * scale
+        assert got == want
+    finally:
+        vk.close()
+        ref.close()
