@@ -192,7 +192,7 @@ async def test_slots_reuse_a_whole_cached_sequence_and_recompute_a_cut_one(
 
 @pytest.mark.parametrize("backend", ["numpy", pytest.param("vulkan", marks=pytest.mark.vulkan)])
 async def test_a_hybrid_server_sleeps_at_all_and_continues_its_cached_turn(
-    model_path, nursery: trio.Nursery, backend: str
+    model_path, nursery: trio.Nursery, backend: str, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
     """Through a real server: after ``POST /sleep?level=all`` the same request gives the
     same greedy answer, and the next turn (everything the slot holds, and more) reuses
@@ -211,7 +211,8 @@ async def test_a_hybrid_server_sleeps_at_all_and_continues_its_cached_turn(
             done.set()
 
     config = ServerConfig(model=model_path("tiny-qwen35", "Q8_0"), port=0, backend=backend, ctx_size=256,
-                          parallel=1, shutdown_timeout=2.0, temp=0.0, sleep_idle_seconds=3600)
+                          parallel=1, shutdown_timeout=2.0, temp=0.0, sleep_idle_seconds=3600,
+                          slot_save_path=tmp_path)
     h = await nursery.start(run, config)
     with trio.fail_after(60):
         await h.context.loaded.wait()
@@ -226,6 +227,10 @@ async def test_a_hybrid_server_sleeps_at_all_and_continues_its_cached_turn(
             turn = prompt + first["tokens"] + [40, 41, 42]
             nxt = (await c.post("/completion", json={"prompt": turn, "n_predict": 4})).json()
             assert nxt["timings"]["cache_n"] >= len(prompt) + len(first["tokens"]) - 1
+            # slot files do not carry the recurrent state yet: refused, not half-saved
+            r = await c.post("/slots/0?action=save", json={"filename": "turn.bin"})
+            assert r.status_code == 501 and "recurrent state" in r.json()["error"]["message"]
+            assert not list(tmp_path.iterdir())
     finally:
         h.shutdown()
         with trio.fail_after(10):

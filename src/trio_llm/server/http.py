@@ -485,6 +485,9 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             folder = ctx.config.slot_save_path
             if folder is None:
                 raise ApiError(501, "slot save and restore need --slot-save-path", "not_supported_error")
+            if any(e.model_config.recurrent_layers):
+                raise ApiError(501, "slot save and restore of a gated delta-net model's recurrent state are not "
+                                    "supported yet", "not_supported_error")
             body = await _body()
             name = body.get("filename") if isinstance(body, dict) else None
             if not isinstance(name, str) or not P.valid_filename(name):
