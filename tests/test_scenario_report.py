@@ -179,3 +179,24 @@ def test_a_frozen_streaming_holder_still_counts_as_holding() -> None:
     r.requests = [_req(0, "a", 0.9, 0.98, 3.1), _req(1, "b", 1.05, 3.3, 3.5)]
     handoffs = report.analyse(r).handoffs
     assert [(h.request, h.server, h.from_server) for h in handoffs] == [(0, "a", "b"), (1, "b", "a")]
+
+
+def test_a_hand_off_between_two_polls_still_counts() -> None:
+    """Hand-offs of a few milliseconds (numpy, no post-wake grace): b wakes, answers and
+    stays resident between two polls, so no poll sees b resident nor a cold around a's
+    next request; a's request is still a hand-off (b answered after a's last answer, and
+    no poll saw b cold since). A server polled cold since its answer does not count."""
+    r = Record(scenario={"name": "fast", "length": 1}, expect=Expectations(),
+               servers=[_server("a"), _server("b")], duration_s=1.0)
+    _poll_span(r, "a", "resident", 0.0, 1.0, 40 * MIB)  # every poll of a says resident
+    _poll_span(r, "b", "cold", 0.0, 1.0, MIB)  # every poll of b says cold
+    r.requests = [_req(0, "a", 0.10, 0.12, 0.20), _req(1, "b", 0.30, 0.305, 0.31),
+                  _req(2, "a", 0.315, 0.33, 0.40)]
+    found = [(h.request, h.server, h.from_server) for h in report.analyse(r).handoffs]
+    assert found == [(1, "b", "a"), (2, "a", "b")]
+    # the same run where b is polled cold between its answer and a's request: no holder
+    r2 = attrs.evolve(r)
+    r2.requests = [_req(0, "a", 0.10, 0.12, 0.20), _req(1, "b", 0.30, 0.305, 0.31),
+                   _req(2, "a", 0.50, 0.52, 0.60)]
+    found2 = [(h.request, h.server) for h in report.analyse(r2).handoffs]
+    assert found2 == [(1, "b")]

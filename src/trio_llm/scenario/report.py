@@ -133,6 +133,13 @@ class _States:
         return seen
 
 
+    def sent_between(self, server: str, t0: float, t1: float) -> list[rec.StateRun]:
+        """The runs of the polls sent within [t0, t1]."""
+        sent = self._sent.get(server, [])
+        lo, hi = bisect.bisect_left(sent, t0), bisect.bisect_right(sent, t1)
+        return [self._polls[server][i][2] for i in range(lo, hi)]
+
+
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     if len(ordered) == 1:
@@ -167,7 +174,10 @@ def find_handoffs(record: Record, states: _States) -> list[Handoff]:
     """Requests that arrived at a cold arena server while another held the token:
     polled as resident (or releasing/restoring, which also need the token), or in the
     middle of streaming an answer, which only a resident server can do (this catches
-    a holder frozen before a poll saw it resident)."""
+    a holder frozen before a poll saw it resident), or having answered a request since
+    which no poll saw it cold: a server that answered holds the token until it yields,
+    and a hand-off of a few milliseconds (numpy, no post-wake grace) can wake, answer
+    and stay resident between two polls of the 20 ms interval."""
     arena = {s["name"] for s in record.servers if s.get("arena")}
     holding = ("resident", "releasing", "restoring")
     streaming: dict[str, list[tuple[float, float]]] = {}
@@ -179,7 +189,8 @@ def find_handoffs(record: Record, states: _States) -> list[Handoff]:
         if r.server not in arena:
             continue
         until = r.answered_at
-        if not any(run.state in COLD for run in states.around(r.server, r.sent, until)):
+        if not (any(run.state in COLD for run in states.around(r.server, r.sent, until))
+                or _displaced(r.server, r.sent, arena, streaming)):
             continue
         holder = next(
             (
@@ -189,6 +200,7 @@ def find_handoffs(record: Record, states: _States) -> list[Handoff]:
                     for run in states.around(other, r.sent, until)
                 )
                 or any(lo <= r.sent <= hi for lo, hi in streaming.get(other, []))
+                or _held_since_answer(other, r.sent, streaming, states)
             ),
             None,
         )
@@ -197,6 +209,23 @@ def find_handoffs(record: Record, states: _States) -> list[Handoff]:
         latency = None if r.outcome != "ok" or r.answered_at is None else r.answered_at - r.sent
         found.append(Handoff(r.id, r.server, holder, r.sent, latency))
     return found
+
+
+def _displaced(server: str, t: float, arena: set[str], streaming: dict[str, list[tuple[float, float]]]) -> bool:
+    """Another arena server streamed an answer after ``server``'s last one and before t:
+    only a resident server streams, so ``server`` had yielded the token (a release and a
+    restore can both fall between two polls)."""
+    mine = [hi for _, hi in streaming.get(server, []) if hi <= t]
+    last = max(mine) if mine else float("-inf")
+    return any(last < lo <= t for other in arena - {server} for lo, _ in streaming.get(other, []))
+
+
+def _held_since_answer(server: str, t: float, streaming: dict[str, list[tuple[float, float]]],
+                       states: _States) -> bool:
+    done = [hi for _, hi in streaming.get(server, []) if hi <= t]
+    if not done:
+        return False
+    return not any(run.state in ("cold", "unloaded") for run in states.sent_between(server, max(done), t))
 
 
 def analyse(record: Record) -> Analysis:
