@@ -11,6 +11,7 @@ from __future__ import annotations
 import attrs
 
 from trio_llm.graph import Activation, Graph, RopeMode, Tensor
+from trio_llm.model.config import ModelConfig
 
 
 @attrs.frozen
@@ -31,6 +32,21 @@ class Attn:
     bias: bool = False  # q/k/v biases (qwen2)
     qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (qwen3, gemma3)
     window: int = 0  # sliding window; 0: full causal attention
+
+
+def attention_tensors(cfg: ModelConfig, il: int, *, qk_norm: bool, bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """The tensors ``attention`` reads in layer ``il`` (with the norm before it), with
+    their numpy-order shapes."""
+    b = f"blk.{il}."
+    e, q, kv, hd = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.head_dim
+    shapes = {b + "attn_norm.weight": (e,), b + "attn_q.weight": (q, e), b + "attn_k.weight": (kv, e),
+              b + "attn_v.weight": (kv, e)}
+    if bias:
+        shapes.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
+    if qk_norm:
+        shapes.update({b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)})
+    shapes[b + "attn_output.weight"] = (e, q)
+    return shapes
 
 
 def norm(g: Graph, x: Tensor, weight: str, eps: float, name: str) -> Tensor:

@@ -23,7 +23,7 @@ from trio_llm.errors import UnsupportedModelError
 from trio_llm.graph import Graph
 from trio_llm.model.config import ModelConfig
 from trio_llm.models import Meta
-from trio_llm.models.blocks import Attn, Rope, attention, ffn, head, norm
+from trio_llm.models.blocks import Attn, Rope, attention, attention_tensors, ffn, head, norm
 from trio_llm.models.llama import common_hparams
 
 ARCHS = ("gemma3",)
@@ -59,18 +59,12 @@ def derived(n_layer: int, n_embd: int, n_head: int, head_dim: int, n_swa: int, r
 
 
 def tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    e, q, kv, ff, hd = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.n_ff, cfg.head_dim
+    e, ff = cfg.n_embd, cfg.n_ff
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.n_vocab, e)}
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
+        shapes.update(attention_tensors(cfg, i, qk_norm=True))
         shapes.update({
-            b + "attn_norm.weight": (e,),
-            b + "attn_q.weight": (q, e),
-            b + "attn_k.weight": (kv, e),
-            b + "attn_v.weight": (kv, e),
-            b + "attn_q_norm.weight": (hd,),
-            b + "attn_k_norm.weight": (hd,),
-            b + "attn_output.weight": (e, q),
             b + "post_attention_norm.weight": (e,),
             b + "ffn_norm.weight": (e,),
             b + "ffn_gate.weight": (ff, e),

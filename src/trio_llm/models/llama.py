@@ -14,7 +14,7 @@ from trio_llm.errors import ModelLoadError
 from trio_llm.graph import Graph
 from trio_llm.model.config import ARCH_ROPE, ModelConfig
 from trio_llm.models import Meta
-from trio_llm.models.blocks import Attn, Rope, attention, ffn, head, norm
+from trio_llm.models.blocks import Attn, Rope, attention, attention_tensors, ffn, head, norm
 
 ARCHS = ("llama", "qwen2", "qwen3")
 MIN_BLOCK_TENSORS = 9
@@ -73,22 +73,11 @@ def hparams(meta: Meta, tensors: Mapping[str, Any]) -> ModelConfig:
 
 
 def tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    e, q, kv, ff = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.n_ff
+    e, ff = cfg.n_embd, cfg.n_ff
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.n_vocab, e)}
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
-        shapes[b + "attn_norm.weight"] = (e,)
-        shapes[b + "attn_q.weight"] = (q, e)
-        shapes[b + "attn_k.weight"] = (kv, e)
-        shapes[b + "attn_v.weight"] = (kv, e)
-        if cfg.attn_bias:
-            shapes[b + "attn_q.bias"] = (q,)
-            shapes[b + "attn_k.bias"] = (kv,)
-            shapes[b + "attn_v.bias"] = (kv,)
-        if cfg.qk_norm:
-            shapes[b + "attn_q_norm.weight"] = (cfg.head_dim,)
-            shapes[b + "attn_k_norm.weight"] = (cfg.head_dim,)
-        shapes[b + "attn_output.weight"] = (e, q)
+        shapes.update(attention_tensors(cfg, i, qk_norm=cfg.qk_norm, bias=cfg.attn_bias))
         shapes[b + "ffn_norm.weight"] = (e,)
         shapes[b + "ffn_gate.weight"] = (ff, e)
         shapes[b + "ffn_up.weight"] = (ff, e)

@@ -18,7 +18,16 @@ from trio_llm.errors import ModelLoadError
 from trio_llm.graph import Graph
 from trio_llm.model.config import ModelConfig
 from trio_llm.models import Meta
-from trio_llm.models.blocks import Attn, Moe, Rope, attention, head, moe_ffn, norm
+from trio_llm.models.blocks import (
+    Attn,
+    Moe,
+    Rope,
+    attention,
+    attention_tensors,
+    head,
+    moe_ffn,
+    norm,
+)
 from trio_llm.models.llama import common_hparams
 
 ARCHS = ("qwen3moe",)
@@ -40,19 +49,13 @@ def hparams(meta: Meta, tensors: Mapping[str, Any]) -> ModelConfig:
 
 
 def tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    e, q, kv, hd = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.head_dim
+    e = cfg.n_embd
     ne, ff = cfg.n_expert, cfg.n_ff_exp
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.n_vocab, e)}
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
+        shapes.update(attention_tensors(cfg, i, qk_norm=True))
         shapes.update({
-            b + "attn_norm.weight": (e,),
-            b + "attn_q.weight": (q, e),
-            b + "attn_k.weight": (kv, e),
-            b + "attn_v.weight": (kv, e),
-            b + "attn_q_norm.weight": (hd,),
-            b + "attn_k_norm.weight": (hd,),
-            b + "attn_output.weight": (e, q),
             b + "ffn_norm.weight": (e,),
             b + "ffn_gate_inp.weight": (ne, e),
             b + "ffn_gate_exps.weight": (ne, ff, e),
