@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 import trio
 
-from test_server_slots import collect, make_rig
+from test_server_slots import answer, make_rig
 from trio_llm.engine.backend import Level, SeqBatch
 from trio_llm.engine.memory import LayerMemory, reusable_prefix
 from trio_llm.engine.reference import NumpyBackend
 from trio_llm.errors import BackendError, GraphError
 from trio_llm.graph import Graph
 from trio_llm.model.gguf import load_gguf
-from trio_llm.server.tasks import TaskFinal
 
 PROMPT = np.array([17, 230, 5, 891, 64, 300, 12, 77, 450, 9, 601, 33], np.int32)
 
@@ -162,32 +161,24 @@ def test_vulkan_carries_the_state_as_numpy_does_and_keeps_it_across_release(mode
         ref.close()
 
 
-async def _answer(r, prompt: list[int]) -> TaskFinal:  # type: ignore[no-untyped-def]
-    t, recv = r.task(prompt, n_predict=4, ban_eog=True)
-    await r.queue.post(t)
-    (final,) = await collect(recv)
-    assert isinstance(final, TaskFinal)
-    return final
-
-
 async def test_slots_reuse_a_whole_cached_sequence_and_recompute_a_cut_one(
     model_path, nursery: trio.Nursery
 ) -> None:  # type: ignore[no-untyped-def]
     path = model_path("tiny-qwen35", "Q8_0")
     r = await make_rig(path, nursery, n_seq=1, n_ctx=128)
-    first = await _answer(r, [int(t) for t in PROMPT])
+    first = await answer(r, [int(t) for t in PROMPT])
     # the next turn extends everything the slot holds: its state continues
     turn = [int(t) for t in PROMPT] + list(first.tokens) + [40, 41, 42]
-    got = await _answer(r, turn)
+    got = await answer(r, turn)
     assert got.timings.cache_n > len(PROMPT)
     # a prompt that shares only a prefix cannot cut the state back: recomputed
     cut = [int(t) for t in PROMPT[:6]] + [50, 51]
-    got_cut = await _answer(r, cut)
+    got_cut = await answer(r, cut)
     assert got_cut.timings.cache_n == 0
     fresh = await make_rig(path, nursery, n_seq=1, n_ctx=128)
-    assert (await _answer(fresh, turn)).tokens == got.tokens
+    assert (await answer(fresh, turn)).tokens == got.tokens
     fresh2 = await make_rig(path, nursery, n_seq=1, n_ctx=128)
-    assert (await _answer(fresh2, cut)).tokens == got_cut.tokens
+    assert (await answer(fresh2, cut)).tokens == got_cut.tokens
 
 
 @pytest.mark.parametrize("backend", ["numpy", pytest.param("vulkan", marks=pytest.mark.vulkan)])

@@ -76,6 +76,15 @@ async def collect(recv: trio.MemoryReceiveChannel[TaskResult]) -> list[TaskResul
     return [msg async for msg in recv]
 
 
+async def answer(r: Rig, prompt: list[int], n_predict: int = 4) -> TaskFinal:
+    """One greedy task of ``prompt`` (end-of-generation banned) through the rig, its final."""
+    t, recv = r.task(prompt, n_predict=n_predict, ban_eog=True)
+    await r.queue.post(t)
+    (final,) = await collect(recv)
+    assert isinstance(final, TaskFinal)
+    return final
+
+
 async def test_two_slots_share_every_forward_pass(rig2: Rig, tiny_model: Path) -> None:
     r = rig2
     prompts = [r.tok.encode("one two three"), r.tok.encode("four five six seven")]

@@ -49,6 +49,14 @@ def attention_tensors(cfg: ModelConfig, il: int, *, qk_norm: bool, bias: bool = 
     return shapes
 
 
+def head_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The final norm and the output projection (absent when tied to the embedding)."""
+    shapes: dict[str, tuple[int, ...]] = {"output_norm.weight": (cfg.n_embd,)}
+    if not cfg.tied_embeddings:
+        shapes["output.weight"] = (cfg.n_vocab, cfg.n_embd)
+    return shapes
+
+
 def norm(g: Graph, x: Tensor, weight: str, eps: float, name: str) -> Tensor:
     return g.rms_norm(x, g.weight(weight), eps, name)
 

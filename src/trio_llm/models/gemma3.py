@@ -23,7 +23,16 @@ from trio_llm.errors import UnsupportedModelError
 from trio_llm.graph import Graph
 from trio_llm.model.config import ModelConfig
 from trio_llm.models import Meta
-from trio_llm.models.blocks import Attn, Rope, attention, attention_tensors, ffn, head, norm
+from trio_llm.models.blocks import (
+    Attn,
+    Rope,
+    attention,
+    attention_tensors,
+    ffn,
+    head,
+    head_tensors,
+    norm,
+)
 from trio_llm.models.llama import common_hparams
 
 ARCHS = ("gemma3",)
@@ -72,9 +81,7 @@ def tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             b + "ffn_down.weight": (e, ff),
             b + "post_ffw_norm.weight": (e,),
         })
-    shapes["output_norm.weight"] = (e,)
-    if not cfg.tied_embeddings:
-        shapes["output.weight"] = (cfg.n_vocab, e)
+    shapes.update(head_tensors(cfg))
     return shapes
 
 

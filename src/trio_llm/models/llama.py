@@ -14,7 +14,16 @@ from trio_llm.errors import ModelLoadError
 from trio_llm.graph import Graph
 from trio_llm.model.config import ARCH_ROPE, ModelConfig
 from trio_llm.models import Meta
-from trio_llm.models.blocks import Attn, Rope, attention, attention_tensors, ffn, head, norm
+from trio_llm.models.blocks import (
+    Attn,
+    Rope,
+    attention,
+    attention_tensors,
+    ffn,
+    head,
+    head_tensors,
+    norm,
+)
 
 ARCHS = ("llama", "qwen2", "qwen3")
 MIN_BLOCK_TENSORS = 9
@@ -82,9 +91,7 @@ def tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[b + "ffn_gate.weight"] = (ff, e)
         shapes[b + "ffn_up.weight"] = (ff, e)
         shapes[b + "ffn_down.weight"] = (e, ff)
-    shapes["output_norm.weight"] = (e,)
-    if not cfg.tied_embeddings:
-        shapes["output.weight"] = (cfg.n_vocab, e)
+    shapes.update(head_tensors(cfg))
     return shapes
 
 

@@ -25,7 +25,7 @@ from trio_llm.errors import ModelLoadError, UnsupportedModelError
 from trio_llm.graph import Graph, Tensor
 from trio_llm.model.config import ModelConfig
 from trio_llm.models import Meta
-from trio_llm.models.blocks import ffn, head, norm
+from trio_llm.models.blocks import ffn, head, head_tensors, norm
 from trio_llm.models.llama import common_hparams
 
 ARCHS = ("qwen35",)
@@ -108,9 +108,7 @@ def tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         b = f"blk.{il}."
         shapes.update(layer_tensors(cfg, il))
         shapes.update({b + "ffn_gate.weight": (ff, e), b + "ffn_up.weight": (ff, e), b + "ffn_down.weight": (e, ff)})
-    shapes["output_norm.weight"] = (e,)
-    if not cfg.tied_embeddings:
-        shapes["output.weight"] = (cfg.n_vocab, e)
+    shapes.update(head_tensors(cfg))
     return shapes
 
 

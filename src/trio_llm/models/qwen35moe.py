@@ -14,7 +14,7 @@ from trio_llm.errors import ModelLoadError
 from trio_llm.graph import Graph
 from trio_llm.model.config import ModelConfig
 from trio_llm.models import Meta
-from trio_llm.models.blocks import Moe, moe_ffn
+from trio_llm.models.blocks import Moe, head_tensors, moe_ffn
 from trio_llm.models.llama import common_hparams
 from trio_llm.models.qwen35 import build_layers, layer_tensors, ssm_hparams
 
@@ -55,9 +55,7 @@ def tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             b + "ffn_up_shexp.weight": (sh, e),
             b + "ffn_down_shexp.weight": (e, sh),
         })
-    shapes["output_norm.weight"] = (e,)
-    if not cfg.tied_embeddings:
-        shapes["output.weight"] = (cfg.n_vocab, e)
+    shapes.update(head_tensors(cfg))
     return shapes
 
 

@@ -25,6 +25,7 @@ from trio_llm.models.blocks import (
     attention,
     attention_tensors,
     head,
+    head_tensors,
     moe_ffn,
     norm,
 )
@@ -62,9 +63,7 @@ def tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             b + "ffn_up_exps.weight": (ne, ff, e),
             b + "ffn_down_exps.weight": (ne, e, ff),
         })
-    shapes["output_norm.weight"] = (e,)
-    if not cfg.tied_embeddings:
-        shapes["output.weight"] = (cfg.n_vocab, e)
+    shapes.update(head_tensors(cfg))
     return shapes
 
 
