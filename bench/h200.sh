@@ -8,6 +8,7 @@
 # cpumoe (qwen35-35b-a3b Q4_K_M at --n-cpu-moe 0, 10, 10.5, 20),
 # residency, handoff,
 # server, scen1b, scen8b,
+# e2emoe (qwen35-0.8b, qwen3-30b-a3b, qwen35-35b-a3b through HTTP beside llama-server; NO8B=1 skips the 8b),
 # e2e (bench/e2e.py: trio-llm serve beside llama-server Vulkan and CUDA through HTTP; needs
 #   .lcpp carried too: `bash ../shared/tools/llamacpp/prepare.sh` here first).
 # Unpacks the Vulkan loader (.gl/*.deb) and the Python wheels the image lacks (.whl),
@@ -25,7 +26,7 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 # on the 16 cores), at nice 19 so that our own server, measured meanwhile, keeps its CPU.
 # Its own session (setsid), so that the end of this script can stop it by its group id.
 LCPP=/tmp/lcpp; CUDA_BUILD=0
-case " $STAGES " in *" e2e "*)
+case " $STAGES " in *" e2e "*|*" e2emoe "*)
   if [ -f .lcpp/h200.sh ] && [ -f .lcpp/src.tgz ] && [ "${E2E_CUDA:-1}" = 1 ]; then
     mkdir -p $LCPP; rm -f $LCPP/cuda.done $LCPP/cuda.pid; CUDA_BUILD=1
     setsid bash -c 'echo $$ > /tmp/lcpp/cuda.pid; nice -n 19 bash .lcpp/h200.sh cuda; echo $? > /tmp/lcpp/cuda.done' \
@@ -71,9 +72,8 @@ model() { # preset quant -> path, made once
 
 say "start; stages: $STAGES"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader | tee -a "$OUT/summary.txt"
-# the big model is made in the background while the small ones are measured
-( model $B8 Q4_K_M > /dev/null ) 2> "$RES/make-8b.log" &
-M8=$!
+# the big model is made in the background while the small ones are measured (NO8B=1: not at all)
+if [ "${NO8B:-0}" = 1 ]; then M8=""; else ( model $B8 Q4_K_M > /dev/null ) 2> "$RES/make-8b.log" & M8=$!; fi
 case " $STAGES " in *" decodeg3 "*)
   ( model gemma3-4b Q4_K_M > /dev/null ) 2> "$RES/make-gemma3.log" & MG3=$! ;; esac
 M1=$(model $B1 Q8_0)
@@ -85,7 +85,7 @@ stage() { # name timeout command...
   timeout -k 10 "$limit" "$@" > "$RES/$name.log" 2>&1
   say "stage $name rc=$?"; tail -n 25 "$RES/$name.log" >> "$OUT/summary.txt"; pack
 }
-wait8b() { wait $M8 2>/dev/null; M8B=/tmp/m/$B8-Q4_K_M.gguf; }
+wait8b() { [ -n "$M8" ] && wait $M8 2>/dev/null; M8B=/tmp/m/$B8-Q4_K_M.gguf; }
 
 for s in $STAGES; do case $s in
   verify)  # the model equivalence (Vulkan = numpy within 1e-4) on the float32 scalar matmul;
@@ -191,6 +191,26 @@ for i in range(4):
       --budget-s "$left" --reserve-s 15 --ttft-max 8192 --log-dir "$RES/e2e-logs" ${E2E_ARGS:-} --note "$NOTE"
     stop_build
     for f in $LCPP/cuda-cmake.log $LCPP/cuda-build.log; do [ -f "$f" ] && tail -n 40 "$f" > "$RES/lcpp-$(basename "$f")"; done
+    [ -f $LCPP/cuda.done ] && say "CUDA build rc=$(cat $LCPP/cuda.done)"
+    pack ;;
+  e2emoe)  # the hybrid and MoE models end to end through HTTP beside llama-server CUDA (and Vulkan)
+    [ -f .lcpp/h200.sh ] || { say "e2emoe: no .lcpp/ carried"; continue; }
+    if [ "${SMALL:-0}" = 1 ]; then MS="tiny-qwen35 tiny-qwen3moe"; export GGML_VK_VISIBLE_DEVICES=0
+    else MS=${E2E_MOE:-qwen35-0.8b qwen3-30b-a3b qwen35-35b-a3b}; fi
+    VK=$(bash .lcpp/h200.sh vulkan 2> "$RES/lcpp-vulkan.log" | tail -n 1)
+    LL=(); [ -n "$VK" ] && [ -x "$VK" ] && LL=(--llama-vulkan "$VK")
+    [ $CUDA_BUILD = 1 ] && LL+=(--llama-cuda $LCPP/cuda/bin/llama-server --wait-for $LCPP/cuda.done)
+    MA=()
+    for mp in $MS; do
+      stage "make-$mp" 300 $PY -m trio_llm make-model --preset $mp --quant Q4_K_M -o /tmp/m/$mp-Q4_K_M.gguf -q
+      MA+=(--model /tmp/m/$mp-Q4_K_M.gguf --prompts "${E2E_MOE_P:-512,4096}" --clients 0)
+    done
+    left=$(( ${E2E_END:-565} - $(elapsed) ))
+    if [ $left -lt 60 ]; then say "e2emoe: only $left s left, not started"; stop_build; continue; fi
+    stage e2emoe $((left + 15)) $PY bench/e2e.py --backend vulkan "${MA[@]}" ${LL[@]+"${LL[@]}"} \
+      --budget-s "$left" --reserve-s 15 --ttft-max 512 --log-dir "$RES/e2emoe-logs" ${E2E_ARGS:-} \
+      --note "hybrid and MoE models; trio-llm measured while llama.cpp CUDA built at nice 19"
+    stop_build
     [ -f $LCPP/cuda.done ] && say "CUDA build rc=$(cat $LCPP/cuda.done)"
     pack ;;
 esac; done
