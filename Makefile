@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8080
-APT_PKGS := libvulkan1 mesa-vulkan-drivers glslc
+APT_PKGS := libvulkan1 mesa-vulkan-drivers
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: serve test install install-serve install-test system-deps shaders lint typecheck

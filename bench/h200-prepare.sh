@@ -3,7 +3,7 @@
 # what the H200 image lacks into the git-ignored folders the device call carries:
 #   .gl/  the Vulkan loader and GL dispatch libraries (Debian amd64 packages)
 #   .whl/ the Python wheels of our pure-Python dependencies, for Python 3.12
-# and compiles the shaders (the image has no glslc): carry ".gl", ".whl", "shaders/build".
+# and compiles the shaders (the compiler wheels are installed here, not there): carry ".gl", ".whl", "shaders/build".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.gl/' .git/info/exclude || echo /.gl/ >> .git/info/exclude

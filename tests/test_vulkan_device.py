@@ -1,4 +1,5 @@
-"""Device choice, the shader cache and compile-shaders, on the real driver and glslc."""
+"""Device choice, the shader cache and compile-shaders, on the real driver and the
+wheels' compiler (glslangValidator + spirv-opt)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,18 @@ def test_cache_rebuilds_when_an_include_changes(shader_tree: Path) -> None:
     assert len(list(shaders.cache_dir().glob("matvec-*.spv"))) == 2
     # defines are part of the key too
     assert shaders.cache_key("matvec", shaders.qtype_defines("Q4_K")) != shaders.cache_key("matvec", defines)
+
+
+def test_compiler_is_the_wheels_not_glslc(shader_tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No system compiler is needed: with an empty PATH (no glslc, no glslangValidator
+    anywhere) a plain shader and the cooperative-matrix one still compile, without debug
+    information (-g0: no source file names in the SPIR-V)."""
+    monkeypatch.setenv("PATH", "")
+    code = shaders.spirv("swiglu")
+    assert code[:4] == b"\x03\x02\x23\x07"
+    assert b"swiglu.comp" not in code
+    cm = shaders.spirv("matmul_cm", shaders.coopmat_defines("Q8_0", 32))
+    assert cm[:4] == b"\x03\x02\x23\x07"
 
 
 def test_broken_shader_raises_typed_error(shader_tree: Path) -> None:

