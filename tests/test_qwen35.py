@@ -263,3 +263,26 @@ def test_the_chunked_prefill_form_equals_the_recurrence() -> None:
                                          beta[c0 : c0 + 64])
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
     np.testing.assert_allclose(s, s_ref, rtol=0, atol=2e-5)
+
+
+@pytest.mark.vulkan
+def test_vulkan_prefills_in_chunks_and_continues_from_a_previous_prefill(model) -> None:  # type: ignore[no-untyped-def]
+    """Prefill buckets run the chunked delta rule (decode buckets the recurrence): a
+    prompt of 130 tokens, then 71 more continuing its state (neither a multiple of the
+    chunk, the second starting mid-chunk), then a decode step, equal numpy's logits."""
+    from trio_llm.vulkan.backend import VulkanBackend
+
+    rng = np.random.default_rng(7)
+    toks = rng.integers(0, model.config.n_vocab, 202).astype(np.int32)
+    ref = NumpyBackend(model, n_ctx=256, n_seq=1)
+    vk = VulkanBackend(model, n_ctx=256, n_seq=1)
+    try:
+        kernels = {d.kernel.name for d in vk.lowered(256) if hasattr(d, "kernel")}
+        assert {"delta_prep", "delta_chunk"} <= kernels and "delta_net" not in kernels
+        assert "delta_net" in {d.kernel.name for d in vk.lowered(1) if hasattr(d, "kernel")}
+        for piece in (SeqBatch(0, toks[:130], 0), SeqBatch(0, toks[130:201], 130), SeqBatch(0, toks[201:], 201)):
+            want, got = ref.forward([piece]), vk.forward([piece])
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * float(np.abs(want).max()))
+    finally:
+        vk.close()
+        ref.close()

@@ -154,3 +154,65 @@ def test_l2_norm_take_rope_partial_and_the_gates(env: Env) -> None:
     y4 = env.zeros(x.size)
     env.run([env.ops.gate_rows(env.put(x), env.put(h), env.put(w), y4, st, n=x.shape[1], n_in=48, cap=8)])
     np.testing.assert_allclose(env.get(y4).reshape(x.shape), x * sigmoid(h @ w)[:, None], rtol=1e-5, atol=1e-6)
+
+
+#: a prefill step for the chunked form: sequence 2 continues at position 5 for 150
+#: tokens (chunks 5-63, 64-127, 128-154: none a multiple of the chunk), sequence 0
+#: starts afresh with 70, sequence 3 continues with one token; sequence 1 is left alone
+LONG_RUNS = [(2, 5, 150), (0, 0, 70), (3, 40, 1)]
+
+
+@pytest.mark.parametrize(("n_k", "n_v", "d"), [(2, 4, 64), (1, 1, 128), (1, 2, 24)])
+def test_the_chunked_delta_rule_equals_numpy_across_chunks_and_runs(env: Env, n_k: int, n_v: int, d: int) -> None:
+    """delta_prep + delta_chunk (the prefill form) against the numpy reference over runs
+    whose lengths and starts are not multiples of the chunk, from a nonzero state; the
+    state ends in the layout the decode kernel reads (checked by decoding on from it)."""
+    rng = np.random.default_rng(d + n_v)
+    n_seq = 4
+    entries = [SeqBatch(s, np.zeros(n, np.int32), p) for s, p, n in LONG_RUNS]
+    seqs = [s for s, _, n in LONG_RUNS for _ in range(n)]
+    pos = [p + i for _, p, n in LONG_RUNS for i in range(n)]
+    n = len(seqs)
+    step = Step(entries=entries, tokens=np.zeros(n, np.int64), pos=np.array(pos),
+                bounds=np.cumsum([0] + [m for _, _, m in LONG_RUNS]), out_rows=np.zeros(0, np.int64))
+
+    def unit(shape: tuple[int, ...]) -> np.ndarray:
+        z = rng.standard_normal(shape).astype(np.float32)
+        return (z / np.linalg.norm(z, axis=-1, keepdims=True)).reshape(shape[0], -1)
+
+    q, k = unit((n, n_k, d)), unit((n, n_k, d))
+    v = rng.standard_normal((n, n_v * d)).astype(np.float32)
+    alpha = rng.standard_normal((n, n_v)).astype(np.float32)
+    beta = rng.standard_normal((n, n_v)).astype(np.float32)
+    dt = rng.standard_normal(n_v).astype(np.float32)
+    a = -np.exp(rng.standard_normal(n_v)).astype(np.float32)
+    state = (0.1 * rng.standard_normal((n_seq, n_v, d, d))).astype(np.float32)  # [seq, h, i, j]
+    g = Graph(shapes={"eq": (8, n_k * d), "ev": (8, n_v * d), "eg": (8, n_v), "dt": (n_v,), "a": (n_v,)})
+    g.layer(0)
+    tq, tv, tg = (g.get_rows(g.weight(w), g.tokens(), name=w) for w in ("eq", "ev", "eg"))
+    out = g.delta_net(tq, tq, tv, tg, tg, g.weight("dt"), g.weight("a"), "dn", n_k_heads=n_k, n_v_heads=n_v,
+                      head_dim=d)
+    ref_state = state.copy()
+    ref_state[0] = 0.0  # sequence 0 starts at position 0
+    fake = types.SimpleNamespace(_rs={out.id: ref_state})
+    want = NumpyBackend._delta_net(fake, g.nodes[-1], q, k, v, alpha, beta, dt, a, step=step)  # type: ignore[arg-type]
+    views = [env.put(t) for t in (q, k, v, alpha, beta, dt, a)]
+    vq, vk, vv, va, vb, vdt, vad = views
+    tm, pm, gc = env.zeros(n * n_v * 64), env.zeros(n * n_v * 64), env.zeros(n * n_v)
+    o, sv = env.zeros(n * n_v * d), env.put(np.ascontiguousarray(state.transpose(0, 1, 3, 2)))
+    st = env.step([0] * n, pos, seqs)
+    env.run([env.ops.delta_prep(vq, vk, va, vb, vdt, vad, tm, pm, gc, st, n_k=n_k, n_v=n_v, d=d, cap=256)])
+    env.run([env.ops.delta_chunk(vq, vk, vv, vb, tm, pm, gc, o, sv, st, n_k=n_k, n_v=n_v, d=d, cap=256)])
+    np.testing.assert_allclose(env.get(o).reshape(n, -1), want, rtol=1e-4, atol=2e-4)
+    got_state = env.get(sv).reshape(n_seq, n_v, d, d).transpose(0, 1, 3, 2)
+    np.testing.assert_allclose(got_state, ref_state, rtol=1e-4, atol=2e-4)
+    np.testing.assert_array_equal(got_state[1], state[1])  # sequence 1 untouched
+    # the decode kernel continues sequence 2 from the state the chunked form left
+    one = [env.put(t[:1]) for t in (q, k, v, alpha, beta)]
+    o1, st1 = env.zeros(n_v * d), env.step([0], [155], [2])
+    env.run([env.ops.delta_net(*one, vdt, vad, o1, sv, st1, n_k=n_k, n_v=n_v, d=d, cap=1)])
+    step1 = Step(entries=[SeqBatch(2, np.zeros(1, np.int32), 155)], tokens=np.zeros(1, np.int64),
+                 pos=np.array([155]), bounds=np.array([0, 1]), out_rows=np.zeros(0, np.int64))
+    want1 = NumpyBackend._delta_net(fake, g.nodes[-1], q[:1], k[:1], v[:1], alpha[:1], beta[:1], dt, a,  # type: ignore[arg-type]
+                                    step=step1)
+    np.testing.assert_allclose(env.get(o1).reshape(1, -1), want1, rtol=1e-4, atol=2e-4)

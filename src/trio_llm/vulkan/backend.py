@@ -52,7 +52,7 @@ from trio_llm.vulkan.ops import (
     decode_splits,
     fill_step,
 )
-from trio_llm.vulkan.recurrent import RecurrentState, state_bytes
+from trio_llm.vulkan.recurrent import RecurrentState, chunk_scratch, state_bytes
 from trio_llm.vulkan.shaders import STEP_CAP
 from trio_llm.vulkan.weights import WeightStore
 
@@ -160,6 +160,7 @@ class VulkanBackend:
                 f"buffer range ({limit >> 20} MiB): use fewer slots"
             )
         self._mem = plan_memory(self._ir, n_ctx=self.n_ctx, chunk=self._cap)
+        self._rs.work_sizes = chunk_scratch(self._ir, self._cap)  # the delta rule's chunked prefill
         kt, vt = self.cache_types
         for what, t in (("K", kt), ("V", vt)):
             block = kv_type(t).block

@@ -616,10 +616,28 @@ class _Lowering:
         q, k, v, alpha, beta, dt, a = node.inputs
         state, key = self._state(node)
         vq, vk, vv, va, vb, vdt, vad = (self.view(t) for t in (q, k, v, alpha, beta, dt, a))
+        if not self.decode and self.rs is not None and self.rs.work:
+            self._delta_chunked(node)
+            return
         d = self.ops.delta_net(vq, vk, vv, va, vb, vdt, vad, self.view(node.out), state, self.st,
                                n_k=node.attr("n_k_heads"), n_v=node.attr("n_v_heads"), d=node.attr("head_dim"),
                                cap=self.bucket)
         self.emit([d], [self.slot(t) for t in (q, k, v, alpha, beta)] + [key], [self.slot(node.out), key])
+
+    def _delta_chunked(self, node: Node) -> None:
+        """Prefill buckets: the chunked form (``vulkan/recurrent.py``), its scratch
+        shared by every layer."""
+        assert self.rs is not None
+        q, k, v, alpha, beta, dt, a = node.inputs
+        state, key = self._state(node)
+        vq, vk, vv, va, vb, vdt, vad = (self.view(t) for t in (q, k, v, alpha, beta, dt, a))
+        tm, pm, gc = (self.rs.work_view(n) for n in ("T", "P", "G"))
+        shape = dict(n_k=node.attr("n_k_heads"), n_v=node.attr("n_v_heads"), d=node.attr("head_dim"), cap=self.bucket)
+        work = [("rs_work", n) for n in ("T", "P", "G")]
+        self.emit([self.ops.delta_prep(vq, vk, va, vb, vdt, vad, tm, pm, gc, self.st, **shape)],
+                  [self.slot(t) for t in (q, k, alpha, beta)], work)
+        self.emit([self.ops.delta_chunk(vq, vk, vv, vb, tm, pm, gc, self.view(node.out), state, self.st, **shape)],
+                  [self.slot(t) for t in (q, k, v, beta)] + work + [key], [self.slot(node.out), key])
 
     @property
     def st(self) -> View:

@@ -423,3 +423,37 @@ class Ops:
         """The gated delta rule over each sequence's run of tokens (``Graph.delta_net``)."""
         kern = self.kernels.get("delta_net", n_bindings=10, n_push=2, local_size=d)
         return Dispatch(kern, (q, k, v, alpha, beta, dt, a, o, state, step), (n_k, n_v), (n_v, cap, 1))
+
+    def delta_prep(
+        self, q: View, k: View, alpha: View, beta: View, dt: View, a: View, tm: View, pm: View, gc: View,
+        step: View, *, n_k: int, n_v: int, d: int, cap: int,
+    ) -> Dispatch:
+        """The chunked prefill form's state-free part, every chunk at once: the chunks'
+        cumulative log decays, their triangular solves and in-chunk attention
+        (``delta_prep.comp``; ``tm``/``pm`` [cap, n_v, DELTA_CHUNK], ``gc`` [cap, n_v])."""
+        kern = self.kernels.get("delta_prep", n_bindings=10, n_push=3, local_size=DELTA_CHUNK)
+        return Dispatch(kern, (q, k, alpha, beta, dt, a, tm, pm, gc, step), (n_k, n_v, d), (n_v, cap, 1))
+
+    def delta_chunk(
+        self, q: View, k: View, v: View, beta: View, tm: View, pm: View, gc: View, o: View, state: View,
+        step: View, *, n_k: int, n_v: int, d: int, cap: int,
+    ) -> Dispatch:
+        """The chunked prefill form's walk over each run's chunks with the state
+        (``delta_chunk.comp``): a work group per (v head, ``cols`` state columns, run)."""
+        cols = delta_cols(d)
+        kern = self.kernels.get("delta_chunk", n_bindings=10, n_push=2, local_size=DELTA_LANES,
+                                spec={1: d, 2: cols})
+        return Dispatch(kern, (q, k, v, beta, tm, pm, gc, o, state, step), (n_k, n_v),
+                        (n_v * (d // cols), cap, 1))
+
+
+#: tokens per chunk of the delta rule's prefill form (``DC`` in delta_prep/delta_chunk.comp)
+DELTA_CHUNK = 64
+#: lanes of a delta_chunk work group
+DELTA_LANES = 128
+
+
+def delta_cols(d: int) -> int:
+    """State columns per delta_chunk work group: 16 (a head of 128 is 8 work groups),
+    fewer for heads that 16 does not divide."""
+    return math.gcd(d, 16)

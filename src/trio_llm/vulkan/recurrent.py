@@ -7,6 +7,11 @@ start a sequence from zeros whenever its run begins at position 0, so a fresh or
 restored-from-nothing buffer needs no clearing. Release at level ``all`` copies the
 buffers to the host and back, as ``KVCache`` does; ``unload`` drops them (the server
 then recomputes from position 0, which the kernels see).
+
+Prefill runs the delta rule in chunks (``delta_prep.comp``, ``delta_chunk.comp``): the
+per-chunk matrices they pass between them are compute scratch owned here too
+(``chunk_scratch``), shared by every layer (one layer's chunk form finishes before the
+next one's starts), freed at ``all`` and made again on restore, never copied.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import attrs
 
 from trio_llm.graph import Graph
 from trio_llm.vulkan.memory import Allocator, Buffer, CopyJob, View, whole
+from trio_llm.vulkan.ops import DELTA_CHUNK
 
 
 def state_bytes(graph: Graph, n_seq: int) -> dict[int, int]:
@@ -30,34 +36,58 @@ def state_bytes(graph: Graph, n_seq: int) -> dict[int, int]:
     return out
 
 
+def chunk_scratch(graph: Graph, cap: int) -> dict[str, int]:
+    """Bytes of the chunked prefill form's scratch for steps of up to ``cap`` tokens:
+    per (token, v head) a row of the chunk's triangular solve ("T") and in-chunk
+    attention ("P"), and the cumulative log decay ("G"); sized for the most v heads."""
+    n_v = max((n.attr("n_v_heads") for ns in graph.recurrent_layers().values() for n in ns
+               if n.op == "delta_net"), default=0)
+    if not n_v:
+        return {}
+    return {"T": 4 * cap * n_v * DELTA_CHUNK, "P": 4 * cap * n_v * DELTA_CHUNK, "G": 4 * cap * n_v}
+
+
 @attrs.define(eq=False)
 class RecurrentState:
     alloc: Allocator
     sizes: dict[int, int]  # node id -> bytes
+    work_sizes: dict[str, int] = attrs.field(factory=dict)  # chunked prefill scratch, name -> bytes
     bufs: dict[int, Buffer] = attrs.field(factory=dict)
+    work: dict[str, Buffer] = attrs.field(factory=dict)
     host: dict[int, Buffer] = attrs.field(factory=dict)
     saved: bool = False
 
     def view(self, node_id: int) -> View:
         return whole(self.bufs[node_id])
 
+    def work_view(self, name: str) -> View:
+        return whole(self.work[name])
+
     def roles(self) -> dict[tuple[str, object], Buffer]:
-        return {("rs", i): b for i, b in self.bufs.items()}
+        out: dict[tuple[str, object], Buffer] = {("rs", i): b for i, b in self.bufs.items()}
+        out.update({("rs_work", n): b for n, b in self.work.items()})
+        return out
 
     def allocate(self) -> None:
-        if self.bufs or not self.sizes:
-            return
         try:
-            for i, n in self.sizes.items():
-                self.bufs[i] = self.alloc.create(n, "kv_cache", "device")
+            if not self.bufs:
+                for i, n in self.sizes.items():
+                    self.bufs[i] = self.alloc.create(n, "kv_cache", "device")
+            self._allocate_work()
         except BaseException:
             self.free_device()
             raise
 
+    def _allocate_work(self) -> None:
+        if not self.work:
+            for name, n in self.work_sizes.items():
+                self.work[name] = self.alloc.create(n, "compute", "device")
+
     def free_device(self) -> None:
-        for b in self.bufs.values():
+        for b in [*self.bufs.values(), *self.work.values()]:
             self.alloc.free(b)
         self.bufs = {}
+        self.work = {}
 
     def free_host(self) -> None:
         for b in self.host.values():
@@ -89,6 +119,7 @@ class RecurrentState:
             self.allocate()
             return []
         self.free_device()
+        self._allocate_work()
         jobs = []
         for i, src in self.host.items():
             def put(buf: Buffer, i: int = i) -> None:

@@ -48,7 +48,8 @@ GATE_UP = {"GATE_UP": 1}
 #: per cache type, see all_variants)
 PLAIN_SHADERS = ("rms_norm", "rope", "attention", "attn_decode", "swiglu", "add", "scale", "hadamard", "argmax",
                  "transpose",
-                 "moe_topk", "moe_combine", "take", "l2_norm", "gate_rows", "rope_partial", "delta_net")
+                 "moe_topk", "moe_combine", "take", "l2_norm", "gate_rows", "rope_partial", "delta_net",
+                 "delta_prep", "delta_chunk")
 #: KV cache type codes (model/kvtypes.py KVType.code) the cache readers and writers take
 KV_CODES = range(8)
 
