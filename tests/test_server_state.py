@@ -365,7 +365,7 @@ def test_a_slot_file_is_checked_against_the_model(tmp_path: Path) -> None:
     kv = np.random.default_rng(0).standard_normal((cfg.n_layer, 2, 5, cfg.n_head_kv * cfg.head_dim)).astype(np.float32)
     path = tmp_path / "s.bin"
     assert slot_file.save(path, cfg, [1, 2, 3, 4, 5], kv) == path.stat().st_size
-    tokens, back = slot_file.load(path, cfg, n_ctx=16)
+    tokens, back, _ = slot_file.load(path, cfg, n_ctx=16)
     assert tokens == [1, 2, 3, 4, 5] and np.array_equal(back, kv)
     with pytest.raises(InvalidRequest, match="another model"):
         slot_file.load(path, other, n_ctx=16)

@@ -100,10 +100,11 @@ class Backend(Protocol):
         """Device bytes held now, by category (keys: MEMORY_CATEGORIES)."""
         ...
 
-    def reusable_prefix(self, n_cached: int, n_common: int) -> int:
+    def reusable_prefix(self, n_cached: int, n_common: int, checkpoints: Sequence[int] = ()) -> int:
         """How much of a sequence caching ``n_cached`` positions a pass may continue
         from, given ``n_common`` tokens in common with the new prompt: every layer's
-        memory kind must allow it (``engine/memory.py``); 0 means start over."""
+        memory kind must allow it (``engine/memory.py``; ``checkpoints``: positions whose
+        recurrent state the caller holds and writes back first); 0 means start over."""
         ...
 
     def device_info(self) -> dict[str, object]:
@@ -127,6 +128,18 @@ class Backend(Protocol):
     def write_kv(self, seq_id: int, kv: np.ndarray) -> None:
         """Overwrite positions 0..n-1 of sequence ``seq_id`` with ``kv`` (``read_kv``'s
         shape). Only while resident."""
+        ...
+
+    def read_state(self, seq_id: int) -> np.ndarray:
+        """Sequence ``seq_id``'s recurrent state (gated delta-net layers) as one float32
+        vector in ``engine.memory.state_layout``'s order, a copy; empty for a model
+        without recurrent layers. Only while resident."""
+        ...
+
+    def write_state(self, seq_id: int, state: np.ndarray, n_pos: int) -> None:
+        """Overwrite sequence ``seq_id``'s recurrent state with ``read_state``'s vector,
+        taken after ``n_pos`` positions (the next pass continues at ``n_pos``). Only
+        while resident."""
         ...
 
     def close(self) -> None:

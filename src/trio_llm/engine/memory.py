@@ -13,7 +13,13 @@ Kinds today (both backends lay their buffers out from this plan):
 - ``recurrent``: a gated delta-net layer's state (qwen35): per sequence, the short
   convolution's last inputs and the delta rule's matrix, the same size at any length.
   It holds the sequence at exactly the positions it has absorbed and cannot be cut back:
-  a cached sequence continues only from all of itself (``plan_recurrent``).
+  a cached sequence continues only from all of itself (``plan_recurrent``), or from a
+  checkpoint: a copy of the state taken at a position during prefill (llama-server's
+  context checkpoints), which ``reusable_prefix`` is told about.
+
+One sequence's recurrent state moves between backend, slot files and checkpoints as
+one float32 vector in ``state_layout``'s order and shapes (numpy's layout; a backend
+that keeps another converts on the way).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import attrs
+import numpy as np
 
 from trio_llm.graph import Graph
 
@@ -71,8 +78,35 @@ def plan_recurrent(graph: Graph) -> list[LayerMemory]:
     return [LayerMemory(il, "recurrent", 0, 0, 0) for il in sorted(graph.recurrent_layers())]
 
 
-def reusable_prefix(layers: Sequence[LayerMemory], n_cached: int, n_common: int) -> int:
+def reusable_prefix(layers: Sequence[LayerMemory], n_cached: int, n_common: int,
+                    checkpoints: Sequence[int] = ()) -> int:
     """The longest prefix (at most ``n_common``) of a cached sequence of ``n_cached``
-    positions that every layer can continue from; 0 when some layer cannot."""
+    positions that every layer can continue from; 0 when some layer cannot.
+    ``checkpoints``: positions at which a recurrent state was copied (the caller puts
+    the copy back before continuing there when the answer is one of them and not
+    ``n_cached``); the other layers must still allow the cut."""
     n = min(n_common, n_cached)
-    return n if all(m.reusable(n_cached, n) for m in layers) else 0
+    for cut in [n, *sorted((c for c in checkpoints if 0 < c < n), reverse=True)]:
+        if all(m.reusable(n_cached, cut) or (m.kind == "recurrent" and cut in checkpoints) for m in layers):
+            return cut
+    return 0
+
+
+def state_layout(graph: Graph) -> list[tuple[int, tuple[int, ...]]]:
+    """(node id, shape) of one sequence's recurrent state, node by node in graph order:
+    a conv's last inputs ``[d_conv - 1, C]``, a delta rule's matrices ``[n_v, d (key),
+    d (value)]``. Empty for a model without recurrent layers."""
+    out: list[tuple[int, tuple[int, ...]]] = []
+    for nodes in graph.recurrent_layers().values():
+        for n in nodes:
+            if n.op == "ssm_conv":
+                out.append((n.out.id, (n.attr("d_conv") - 1, n.out.width)))
+            else:
+                d = n.attr("head_dim")
+                out.append((n.out.id, (n.attr("n_v_heads"), d, d)))
+    return out
+
+
+def state_floats(graph: Graph) -> int:
+    """Length of one sequence's state vector (``state_layout``)."""
+    return sum(int(np.prod(shape)) for _, shape in state_layout(graph))

@@ -25,7 +25,13 @@ import attrs
 import numpy as np
 
 from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch, check_batch
-from trio_llm.engine.memory import LayerMemory, plan_memory, plan_recurrent, reusable_prefix
+from trio_llm.engine.memory import (
+    LayerMemory,
+    plan_memory,
+    plan_recurrent,
+    reusable_prefix,
+    state_layout,
+)
 from trio_llm.errors import BackendError, GraphError, InvalidRequest, ModelLoadError
 from trio_llm.graph import Graph, Node, Tensor
 from trio_llm.model.config import ModelConfig
@@ -381,8 +387,8 @@ class NumpyBackend:
         kt, vt = (kv_type(t) for t in self.cache_types)
         return sum(kt.row_bytes(m.kv_dim) + vt.row_bytes(m.kv_dim) for m in self.layers)
 
-    def reusable_prefix(self, n_cached: int, n_common: int) -> int:
-        return reusable_prefix(self.layers + self.recurrent, n_cached, n_common)
+    def reusable_prefix(self, n_cached: int, n_common: int, checkpoints: Sequence[int] = ()) -> int:
+        return reusable_prefix(self.layers + self.recurrent, n_cached, n_common, checkpoints)
 
     def release(self, level: Level) -> None:
         self._check_open()
@@ -431,7 +437,6 @@ class NumpyBackend:
         """Positions a layer's cache no longer holds (a sliding window's past) read as 0."""
         if self._kv is None:
             raise BackendError("read_kv while released; restore first")
-        self._no_recurrent_slots()
         out = np.zeros((self.config.n_layer, 2, n, self.config.kv_dim), np.float32)  # [L, 2, n, kv_dim]
         for m, (k, v) in zip(self.layers, self._kv, strict=True):
             pos = np.arange(max(0, n - m.rows), n)
@@ -442,7 +447,6 @@ class NumpyBackend:
     def write_kv(self, seq_id: int, kv: np.ndarray) -> None:
         if self._kv is None:
             raise BackendError("write_kv while released; restore first")
-        self._no_recurrent_slots()
         n = kv.shape[2]
         for m, (k, v) in zip(self.layers, self._kv, strict=True):
             pos = np.arange(max(0, n - m.rows), n)
@@ -451,10 +455,25 @@ class NumpyBackend:
 
     # -- internals -----------------------------------------------------------------
 
-    def _no_recurrent_slots(self) -> None:
-        if self.recurrent:
-            raise BackendError("slot save/restore of a gated delta-net model (its recurrent state) is not "
-                               "supported yet")
+    def read_state(self, seq_id: int) -> np.ndarray:
+        if self._rs is None:
+            raise BackendError("read_state while released; restore first")
+        parts = [self._rs[i][seq_id].reshape(-1) for i, _ in state_layout(self.graph)]
+        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+    def write_state(self, seq_id: int, state: np.ndarray, n_pos: int) -> None:
+        if self._rs is None:
+            raise BackendError("write_state while released; restore first")
+        layout = state_layout(self.graph)
+        total = sum(int(np.prod(shape)) for _, shape in layout)
+        if state.size != total:
+            raise BackendError(f"a recurrent state of {state.size} values; this model's has {total}")
+        at = 0
+        for i, shape in layout:
+            n = int(np.prod(shape))
+            self._rs[i][seq_id] = state[at : at + n].reshape(shape)
+            at += n
+        self._rs_pos[seq_id] = n_pos
 
     def _new_rs(self) -> dict[int, np.ndarray]:
         """Zero recurrent state for every sequence (a fresh one also forgets positions)."""

@@ -485,9 +485,6 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             folder = ctx.config.slot_save_path
             if folder is None:
                 raise ApiError(501, "slot save and restore need --slot-save-path", "not_supported_error")
-            if any(e.model_config.recurrent_layers):
-                raise ApiError(501, "slot save and restore of a gated delta-net model's recurrent state are not "
-                                    "supported yet", "not_supported_error")
             body = await _body()
             name = body.get("filename") if isinstance(body, dict) else None
             if not isinstance(name, str) or not P.valid_filename(name):
@@ -496,8 +493,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             action = SlotAction(kind, path, name)  # type: ignore[arg-type]
             if kind == "restore":
                 # the file is read and checked here, off the slots loop (see SlotAction)
-                tokens, kv = await trio.to_thread.run_sync(slot_file.load, path, e.model_config, e.n_ctx)
-                action = SlotAction("restore", path, name, tuple(tokens), kv)
+                tokens, kv, state = await trio.to_thread.run_sync(slot_file.load, path, e.model_config, e.n_ctx)
+                action = SlotAction("restore", path, name, tuple(tokens), kv, state)
         params = TaskParams(n_predict=0, id_slot=id_slot, cache_prompt=False)
         async with aclosing(run_tasks(e, [((), params)], action=action, open_requests=open_requests)) as results:
             async for _, msg in results:
@@ -510,7 +507,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
                     if action.kind != "save":
                         return _json(msg.body)
                     assert action.path is not None and msg.kv is not None
-                    n = await trio.to_thread.run_sync(slot_file.save, action.path, e.model_config, msg.tokens, msg.kv)
+                    n = await trio.to_thread.run_sync(slot_file.save, action.path, e.model_config, msg.tokens, msg.kv,
+                                                      msg.state)
                     ms = 1e3 * (trio.current_time() - t0)
                     return _json(msg.body | {"n_written": n, "timings": {"save_ms": ms}})
         raise ApiError(503, "the server is shutting down", "unavailable_error")

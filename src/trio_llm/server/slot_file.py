@@ -4,7 +4,10 @@ off), with the model's shape beside them so that a restore into another model is
 refused instead of computing garbage.
 
 Arrays: ``tokens`` int32 [n]; ``kv`` float32 [n_layer, 2 (K, V), n, kv_dim];
-``meta`` the UTF-8 JSON of ``{"format": 1, "model": {...}}``.
+``meta`` the UTF-8 JSON of ``{"format": 1, "model": {...}}``; for a model with
+recurrent layers (gated delta-net) also ``state`` float32 [n_state], the sequence's conv
+and delta-rule state after its n tokens (``engine.memory.state_layout``), and the
+model's shape names those layers, so that only the same kind of model restores it.
 
 The folder (``--slot-save-path``) may be writable by others, so nothing in it is
 trusted:
@@ -45,6 +48,7 @@ from trio_llm.model.config import ModelConfig
 
 FORMAT = 1
 MEMBERS = ("tokens.npy", "kv.npy", "meta.npy")
+STATE = "state.npy"  # the fourth member of a hybrid model's file
 #: room for the .npy headers and the meta JSON beyond the arrays themselves
 OVERHEAD = 64 * 1024
 #: errors that say the request named an unusable file, not that the server failed
@@ -53,14 +57,19 @@ _CLIENT_ERRNOS = {errno.ENAMETOOLONG, errno.EISDIR, errno.ENOTDIR, errno.ELOOP, 
 
 def model_shape(cfg: ModelConfig) -> dict[str, Any]:
     """What must match for a saved cache to mean the same in another process."""
-    return {"arch": cfg.arch, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head_kv": cfg.n_head_kv,
-            "head_dim": cfg.head_dim, "n_vocab": cfg.n_vocab}
+    shape: dict[str, Any] = {"arch": cfg.arch, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
+                             "n_head_kv": cfg.n_head_kv, "head_dim": cfg.head_dim, "n_vocab": cfg.n_vocab}
+    if any(cfg.recurrent_layers):
+        shape["recurrent"] = {"layers": [il for il, r in enumerate(cfg.recurrent_layers) if r],
+                              "d_conv": cfg.ssm_d_conv, "n_k_heads": cfg.ssm_n_k_heads,
+                              "n_v_heads": cfg.ssm_n_v_heads, "head_dim": cfg.ssm_head_dim}
+    return shape
 
 
-def max_bytes(cfg: ModelConfig, n_ctx: int) -> int:
+def max_bytes(cfg: ModelConfig, n_ctx: int, n_state: int = 0) -> int:
     """The largest slot file a slot of ``n_ctx`` positions can have."""
     kv = cfg.n_layer * 2 * n_ctx * cfg.n_head_kv * cfg.head_dim * 4
-    return kv + 4 * n_ctx + 3 * OVERHEAD
+    return kv + 4 * n_ctx + 4 * n_state + 4 * OVERHEAD
 
 
 def _write_error(name: str, exc: OSError) -> TrioLLMError:
@@ -70,8 +79,11 @@ def _write_error(name: str, exc: OSError) -> TrioLLMError:
     return TrioLLMError(f"cannot write the slot file {name}: {why}")
 
 
-def save(path: Path, cfg: ModelConfig, tokens: Sequence[int], kv: np.ndarray) -> int:
-    """Write the file (atomically: a temporary file renamed); returns its size."""
+def save(path: Path, cfg: ModelConfig, tokens: Sequence[int], kv: np.ndarray,
+         state: np.ndarray | None = None) -> int:
+    """Write the file (atomically: a temporary file renamed); returns its size.
+    ``state``: the recurrent state, for a model with recurrent layers."""
+    extra = {} if state is None or not any(cfg.recurrent_layers) else {"state": state.astype(np.float32, copy=False)}
     meta = json.dumps({"format": FORMAT, "model": model_shape(cfg)}).encode()
     tmp = f".slot-{secrets.token_hex(8)}.tmp"
     try:
@@ -87,7 +99,7 @@ def save(path: Path, cfg: ModelConfig, tokens: Sequence[int], kv: np.ndarray) ->
         try:
             with os.fdopen(fd, "wb") as f:
                 np.savez(f, tokens=np.asarray(tokens, np.int32), kv=kv.astype(np.float32, copy=False),
-                         meta=np.frombuffer(meta, np.uint8))
+                         meta=np.frombuffer(meta, np.uint8), **extra)
                 f.flush()
                 os.fsync(f.fileno())
                 size = os.fstat(f.fileno()).st_size
@@ -126,24 +138,40 @@ def _open_regular(path: Path, limit: int) -> int:
     return fd
 
 
-def load(path: Path, cfg: ModelConfig, n_ctx: int) -> tuple[list[int], np.ndarray]:
-    """(tokens, kv) from a slot file, checked against this model and slot size."""
+def state_size(cfg: ModelConfig) -> int:
+    """Values of one sequence's recurrent state (0 without recurrent layers)."""
+    if not any(cfg.recurrent_layers):
+        return 0
+    from trio_llm.engine.memory import state_floats
+    from trio_llm.models import build_graph, tensor_shapes
+
+    return state_floats(build_graph(cfg, tensor_shapes(cfg)))
+
+
+def load(path: Path, cfg: ModelConfig, n_ctx: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """(tokens, kv, state) from a slot file, checked against this model and slot size
+    (``state`` is empty for a model without recurrent layers)."""
     name = path.name
-    limit = max_bytes(cfg, n_ctx)
+    n_state = state_size(cfg)
+    limit = max_bytes(cfg, n_ctx, n_state)
+    members = (*MEMBERS, STATE) if n_state else MEMBERS
     fd = _open_regular(path, limit)
     try:
         with os.fdopen(fd, "rb") as f, zipfile.ZipFile(f) as z:
             infos = {i.filename: i for i in z.infolist()}
-            if sorted(infos) != sorted(MEMBERS):
+            if sorted(infos) != sorted(members):
+                if n_state and sorted(infos) == sorted(MEMBERS):
+                    raise InvalidRequest(f"{name} holds no recurrent state; this model needs one")
                 raise InvalidRequest(f"{name} is not a slot file (members {sorted(infos)[:5]})")
             if sum(i.file_size for i in infos.values()) > limit or infos["meta.npy"].file_size > OVERHEAD:
                 raise InvalidRequest(f"{name} holds more than any slot file of this model")
             arrays = {}
-            for member in MEMBERS:
+            for member in members:
                 with z.open(member) as m:
                     arrays[member] = np.lib.format.read_array(m, allow_pickle=False)
             meta = json.loads(bytes(arrays["meta.npy"]).decode())
             tokens, kv = arrays["tokens.npy"], arrays["kv.npy"]
+            state = arrays.get(STATE, np.zeros(0, np.float32))
     except InvalidRequest:
         raise
     except (OSError, ValueError, KeyError, EOFError, TypeError, RecursionError, zipfile.BadZipFile) as exc:
@@ -156,8 +184,10 @@ def load(path: Path, cfg: ModelConfig, n_ctx: int) -> tuple[list[int], np.ndarra
     want = (cfg.n_layer, 2, n, cfg.n_head_kv * cfg.head_dim)
     if n < 0 or kv.shape != want or kv.dtype != np.float32 or tokens.dtype != np.int32:
         raise InvalidRequest(f"{name}: arrays of the wrong shape or type")
+    if state.shape != (n_state,) or state.dtype != np.float32 or not np.isfinite(state).all():
+        raise InvalidRequest(f"{name}: a recurrent state of the wrong shape or type")
     if n >= n_ctx:
         raise InvalidRequest(f"{name} holds {n} tokens; a slot here holds {n_ctx - 1}")
     if n and (tokens.min() < 0 or tokens.max() >= cfg.n_vocab):
         raise InvalidRequest(f"{name}: a token outside the vocabulary")
-    return [int(t) for t in tokens], kv
+    return [int(t) for t in tokens], kv, state

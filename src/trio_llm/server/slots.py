@@ -420,16 +420,19 @@ class SlotsEngine:
                 self._check_epoch()
                 slot.seq, slot.n_past = [], 0  # nothing of the old cache is valid meanwhile
                 await self._client.write_kv(slot.id, kv)
+                if action.state is not None and action.state.size:  # a recurrent state continues from here
+                    await self._client.write_state(slot.id, action.state, len(action.tokens))
                 slot.seq, slot.n_past = list(action.tokens), len(action.tokens)
             ms = 1e3 * (trio.current_time() - t0)
             return {"id_slot": slot.id, "filename": action.filename, "n_restored": len(action.tokens),
-                    "n_read": kv.nbytes, "timings": {"restore_ms": ms}}
+                    "n_read": kv.nbytes + (action.state.nbytes if action.state is not None else 0), "timings": {"restore_ms": ms}}
         async with self._gate.resident():
             self._check_epoch()
             tokens = tuple(slot.seq[: slot.n_past])
             kv = await self._client.read_kv(slot.id, len(tokens))
+            state = await self._client.read_state(slot.id)
         body = {"id_slot": slot.id, "filename": action.filename, "n_saved": len(tokens)}
-        return TaskActionDone(-1, body, tokens, kv)
+        return TaskActionDone(-1, body, tokens, kv, state)
 
     async def _wait_resident(self) -> bool:
         """Wait for the model to be resident. While a wake takes time (a restore, another

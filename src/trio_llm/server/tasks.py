@@ -79,6 +79,8 @@ class SlotAction:
     filename: str = ""
     tokens: tuple[int, ...] = ()  # restore: what the file holds
     kv: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)  # restore: [n_layer, 2, n, kv_dim]
+    #: restore: the recurrent state after ``tokens`` (gated delta-net models; else empty)
+    state: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen
@@ -173,6 +175,7 @@ class TaskActionDone:
     body: dict[str, Any]
     tokens: tuple[int, ...] = ()  # save: the slot's cached tokens
     kv: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)  # save: their KV cache
+    state: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)  # save: the recurrent state
 
 
 TaskResult = TaskPartial | TaskFinal | TaskError | TaskActionDone

@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 
 from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch, check_batch
-from trio_llm.engine.memory import plan_memory, plan_recurrent, reusable_prefix
+from trio_llm.engine.memory import plan_memory, plan_recurrent, reusable_prefix, state_layout
 from trio_llm.engine.placement import cpu_moe_tensors
 from trio_llm.errors import (
     BackendError,
@@ -248,8 +248,8 @@ class VulkanBackend:
         self._tokens += n
         return logits
 
-    def reusable_prefix(self, n_cached: int, n_common: int) -> int:
-        return reusable_prefix(self._mem + self._recurrent, n_cached, n_common)
+    def reusable_prefix(self, n_cached: int, n_common: int, checkpoints: Sequence[int] = ()) -> int:
+        return reusable_prefix(self._mem + self._recurrent, n_cached, n_common, checkpoints)
 
     def memory(self) -> dict[str, int]:
         mem = dict.fromkeys(MEMORY_CATEGORIES, 0)
@@ -370,7 +370,7 @@ class VulkanBackend:
 
     def read_kv(self, seq_id: int, n: int) -> np.ndarray:
         shape = (self.config.n_layer, 2, n, self.config.kv_dim)
-        out = np.empty(shape, np.float32)  # [n_layer, 2, n, kv_dim]
+        out = np.zeros(shape, np.float32)  # [n_layer, 2, n, kv_dim]; layers without a cache stay 0
         self._copy_kv(seq_id, n, out, to_device=False)
         return out
 
@@ -388,19 +388,51 @@ class VulkanBackend:
         self._check_open()
         if self._level is not None:
             raise BackendError(f"slot KV access while released (level {self._level.value}); restore first")
-        if self._rs.sizes:
-            raise BackendError("slot save/restore of a gated delta-net model (its recurrent state) is not "
-                               "supported yet")
         what = "write KV cache" if to_device else "read KV cache"
         with self._guard(what):
             lays = self._kv.layers
+            il = [m.layer for m in self._mem]  # the model layer of each cache layer (hybrids skip some)
             if to_device:
-                self._kv.write_rows(seq_id, [(quantize_rows(data[i, 0], lay.k_type), quantize_rows(data[i, 1], lay.v_type))
-                                             for i, lay in enumerate(lays)])
+                self._kv.write_rows(seq_id, [(quantize_rows(data[il[i], 0], lay.k_type),
+                                              quantize_rows(data[il[i], 1], lay.v_type)) for i, lay in enumerate(lays)])
             else:
                 for i, (k, v) in enumerate(self._kv.read_rows(seq_id, n)):
-                    data[i, 0] = dequantize_rows(k, lays[i].k_type, lays[i].kv_dim)
-                    data[i, 1] = dequantize_rows(v, lays[i].v_type, lays[i].kv_dim)
+                    data[il[i], 0] = dequantize_rows(k, lays[i].k_type, lays[i].kv_dim)
+                    data[il[i], 1] = dequantize_rows(v, lays[i].v_type, lays[i].kv_dim)
+
+    def read_state(self, seq_id: int) -> np.ndarray:
+        """The delta rule's matrices are kept [j][i] on the device (``delta_net.comp``):
+        transposed here into the shared layout."""
+        self._check_state_access(seq_id)
+        arrays: dict[int, np.ndarray] = {}
+        with self._guard("read recurrent state"):
+            self._rs.copy_seq(seq_id, self.n_seq, arrays, to_device=False)
+        parts = [arrays[i].reshape(shape).transpose(0, 2, 1).reshape(-1) if len(shape) == 3 else arrays[i]
+                 for i, shape in state_layout(self._ir)]
+        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+    def write_state(self, seq_id: int, state: np.ndarray, n_pos: int) -> None:
+        self._check_state_access(seq_id)
+        layout = state_layout(self._ir)
+        total = sum(int(np.prod(shape)) for _, shape in layout)
+        if state.size != total:
+            raise BackendError(f"a recurrent state of {state.size} values; this model's has {total}")
+        arrays, at = {}, 0
+        for i, shape in layout:
+            n = int(np.prod(shape))
+            part = state[at : at + n].reshape(shape)
+            arrays[i] = part.transpose(0, 2, 1) if len(shape) == 3 else part
+            at += n
+        with self._guard("write recurrent state"):
+            self._rs.copy_seq(seq_id, self.n_seq, arrays, to_device=True)
+        self._rs_pos[seq_id] = n_pos
+
+    def _check_state_access(self, seq_id: int) -> None:
+        self._check_open()
+        if self._level is not None:
+            raise BackendError(f"recurrent state access while released (level {self._level.value}); restore first")
+        if not 0 <= seq_id < self.n_seq:
+            raise BackendError(f"no sequence {seq_id}")
 
     def close(self) -> None:
         if self._closed:

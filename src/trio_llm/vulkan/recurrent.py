@@ -17,7 +17,9 @@ next one's starts), freed at ``all`` and made again on restore, never copied.
 from __future__ import annotations
 
 import attrs
+import numpy as np
 
+from trio_llm.errors import BackendError
 from trio_llm.graph import Graph
 from trio_llm.vulkan.memory import Allocator, Buffer, CopyJob, View, whole
 from trio_llm.vulkan.ops import DELTA_CHUNK
@@ -127,6 +129,41 @@ class RecurrentState:
 
             jobs.append(CopyJob(src.size, "kv_cache", src, put))
         return jobs
+
+    def copy_seq(self, seq_id: int, n_seq: int, arrays: dict[int, np.ndarray], *, to_device: bool) -> None:
+        """One sequence's part of every node's buffer to or from ``arrays`` (node id ->
+        float32 of that part's size, in the device layout), through one host buffer and
+        one submit."""
+        if not self.bufs:
+            raise BackendError("recurrent state access while it is not on the device")
+        device = self.alloc.device
+        vk = device.vk
+        parts = {i: b.size // n_seq for i, b in self.bufs.items()}
+        total = sum(parts.values())
+        host = self.alloc.create(max(total, 4), "scratch", "upload" if to_device else "readback")
+        try:
+            assert host.array is not None
+            at = 0
+            regions = []
+            for i, n in parts.items():
+                if to_device:
+                    host.array[at : at + n] = np.ascontiguousarray(arrays[i], np.float32).view(np.uint8).reshape(-1)
+                regions.append((i, at, n))
+                at += n
+            with device.one_shot("write recurrent state" if to_device else "read recurrent state") as cmd:
+                for i, off, n in regions:
+                    buf = self.bufs[i]
+                    if to_device:
+                        vk.vkCmdCopyBuffer(cmd, host.handle, buf.handle, 1,
+                                           [vk.VkBufferCopy(srcOffset=off, dstOffset=seq_id * n, size=n)])
+                    else:
+                        vk.vkCmdCopyBuffer(cmd, buf.handle, host.handle, 1,
+                                           [vk.VkBufferCopy(srcOffset=seq_id * n, dstOffset=off, size=n)])
+            if not to_device:
+                for i, off, n in regions:
+                    arrays[i] = host.array[off : off + n].view(np.float32).copy()
+        finally:
+            self.alloc.free(host)
 
     def restored(self) -> None:
         self.saved = False
