@@ -83,7 +83,7 @@ def save(path: Path, cfg: ModelConfig, tokens: Sequence[int], kv: np.ndarray,
          state: np.ndarray | None = None) -> int:
     """Write the file (atomically: a temporary file renamed); returns its size.
     ``state``: the recurrent state, for a model with recurrent layers."""
-    extra = {} if state is None or not any(cfg.recurrent_layers) else {"state": state.astype(np.float32, copy=False)}
+    extra: dict[str, Any] = {} if state is None or not any(cfg.recurrent_layers) else {"state": state.astype(np.float32, copy=False)}
     meta = json.dumps({"format": FORMAT, "model": model_shape(cfg)}).encode()
     tmp = f".slot-{secrets.token_hex(8)}.tmp"
     try:
