@@ -62,6 +62,8 @@ class ServerConfig:
     vram_arena: Path | None = None
     arena_quantum: float = 5.0  # --arena-quantum: a waiter makes a busy holder yield after this; 0: only when idle
     arena_priority: int = 0  # --arena-priority: among queued waiters the higher goes first
+    arena_budget: float | str | None = None  # --arena-budget: MiB, or "auto"; None: off (take turns)
+    arena_pin: bool = False  # --arena-pin: never yield (needs --arena-budget)
     sleep_idle_seconds: float = -1.0  # -1: idle sleep off
     shutdown_timeout: float = 5.0  # SIGTERM: in-flight work gets this long, then is cancelled
     # llama-server's flags beyond the basics (trio_llm.server.flags has the whole table)
@@ -128,6 +130,14 @@ class ServerConfig:
         _check(math.isfinite(self.arena_quantum) and self.arena_quantum >= 0, "--arena-quantum",
                f"{self.arena_quantum} is not a number of seconds >= 0 (0: yield only when idle)")
         _check(-100 <= self.arena_priority <= 100, "--arena-priority", f"{self.arena_priority} is not in [-100, 100]")
+        if self.arena_budget is not None:
+            _check(self.arena_budget == "auto" or (isinstance(self.arena_budget, float | int)
+                                                   and math.isfinite(self.arena_budget) and self.arena_budget > 0),
+                   "--arena-budget", f"{self.arena_budget!r} is not a number of MiB > 0 or auto")
+            _check(self.vram_arena is not None, "--arena-budget", "needs --vram-arena (or LLAMA_VRAM_ARENA)")
+        if self.arena_pin:
+            _check(self.arena_budget is not None, "--arena-pin",
+                   "needs --arena-budget (a pinned server is co-resident beside the others)")
         _check(self.shutdown_timeout >= 0, "shutdown timeout", "must be >= 0")
         _check(self.api_key is None or bool(self.api_key), "--api-key", "empty key")
         _check(self.threads == -1 or self.threads >= 1, "-t/--threads", f"{self.threads} is not -1 or >= 1")

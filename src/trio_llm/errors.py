@@ -85,3 +85,8 @@ class ScenarioError(TrioLLMError):
 
     The message names the file and the place in it (``phase[1].step[0].server``).
     """
+
+
+class ArenaRefused(TrioLLMError):
+    """This server cannot take part in the arena as configured (a pin that does not fit
+    beside the other pins, a footprint larger than the budget): one line, no start."""

@@ -35,8 +35,8 @@ from trio_llm.config import ServerConfig
 from trio_llm.engine.actor import BackendActor, BackendClient
 from trio_llm.engine.backend import Backend, SeqBatch
 from trio_llm.engine.constraint import Grammars
-from trio_llm.errors import ConfigError, ModelLoadError, TrioLLMError
-from trio_llm.residency.arbiter import Arbiter, open_arbiter
+from trio_llm.errors import ArenaRefused, ConfigError, ModelLoadError, TrioLLMError
+from trio_llm.residency.arbiter import Arbiter, Share, open_arbiter
 from trio_llm.residency.residency import Residency, resolve_level
 from trio_llm.residency.sleep import SleepConfig, SleepController
 from trio_llm.server import flags
@@ -236,6 +236,51 @@ async def build_gate(
     return controller
 
 
+def arena_share(config: ServerConfig) -> Share | None:
+    """Blocking: what ``--arena-budget`` / ``--arena-pin`` bring to the arena's ledger, or
+    None (take turns, as without the flag). Read before the token is taken, so from the
+    GGUF header and the device's properties, not from a loaded model: the footprint is
+    ``--fit``'s projection at the context the load will use. Bad input is one line:
+    ``ConfigError`` (a budget beyond the device) or ``ArenaRefused`` (a model larger
+    than the budget); ``auto`` without a Vulkan device is a warning and no share."""
+    from trio_llm.engine import fit
+    from trio_llm.model.gguf import load_gguf
+
+    if config.arena_budget is None or config.vram_arena is None:
+        return None
+    device = None if config.backend == "numpy" else fit.device_memory()
+    mib = fit.MiB
+    if config.arena_budget == "auto":
+        if device is None:
+            log.warning("--arena-budget auto: the numpy backend has no device budget; give a figure in MiB. "
+                        "This server takes turns (exclusive)")
+            return None
+        budget = device.budget_bytes - config.fit_target * mib
+        if budget <= 0:
+            raise ConfigError(f"--arena-budget auto: the device's budget ({device.budget_bytes // mib} MiB) is "
+                              f"not more than --fit-target ({config.fit_target} MiB)")
+    else:
+        assert isinstance(config.arena_budget, float | int)
+        budget = int(config.arena_budget * mib)
+        if device is not None and budget > device.heap_bytes:
+            raise ConfigError(f"--arena-budget {config.arena_budget:g} MiB is more than the device's "
+                              f"{device.heap_bytes / mib:.0f} MiB ({device.name})")
+    model = load_gguf(_model_path(config))
+    try:
+        ctx_total = fit_slot_ctx(config, model) * config.parallel
+        footprint = fit.footprint_bytes(model.config, weights=model.weight_bytes(), ctx_total=ctx_total,
+                                        type_k=config.cache_type_k, type_v=config.cache_type_v,
+                                        n_batch=config.n_batch)
+    finally:
+        model.close()
+    if footprint > budget:
+        raise ArenaRefused(f"--arena-budget: the model needs {footprint / mib:.1f} MiB on the device, more than "
+                           f"the {budget / mib:.1f} MiB budget")
+    log.info("VRAM arbiter: co-resident under a %.1f MiB budget with %.1f MiB%s", budget / mib, footprint / mib,
+             ", pinned" if config.arena_pin else "")
+    return Share(footprint=footprint, budget=budget, pinned=config.arena_pin)
+
+
 async def _take_for_load(arbiter: Arbiter, stop: trio.Event) -> bool:
     """Coordinated load: take the VRAM token before any weight reaches the device, so a
     loading server never pushes a resident one out of memory. Waits as long as the
@@ -358,7 +403,8 @@ async def _watch_signals(stop: trio.Event, root: trio.CancelScope) -> None:
 async def _run_engine(ctx: ServerContext, stop: trio.Event, http_done: trio.Event, show_progress: bool) -> None:
     """Load the model and run the actors until the HTTP server has shut down."""
     config = ctx.config
-    arbiter = await open_arbiter(config.vram_arena, priority=config.arena_priority)
+    share = await trio.to_thread.run_sync(arena_share, config)
+    arbiter = await open_arbiter(config.vram_arena, priority=config.arena_priority, share=share)
     try:
         if await _take_for_load(arbiter, stop):
             await _run_loaded(ctx, stop, http_done, show_progress, arbiter)

@@ -96,3 +96,37 @@ def device_free_bytes() -> int | None:
     if budget:
         return int(budget[heap]["budget"] - budget[heap]["usage"])
     return int(device.memory_heaps[heap][0])
+
+
+@attrs.frozen
+class DeviceMemory:
+    """The device-local heap the backend would use: its size, and the budget the driver
+    grants this process (``VK_EXT_memory_budget``; the size where it is missing)."""
+
+    name: str
+    heap_bytes: int
+    budget_bytes: int
+
+
+def device_memory() -> DeviceMemory | None:
+    """The largest device-local heap of the Vulkan device; None without one."""
+    try:
+        from trio_llm.vulkan.device import shared_device
+
+        device = shared_device()
+    except (ImportError, OSError, BackendError) as exc:
+        log.debug("fit: no Vulkan device (%s)", exc)
+        return None
+    local = [i for i, (_size, flags) in enumerate(device.memory_heaps) if flags & 1] or [0]
+    heap = max(local, key=lambda i: device.memory_heaps[i][0])
+    size = int(device.memory_heaps[heap][0])
+    budget = device.budget()
+    granted = int(budget[heap]["budget"]) if budget else size
+    return DeviceMemory(str(getattr(device, "name", "the device")), size, granted)
+
+
+def footprint_bytes(cfg: ModelConfig, *, weights: int, ctx_total: int, type_k: str, type_v: str,
+                    n_batch: int) -> int:
+    """The device bytes a loaded model uses, as ``choose_ctx`` projects them: what a
+    co-resident counts against ``--arena-budget``."""
+    return weights + compute_bytes(cfg, n_batch) + kv_bytes_per_position(cfg, type_k, type_v) * ctx_total

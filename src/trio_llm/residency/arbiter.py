@@ -49,7 +49,18 @@ from pathlib import Path
 import attrs
 import trio
 
-from trio_llm.errors import ArenaUnavailable
+from trio_llm.errors import ArenaRefused, ArenaUnavailable
+from trio_llm.residency.ledger import (
+    Busy,
+    Ledger,
+    Member,
+    decode,
+    effective_budget,
+    encode,
+    fits,
+    pinned_bytes,
+    victims,
+)
 from trio_llm.residency.queue import Queue, Ticket
 
 log = logging.getLogger(__name__)
@@ -68,6 +79,15 @@ SKIP_AFTER = 0.25
 #: upper bounds (seconds) of the buckets of ``ArbiterStatistics.wait_buckets``, the
 #: ``trio_llm_arena_wait_seconds`` histogram: from one poll to a long generation
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@attrs.frozen
+class Share:
+    """What a co-resident-capable server (``--arena-budget``) brings to the ledger."""
+
+    footprint: int  # device bytes when resident (the --fit projection)
+    budget: int  # --arena-budget, bytes
+    pinned: bool = False  # --arena-pin: never yields
 
 
 def arena_from(flag: str | os.PathLike[str] | None) -> Path | None:
@@ -130,6 +150,12 @@ class ArbiterStatistics:
     held_seconds: float = 0.0  # total time holding the token (the current hold included)
     #: take() calls by wait, cumulative per ``WAIT_BUCKETS`` bound (the last: all)
     wait_buckets: tuple[int, ...] = ()
+    coresident: bool = False  # co-residency on (--arena-budget, the ledger usable)
+    pinned: bool = False
+    footprint_bytes: int = 0
+    budget_bytes: int = 0
+    members: int = 0  # co-residents in the ledger at the last read (us included)
+    budget_probes: int = 0  # probes that found us chosen to make room for the head waiter
 
 
 @attrs.define(eq=False)
@@ -165,6 +191,15 @@ class Arbiter:
     _skip_after: float = SKIP_AFTER
     _overtakes: int = 0  # takes that went ahead of a live head ticket (it did not take)
     _reopens: int = 0
+    _share: Share | None = None  # --arena-budget: co-resident-capable (None: exclusive)
+    _ledger: Ledger | None = None  # ARENA/ledger/ (None: co-residency off)
+    _probe_reason: str = ""  # why the last positive probe was positive: waiter | budget
+    _members_seen: int = 0
+    _budget_probes: int = 0
+    _pin_warned: bool = False
+    _nofit_logged: bool = False
+    #: our name in tickets and the ledger: the pid (tests give in-process arbiters their own)
+    _ident: int = attrs.field(factory=os.getpid)
 
     @classmethod
     def disabled(cls) -> Arbiter:
@@ -210,7 +245,25 @@ class Arbiter:
             wait_seconds=self._wait_seconds,
             held_seconds=held,
             wait_buckets=tuple(cumulative),
+            coresident=self._ledger is not None,
+            pinned=self._share is not None and self._share.pinned,
+            footprint_bytes=self._share.footprint if self._share is not None else 0,
+            budget_bytes=self._share.budget if self._share is not None else 0,
+            members=self._members_seen,
+            budget_probes=self._budget_probes,
         )
+
+    @property
+    def coresident(self) -> bool:
+        """Co-residency is on: our token hold is shared, beside the ledger's members."""
+        return self._ledger is not None
+
+    @property
+    def probe_reason(self) -> str:
+        """Why the last positive ``probe()`` was positive: ``waiter`` (somebody on
+        want.lock) or ``budget`` (the head waiter does not fit and we are chosen to
+        make room)."""
+        return self._probe_reason
 
     def _check_open(self) -> None:
         if self._closed:
@@ -224,7 +277,10 @@ class Arbiter:
         self._check_open()
         if self._holding:
             raise RuntimeError("this process already holds the VRAM token")
-        if self.active and not _try_flock(self._token_fd, fcntl.LOCK_EX):
+        if self._ledger is not None:
+            if not self._join():
+                raise trio.WouldBlock
+        elif self.active and not _try_flock(self._token_fd, fcntl.LOCK_EX):
             raise trio.WouldBlock
         self._took()
 
@@ -250,6 +306,22 @@ class Arbiter:
                 return
         t0 = trio.current_time()
         self._waiting = True
+        try:
+            if self._ledger is not None:
+                await self._take_shared()
+                if self._holding:
+                    return
+                # co-residency was dropped meanwhile (the ledger failed): wait as
+                # an exclusive holder, as without --arena-budget
+            await self._take_exclusive(t0)
+        finally:
+            self._waiting = False
+            waited = trio.current_time() - t0
+            self._wait_seconds += waited
+            self._observe_wait(waited)
+
+    async def _take_exclusive(self, t0: float) -> None:
+        """The protocol's take: registered on want.lock throughout, LOCK_EX on the token."""
         registered = False
         logged = False
         reported = False
@@ -312,17 +384,210 @@ class Arbiter:
             self._leave_queue(ticket)
             if registered:
                 _unlock(self._want_fd)
-            self._waiting = False
-            waited = trio.current_time() - t0
-            self._wait_seconds += waited
-            self._observe_wait(waited)
 
-    def _enqueue(self) -> Ticket | None:
+    async def _take_shared(self) -> None:
+        """The co-resident's take (``docs/arbiter.md``, "Co-residency"): queued with a
+        ticket that carries our footprint; registered on want.lock only while the token
+        is held exclusively (so an exclusive holder, a fork among them, sees us and
+        yields, while co-residents do not yield to a waiter that may fit); the head
+        joins with a shared hold when it fits (``_join``). Returns without the token
+        only if co-residency was dropped meanwhile (the caller then waits exclusively).
+        """
+        assert self._share is not None
+        share = self._share
+        note = encode(share.footprint, share.budget, share.pinned, 0)
+        t0 = trio.current_time()
+        registered = False
+        logged = reported = False
+        polls = 0
+        ticket: Ticket | None = None
+        free_since: float | None = None
+        try:
+            while self._ledger is not None:
+                polls += 1
+                if polls % _STALE_CHECK_POLLS == 0 and self._check_stale():
+                    if registered:
+                        _unlock(self._want_fd)
+                        registered = False
+                    self._leave_queue(ticket)
+                    ticket = None
+                    self._reopen()
+                    if not self.active:
+                        self._took()
+                        return
+                    continue
+                if ticket is None:
+                    ticket = self._enqueue(note)
+                exclusive = not self._token_shareable()
+                if exclusive and not registered and self._want_fd >= 0:
+                    registered = _try_flock(self._want_fd, fcntl.LOCK_SH)
+                    if registered and self._token_shareable():
+                        # the exclusive holder left between the test and the
+                        # registration: a co-resident that joined meanwhile must not
+                        # see a stale waiter
+                        _unlock(self._want_fd)
+                        registered = exclusive = False
+                elif not exclusive and registered:
+                    _unlock(self._want_fd)
+                    registered = False
+                head = self._my_turn(ticket)
+                turn = head
+                if head:
+                    free_since = None
+                elif _try_flock(self._token_fd, fcntl.LOCK_EX):
+                    # wholly free (no holder of either kind), and the head not taking it
+                    _unlock(self._token_fd)
+                    now = trio.current_time()
+                    free_since = now if free_since is None else free_since
+                    turn = now - free_since >= self._skip_after
+                else:
+                    free_since = None
+                if turn and not exclusive and not registered and self._join():
+                    if not head:
+                        self._overtakes += 1
+                    self._took()
+                    return
+                if not logged:
+                    log.info("VRAM arbiter: waiting for the GPU token (co-resident, %.1f MiB)",
+                             share.footprint / (1 << 20))
+                    self._contended += 1
+                    logged = True
+                waited = trio.current_time() - t0
+                if not reported and waited >= self._report_after:
+                    reported = True
+                    log.warning("VRAM arbiter: waited %.0f s for the GPU token; %s",
+                                waited, describe_holders(self._token_fd))
+                await trio.sleep(self._poll_interval)
+        finally:
+            self._leave_queue(ticket)
+            if registered:
+                _unlock(self._want_fd)
+
+    def _token_shareable(self) -> bool:
+        """Is nobody holding the token exclusively? (A LOCK_SH|LOCK_NB, undone at once.)"""
+        if _try_flock(self._token_fd, fcntl.LOCK_SH):
+            _unlock(self._token_fd)
+            return True
+        return False
+
+    def _join(self) -> bool:
+        """Become a co-resident, in one step with no checkpoint: under the ledger's
+        exclusive lock, with a shared hold on the token, and holding want.lock
+        exclusively (so no exclusive waiter is registered, and none can register
+        until we are in: flock alone would let joiners starve a waiting fork), if our
+        footprint fits beside the live members. False: not now (try at the next poll).
+        Raises ``ArenaRefused`` for a pin that does not fit beside the other pins."""
+        ledger, share = self._ledger, self._share
+        assert ledger is not None and share is not None
+        try:
+            with ledger.locked(exclusive=True):
+                if not _try_flock(self._token_fd, fcntl.LOCK_SH):
+                    return False  # held exclusively
+                joined = False
+                try:
+                    if not _try_flock(self._probe_fd, fcntl.LOCK_EX):
+                        return False  # an exclusive waiter is registered: it goes first
+                    try:
+                        members = ledger.members()
+                        self._members_seen = len(members)
+                        self._check_pins(members)
+                        if not fits(members, share.footprint, share.budget):
+                            self._log_no_fit(members)
+                            return False
+                        ledger.add(share.footprint, share.budget, share.pinned)
+                        self._members_seen += 1
+                        self._nofit_logged = False
+                        joined = True
+                        return True
+                    finally:
+                        _unlock(self._probe_fd)
+                finally:
+                    if not joined:
+                        _unlock(self._token_fd)
+        except Busy:
+            return False
+        except OSError as exc:
+            self._drop_ledger(exc)
+            return False
+
+    def _check_pins(self, members: list[Member]) -> None:
+        share = self._share
+        assert share is not None
+        if not share.pinned:
+            return
+        limit = effective_budget(members, share.budget)
+        pinned = [m for m in members if m.pinned]
+        if pinned_bytes(pinned) + share.footprint > limit:
+            mib = 1 << 20
+            pids = ", ".join(str(m.pid) for m in pinned)
+            raise ArenaRefused(
+                f"--arena-pin: {share.footprint / mib:.1f} MiB pinned here and "
+                f"{pinned_bytes(pinned) / mib:.1f} MiB pinned by pid {pids} do not fit the "
+                f"{limit / mib:.1f} MiB budget")
+
+    def _log_no_fit(self, members: list[Member]) -> None:
+        share = self._share
+        assert share is not None
+        if self._nofit_logged:
+            return
+        self._nofit_logged = True
+        limit = effective_budget(members, share.budget)
+        if share.footprint + pinned_bytes(members) > limit:
+            log.warning("VRAM arbiter: %.1f MiB do not fit beside %.1f MiB of pinned models in the %.1f MiB "
+                        "budget; waiting until a pinned server stops", share.footprint / (1 << 20),
+                        pinned_bytes(members) / (1 << 20), limit / (1 << 20))
+        else:
+            log.info("VRAM arbiter: %.1f MiB do not fit beside %d co-resident(s) (%.1f of %.1f MiB); "
+                     "waiting for the least recently used to make room", share.footprint / (1 << 20),
+                     len(members), sum(m.footprint for m in members) / (1 << 20), limit / (1 << 20))
+
+    def _drop_ledger(self, exc: OSError) -> None:
+        log.warning("VRAM arbiter: the ledger in %s failed (%s); co-residency is off: this server "
+                    "takes turns (exclusive)", self._arena, exc.strerror or exc)
+        if self._ledger is not None:
+            self._ledger.close()
+        self._ledger = None
+
+    def touch(self) -> None:
+        """Record a use in the ledger (work starts): the least recently used member
+        is the first to make room. A no-op when not a co-resident."""
+        if self._ledger is not None and self._ledger.member:
+            try:
+                self._ledger.touch()
+            except OSError as exc:
+                self._drop_ledger(exc)
+
+    def _budget_victim(self) -> bool:
+        """Is the head waiter a co-resident-capable one that does not fit, and are we
+        among the members chosen to make room for it (``ledger.victims``)?"""
+        ledger, share, queue = self._ledger, self._share, self._queue
+        if ledger is None or share is None or queue is None or share.pinned or not ledger.member:
+            return False
+        try:
+            head = queue.head()
+            if head is None:
+                return False
+            need = decode(head[0], head[1])
+            if need is None:
+                return False  # an exclusive waiter: it is on want.lock, the probe sees it
+            with ledger.locked(exclusive=False):
+                members = [m for m in ledger.members() if m.pid != need.pid]
+        except Busy:
+            return False
+        except OSError as exc:
+            log.warning("VRAM arbiter: reading the queue or ledger failed (%s); not yielding",
+                        exc.strerror or exc)
+            return False
+        self._members_seen = len(members)
+        chosen = victims(members, need.footprint, need.budget)
+        return chosen is not None and self._ident in chosen
+
+    def _enqueue(self, note: bytes = b"") -> Ticket | None:
         """Our ticket, or None (no queue, or the counter busy this instant)."""
         if self._queue is None:
             return None
         try:
-            return self._queue.enqueue(self._priority)
+            return self._queue.enqueue(self._priority, note, self._ident)
         except OSError as exc:
             self._drop_queue(exc)
             return None
@@ -377,8 +642,21 @@ class Arbiter:
             return True
         if _try_flock(self._probe_fd, fcntl.LOCK_EX):
             _unlock(self._probe_fd)
+            if self._holding and self._budget_victim():
+                self._probes_positive += 1
+                self._budget_probes += 1
+                self._probe_reason = "budget"
+                return True
+            return False
+        if self._holding and self._share is not None and self._share.pinned and self._ledger is not None:
+            if not self._pin_warned:
+                self._pin_warned = True
+                log.warning("VRAM arbiter: pinned: an exclusive waiter (a reference fork, or a server "
+                            "without --arena-budget) waits for the GPU and will get it only when this "
+                            "server stops")
             return False
         self._probes_positive += 1
+        self._probe_reason = "waiter"
         return True
 
     def give_back(self) -> None:
@@ -386,6 +664,8 @@ class Arbiter:
         self._check_open()
         if not self._holding:
             raise RuntimeError("this process does not hold the VRAM token")
+        if self._ledger is not None:
+            self._ledger.leave()  # after the device memory, before the token
         if self.active:
             _unlock(self._token_fd)
         self._holding = False
@@ -434,10 +714,16 @@ class Arbiter:
             with contextlib.suppress(OSError):
                 self._queue.close()
             self._queue = None
+        share_on = self._ledger is not None
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None
         assert self._arena is not None
         try:
             self._token_fd, self._want_fd, self._probe_fd = _open_arena(self._arena)
             self._queue = _open_queue(self._arena)
+            if share_on:
+                self._ledger = _open_ledger(self._arena, self._queue, self._ident)
         except (OSError, ArenaUnavailable) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
             log.warning("VRAM arbiter: cannot re-open arena %s (%s); running without "
@@ -450,6 +736,9 @@ class Arbiter:
         if self._holding:
             self.give_back()
         self._closed = True
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None
         if self._queue is not None:
             with contextlib.suppress(OSError):
                 self._queue.close()
@@ -524,6 +813,21 @@ def _open_queue(arena: Path) -> Queue | None:
         return None
 
 
+def _open_ledger(arena: Path, queue: Queue | None, ident: int) -> Ledger | None:
+    """The co-residency ledger (``ledger.py``); None, logged, if it (or the queue, which
+    carries the waiters' footprints) cannot be used: the server then takes turns."""
+    if queue is None:
+        log.warning("VRAM arbiter: co-residency needs the waiting queue in %s; co-residency is off: "
+                    "this server takes turns (exclusive)", arena)
+        return None
+    try:
+        return Ledger.open(arena, arena_file_mode(os.stat(arena).st_mode), ident)
+    except OSError as exc:
+        log.warning("VRAM arbiter: cannot use the ledger in %s (%s); co-residency is off: this server "
+                    "takes turns (exclusive)", arena, exc.strerror or exc)
+        return None
+
+
 def _check_file(path: Path, fd: int, mode: int) -> None:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -577,17 +881,22 @@ def describe_holders(fd: int) -> str:
 
 async def open_arbiter(
     arena: str | os.PathLike[str] | None, *, poll_interval: float = 0.005,
-    report_after: float = REPORT_AFTER, priority: int = 0,
+    report_after: float = REPORT_AFTER, priority: int = 0, share: Share | None = None,
+    ident: int | None = None,
 ) -> Arbiter:
     """The arbiter for ``arena`` (``None``: disabled). An arena that cannot be opened or
     written is logged as a warning and gives an uncoordinated arbiter, never an error:
-    a server must still serve when a shared directory is misconfigured."""
+    a server must still serve when a shared directory is misconfigured. ``share``
+    (``--arena-budget``): co-resident with the ledger's members while they fit; a
+    ledger that cannot be used is one warning, and the server takes turns."""
     if arena is None:
         return Arbiter.disabled()
     path = Path(arena)
+    me = os.getpid() if ident is None else ident
     try:
         token_fd, want_fd, probe_fd = await trio.to_thread.run_sync(_open_arena, path)
         queue = await trio.to_thread.run_sync(_open_queue, path)
+        ledger = await trio.to_thread.run_sync(_open_ledger, path, queue, me) if share is not None else None
     except (OSError, ArenaUnavailable) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         log.warning(
@@ -595,7 +904,8 @@ async def open_arbiter(
             path,
             reason,
         )
-        return Arbiter(path, poll_interval=poll_interval, report_after=report_after, priority=priority)
+        return Arbiter(path, poll_interval=poll_interval, report_after=report_after, priority=priority,
+                       share=share, ident=me)
     log.info("VRAM arbiter: sharing the GPU through %s", path)
     return Arbiter(
         path,
@@ -606,4 +916,7 @@ async def open_arbiter(
         report_after=report_after,
         priority=priority,
         queue=queue,
+        share=share,
+        ledger=ledger,
+        ident=me,
     )

@@ -129,9 +129,11 @@ class Queue:
             os.close(self.dir_fd)
             self.dir_fd = -1
 
-    def enqueue(self, priority: int) -> Ticket | None:
+    def enqueue(self, priority: int, note: bytes = b"", pid: int | None = None) -> Ticket | None:
         """Take a ticket; None when the sequence counter is locked by another waiter
-        at this instant (try again at the next poll)."""
+        at this instant (try again at the next poll). ``note`` is the ticket's content
+        (a co-resident-capable waiter's footprint and budget: ``ledger.encode``),
+        written before the ticket is visible."""
         fd = os.open(SEQ_FILE, os.O_RDWR | os.O_CREAT | _OPEN, self.mode, dir_fd=self.dir_fd)
         try:
             _set_mode(fd, self.mode)
@@ -142,7 +144,7 @@ class Queue:
             os.pwrite(fd, b"%020d\n" % seq, 0)  # fixed width: no truncation needed
         finally:
             os.close(fd)  # drops the counter's lock
-        pid = os.getpid()
+        pid = os.getpid() if pid is None else pid
         tmp = f".{pid}-{seq}.tmp"
         tfd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, self.mode, dir_fd=self.dir_fd)
         if not _try_lock(tfd, fcntl.LOCK_EX):
@@ -154,6 +156,8 @@ class Queue:
             return None
         try:
             _set_mode(tfd, self.mode)
+            if note:
+                os.pwrite(tfd, note, 0)
             name = ticket_name(priority, seq, pid)
             # the lock is on the inode: the ticket is never visible unlocked
             os.rename(tmp, name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
@@ -194,6 +198,28 @@ class Queue:
 
     def is_head(self, ticket: Ticket) -> bool:
         return is_head(ticket.rank, (r for r, _ in self.live(skip=ticket.name)))
+
+    def head(self) -> tuple[int, bytes] | None:
+        """The pid and content of the head live ticket (None: nobody queues). Its
+        content is read while its owner's lock is seen held, so it is the live one."""
+        best: tuple[tuple[int, int], str, int] | None = None
+        for name in os.listdir(self.dir_fd):
+            parsed = parse_ticket(name)
+            if parsed is None:
+                continue
+            r = rank(parsed[0], parsed[1])
+            if (best is None or r < best[0]) and self._alive(name):
+                best = (r, name, parsed[2])
+        if best is None:
+            return None
+        try:
+            fd = os.open(best[1], os.O_RDONLY | _OPEN, dir_fd=self.dir_fd)
+        except FileNotFoundError:
+            return None  # it left meanwhile: the next probe reads the new head
+        try:
+            return best[2], os.pread(fd, 256, 0)
+        finally:
+            os.close(fd)
 
     def top_priority(self) -> int | None:
         """The highest priority among live tickets; None when nobody queues (the

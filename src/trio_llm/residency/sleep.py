@@ -53,7 +53,13 @@ import attrs
 import trio
 
 from trio_llm.engine.backend import Level
-from trio_llm.errors import ArenaUnavailable, BackendError, InvalidRequest, TrioLLMError
+from trio_llm.errors import (
+    ArenaRefused,
+    ArenaUnavailable,
+    BackendError,
+    InvalidRequest,
+    TrioLLMError,
+)
 from trio_llm.residency.arbiter import WAIT_BUCKETS, Arbiter
 from trio_llm.residency.residency import DEPTH, Residency, State
 
@@ -182,7 +188,7 @@ class SleepStatistics:
     wakes: int
     idle_sleeps: int
     yields: int  # yields to a waiter, idle or quantum
-    quantum_yields: int  # of those, at a step boundary with work in flight
+    quantum_yields: int  # of those, at a step boundary with work in flight (for a waiter on want.lock)
     quantum_withdrawn: int  # quantum yields decided, then the waiter had gone
     requested_sleeps: int
     wake_failures: int
@@ -191,6 +197,7 @@ class SleepStatistics:
     last_sleep_seconds: float  # decision → released and token given back
     woke_in_hand: bool  # the last wake had work in hand (no grace after it)
     quantum: float  # --arena-quantum (0: off)
+    budget_yields: int = 0  # yields to make room for a co-resident waiter that did not fit
 
 
 @attrs.frozen
@@ -207,6 +214,11 @@ class ArenaStatistics:
     wait_seconds: float
     held_seconds: float
     restored_bytes: int
+    coresident: bool = False  # co-residency on (--arena-budget)
+    pinned: bool = False  # --arena-pin
+    footprint_bytes: int = 0
+    budget_bytes: int = 0
+    members: int = 0  # co-residents in the ledger at the last read
 
 
 @attrs.define(eq=False)
@@ -243,6 +255,7 @@ class SleepController:
     _yields: int = 0
     _quantum_yields: int = 0
     _quantum_withdrawn: int = 0
+    _budget_yields: int = 0
     _woke_in_hand: bool = False
     _shutdown_gives: int = 0
     _waiter_priority: int | None = None  # cached ``Arbiter.waiting_priority()``
@@ -310,6 +323,8 @@ class SleepController:
         self._busy = busy
         if not busy:
             self._idle_since = trio.current_time()
+        elif self._arbiter.holding:
+            self._arbiter.touch()  # a co-resident's last use (least recently used yields first)
         self._notify()
 
     def is_sleeping(self) -> bool:
@@ -368,6 +383,7 @@ class SleepController:
             last_sleep_seconds=self._last_sleep,
             woke_in_hand=self._woke_in_hand,
             quantum=self._cfg.quantum,
+            budget_yields=self._budget_yields,
         )
 
     def arena_statistics(self) -> ArenaStatistics:
@@ -379,9 +395,9 @@ class SleepController:
             quantum=self._cfg.quantum,
             acquisitions=arb.takes,
             yields={
-                "idle": self._yields - self._quantum_yields,
+                "idle": self._yields - self._quantum_yields - self._budget_yields,
                 "quantum": self._quantum_yields,
-                "budget": 0,  # co-residency is not built (docs/arbiter.md)
+                "budget": self._budget_yields,
                 "shutdown": self._shutdown_gives,
             },
             wait_bounds=WAIT_BUCKETS,
@@ -389,6 +405,11 @@ class SleepController:
             wait_seconds=arb.wait_seconds,
             held_seconds=arb.held_seconds,
             restored_bytes=res.restored_bytes,
+            coresident=arb.coresident,
+            pinned=arb.pinned,
+            footprint_bytes=arb.footprint_bytes,
+            budget_bytes=arb.budget_bytes,
+            members=arb.members,
         )
 
     def props(self) -> dict[str, Any]:
@@ -415,6 +436,11 @@ class SleepController:
                 "held_seconds": arb.held_seconds,
                 "wait_seconds": arb.wait_seconds,
                 "grace_waived": self._woke_in_hand,
+                "coresident": arb.coresident,
+                "pinned": arb.pinned,
+                "footprint_bytes": arb.footprint_bytes,
+                "budget_bytes": arb.budget_bytes,
+                "members": arb.members,
             },
             "cycles": {
                 "releases": res.releases,
@@ -424,6 +450,7 @@ class SleepController:
                 "yields": self._yields,
                 "quantum_yields": self._quantum_yields,
                 "quantum_withdrawn": self._quantum_withdrawn,
+                "budget_yields": self._budget_yields,
                 "requested_sleeps": self._requested_sleeps,
                 "failures": res.failures,
             },
@@ -500,7 +527,7 @@ class SleepController:
                         if decision.reason == "quantum":
                             await self._quantum_yield(decision.level)
                         else:
-                            await self._sleep(decision.level, decision.reason)
+                            await self._sleep(decision.level, self._yield_reason(decision.reason))
                 else:
                     self._check_invariant()
                     with trio.move_on_at(decision.deadline):
@@ -508,6 +535,10 @@ class SleepController:
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(self._cfg.cleanup_timeout):
                 await self._shutdown()
+
+    def _yield_reason(self, reason: str) -> str:
+        """A yield made for a co-resident waiter that did not fit is a ``budget`` yield."""
+        return "budget" if self._arbiter.probe_reason == "budget" else reason
 
     def _probe(self) -> bool:
         try:
@@ -535,7 +566,7 @@ class SleepController:
         try:
             if not self._arbiter.holding and not await self._take_while_demanded():
                 return  # everyone who wanted the model went away while we waited
-        except ArenaUnavailable as exc:
+        except (ArenaUnavailable, ArenaRefused) as exc:
             log.error("VRAM arbiter: cannot take the token: %s", exc)
             self._wake_failed(exc)
             return
@@ -560,7 +591,7 @@ class SleepController:
     async def _take_while_demanded(self) -> bool:
         """Wait for the token while somebody still needs the model; give up when the
         demand goes away (clients gone), so we never take the GPU for nobody."""
-        error: ArenaUnavailable | None = None
+        error: ArenaUnavailable | ArenaRefused | None = None
         async with trio.open_nursery() as nursery:
 
             async def cancel_when_undemanded() -> None:
@@ -572,7 +603,7 @@ class SleepController:
             try:
                 await self._let_waiters_go_first()
                 await self._arbiter.take()
-            except ArenaUnavailable as exc:
+            except (ArenaUnavailable, ArenaRefused) as exc:
                 error = exc  # raised bare below, not wrapped in the nursery's group
             nursery.cancel_scope.cancel()
         if error is not None:
@@ -613,7 +644,7 @@ class SleepController:
             if not self._probe():
                 self._quantum_withdrawn += 1
                 return
-            await self._release(level, "quantum")
+            await self._release(level, self._yield_reason("quantum"))
         finally:
             self._leaving = False
             self._notify()
@@ -643,9 +674,10 @@ class SleepController:
         self._last_sleep = trio.current_time() - t0
         if reason == "idle":
             self._idle_sleeps += 1
-        elif reason in ("yield", "quantum"):
+        elif reason in ("yield", "quantum", "budget"):
             self._yields += 1
             self._quantum_yields += reason == "quantum"
+            self._budget_yields += reason == "budget"
             self._yielded_at = trio.current_time()
         else:
             self._requested_sleeps += 1

@@ -26,6 +26,7 @@ extension: ``--name=value`` for a flag that takes a value.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -85,6 +86,19 @@ def _float(text: str) -> float:
         return float(text)
     except ValueError:
         raise FlagValueError(f"invalid value {text!r} (a number)") from None
+
+
+def _budget(text: str) -> float | str:
+    """--arena-budget: a number of MiB > 0, or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = math.nan
+    if not (math.isfinite(mib) and mib > 0):
+        raise FlagValueError(f"invalid value {text!r} (a number of MiB > 0, or auto)")
+    return mib
 
 
 def _choice(*choices: str) -> Callable[[str], str]:
@@ -656,9 +670,12 @@ FLAGS: tuple[Flag, ...] = (
     W("--arena-quantum", "with --vram-arena: after this long resident, a waiting server gets the GPU at the next "
       "step boundary, even with requests in flight (0: yield only when idle; default 5)", value="SECONDS",
       dest="arena_quantum", conv=_float),
-    R("--arena-budget", "co-residency under a memory budget is not built yet (docs/arbiter.md): servers on an "
-      "arena take turns", value="MIB"),
-    R("--arena-pin", "pinned arena models are not built yet (docs/arbiter.md): servers on an arena take turns"),
+    W("--arena-budget", "with --vram-arena: servers whose footprints fit this many MiB of device memory together "
+      "are resident at once and never swap (auto: the device's VK_EXT_memory_budget less --fit-target; the numpy "
+      "backend needs a figure); default: off, servers take turns", value="MIB/auto", dest="arena_budget",
+      conv=_budget),
+    W("--arena-pin", "with --arena-budget: this server never yields the GPU (the budget left for the others is "
+      "the rest)", dest="arena_pin"),
     W("--arena-priority", "with --vram-arena: among waiting servers the higher goes first (equal: first come), "
       "and it halves a lower holder's quantum per step of difference (default 0)", value="N",
       dest="arena_priority", conv=_int),

@@ -116,6 +116,17 @@ def _arena_metrics(a: ArenaStatistics) -> Iterator[Metric]:
                               value=a.held_seconds)
     yield CounterMetricFamily("trio_llm_arena_restored_bytes", "Device bytes allocated by restores (wakes).",
                               value=a.restored_bytes)
+    if a.coresident:
+        # co-residency (--arena-budget): what this server counts against the budget
+        yield GaugeMetricFamily("trio_llm_arena_coresident", "1 while resident with a shared hold of the token "
+                                "(co-residency under --arena-budget).", value=float(a.resident))
+        yield GaugeMetricFamily("trio_llm_arena_footprint_bytes", "Device bytes this server counts against the "
+                                "arena budget when resident.", value=a.footprint_bytes)
+        yield GaugeMetricFamily("trio_llm_arena_budget_bytes", "This server's --arena-budget.", value=a.budget_bytes)
+        yield GaugeMetricFamily("trio_llm_arena_members", "Co-residents in the arena ledger at the last read "
+                                "(this server included while resident).", value=a.members)
+        yield GaugeMetricFamily("trio_llm_arena_pinned", "1 if this server is pinned (--arena-pin).",
+                                value=float(a.pinned))
 
 
 def make_registry(sources: StatisticsSources) -> CollectorRegistry:

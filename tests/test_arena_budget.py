@@ -1,0 +1,425 @@
+"""Co-residency under a memory budget and pin (issue 16; ``docs/arbiter.md``).
+
+The decisions (who fits, who yields) are pure and tested without trio or files. The
+rest runs real flock: in one process, where "another server" is another ``Arbiter`` on
+the same arena with its own open file descriptions and its own name in the ledger
+(they conflict exactly as across processes), and across real processes for every
+SIGKILL (a co-resident, a queued waiter, a pinned holder) and for the reference
+fork's stand-in.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from trio_llm.errors import ArenaRefused
+from trio_llm.residency.arbiter import Arbiter, Share, open_arbiter
+from trio_llm.residency.ledger import (
+    LEDGER_DIR,
+    Member,
+    decode,
+    effective_budget,
+    encode,
+    fits,
+    victims,
+)
+
+MiB = 1 << 20
+STANDIN = [sys.executable, str(Path(__file__).with_name("standin.py"))]
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+_idents = iter(range(1_000_000, 2_000_000))
+
+
+def m(pid: int, mib: int, stamp: int, *, budget: int = 1000, pinned: bool = False) -> Member:
+    return Member(pid, mib * MiB, budget * MiB, pinned, stamp)
+
+
+# ---- the pure decisions ---------------------------------------------------------------
+
+
+def test_fits_under_the_smallest_budget() -> None:
+    two = [m(1, 40, 1), m(2, 30, 2)]
+    assert fits(two, 30 * MiB, 100 * MiB)
+    assert not fits(two, 31 * MiB, 100 * MiB)
+    # a member that believes the device is smaller wins: safe, not fast
+    assert effective_budget([m(1, 40, 1, budget=80)], 100 * MiB) == 80 * MiB
+    assert not fits([m(1, 40, 1, budget=80)], 41 * MiB, 100 * MiB)
+    assert fits([], 100 * MiB, 100 * MiB) and not fits([], 101 * MiB, 100 * MiB)
+
+
+def test_victims_are_the_fewest_least_recently_used_first() -> None:
+    members = [m(1, 30, stamp=5), m(2, 30, stamp=1), m(3, 60, stamp=9)]  # 120 of 100 would be over
+    assert victims(members, 10 * MiB, 200 * MiB) == ()  # fits already: nobody yields
+    # 40 MiB to free: one 30 is not enough, the 60 alone is (fewest beats oldest)
+    assert victims(members, 20 * MiB, 100 * MiB) == (3,)
+    # 20 MiB to free: any one does; the least recently used (stamp 1) goes
+    assert victims(members, 20 * MiB, 120 * MiB) == (2,)
+    # 70 MiB to free: two are needed; the pair with the least recently used first
+    assert victims(members, 50 * MiB, 100 * MiB) == (2, 3)
+    # more than all of them hold: nobody yields for a hopeless waiter
+    assert victims(members, 200 * MiB, 100 * MiB) is None
+
+
+def test_pinned_members_never_yield_and_shrink_the_budget_for_the_rest() -> None:
+    pin = m(1, 50, stamp=0, pinned=True)  # the oldest, and still never chosen
+    members = [pin, m(2, 30, stamp=3), m(3, 20, stamp=4)]
+    assert victims(members, 30 * MiB, 100 * MiB) == (2,)
+    assert victims(members, 50 * MiB, 100 * MiB) == (2, 3)
+    assert victims(members, 51 * MiB, 100 * MiB) is None  # 51 + 50 pinned > 100
+    many = [m(i, 1, stamp=100 - i) for i in range(2, 30)]  # beyond the exhaustive search: greedy, LRU first
+    assert victims([pin, *many], 25 * MiB, 100 * MiB) == (29, 28, 27)
+
+
+def test_records_round_trip() -> None:
+    data = encode(123, 456, True, 7)
+    assert decode(42, data) == Member(42, 123, 456, True, 7)
+    assert len(encode(1, 2, False, 3)) == len(data)  # fixed width: a stamp update is one pwrite
+    assert decode(42, b"") is None and decode(42, b"junk") is None
+
+
+# ---- real flock, one process ----------------------------------------------------------
+
+
+async def member(arena: Path, mib: float, budget: float = 100, *, pinned: bool = False,
+                 priority: int = 0) -> Arbiter:
+    return await open_arbiter(arena, share=Share(int(mib * MiB), int(budget * MiB), pinned),
+                              ident=next(_idents), priority=priority)
+
+
+def ledger_names(arena: Path) -> list[str]:
+    return sorted(n for n in os.listdir(arena / LEDGER_DIR) if n != "lock")
+
+
+async def until(pred: object, timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        while not pred():  # type: ignore[operator]
+            await trio.sleep(0.001)
+
+
+async def test_two_that_fit_are_resident_together_and_nobody_yields(
+    tmp_path: Path, autojump_clock: object
+) -> None:
+    a, b = await member(tmp_path, 40), await member(tmp_path, 50)
+    try:
+        await a.take()
+        t0 = trio.current_time()
+        await b.take()  # joins at once: a never saw a waiter
+        assert trio.current_time() - t0 < 0.001
+        assert a.holding and b.holding
+        assert not a.probe() and not b.probe()
+        assert len(ledger_names(tmp_path)) == 2
+        assert a.statistics().coresident and b.statistics().members == 2
+        b.give_back()
+        assert len(ledger_names(tmp_path)) == 1
+    finally:
+        a.close()
+        b.close()
+    assert ledger_names(tmp_path) == []
+
+
+async def test_a_waiter_that_does_not_fit_makes_the_least_recently_used_yield(
+    tmp_path: Path, autojump_clock: object
+) -> None:
+    a, b, c = await member(tmp_path, 40), await member(tmp_path, 40), await member(tmp_path, 50)
+    try:
+        await a.take()
+        await b.take()
+        a.touch()  # a used after b: b is the least recently used
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(c.take)
+            await trio.sleep(0.05)
+            assert not c.holding
+            assert not a.probe()  # only one needs to go, and it is b
+            assert b.probe() and b.probe_reason == "budget"
+            b.give_back()  # (the controller releases device memory first)
+            await until(lambda: c.holding)
+        assert a.holding and c.holding and not b.holding
+        assert b.statistics().budget_probes == 1
+    finally:
+        for x in (a, b, c):
+            x.close()
+
+
+async def test_an_exclusive_waiter_drains_the_coresidents_and_no_one_joins_meanwhile(
+    tmp_path: Path, autojump_clock: object
+) -> None:
+    """A server without a budget (what a fork is to us): registered on want.lock, so
+    every co-resident sees it; a co-resident that fits cannot join while it waits
+    (flock alone would grant the shared lock and starve it); once it holds, a
+    co-resident waiter registers on want.lock so that it yields as the protocol says."""
+    a, b, late = await member(tmp_path, 10), await member(tmp_path, 10), await member(tmp_path, 10)
+    excl = await open_arbiter(tmp_path)
+    try:
+        await a.take()
+        await b.take()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(excl.take)
+            await trio.sleep(0.05)
+            assert a.probe() and a.probe_reason == "waiter" and b.probe()
+            with pytest.raises(trio.WouldBlock):
+                late.take_nowait()  # it would fit, but an exclusive waiter goes first
+            a.give_back()
+            b.give_back()
+            await until(lambda: excl.holding)
+        assert not excl.probe()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(late.take)
+            await until(lambda: excl.probe())  # the co-resident waiter is on want.lock now
+            excl.give_back()
+            await until(lambda: late.holding)
+        assert not late.statistics().waiting
+        assert not late.probe()  # and it dropped want.lock on the way in
+    finally:
+        for x in (a, b, late, excl):
+            x.close()
+
+
+async def test_pinned_never_yields_and_pins_that_do_not_fit_are_refused(
+    tmp_path: Path, autojump_clock: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    pin = await member(tmp_path, 60, pinned=True)
+    other = await member(tmp_path, 30)
+    big = await member(tmp_path, 40)
+    second_pin = await member(tmp_path, 50, pinned=True)
+    excl = await open_arbiter(tmp_path)
+    try:
+        await pin.take()
+        await other.take()
+        with pytest.raises(ArenaRefused, match=r"--arena-pin: 50.0 MiB pinned here and 60.0 MiB pinned by pid"):
+            second_pin.take_nowait()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(big.take)  # 60 pinned + 40 fits only without `other`
+            await trio.sleep(0.05)
+            assert not pin.probe()
+            assert other.probe() and other.probe_reason == "budget"
+            other.give_back()
+            await until(lambda: big.holding)
+            big.give_back()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(excl.take)
+            await trio.sleep(0.05)
+            assert not pin.probe() and not pin.probe()  # an exclusive waiter: still no
+            assert sum("pinned: an exclusive waiter" in r.getMessage() for r in caplog.records) == 1
+            nursery.cancel_scope.cancel()
+    finally:
+        for x in (pin, other, big, second_pin, excl):
+            x.close()
+
+
+async def test_a_file_in_the_way_of_the_ledger_means_taking_turns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / LEDGER_DIR).write_text("in the way")
+    a = await member(tmp_path, 10)
+    try:
+        assert a.active and not a.coresident
+        await a.take()  # exclusive, as without --arena-budget
+        assert a.holding and not a.statistics().coresident
+        lines = [r.getMessage() for r in caplog.records if "co-residency is off" in r.getMessage()]
+        assert len(lines) == 1 and "takes turns (exclusive)" in lines[0]
+    finally:
+        a.close()
+
+
+# ---- real processes -------------------------------------------------------------------
+
+CHILD = """
+import sys, trio
+from trio_llm.residency.arbiter import Share, open_arbiter
+MiB = 1 << 20
+async def main():
+    arena, mib, pinned = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "pin"
+    arb = await open_arbiter(arena, share=Share(int(mib * MiB), 100 * MiB, pinned))
+    async with trio.open_nursery() as n:
+        n.start_soon(arb.take)
+        while not arb.holding and not arb.statistics().waiting:
+            await trio.sleep(0.005)
+        await trio.sleep(0.05)
+        print("holding" if arb.holding else "queued", flush=True)
+        await trio.sleep_forever()
+trio.run(main)
+"""
+
+
+async def child(arena: Path, mib: float, pin: bool = False) -> tuple[trio.Process, str]:
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-c", CHILD, str(arena), str(mib), "pin" if pin else "-"],
+        stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": SRC},
+    )
+    return proc, await Lines(proc).next()
+
+
+class Lines:
+    """Whole lines from a child's stdout (a pipe delivers them in any chunks)."""
+
+    def __init__(self, proc: trio.Process) -> None:
+        assert proc.stdout is not None
+        self._stream, self._buf = proc.stdout, b""
+
+    async def next(self) -> str:
+        with trio.fail_after(30):
+            while b"\n" not in self._buf:
+                chunk = await self._stream.receive_some()
+                if not chunk:
+                    return ""
+                self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line.decode()
+
+
+async def kill(proc: trio.Process) -> None:
+    proc.send_signal(signal.SIGKILL)
+    await proc.wait()
+
+
+@pytest.mark.parametrize("pin", [False, True], ids=["co-resident", "pinned"])
+async def test_sigkill_of_a_coresident_repairs_the_ledger(tmp_path: Path, pin: bool) -> None:
+    """A co-resident (or a pinned holder) is SIGKILLed: its shared hold and its member
+    file's lock die with it; the waiter that did not fit beside it finds the member
+    dead, removes it, and joins: nothing stranded, the budget right again."""
+    proc, line = await child(tmp_path, 60, pin)
+    a = await member(tmp_path, 30)
+    waiter = await member(tmp_path, 50)
+    try:
+        assert line == "holding"
+        await a.take()  # 60 + 30 fit
+        assert len(ledger_names(tmp_path)) == 2
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter.take)  # 50 fits only once the 60 is gone
+            await trio.sleep(0.1)
+            assert not waiter.holding
+            # unpinned, the 60 is the one to go (it never does: a test child); pinned,
+            # nobody can make room (30 < 40 needed): a stays either way
+            assert not a.probe()
+            await kill(proc)
+            with trio.fail_after(10):
+                while not waiter.holding:
+                    await trio.sleep(0.005)
+        assert a.holding and waiter.holding
+        assert len(ledger_names(tmp_path)) == 2  # a and the waiter; the dead one removed
+        assert f"{proc.pid}.member" not in ledger_names(tmp_path)
+    finally:
+        if proc.returncode is None:
+            await kill(proc)
+        a.close()
+        waiter.close()
+
+
+async def test_sigkill_of_a_queued_coresident_waiter(tmp_path: Path) -> None:
+    """A waiter that does not fit makes the least recently used yield; SIGKILLed while
+    queued, its ticket is dead, and nobody yields for it any more."""
+    a, b = await member(tmp_path, 40), await member(tmp_path, 40)
+    try:
+        await a.take()
+        await b.take()
+        proc, line = await child(tmp_path, 50)
+        assert line == "queued"
+        assert a.probe() and a.probe_reason == "budget"  # a joined first: least recently used
+        await kill(proc)
+        assert not a.probe() and not b.probe()
+        assert [n for n in os.listdir(tmp_path / "queue") if n.endswith(".ticket")] == []
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_the_standin_joins_a_coresident_arena(tmp_path: Path) -> None:
+    """The reference fork's stand-in beside two co-residents: it registers on want.lock
+    and blocks in LOCK_EX; both co-residents see it; it gets the token once they are
+    gone (not before: their shared holds exclude it); while it holds, a co-resident
+    waiter is on want.lock, so the stand-in yields to it like to any waiter."""
+    a, b = await member(tmp_path, 40), await member(tmp_path, 40)
+    standin = await trio.lowlevel.open_process(
+        [*STANDIN, "--arena", str(tmp_path), "--hold", "60", "--yield-when-wanted"], stdout=subprocess.PIPE
+    )
+    out = Lines(standin)
+    try:
+        await a.take()
+        await b.take()
+        assert await out.next() == "waiting"
+        with trio.fail_after(10):
+            while not (a.probe() and b.probe()):
+                await trio.sleep(0.01)
+        assert a.probe_reason == "waiter"
+        a.give_back()
+        await trio.sleep(0.1)  # one shared hold is enough to keep it out
+        assert b.probe()
+        b.give_back()
+        assert await out.next() == "token"
+        with trio.fail_after(10):
+            await a.take()  # registers while the stand-in holds exclusively: it yields
+        assert a.holding
+        assert await out.next() == "released"
+        with trio.fail_after(10):
+            assert await standin.wait() == 0
+    finally:
+        if standin.returncode is None:
+            standin.kill()
+        a.close()
+        b.close()
+
+
+# ---- the flags at start-up ------------------------------------------------------------
+
+
+def test_start_up_figures_and_refusals(tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """What ``--arena-budget`` and ``--arena-pin`` bring, read before the token is taken:
+    the footprint is ``--fit``'s projection; bad input is one line."""
+    from trio_llm.runtime import arena_share, parse_config
+
+    base = ["-m", str(tiny_model), "--vram-arena", str(tmp_path), "-c", "512"]
+    share = arena_share(parse_config([*base, "--backend", "numpy", "--arena-budget", "64", "--arena-pin"], {}))
+    assert share is not None and share.pinned and share.budget == 64 * MiB
+    bigger = arena_share(parse_config([*base, "-c", "4096", "--backend", "numpy", "--arena-budget", "64"], {}))
+    assert bigger is not None and bigger.footprint - share.footprint == 3584 * 1024  # the KV of 3584 positions
+    assert arena_share(parse_config([*base, "--backend", "numpy"], {})) is None  # no budget: take turns
+    # auto on numpy: one line, and this server takes turns
+    assert arena_share(parse_config([*base, "--backend", "numpy", "--arena-budget", "auto"], {})) is None
+    assert any("numpy backend has no device budget" in r.getMessage() and "takes turns" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(ArenaRefused, match=r"^--arena-budget: the model needs 8\.\d MiB on the device, more than "
+                                           r"the 1\.0 MiB budget$"):
+        arena_share(parse_config([*base, "--backend", "numpy", "--arena-budget", "1"], {}))
+
+
+def test_a_budget_beyond_the_device_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    from trio_llm.engine import fit
+    from trio_llm.errors import ConfigError
+    from trio_llm.runtime import arena_share, parse_config
+
+    device = fit.device_memory()
+    if device is None:
+        pytest.skip("no Vulkan device here (lavapipe is missing)")
+    base = ["-m", str(tiny_model), "--vram-arena", str(tmp_path), "-c", "512", "--backend", "vulkan"]
+    too_much = device.heap_bytes // MiB + 1
+    with pytest.raises(ConfigError, match=rf"^--arena-budget {too_much} MiB is more than the device's "):
+        arena_share(parse_config([*base, "--arena-budget", str(too_much)], {}))
+    auto = arena_share(parse_config([*base, "--arena-budget", "auto", "--fit-target", "256"], {}))
+    assert auto is not None and auto.budget == device.budget_bytes - 256 * MiB
+
+
+async def test_serve_refuses_a_pin_that_does_not_fit_beside_the_pins(tiny_model: Path, tmp_path: Path) -> None:
+    """End to end: a pinned member holds 60 of the 64 MiB; ``trio-llm serve --arena-pin``
+    with an 8 MiB model exits 1 with one line naming both, before loading anything."""
+    pin = await member(tmp_path, 60, budget=64, pinned=True)
+    try:
+        await pin.take()
+        proc = await trio.run_process(
+            [sys.executable, "-m", "trio_llm", "serve", "-m", str(tiny_model), "-c", "512", "--backend", "numpy",
+             "--port", "0", "--vram-arena", str(tmp_path), "--arena-budget", "64", "--arena-pin", "--log-disable"],
+            capture_stdout=True, capture_stderr=True, check=False, env={**os.environ, "PYTHONPATH": SRC},
+        )
+        err = proc.stderr.decode().strip().splitlines()
+        assert proc.returncode == 1, err
+        assert len(err) == 1 and err[0].startswith("trio-llm serve: error: --arena-pin: 8.2 MiB pinned here and "
+                                                   "60.0 MiB pinned by pid"), err
+        assert len(ledger_names(tmp_path)) == 1  # nothing left behind by the refused server
+    finally:
+        pin.close()
