@@ -423,3 +423,50 @@ async def test_serve_refuses_a_pin_that_does_not_fit_beside_the_pins(tiny_model:
         assert len(ledger_names(tmp_path)) == 1  # nothing left behind by the refused server
     finally:
         pin.close()
+
+
+# ---- real servers ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_three_servers_of_which_two_fit(tiny_model: Path, tmp_path: Path) -> None:
+    """Real ``trio-llm serve`` processes, budget 18 MiB: a and b (8.2 MiB each at -c 512)
+    fit together and never swap; c (15.7 MiB at -c 8192) fits beside neither, so its
+    load makes both yield (reason budget), and a request to a then makes c yield while
+    b joins a without anybody yielding."""
+    from test_arbiter_servers import start
+
+    arena = ("--arena-budget", "18", "--metrics", "--sleep-mode", "weights")
+    a = await start(tiny_model, tmp_path, "-c", "512", *arena)
+    b = await start(tiny_model, tmp_path, "-c", "512", *arena)
+    servers = [a, b]
+    try:
+        for s in (a, b):
+            res = await s.residency()
+            assert res["state"] == "resident" and res["token_held"] and res["arbiter"]["coresident"]
+        for i in range(6):  # alternating: no hand-off, nobody yields
+            await (a if i % 2 else b).complete(f"question {i}")
+        for s in (a, b):
+            res = await s.residency()
+            assert res["state"] == "resident" and res["cycles"]["yields"] == 0, res
+        c = await start(tiny_model, tmp_path, "-c", "8192", *arena)
+        servers.append(c)
+        for s in (a, b):
+            res = await s.until(lambda r: r["state"] == "cold", "yields to c")
+            assert res["cycles"]["budget_yields"] == 1
+        assert (await c.residency())["state"] == "resident"
+        await a.complete("back to a")  # c must go; a alone
+        res_c = await c.until(lambda r: r["state"] == "cold", "c yields to a")
+        assert res_c["cycles"]["budget_yields"] == 1
+        await b.complete("and b")  # joins a: nobody yields
+        assert (await a.residency())["state"] == "resident"
+        assert (await a.residency())["cycles"]["budget_yields"] == 1
+        metrics = (await a.http.get("/metrics")).text
+        assert 'trio_llm_arena_yields_total{reason="budget"} 1.0' in metrics
+        assert "trio_llm_arena_coresident 1.0" in metrics
+        assert "trio_llm_arena_budget_bytes 1.8874368e+07" in metrics
+    finally:
+        for s in servers:
+            code, err = await s.stop()
+            assert code == 0, err[-2000:]
+    assert ledger_names(tmp_path) == []
