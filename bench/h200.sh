@@ -90,7 +90,8 @@ wait8b() { [ -n "$M8" ] && wait $M8 2>/dev/null; M8B=/tmp/m/$B8-Q4_K_M.gguf; }
 for s in $STAGES; do case $s in
   verify)  # the model equivalence (Vulkan = numpy within 1e-4) on the float32 scalar matmul;
     # the cooperative-matrix matmul (f16 tiles) is checked op by op in test_vulkan_ops.py
-    stage verify 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_ops.py tests/test_vulkan_kv.py
+    stage verify 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_ops.py tests/test_vulkan_kv.py \
+      tests/test_vulkan_attn_prefill.py
     stage verify-model 200 env TRIO_LLM_COOPMAT=0 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_model.py ;;
   attndepth)  # decode attention at depth, op level: per-head attention vs attention_decode
     stage attn-depth-1b 240 $PY bench/attn_depth.py --shape llama-1b --depths 512,4096,32768,131072 \

@@ -89,6 +89,16 @@ def heads_per_group(n_head: int, n_head_kv: int, most: int = 8) -> int:
     return max(d for d in range(1, min(g, most) + 1) if g % d == 0)
 
 
+def prefill_tile(n_head: int, n_head_kv: int, head_dim: int) -> tuple[int, int]:
+    """(query heads, tokens) of one ``attention_prefill`` work group: the heads are
+    ``heads_per_group`` of the GQA ratio (they share every K/V row the group loads),
+    the tokens fill 32 query rows (16 for head_dim 256, keeping the f32 queries in 16
+    KiB of shared memory)."""
+    rows = 32 if head_dim <= 128 else 16
+    g = heads_per_group(n_head, n_head_kv, most=min(8, rows))
+    return g, rows // g
+
+
 def attention_part_floats(cap: int, n_head: int, head_dim: int, n_split: int) -> int:
     """float32 values of the partials buffer ``attention_decode`` needs for ``cap``
     tokens: per (token, head, split) head_dim outputs plus the running max and sum."""
@@ -299,6 +309,27 @@ class Ops:
                 n_swa, n_split, chunk, ml_off)
         return Dispatch(k, (q, k_cache, v_cache, o, part, counters, step), push,
                         (n_split, n_head // gw, cap))
+
+    def attention_prefill(
+        self, q: View, k_cache: View, v_cache: View, o: View, step: View, *, n_head: int,
+        n_head_kv: int, head_dim: int, n_ctx: int, q_stride: int, o_stride: int, cap: int,
+        scale: float | None = None, k_type: str = "f32", v_type: str = "f32", n_swa: int = 0,
+    ) -> Dispatch:
+        """``attention`` for many tokens (prefill, attn_prefill.comp): a work group per
+        tile of consecutive tokens and group of query heads of one KV head
+        (``prefill_tile``), key tiles staged once for all of its rows, online softmax,
+        masked tiles skipped and fully visible ones run without the mask. Same
+        arguments and results as ``attention``."""
+        assert head_dim % 16 == 0 and head_dim <= 256 and n_head % n_head_kv == 0
+        kt, vt = _kv(k_type), _kv(v_type)
+        _check_head(kt, head_dim, "K")
+        _check_head(vt, head_dim, "V")
+        g, bq = prefill_tile(n_head, n_head_kv, head_dim)
+        k = self.kernels.get("attn_prefill", n_bindings=5, n_push=9, local_size=128,
+                             defines=kv_defines(K_TYPE=kt, V_TYPE=vt), spec={1: g, 2: bq, 3: head_dim})
+        s = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        push = (n_head, n_head_kv, head_dim, n_ctx, n_head_kv * head_dim, q_stride, o_stride, float(s), n_swa)
+        return Dispatch(k, (q, k_cache, v_cache, o, step), push, (math.ceil(cap / bq), n_head // g, 1))
 
     def swiglu(
         self, g: View, u: View, y: View, step: View, *, n: int, stride: int, cap: int,

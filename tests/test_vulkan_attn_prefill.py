@@ -1,0 +1,143 @@
+"""Prefill attention, tiled (``attention_prefill``, attn_prefill.comp), against numpy on
+the device: every KV cache type, head dims 64/128/256, GQA ratios 1/2/4/8, token counts
+that are not multiples of the tile, a prefix already in the cache (queries from
+position p0 > 0: chunked prefill, prompt-cache reuse), several sequences in one batch
+(tiles that straddle them), sliding windows over a ring cache, a softmax scale of the
+model's own (gemma3). The positions are chosen so that each case has fully visible key
+tiles (the mask skipped), diagonal tiles and, with windows, tiles before the window."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from test_vulkan_kv import _typed_cache
+from test_vulkan_ops import Env
+from trio_llm.model.kvtypes import KV_TYPES
+from trio_llm.vulkan.device import shared_device
+from trio_llm.vulkan.kernels import KernelCache
+from trio_llm.vulkan.memory import Allocator
+from trio_llm.vulkan.ops import Ops, prefill_tile
+
+pytestmark = pytest.mark.vulkan
+
+TYPES = list(KV_TYPES)
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    device = shared_device()
+    alloc = Allocator(device)
+    kernels = KernelCache(device)
+    yield Env(device, alloc, Ops(kernels, subgroup=device.limits.subgroup_size))
+    kernels.close()
+    alloc.free_all()
+
+
+def np_attention(q, k, v, pos, seq, n_head_kv, n_swa, scale):  # type: ignore[no-untyped-def]
+    """q [ntok, n_head, hd]; k, v [n_seq, n_ctx, n_head_kv, hd], position p at row
+    p % n_ctx; token t sees positions [pos - n_swa + 1, pos] (all of [0, pos] without
+    a window), in float64."""
+    ntok, n_head, hd = q.shape
+    n_ctx = k.shape[1]
+    g = n_head // n_head_kv
+    out = np.zeros((ntok, n_head, hd))
+    for t in range(ntok):
+        lo = max(0, pos[t] - n_swa + 1) if n_swa else 0
+        r = np.arange(lo, pos[t] + 1) % n_ctx
+        for h in range(n_head):
+            kk = k[seq[t], r, h // g].astype(np.float64)
+            vv = v[seq[t], r, h // g].astype(np.float64)
+            s = kk @ q[t, h].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            out[t, h] = p @ vv / p.sum()
+    return out
+
+
+def batch(*runs: tuple[int, int, int]) -> tuple[list[int], list[int]]:
+    """Positions and sequence ids of runs (seq, p0, n): tokens p0..p0+n-1 of seq."""
+    pos = [p for _, p0, n in runs for p in range(p0, p0 + n)]
+    seq = [s for s, _, n in runs for _ in range(n)]
+    return pos, seq
+
+
+def check(env: Env, *, hd: int, n_head: int, n_kv: int, pos: list[int], seq: list[int], n_ctx: int,
+          k_type: str = "f16", v_type: str | None = None, n_swa: int = 0, scale: float | None = None,
+          seed: int = 0, cap: int | None = None) -> None:
+    v_type = k_type if v_type is None else v_type
+    rng = np.random.default_rng(seed)
+    ntok, n_seq = len(pos), max(seq) + 1
+    q = rng.standard_normal((ntok, n_head, hd)).astype(np.float32)
+    kx = rng.standard_normal((n_seq, n_ctx, n_kv, hd)).astype(np.float32)
+    vx = (rng.standard_normal((n_seq, n_ctx, n_kv, hd)) * 2).astype(np.float32)
+    kc, kh = _typed_cache(env, kx, k_type)
+    vc, vh = _typed_cache(env, vx, v_type)
+    qv, o = env.put(q), env.put(np.full(q.size, np.nan, np.float32))
+    st = env.step([0] * ntok, pos, seq)
+    s = 1.0 / np.sqrt(hd) if scale is None else scale
+    env.run([env.ops.attention_prefill(
+        qv, kc, vc, o, st, n_head=n_head, n_head_kv=n_kv, head_dim=hd, n_ctx=n_ctx, q_stride=n_head * hd,
+        o_stride=n_head * hd, cap=cap or ntok, scale=s, k_type=k_type, v_type=v_type, n_swa=n_swa)])
+    want = np_attention(q, kh, vh, pos, seq, n_kv, n_swa, s)
+    np.testing.assert_allclose(env.get(o).reshape(q.shape), want, atol=3e-5 * np.abs(vh).max(), rtol=0)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_every_kv_type(env: Env, name: str) -> None:
+    """41 tokens after a prefix of 37 (tiles of 16 tokens: the last one partial), and a
+    second sequence from position 0 in the same batch."""
+    pos, seq = batch((0, 37, 41), (1, 0, 9))
+    check(env, hd=64, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=96, k_type=name, seed=TYPES.index(name))
+
+
+def test_mixed_k_and_v_types(env: Env) -> None:
+    pos, seq = batch((0, 20, 30))
+    check(env, hd=64, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=64, k_type="q8_0", v_type="f16", seed=9)
+    check(env, hd=64, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=64, k_type="f16", v_type="q4_0", seed=10)
+
+
+@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize("gqa", [1, 2, 4, 8])
+def test_head_dims_and_gqa(env: Env, hd: int, gqa: int) -> None:
+    """From position 0 (causal tiles only) and after a prefix of 70 (whole visible
+    tiles first); the token count is never a multiple of the tile."""
+    n_kv = 1 if hd == 256 else 2
+    g, bq = prefill_tile(gqa * n_kv, n_kv, hd)
+    assert g * bq <= 32 and gqa % g == 0
+    pos, seq = batch((0, 0, 2 * bq + 3), (1, 70, bq + 5))
+    check(env, hd=hd, n_head=gqa * n_kv, n_kv=n_kv, pos=pos, seq=seq, n_ctx=128, seed=hd + gqa)
+
+
+def test_tiles_straddle_sequences(env: Env) -> None:
+    """Five short sequences in one batch (several in each work group's tile), out of
+    position order, with a cap larger than the batch."""
+    pos, seq = batch((2, 5, 3), (0, 0, 7), (4, 50, 11), (1, 33, 1), (3, 90, 6))
+    check(env, hd=64, n_head=8, n_kv=2, pos=pos, seq=seq, n_ctx=100, seed=3, cap=64)
+
+
+def test_sliding_window_ring(env: Env) -> None:
+    """gemma3's sliding-window layers: a window of 40 over a ring of window + chunk rows
+    (70), positions far past the ring's size, a batch from position 0 beside it, and
+    gemma3's scale (1/sqrt(n_embd / n_head), not 1/sqrt(head_dim)); q8_0 too."""
+    pos, seq = batch((0, 200, 30), (1, 0, 45))
+    for t in ("f16", "q8_0"):
+        check(env, hd=256, n_head=4, n_kv=1, pos=pos, seq=seq, n_ctx=70, n_swa=40, k_type=t,
+              scale=1.0 / np.sqrt(160.0), seed=4)
+    pos, seq = batch((0, 130, 40))
+    check(env, hd=64, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=72, n_swa=33, seed=5)
+
+
+def test_window_wider_than_the_positions(env: Env) -> None:
+    """A window longer than the sequence so far is the causal mask."""
+    pos, seq = batch((0, 0, 40))
+    check(env, hd=64, n_head=2, n_kv=1, pos=pos, seq=seq, n_ctx=64, n_swa=512, seed=6)
+
+
+def test_bad_shapes_are_refused(env: Env) -> None:
+    v = env.zeros(64)
+    for hd, typ in ((40, "f16"), (48, "q8_0")):
+        with pytest.raises((AssertionError, ValueError)):
+            env.ops.attention_prefill(v, v, v, v, v, n_head=2, n_head_kv=1, head_dim=hd, n_ctx=4, q_stride=2 * hd,
+                                      o_stride=2 * hd, cap=16, k_type=typ, v_type=typ)
