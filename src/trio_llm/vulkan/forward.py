@@ -520,7 +520,9 @@ class _Lowering:
             # the partials and counters are reused by every layer's attention
             self.emit([d], reads + ["kv_part"], [self.slot(node.out), "kv_part"])
         else:
-            d = self.ops.attention(self.view(q), kc, vc, self.view(node.out), self.st, **common)  # type: ignore[arg-type]
+            # many queries: tiled flash attention where the device can run it, else per (head, token)
+            attend = self.ops.attention_prefill if not self.decode and self.ops.prefill_ok(hd) else self.ops.attention
+            d = attend(self.view(q), kc, vc, self.view(node.out), self.st, **common)  # type: ignore[arg-type]
             self.emit([d], reads, [self.slot(node.out)])
         if vb:  # the output rotated back (the matrix is its own inverse)
             self._rotate(node.out, vb)

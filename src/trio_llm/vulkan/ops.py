@@ -310,6 +310,16 @@ class Ops:
         return Dispatch(k, (q, k_cache, v_cache, o, part, counters, step), push,
                         (n_split, n_head // gw, cap))
 
+    def prefill_ok(self, head_dim: int) -> bool:
+        """Whether ``attention_prefill`` runs here for ``head_dim``: a multiple of 16 up
+        to 256, subgroups of at least 4 lanes (its quarter-row shuffles) and the shared
+        memory its tile needs (the device's reported limits, not its name)."""
+        if head_dim % 16 or head_dim > 256 or self.subgroup < 4:
+            return False
+        g, bq = prefill_tile(1, 1, head_dim)
+        rows = g * bq
+        return 4 * rows * (head_dim + 32 + 2) + 8 * 32 <= self.kernels.device.limits.max_shared_memory
+
     def attention_prefill(
         self, q: View, k_cache: View, v_cache: View, o: View, step: View, *, n_head: int,
         n_head_kv: int, head_dim: int, n_ctx: int, q_stride: int, o_stride: int, cap: int,
