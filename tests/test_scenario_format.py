@@ -54,7 +54,7 @@ def test_shipped_scenarios_parse() -> None:
     names = {p.stem for p in SHIPPED}
     assert {
         "alternating", "three-way", "long-holder", "waiter-killed", "holder-killed",
-        "frozen-holder", "cold-stop", "burst-on-wake", "no-idle-sleep",
+        "frozen-holder", "cold-stop", "burst-on-wake", "no-idle-sleep", "coresident", "pinned", "fork-joins",
     } <= names
     for path in SHIPPED:
         scenario = fmt.load(path)
@@ -123,6 +123,13 @@ def test_good_file_values() -> None:
          "servers: is required"),
         ("[scenario]\nlenght=3\n[[server]]\nname='a'", "scenario.lenght: unknown key (did you mean 'length'?)"),
         ("[[server]]\nname='a b'", "server[0].name: 'a b': use letters"),
+        ("[[server]]\nname='a'\n[[phase]]\n[[phase.step]]\nid='q'\nserver='a'\nprompt='x'\n[expect]\n"
+         "stay_resident=[{servers=['z'], steps=['q']}]", "expect.stay_resident[0].servers: unknown server 'z'"),
+        ("[[server]]\nname='a'\n[[phase]]\n[[phase.step]]\nid='q'\nserver='a'\nprompt='x'\n[expect]\n"
+         "stay_resident=[{servers=['a']}]", "expect.stay_resident[0].steps: is required"),
+        ("[[server]]\nname='a'\n[[phase]]\n[[phase.step]]\naction='fork'\nhold_s=0", "hold_s: must be"),
+        ("[[server]]\nname='a'\n[[phase]]\n[[phase.step]]\naction='fork'\nwait='first_token'",
+         "wait: 'first_token' is not one of done, sent"),
     ],
 )
 def test_bad_files_name_the_place(text: str, message: str) -> None:

@@ -38,6 +38,7 @@ ACTIONS = (
     "cont",  # SIGCONT (thaw)
     "term",  # SIGTERM, then expect an exit code within a bound
     "restart",  # start a server again after it exited
+    "fork",  # the reference fork's stand-in takes the token (plain flock, no HTTP)
 )
 #: residency states a server reports in /props
 STATES = ("resident", "releasing", "cold", "restoring", "unloaded")
@@ -120,6 +121,9 @@ class Step:
     expect_exit: int = 0
     within_s: float = 10.0
     hang_up: bool = False  # term: close the runner's idle connections first
+    # fork
+    hold_s: float = 0.5  # how long the stand-in holds the token
+    yield_when_wanted: bool = False  # it yields early to a waiter, as a resident fork does
 
 
 @attrs.frozen
@@ -140,6 +144,15 @@ class ServedAfter:
 
 
 @attrs.frozen
+class StayResident:
+    """Co-residency: ``servers`` read ``resident`` at every poll sent while the requests
+    of ``steps`` ran (round by round: from the first sent to the last finished)."""
+
+    servers: tuple[str, ...]
+    steps: tuple[str, ...]
+
+
+@attrs.frozen
 class Expectations:
     all_answered: bool = True
     stranded: int = 0
@@ -152,6 +165,7 @@ class Expectations:
     faults_as_expected: bool = True
     served_after: tuple[ServedAfter, ...] = ()
     none_before_restore: tuple[str, ...] = ()
+    stay_resident: tuple[StayResident, ...] = ()
 
 
 @attrs.frozen
@@ -365,7 +379,7 @@ def loads(text: str, source: str | Path = "<scenario>") -> Scenario:
     if not phases or not any(p.steps for p in phases):
         top.fail("no steps: add [[phase]] tables with [[phase.step]] entries")
     ids = _check_ids(top, phases)
-    expect = _read_expect(_Table(source, "expect", top.raw("expect") or {}), ids)
+    expect = _read_expect(_Table(source, "expect", top.raw("expect") or {}), ids, names)
     if expect.no_preemption_mid_decode and not any(s.stream for p in phases for s in p.steps):
         top.fail(
             "expect.no_preemption_mid_decode needs a streaming request step to watch "
@@ -496,6 +510,11 @@ def _read_step(t: _Table, servers: tuple[str, ...]) -> Step:
         kw["timeout_s"] = t.float_("timeout_s", 30.0, positive=True)
     elif action == "wait_requests":
         kw["timeout_s"] = t.opt_float("timeout_s", positive=True)
+    elif action == "fork":
+        kw["hold_s"] = t.float_("hold_s", 0.5, positive=True)
+        kw["yield_when_wanted"] = t.bool_("yield_when_wanted", False)
+        kw["timeout_s"] = t.float_("timeout_s", 30.0, positive=True)
+        kw["wait"] = t.str_("wait", "done", choices=("done", "sent"))
     else:
         kw["server"] = server()
         if action == "term":
@@ -520,7 +539,7 @@ def _check_ids(top: _Table, phases: tuple[Phase, ...]) -> dict[str, Step]:
     return ids
 
 
-def _read_expect(t: _Table, ids: dict[str, Step]) -> Expectations:
+def _read_expect(t: _Table, ids: dict[str, Step], servers: tuple[str, ...] = ()) -> Expectations:
     def request_id(value: object, key: str) -> str:
         if not isinstance(value, str) or value not in ids:
             known = ", ".join(sorted(ids)) or "none"
@@ -541,6 +560,20 @@ def _read_expect(t: _Table, ids: dict[str, Step]) -> Expectations:
         )
         s.done()
     before = tuple(request_id(v, "none_before_restore") for v in t.str_list("none_before_restore"))
+    stay: list[StayResident] = []
+    for k, raw in enumerate(t.tables("stay_resident")):
+        s = _Table(t.source, f"expect.stay_resident[{k}]", raw)
+        names = s.str_list("servers")
+        if not names:
+            s.fail("is required: the servers that must stay resident", "servers")
+        for name in names:
+            if name not in servers:
+                s.fail(f"unknown server {name!r}; servers: {', '.join(servers)}", "servers")
+        steps = tuple(request_id(v, f"stay_resident[{k}].steps") for v in s.str_list("steps"))
+        if not steps:
+            s.fail("is required: the steps during which they stay resident", "steps")
+        stay.append(StayResident(names, steps))
+        s.done()
     expect = Expectations(
         all_answered=t.bool_("all_answered", True),
         stranded=t.int_("stranded", 0, minimum=0),
@@ -553,6 +586,7 @@ def _read_expect(t: _Table, ids: dict[str, Step]) -> Expectations:
         faults_as_expected=t.bool_("faults_as_expected", True),
         served_after=tuple(served_after),
         none_before_restore=before,
+        stay_resident=tuple(stay),
     )
     t.done()
     return expect

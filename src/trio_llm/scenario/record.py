@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 
 from trio_llm.errors import ScenarioError
-from trio_llm.scenario.format import Count, Expectations, ServedAfter, parse_count
+from trio_llm.scenario.format import Count, Expectations, ServedAfter, StayResident, parse_count
 
 #: states the server reports that mean "not resident"
 NOT_RESIDENT = ("cold", "releasing", "restoring", "unloaded")
@@ -192,6 +192,8 @@ def from_json(data: dict[str, Any]) -> Record:
         expect = Expectations(
             served_after=tuple(ServedAfter(**s) for s in expect_raw.pop("served_after", ())),
             none_before_restore=tuple(expect_raw.pop("none_before_restore", ())),
+            stay_resident=tuple(StayResident(tuple(s["servers"]), tuple(s["steps"]))
+                                for s in expect_raw.pop("stay_resident", ())),
             min_handoffs=_parse_count(min_handoffs),
             **expect_raw,
         )

@@ -179,6 +179,10 @@ def find_handoffs(record: Record, states: _States) -> list[Handoff]:
     and a hand-off of a few milliseconds (numpy, no post-wake grace) can wake, answer
     and stay resident between two polls of the 20 ms interval."""
     arena = {s["name"] for s in record.servers if s.get("arena")}
+    # a co-resident (--arena-budget) stays resident while another streams: for it only
+    # a poll that saw it cold is evidence of a hand-off
+    shared = {s["name"] for s in record.servers
+              if any(str(a).split("=", 1)[0] == "--arena-budget" for a in s.get("command", []))}
     holding = ("resident", "releasing", "restoring")
     streaming: dict[str, list[tuple[float, float]]] = {}
     for q in record.requests:
@@ -190,7 +194,7 @@ def find_handoffs(record: Record, states: _States) -> list[Handoff]:
             continue
         until = r.answered_at
         if not (any(run.state in COLD for run in states.around(r.server, r.sent, until))
-                or _displaced(r.server, r.sent, arena, streaming)):
+                or (r.server not in shared and _displaced(r.server, r.sent, arena, streaming))):
             continue
         holder = next(
             (
@@ -338,6 +342,8 @@ def analyse(record: Record) -> Analysis:
         checks.append(_check_served_after(pair, by_step))
     for step in expect.none_before_restore:
         checks.append(_check_none_before_restore(step, by_step.get(step, []), states, record))
+    for stay in expect.stay_resident:
+        checks.append(_check_stay_resident(stay, by_step, states))
 
 
 
@@ -416,6 +422,34 @@ def _check_served_after(pair: Any, by_step: dict[str, list[RequestRecord]]) -> C
         _few(bad) or f"{seen} round(s); gap after the holder finished: max {_fmt_s(max(gaps, default=None))}",
         tuple(ids),
     )
+
+
+def _check_stay_resident(stay: Any, by_step: dict[str, list[RequestRecord]], states: _States) -> Check:
+    """Co-residency: round by round, from the first request of ``stay.steps`` sent to
+    the last one finished, every poll of ``stay.servers`` sent in that window read
+    ``resident`` (a swap between co-residents would show as cold or releasing), and
+    each server was polled at least once in every window."""
+    name = f"{', '.join(stay.servers)} stay resident through {', '.join(stay.steps)}"
+    rounds: dict[int, list[RequestRecord]] = {}
+    for step in stay.steps:
+        for r in by_step.get(step, []):
+            rounds.setdefault(r.round, []).append(r)
+    if not rounds:
+        return Check(name, False, "the steps sent no request")
+    bad, polls = [], 0
+    for rnd, reqs in sorted(rounds.items()):
+        lo = min(r.sent for r in reqs)
+        hi = max((r.done if r.done is not None else r.sent) for r in reqs)
+        for server in stay.servers:
+            runs = states.sent_between(server, lo, hi)
+            polls += len(runs)
+            if not runs:
+                bad.append(f"round {rnd}: {server} not polled in [{lo:.2f}, {hi:.2f}] s")
+            off = sorted({run.state for run in runs if run.state != "resident"})
+            if off:
+                bad.append(f"round {rnd}: {server} seen {'/'.join(off)} in [{lo:.2f}, {hi:.2f}] s")
+    detail = f"{len(rounds)} round(s), {polls} polls, all resident"
+    return Check(name, not bad, _few(bad) or detail)
 
 
 def _check_none_before_restore(
@@ -595,6 +629,9 @@ def timeline(record: Record, path: Path, flagged: Iterable[int] = ()) -> None:
 
     # the reference server runs after the scenario, unobserved: it has no lane
     names = [s["name"] for s in record.servers if not s.get("reference")]
+    forks = [e for e in record.events if e.kind == "fork"]
+    if forks:
+        names.append("fork")  # the reference fork's stand-in (a ``fork`` step)
     n = max(1, len(names))
     shown = set(names)
     end = max(
@@ -648,6 +685,17 @@ def timeline(record: Record, path: Path, flagged: Iterable[int] = ()) -> None:
                 lanes.plot([answered], [yr], marker="|", color=ink, ms=7)
             else:
                 lanes.plot([finish], [yr], marker="x", color="#c0392b", ms=6, mew=1.6)
+    # the stand-in: waiting as a thin grey line, holding the token as a thick purple one
+    since: dict[str, float] = {}
+    for e in forks:
+        y = ypos["fork"]
+        if e.detail in ("waiting", "token"):
+            if e.detail == "token" and "waiting" in since:
+                lanes.plot([since.pop("waiting"), e.t], [y, y], color="#555555", lw=0.8)
+            since[e.detail] = e.t
+        elif e.detail == "released" and "token" in since:
+            t0 = since.pop("token")
+            lanes.broken_barh([(t0, max(e.t - t0, 1e-3))], (y - 0.4, 0.8), facecolors="#8e44ad", edgecolor="none")
     for e in record.events:
         if e.server not in ypos or e.kind not in ("signal", "exit"):
             continue

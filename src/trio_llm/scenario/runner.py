@@ -21,8 +21,10 @@ with SIGKILL to each process group.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
+import math
 import os
 import random
 import shutil
@@ -366,8 +368,72 @@ class Runner:
                 self.check("-", False, f"{name}: requests still in flight after {step.timeout_s:g} s")
         elif action == "wait_state":
             await self._wait_state(step, name)
+        elif action == "fork":
+            await self._fork(step, name)
         else:
             await self._fault(step, name)
+
+    async def _fork(self, step: Step, name: str) -> None:
+        """The reference fork's stand-in (``scenario/standin.py``: plain flock, no HTTP)
+        takes the arena token, holds it ``hold_s`` and exits. Two checks: it got the
+        token within ``timeout_s``, and while it held it no arena server was seen with
+        resident (every poll wholly inside the hold read cold or unloaded). Runs
+        in the request nursery, so ``wait_requests`` and the drain wait for it; the
+        step returns once it registered (``wait = "sent"``) or once it is done."""
+        assert self._reqs is not None
+        key = -1 - sum(1 for e in self.record.events if e.kind == "fork" and e.detail == "start")
+        done, registered = trio.Event(), trio.Event()
+        self._pending[key] = done
+        self.record.events.append(rec.Event(self.now(), "fork", "fork", "start"))
+        self.say(f"{name}: fork stand-in")
+        self._reqs.start_soon(self._run_fork, step, name, key, done, registered)
+        await (registered if step.wait == "sent" else done).wait()
+
+    async def _run_fork(self, step: Step, name: str, key: int, done: trio.Event,
+                        registered: trio.Event) -> None:
+        bound = step.timeout_s or 30.0
+        args = [sys.executable, "-m", "trio_llm.scenario.standin", "--arena", str(self._arena),
+                "--hold", f"{step.hold_s:g}", *(["--yield-when-wanted"] if step.yield_when_wanted else [])]
+        times: dict[str, float] = {}
+        proc = await trio.lowlevel.open_process(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                                start_new_session=True)
+        try:
+            assert proc.stdout is not None
+            buf = b""
+            with trio.move_on_after(bound + step.hold_s + 10.0):
+                while "released" not in times:
+                    chunk = await proc.stdout.receive_some()
+                    if not chunk:
+                        break
+                    buf += chunk
+                    while b"\n" in buf:
+                        line, buf = buf.split(b"\n", 1)
+                        word = line.decode(errors="replace").strip()
+                        times[word] = self.now()
+                        self.record.events.append(rec.Event(self.now(), "fork", "fork", word))
+                        if word == "waiting":
+                            registered.set()
+            waited = times.get("token", math.inf) - times.get("waiting", math.inf)
+            self.check("fork", waited <= bound,
+                       f"{name}: the stand-in got the token after {waited:.2f} s (bound {bound:g} s)"
+                       if "token" in times else f"{name}: the stand-in did not get the token")
+            if "token" in times and "released" in times:
+                lo, hi = times["token"], times["released"]
+                seen = [f"{run.server} {run.state}" for run in self.record.runs
+                        if run.state in ("resident", "restoring", "releasing")
+                        and self._servers[run.server].spec.arena and run.read_within(lo, hi)]
+                self.check("fork", not seen,
+                           f"{name}: while the stand-in held the token ({hi - lo:.2f} s) "
+                           + (f"{', '.join(sorted(set(seen)))} seen" if seen else "no arena server was resident"))
+        finally:
+            registered.set()
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+            with trio.CancelScope(shield=True), trio.move_on_after(5.0):
+                await proc.wait()
+            self._pending.pop(key, None)
+            done.set()
 
     async def _random(self, step: Step, name: str, rnd: int) -> None:
         start = trio.current_time()
@@ -454,7 +520,7 @@ class Runner:
             spec = base.spec
             ref = ServerSlot(
                 spec=attrs.evolve(spec, name=f"reference-{spec.name}", arena=False,
-                                  sleep_idle_seconds=None, np=1),
+                                  sleep_idle_seconds=None, np=1, args=without_arena_flags(spec.args)),
                 model_path=base.model_path, backend=base.backend, arena=self._arena,
                 log_path=base.log_path.with_name(f"reference-{spec.name}.log"),
             )
@@ -564,6 +630,27 @@ async def run_scenario(
         record.duration_s = runner.now()
         shutil.rmtree(arena, ignore_errors=True)
     return record
+
+
+#: flags that only mean something on an arena, and the number of values each takes
+_ARENA_ONLY = {"--arena-budget": 1, "--arena-pin": 0, "--arena-quantum": 1, "--arena-priority": 1}
+
+
+def without_arena_flags(args: Sequence[str]) -> tuple[str, ...]:
+    """A server's flags for the plain reference run (no arena): ``--arena-budget`` and
+    ``--arena-pin`` are refused without ``--vram-arena``, the others mean nothing there."""
+    out: list[str] = []
+    skip = 0
+    for arg in args:
+        if skip:
+            skip -= 1
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _ARENA_ONLY:
+            skip = _ARENA_ONLY[name] if "=" not in arg else 0
+            continue
+        out.append(arg)
+    return tuple(out)
 
 
 def with_model(spec: ServerSpec, model: str | None) -> ServerSpec:
