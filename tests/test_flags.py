@@ -41,7 +41,7 @@ def test_short_names_are_never_bundled_or_prefix_matched() -> None:
      (["--mmproj", "x.gguf"], "--mmproj: multimodal"), (["--lora", "a.gguf"], "--lora: LoRA"),
      (["-ctk", "tk"], "-ctk: unsupported cache type 'tk'"), (["-ctk", "iq4_nl"], "-ctk iq4_nl: cache type"),
      (["--spec-type", "draft-mtp"], "--spec-type draft-mtp: speculative"), (["--prio", "7"], "--prio: invalid"),
-     (["-fa", "maybe"], "-fa: invalid value 'maybe'"), (["--embeddings"], "--embeddings: embeddings"),
+     (["-fa", "maybe"], "-fa: invalid value 'maybe'"), (["--pooling", "max"], "--pooling: invalid value 'max'"),
      (["--chat-template", "no-such-name"], "--chat-template: 'no-such-name' is neither"),
      (["--chat-template-kwargs", "[1]"], "must be a JSON object"), (["--dry-multiplier", "0.8"], "DRY"),
      (["--context-shift"], "--context-shift: context shift"), (["--warmup=1"], "takes no value")],

@@ -97,6 +97,10 @@ class ServerConfig:
     skip_chat_parsing: bool = False  # --skip-chat-parsing: the answer is all content
     endpoint_slots: bool = True  # --slots / --no-slots
     endpoint_props: bool = False  # --props: POST /props allowed
+    embeddings: bool = False  # --embeddings (--reranking too): an embedding-only server
+    pooling: str = ""  # --pooling none|mean|cls|last|rank; "": the model's, else none
+    embd_normalize: int = 2  # --embd-normalize: llama.cpp's common_embd_normalize kind
+    spm_infill: bool = False  # --spm-infill: /infill's suffix before its prefix
     ssl_key_file: Path | None = None
     ssl_cert_file: Path | None = None
     log_file: Path | None = None

@@ -39,7 +39,7 @@ from trio_llm.errors import ArenaRefused, ConfigError, ModelLoadError, TrioLLMEr
 from trio_llm.residency.arbiter import Arbiter, Share, open_arbiter
 from trio_llm.residency.residency import Residency, resolve_level
 from trio_llm.residency.sleep import SleepConfig, SleepController
-from trio_llm.server import flags
+from trio_llm.server import embeddings, flags
 from trio_llm.server.context import Engine, ServerContext
 from trio_llm.server.flags import UsageError
 from trio_llm.server.gate import ResidencyGate
@@ -131,6 +131,7 @@ class Loaded:
     template: Any  # trio_llm.model.chat.ChatTemplate
     backend: Backend
     stat: os.stat_result
+    output: str = "logits"  # what the backend's graph computes (trio_llm.graph.Output)
 
 
 def _load(config: ServerConfig, progress: LoadProgress) -> Loaded:
@@ -158,8 +159,12 @@ def _load(config: ServerConfig, progress: LoadProgress) -> Loaded:
         threadpool_limits(limits=config.threads, user_api="blas")
     if config.n_cpu_moe:
         extra["n_cpu_moe"] = config.n_cpu_moe
+    output = embeddings.backend_output(config.embeddings, embeddings.resolve_pooling(config.pooling, model.metadata),
+                                       model.tensors)
+    if output != "logits":
+        extra["output"] = output
     backend = open_backend(config.backend, model, n_ctx=n_ctx, n_seq=config.parallel, progress=progress, **extra)
-    return Loaded(model, tokenizer, template, backend, os.stat(model.path))
+    return Loaded(model, tokenizer, template, backend, os.stat(model.path), output)
 
 
 def _check_gpu_layers(config: ServerConfig, n_layer: int) -> None:
@@ -454,6 +459,11 @@ async def _run_loaded(
                         async with gate.resident():
                             await client.forward([SeqBatch(0, np.full(n, first, np.int32), 0)])
                 device = await client.call(lambda b: b.device_info(), "device_info")
+                embedder = None
+                if config.embeddings:
+                    embedder = embeddings.Embedder(
+                        client, gate, embeddings.resolve_pooling(config.pooling, model.metadata),
+                        output=loaded.output, arch=model.config.arch, n_seq=backend.n_seq)
                 registry = make_registry(
                     StatisticsSources(slots.statistics, queue.statistics, actor.statistics, gate.is_sleeping,
                                       arena=getattr(gate, "arena_statistics", None))
@@ -477,6 +487,7 @@ async def _run_loaded(
                         file_bytes=loaded.stat.st_size,
                         created=int(loaded.stat.st_mtime),
                         grammars=grammars,
+                        embedder=embedder,
                     )
                 )
                 log.info("ready")

@@ -92,8 +92,15 @@ class Backend(Protocol):
         """Run one forward pass over all entries (continuous batching).
 
         Returns ``[len(batch), n_vocab]`` float32: the logits of each entry's *last*
-        token. Must only be called while resident.
+        token (for a backend built with ``output="embd"`` or ``"rank"``, that token's
+        hidden state or rank scores instead). Must only be called while resident.
         """
+        ...
+
+    def forward_rows(self, entry: SeqBatch) -> np.ndarray:
+        """The graph's result for *every* token of one sequence, ``[n, width]``: an
+        embedding backend's (``output="embd"``) final-norm hidden states, for pooling
+        ``mean``, ``cls`` and ``none``. Must only be called while resident."""
         ...
 
     def memory(self) -> dict[str, int]:

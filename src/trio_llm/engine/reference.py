@@ -33,7 +33,7 @@ from trio_llm.engine.memory import (
     state_layout,
 )
 from trio_llm.errors import BackendError, GraphError, InvalidRequest, ModelLoadError
-from trio_llm.graph import Graph, Node, Tensor
+from trio_llm.graph import Graph, Node, Output, Tensor
 from trio_llm.model.config import ModelConfig
 from trio_llm.model.gguf import GGUFModel, TensorInfo, load_gguf
 from trio_llm.model.kvtypes import DEFAULT_KV_TYPE, hadamard, kv_type, rotation_blocks, roundtrip
@@ -269,7 +269,7 @@ class NumpyBackend:
     def __init__(
         self, model: GGUFModel, *, n_ctx: int, n_seq: int, progress: Progress | None = None,
         max_chunk: int = DEFAULT_CHUNK, cache_type_k: str = DEFAULT_KV_TYPE,
-        cache_type_v: str = DEFAULT_KV_TYPE,
+        cache_type_v: str = DEFAULT_KV_TYPE, output: Output = "logits",
     ) -> None:
         self.__attrs_init__()
         if n_ctx < 1 or n_seq < 1:
@@ -291,7 +291,7 @@ class NumpyBackend:
         self._path = Path(model.path)
         self._progress = progress
         try:
-            self.graph = build_graph(self.config, {n: t.shape for n, t in model.tensors.items()})
+            self.graph = build_graph(self.config, {n: t.shape for n, t in model.tensors.items()}, output)
         except GraphError as exc:
             raise ModelLoadError(model.path, str(exc)) from None
         self.layers = plan_memory(self.graph, n_ctx=n_ctx, chunk=max_chunk)
@@ -311,7 +311,8 @@ class NumpyBackend:
     def forward(self, batch: Sequence[SeqBatch]) -> np.ndarray:
         entries = list(batch)
         self._check_batch(entries)
-        logits = np.empty((len(entries), self.config.n_vocab), np.float32)  # [B, n_vocab]
+        assert self.graph.logits is not None
+        logits = np.empty((len(entries), self.graph.logits.width), np.float32)  # [B, n_vocab] (or the head's width)
         # entries longer than a chunk run as several passes (a sliding-window cache
         # holds one chunk beyond its window); the last piece of each gives its logits
         done = [0] * len(entries)
@@ -330,6 +331,10 @@ class NumpyBackend:
                 self._run(pieces, ends[:0])
             for k, (i, _, d) in enumerate(part):
                 done[i] = d + len(pieces[k].tokens)
+
+    def forward_rows(self, entry: SeqBatch) -> np.ndarray:
+        """The graph's result for every token of one sequence (``Backend.forward_rows``)."""
+        return self.forward_all_logits(entry.tokens, entry.seq_id, entry.pos0)
 
     def forward_all_logits(self, tokens: Sequence[int] | np.ndarray, seq_id: int = 0,
                            pos0: int = 0) -> np.ndarray:

@@ -33,6 +33,10 @@ OUTPUTS = "O"
 
 RopeMode = Literal["normal", "neox"]
 Activation = Literal["silu", "gelu", "sigmoid"]
+#: what a graph's result is: the logits (generation), the final-norm hidden states
+#: (llama.cpp's ``t_embd``, pooled by the embeddings edge), or a rank head's scores
+#: (``cls.output.weight`` of those hidden states: llama.cpp's pooling ``rank``)
+Output = Literal["logits", "embd", "rank"]
 
 
 @attrs.frozen(eq=False)
@@ -76,12 +80,16 @@ class Graph:
 
     ``shapes`` are the tensors the file has (numpy order: ``(n_out, n_in)`` for a
     matrix); ``weight(name)`` checks against them, so a model asks only for what exists.
+    ``output`` says what the head computes (``Output``); ``logits`` is the graph's
+    result whichever it is (``[O, n_vocab]``, ``[O, n_embd]`` or ``[O, n_cls_out]``),
+    so the backends run and read back every kind the same way.
     """
 
     shapes: Mapping[str, tuple[int, ...]]
     nodes: list[Node] = attrs.field(factory=list)
     weights: dict[str, Tensor] = attrs.field(factory=dict)
     logits: Tensor | None = None
+    output: Output = "logits"
     _ids: int = 0
     _layer: int = -1
 
@@ -292,7 +300,8 @@ class Graph:
         return self._node("outputs", (x,), (OUTPUTS, x.shape[1]), name)
 
     def set_logits(self, x: Tensor) -> Tensor:
-        self._check(len(x.shape) == 2 and x.shape[0] == OUTPUTS, "result_output", f"logits must be [O, n_vocab], got {x!r}")
+        """The graph's result (logits, or the embedding head's output): ``[O, n]``."""
+        self._check(len(x.shape) == 2 and x.shape[0] == OUTPUTS, "result_output", f"the result must be [O, n], got {x!r}")
         self.logits = x
         return x
 

@@ -58,6 +58,9 @@ class ModelConfig:
     ssm_n_v_heads: int = 0
     ssm_head_dim: int = 0
     n_rot: int = 0
+    # a rank head (llama.cpp's cls_out, a causal reranker such as Qwen3-Reranker):
+    # ``cls.output.weight`` [n_cls_out, n_embd]; 0: none
+    n_cls_out: int = 0
 
     def is_recurrent(self, il: int) -> bool:
         return bool(self.recurrent_layers) and self.recurrent_layers[il]

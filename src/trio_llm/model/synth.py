@@ -82,6 +82,9 @@ class Preset:
     ssm: tuple[int, int, int, int] = (0, 0, 0, 0)
     n_rot: int = 0
     n_ff_shexp: int = 0  # a shared expert's width (qwen35moe)
+    #: a reranker (Qwen3-Reranker's layout): the labels of its rank head
+    #: ``cls.output.weight``, written with pooling type rank and a ``rerank`` template
+    rank_labels: tuple[str, ...] = ()
 
     def config(self) -> ModelConfig:
         extra: dict[str, object]
@@ -119,6 +122,7 @@ class Preset:
             n_expert_used=self.n_expert_used,
             n_ff_exp=self.n_ff_exp,
             n_ff_shexp=self.n_ff_shexp,
+            n_cls_out=len(self.rank_labels),
             **extra,  # type: ignore[arg-type]
         )
 
@@ -127,7 +131,8 @@ def _preset(name: str, arch: str, dims: tuple[int, ...], tied: bool, theta: floa
             vocab: tuple[VocabStyle, VocabFamily], model_name: str,
             rope_scaling: tuple[float, float, float, int] | None = None, n_swa: int = 0,
             rope_linear: float = 0.0, moe: tuple[int, int, int] = (0, 0, 0),
-            ssm: tuple[int, int, int, int] = (0, 0, 0, 0), n_rot: int = 0, n_ff_shexp: int = 0) -> Preset:
+            ssm: tuple[int, int, int, int] = (0, 0, 0, 0), n_rot: int = 0, n_ff_shexp: int = 0,
+            rank_labels: tuple[str, ...] = ()) -> Preset:
     n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff, n_vocab = dims
     return Preset(
         name=name, arch=arch, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
@@ -136,9 +141,17 @@ def _preset(name: str, arch: str, dims: tuple[int, ...], tied: bool, theta: floa
         rms_eps=1e-5 if arch == "llama" else 1e-6, model_name=model_name,
         rope_scaling=rope_scaling, n_swa=n_swa, rope_linear=rope_linear,
         n_expert=moe[0], n_expert_used=moe[1], n_ff_exp=moe[2], ssm=ssm, n_rot=n_rot,
-        n_ff_shexp=n_ff_shexp,
+        n_ff_shexp=n_ff_shexp, rank_labels=rank_labels,
     )
 
+
+#: Qwen3-Reranker's ``rerank`` template as llama.cpp's converter writes it (abridged system text)
+RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n<Instruct>: Given a '
+    "web search query, retrieve relevant passages that answer the query\n<Query>: {query}\n<Document>: "
+    "{document}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -147,6 +160,9 @@ PRESETS: dict[str, Preset] = {
                 ("gpt2", "llama3"), "trio-llm tiny"),
         _preset("tiny-qwen3", "qwen3", (256, 2, 4, 2, 64, 512, 1024), True, 1e6, 4096,
                 ("gpt2", "chatml"), "trio-llm tiny-qwen3"),
+        # a Qwen3-Reranker-shaped qwen3: a yes/no rank head, pooling rank
+        _preset("tiny-qwen3-rerank", "qwen3", (256, 2, 4, 2, 64, 512, 1024), True, 1e6, 4096,
+                ("gpt2", "chatml"), "trio-llm tiny-qwen3-rerank", rank_labels=("yes", "no")),
         _preset("tiny-qwen2", "qwen2", (256, 2, 4, 2, 64, 512, 1024), False, 1e6, 4096,
                 ("gpt2", "chatml"), "trio-llm tiny-qwen2"),
         _preset("tiny-spm", "llama", (256, 2, 4, 2, 64, 512, 1024), False, 1e4, 4096,
@@ -499,7 +515,12 @@ def _write_metadata(writer: gguf.GGUFWriter, preset: Preset, quant: str) -> None
     if preset.rope_linear:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(preset.rope_linear)
+    if preset.rank_labels:
+        writer.add_pooling_type(gguf.PoolingType.RANK)
+        writer.add_classifier_output_labels(list(preset.rank_labels))
     build_vocab(preset.vocab_style, cfg.n_vocab, preset.vocab_family).write(writer)
+    if preset.rank_labels:
+        writer.add_string("tokenizer.chat_template.rerank", RERANK_TEMPLATE)
 
 
 def _group(name: str) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from trio_llm.errors import ModelLoadError, UnsupportedModelError
-from trio_llm.graph import Graph
+from trio_llm.graph import Graph, Output
 from trio_llm.model.config import ModelConfig
 
 
@@ -95,9 +95,11 @@ def optional_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def build_graph(cfg: ModelConfig, present: Mapping[str, tuple[int, ...]]) -> Graph:
-    """The forward pass of ``cfg`` over the tensors a file has (``present``: name -> shape)."""
-    g = Graph(shapes=dict(present))
+def build_graph(cfg: ModelConfig, present: Mapping[str, tuple[int, ...]], output: Output = "logits") -> Graph:
+    """The forward pass of ``cfg`` over the tensors a file has (``present``: name -> shape),
+    ending in ``output``: logits, final-norm hidden states or rank scores. A rank graph
+    of a file without a classifier is a ``GraphError`` naming the tensor."""
+    g = Graph(shapes=dict(present), output=output)
     architecture(cfg.arch).build(g, cfg)
     assert g.logits is not None, f"{cfg.arch}: the graph sets no logits"
     return g

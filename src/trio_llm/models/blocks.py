@@ -95,10 +95,17 @@ def ffn(g: Graph, h: Tensor, il: int, act: Activation) -> Tensor:
 
 def head(g: Graph, x: Tensor, eps: float) -> Tensor:
     """The final norm and the output projection, only for the rows whose logits are
-    wanted; a file without ``output.weight`` reuses the embedding (tied)."""
+    wanted; a file without ``output.weight`` reuses the embedding (tied). An embedding
+    graph (``g.output``) ends at the final norm, as llama.cpp's ``t_embd``; a rank
+    graph applies the file's classifier ``cls.output.weight`` to it (llama.cpp's
+    ``build_pooling`` for a causal reranker: the last token's hidden state)."""
     g.layer(-1)
     x = g.outputs(x)  # [O, n_embd]
     x = norm(g, x, "output_norm.weight", eps, "result_norm")  # [O, n_embd]
+    if g.output == "embd":
+        return g.set_logits(x)  # [O, n_embd]
+    if g.output == "rank":
+        return g.set_logits(g.linear(x, g.weight("cls.output.weight"), "result_cls"))  # [O, n_cls_out]
     w = g.weight("output.weight" if g.has("output.weight") else "token_embd.weight")
     return g.set_logits(g.linear(x, w, "result_output"))  # [O, n_vocab]
 

@@ -69,6 +69,7 @@ def common_hparams(meta: Meta, tensors: Mapping[str, Any], *, rms_eps_default: f
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         attn_bias="blk.0.attn_q.bias" in tensors,
         tied_embeddings="output.weight" not in tensors,
+        n_cls_out=tensors["cls.output.weight"].shape[0] if "cls.output.weight" in tensors else 0,
     )
 
 
@@ -92,6 +93,8 @@ def tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[b + "ffn_up.weight"] = (ff, e)
         shapes[b + "ffn_down.weight"] = (e, ff)
     shapes.update(head_tensors(cfg))
+    if cfg.n_cls_out:  # a reranker's classifier (llama.cpp loads it for qwen3)
+        shapes["cls.output.weight"] = (cfg.n_cls_out, e)
     return shapes
 
 

@@ -42,6 +42,7 @@ class Engine:
     file_bytes: int
     created: int  # the model file's modification time, for /v1/models
     grammars: Any = None  # trio_llm.engine.constraint.Grammars: constrained decoding
+    embedder: Any = None  # trio_llm.server.embeddings.Embedder: with --embeddings only
 
 
 @attrs.define(eq=False)

@@ -475,8 +475,10 @@ FLAGS: tuple[Flag, ...] = (
       value="PROMPT"),
     R("-sp --special", "control tokens are always left out of the text (printing them is not implemented)"),
     W("--warmup", "warm-up passes before the server reports ready", neg="--no-warmup", dest="warmup"),
-    N("--spm-infill", "only for /infill, which is " + _LATER),
-    R("--pooling", "embeddings are " + _LATER, value="{none,mean,cls,last,rank}", env="LLAMA_ARG_POOLING"),
+    N("--spm-infill", "only for /infill, which is " + _LATER, dest="spm_infill"),
+    W("--pooling", "pooling of --embeddings (default: the file's pooling type, else none); rank: --reranking",
+      value="{none,mean,cls,last,rank}", env="LLAMA_ARG_POOLING", dest="pooling",
+      conv=_choice("none", "mean", "cls", "last", "rank")),
     W("-np --parallel", "slots: requests decoded together (-1, llama-server's auto: 1 here)", value="N",
       env="LLAMA_ARG_N_PARALLEL", dest="parallel", conv=_int),
     N("-cb --cont-batching", "batching is always continuous", neg="-nocb --no-cont-batching",
@@ -498,7 +500,8 @@ FLAGS: tuple[Flag, ...] = (
       value="STRING", env="LLAMA_ARG_ALIAS", dest="alias"),
     W("--tags", "model tags, comma-separated: /v1/models shows them (informational, as in llama-server)",
       value="STRING", env="LLAMA_ARG_TAGS", dest="tags"),
-    N("--embd-normalize", "only for embeddings, which are " + _LATER, value="N", conv=_int),
+    W("--embd-normalize", "normalization of pooled embeddings: -1 none, 0 max-abs int16, 1 taxicab, 2 euclidean "
+      "(default), >2 p-norm", value="N", dest="embd_normalize", conv=_int),
     W("--host", "addresses to listen on, comma-separated (no UNIX sockets)", value="HOST", env="LLAMA_ARG_HOST", dest="host"),
     W("--port", "port to listen on (0: any free port, logged)", value="PORT", env="LLAMA_ARG_PORT", dest="port",
       conv=_int),
@@ -524,8 +527,10 @@ FLAGS: tuple[Flag, ...] = (
     N("-ag --agent", "built-in agent tools are not implemented; --agent is refused", neg="-no-ag --no-agent",
       env="LLAMA_ARG_AGENT", refuse=_not(False, "built-in agent tools are not implemented")),
     N("--ui --webui", "there is no web UI", neg="--no-ui --no-webui", env="LLAMA_ARG_UI"),
-    R("--embedding --embeddings", "embeddings are " + _LATER, env="LLAMA_ARG_EMBEDDINGS"),
-    R("--rerank --reranking", "reranking is " + _LATER, env="LLAMA_ARG_RERANKING"),
+    W("--embedding --embeddings", "serve /embedding and /v1/embeddings (an embedding-only server: generation "
+      "endpoints answer 501)", env="LLAMA_ARG_EMBEDDINGS", dest="embeddings"),
+    W("--rerank --reranking", "serve /rerank (--embeddings with --pooling rank; the model needs a rank head, "
+      "cls.output.weight)", env="LLAMA_ARG_RERANKING", dest="_reranking"),
     W("--api-key", "required key(s), comma-separated: Authorization: Bearer KEY (or X-Api-Key)", value="KEY",
       env="LLAMA_API_KEY", dest="api_key"),
     W("--api-key-file", "keys, one per line (# comments)", value="FNAME", env="LLAMA_ARG_API_KEY_FILE",
@@ -861,6 +866,9 @@ def to_config(parsed: Parsed, environ: Mapping[str, str] | None = None) -> Any:
 
         values["model"] = resolve(values["hf_repo"], values.get("hf_file"), environ)
         values.setdefault("alias", values["hf_repo"])
+    if parsed.values.get("_reranking"):  # llama-server: --reranking is --embeddings --pooling rank
+        values["embeddings"] = True
+        values["pooling"] = "rank"
     values["set_by_user"] = frozenset(explicit)
     return ServerConfig(**values)
 

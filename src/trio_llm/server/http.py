@@ -33,6 +33,7 @@ from trio_llm.errors import (
     TrioLLMError,
 )
 from trio_llm.model import chat_output as CO
+from trio_llm.server import embeddings as EM
 from trio_llm.server import params as P
 from trio_llm.server import responses as R
 from trio_llm.server import slot_file
@@ -52,6 +53,9 @@ from trio_llm.server.tasks import (
 log = logging.getLogger("trio_llm.http")
 
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+#: what an embedding server (``--embeddings``) does not serve: its graph has no logits
+GENERATION_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/v1/chat/completions",
+                              "/chat/completions", "/infill"})
 SLEEP_LEVELS = ("unload", "weights", "all")
 
 
@@ -376,6 +380,9 @@ def create_app(ctx: ServerContext) -> QuartTrio:
                 return _error(401, "Invalid API Key", "authentication_error")
         if ctx.engine is None:
             return _error(503, "Loading model", "unavailable_error")
+        if ctx.config.embeddings and request.path in GENERATION_PATHS:
+            return _error(501, "This server was started with --embeddings (or --reranking), so its model computes "
+                               "embeddings, not tokens: start it without them for generation", "not_supported_error")
         return None
 
     @app.errorhandler(Exception)
@@ -615,21 +622,81 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         body = await _body()
         return _json({"prompt": await trio.to_thread.run_sync(render_chat, body)})
 
-    # -- not built yet: a clear 501, not a 404 ------------------------------------------
+    # -- embeddings and reranking (server/embeddings.py) ----------------------------------
+
+    def embedder() -> EM.Embedder:
+        e = eng().embedder
+        if e is None:
+            raise ApiError(501, "This server does not support embeddings. Start it with `--embeddings`",
+                           "not_supported_error")
+        assert isinstance(e, EM.Embedder)
+        return e
+
+    async def embed(oai: bool) -> Response:
+        emb = embedder()
+        if emb.pooling == "rank":
+            raise ApiError(400, "this server scores with pooling rank (--reranking): use /rerank, or start it "
+                                "with another --pooling for embeddings", "invalid_request_error")
+        if oai and emb.pooling == "none":
+            raise InvalidRequest("Pooling type 'none' is not OAI compatible. Please use a different pooling type")
+        body = await _body()
+        if not isinstance(body, dict):
+            raise InvalidRequest("the request body must be a JSON object")
+        if "input" in body:
+            value = body["input"]
+        elif "content" in body:
+            oai = False  # llama-server: "content" is not OpenAI's, so the answer is the native one
+            value = body["content"]
+        else:
+            raise InvalidRequest('"input" or "content" must be provided')
+        use_base64 = EM.encoding_format(body)
+        norm = EM.embd_normalize(body, ctx.config.embd_normalize)
+        e = eng()
+        prompts = await trio.to_thread.run_sync(EM.parse_inputs, value, e.tokenizer, e.model_config.n_vocab, e.n_ctx)
+        results = await emb.embed(prompts, norm)
+        if oai:
+            return _json(EM.oai_response(results, model=EM.model_name(body, ctx.model_id), use_base64=use_base64))
+        return _json(EM.native_response(results))
 
     @app.post("/embedding")
     @app.post("/embeddings")
-    @app.post("/v1/embeddings")
     async def embeddings() -> Response:
-        return _error(501, "embeddings are not implemented yet in trio-llm (--embeddings is refused)",
-                      "not_supported_error")
+        return await embed(oai=False)
+
+    @app.post("/v1/embeddings")
+    async def oai_embeddings() -> Response:
+        return await embed(oai=True)
 
     @app.post("/rerank")
     @app.post("/reranking")
     @app.post("/v1/rerank")
     @app.post("/v1/reranking")
     async def rerank() -> Response:
-        return _error(501, "reranking is not implemented yet in trio-llm (--rerank is refused)", "not_supported_error")
+        emb = eng().embedder
+        # the flag, not the file's pooling type: llama-server checks --reranking (--pooling rank) too
+        if not isinstance(emb, EM.Embedder) or ctx.config.pooling != "rank":
+            raise ApiError(501, "This server does not support reranking. Start it with `--reranking`",
+                           "not_supported_error")
+        if not emb.has_rank_head:
+            raise ApiError(400, f"this model has no rank head (tensor {EM.RANK_HEAD!r}, the classifier of a causal "
+                                "reranker such as Qwen3-Reranker), so it cannot score documents",
+                           "invalid_request_error")
+        body = await _body()
+        req = EM.parse_rerank(body)
+        e = eng()
+
+        def prompts() -> list[list[int]]:
+            out = [EM.rerank_prompt(e.tokenizer, e.metadata, req.query, d) for d in req.documents]
+            for ids in out:
+                if not ids:
+                    raise InvalidRequest("Input content cannot be empty")
+                if len(ids) > e.n_ctx:
+                    raise ContextOverflow(len(ids), e.n_ctx)
+            return out
+
+        toks = await trio.to_thread.run_sync(prompts)
+        scores = await emb.rank(toks)
+        return _json(EM.rerank_response(req, scores, [len(t) for t in toks], model=EM.model_name(body, ctx.model_id)))
 
     @app.post("/infill")
     async def infill() -> Response:

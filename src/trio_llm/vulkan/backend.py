@@ -28,6 +28,7 @@ from trio_llm.errors import (
     ModelLoadError,
     UnsupportedModelError,
 )
+from trio_llm.graph import Output
 from trio_llm.model.config import ModelConfig
 from trio_llm.model.gguf import GGUFModel
 from trio_llm.model.kvtypes import DEFAULT_KV_TYPE, dequantize_rows, kv_type, quantize_rows
@@ -93,6 +94,7 @@ class VulkanBackend:
         cache_type_k: str = DEFAULT_KV_TYPE,
         cache_type_v: str = DEFAULT_KV_TYPE,
         n_cpu_moe: float = 0.0,
+        output: Output = "logits",
     ) -> None:
         if n_ctx < 1 or n_seq < 1:
             raise InvalidRequest(f"n_ctx and n_seq must be positive, got {n_ctx} and {n_seq}")
@@ -102,6 +104,7 @@ class VulkanBackend:
         self.n_ctx = n_ctx
         self.n_seq = n_seq
         self._progress = progress
+        self._output: Output = output
         if not 1 <= max_chunk <= STEP_CAP:
             raise InvalidRequest(f"max_chunk must be within 1..{STEP_CAP}, got {max_chunk}")
         self._max_chunk = _pow2(max_chunk)
@@ -139,7 +142,7 @@ class VulkanBackend:
                         matvec_rows=max(1, 64 // device.limits.subgroup_size),
                         coopmat=device.coopmat and 256 % device.limits.subgroup_size == 0)
         try:
-            self._ir = build_graph(cfg, {n: t.shape for n, t in model.tensors.items()})
+            self._ir = build_graph(cfg, {n: t.shape for n, t in model.tensors.items()}, self._output)
         except GraphError as exc:
             raise ModelLoadError(model.path, str(exc)) from None
         # gated delta-net layers' per-sequence state (qwen35), kept and released with the KV cache
@@ -154,9 +157,13 @@ class VulkanBackend:
         widest = max(w for kind, w in self._plan.slots.values() if kind == "T")
         while self._cap > 1 and 4 * self._cap * widest > limit:
             self._cap //= 2
-        if 4 * min(self.n_seq, self._cap) * cfg.n_vocab > limit:
+        assert self._ir.logits is not None
+        self._width = self._ir.logits.width  # n_vocab, or an embedding head's width
+        # an embedding graph reads back every token's row (pooling mean, cls, none)
+        out_cap = min(self.n_seq, self._cap) if self._output == "logits" else self._cap
+        if 4 * out_cap * self._width > limit:
             raise BackendError(
-                f"the logits of {min(self.n_seq, self._cap)} slots exceed this device's storage "
+                f"the logits of {out_cap} slots exceed this device's storage "
                 f"buffer range ({limit >> 20} MiB): use fewer slots"
             )
         self._mem = plan_memory(self._ir, n_ctx=self.n_ctx, chunk=self._cap)
@@ -185,7 +192,7 @@ class VulkanBackend:
         self._rope_buf, consts = rope_consts(self._ir, factors)
         # --n-cpu-moe: these expert tensors are read from host-visible memory
         self._weights = WeightStore(self._alloc, model, host_tensors=self._host_tensors)
-        self._act = Activations(self._alloc, self._plan, cfg.n_vocab, self._cap, min(self.n_seq, self._cap), consts)
+        self._act = Activations(self._alloc, self._plan, self._width, self._cap, out_cap, consts)
         total = self._weights.total_bytes()
         self._weights.ensure_shadow(self._progress)
         self._weights.upload()
@@ -208,7 +215,6 @@ class VulkanBackend:
     def forward(self, batch: Sequence[SeqBatch]) -> np.ndarray:
         entries = list(batch)
         self._check_batch(entries)
-        cfg = self.config
         if len(entries) == 1 and len(entries[0].tokens) <= self._cap:
             return self._forward_one(entries[0])
         lens = [len(e.tokens) for e in entries]
@@ -216,7 +222,7 @@ class VulkanBackend:
         pos = np.concatenate([e.pos0 + np.arange(n, dtype=np.uint32) for e, n in zip(entries, lens, strict=True)])  # [T]
         seq = np.repeat(np.array([e.seq_id for e in entries], np.uint32), lens)  # [T]
         last = np.cumsum(lens) - 1  # [B] index of each entry's last token
-        logits = np.empty((len(entries), cfg.n_vocab), np.float32)  # [B, n_vocab]
+        logits = np.empty((len(entries), self._width), np.float32)  # [B, n_vocab]
         with self._guard("forward"):
             for start in range(0, len(tokens), self._cap):
                 end = min(len(tokens), start + self._cap)
@@ -247,6 +253,30 @@ class VulkanBackend:
         self._forwards += 1
         self._tokens += n
         return logits
+
+    def forward_rows(self, entry: SeqBatch) -> np.ndarray:
+        """Every token's row of the result (``Backend.forward_rows``): chunk by chunk,
+        each chunk's tokens all output rows (the embedding graph's O buffers hold a
+        whole chunk)."""
+        self._check_batch([entry])
+        if self._output == "logits":
+            raise BackendError("forward_rows needs a backend built for embeddings")
+        toks = np.asarray(entry.tokens, np.uint32)
+        out = np.empty((len(toks), self._width), np.float32)  # [n, width]
+        with self._guard("forward"):
+            for start in range(0, len(toks), self._cap):
+                end = min(len(toks), start + self._cap)
+                n = end - start
+                graph = self._graph(_pow2(n))
+                fill_step(self._act.step_words, toks[start:end],
+                          np.arange(entry.pos0 + start, entry.pos0 + end, dtype=np.uint32),
+                          np.full(n, entry.seq_id, np.uint32), np.arange(n, dtype=np.uint32))
+                graph.run()
+                self._submits += 1
+                out[start:end] = self._act.logits(n)
+        self._forwards += 1
+        self._tokens += len(toks)
+        return out
 
     def reusable_prefix(self, n_cached: int, n_common: int, checkpoints: Sequence[int] = ()) -> int:
         return reusable_prefix(self._mem + self._recurrent, n_cached, n_common, checkpoints)
