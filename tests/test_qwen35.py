@@ -182,8 +182,10 @@ async def test_a_hybrid_server_sleeps_at_all_and_continues_its_cached_turn(
     model_path, nursery: trio.Nursery, backend: str, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
     """Through a real server: after ``POST /sleep?level=all`` the same request gives the
-    same greedy answer, and the next turn (everything the slot holds, and more) reuses
-    the cache, recurrent state included."""
+    same greedy answer and reuses its prompt (from the context checkpoint taken before
+    its last token), and the next turn (everything the slot holds, and more) reuses
+    the cache, recurrent state included; cold device memory at ``all`` is at most 5 %
+    of resident."""
     import httpx
 
     from trio_llm.config import ServerConfig
@@ -207,9 +209,14 @@ async def test_a_hybrid_server_sleeps_at_all_and_continues_its_cached_turn(
     try:
         async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
             first = (await c.post("/completion", json={"prompt": prompt, "n_predict": 6})).json()
+            resident = (await c.get("/props")).json()["residency"]["device_bytes_total"]
             assert (await c.post("/sleep?level=all")).json()["is_sleeping"] is True
+            cold = (await c.get("/props")).json()["residency"]["device_bytes_total"]
+            assert resident > 0 and cold <= 0.05 * resident
             again = (await c.post("/completion", json={"prompt": prompt, "n_predict": 6})).json()
             assert again["tokens"] == first["tokens"]
+            # the same prompt after the wake continues from the checkpoint before its last token
+            assert again["timings"]["cache_n"] == len(prompt) - 1
             assert (await c.post("/sleep?level=all")).json()["is_sleeping"] is True
             turn = prompt + first["tokens"] + [40, 41, 42]
             nxt = (await c.post("/completion", json={"prompt": turn, "n_predict": 4})).json()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -50,7 +51,8 @@ class Rig:
         return ServerTask(self.queue.new_id_task(), tuple(prompt), p, send), recv
 
 
-async def make_rig(path: Path, nursery: trio.Nursery, *, n_seq: int, n_ctx: int, start_slots: bool = True) -> Rig:
+async def make_rig(path: Path, nursery: trio.Nursery, *, n_seq: int, n_ctx: int, start_slots: bool = True,
+                   **slots_kw: Any) -> Rig:
     model = load_gguf(path)
     backend = NumpyBackend(model, n_ctx=n_ctx, n_seq=n_seq)
     actor = BackendActor(backend)
@@ -60,7 +62,7 @@ async def make_rig(path: Path, nursery: trio.Nursery, *, n_seq: int, n_ctx: int,
     gate = AlwaysAwake()  # one gate for both, as runtime wires them: the queue reports busy
     queue = TaskQueue.create(n_seq, send, gate)
     tok = Tokenizer.from_metadata(model.metadata)
-    slots = SlotsEngine(client, gate, tok, queue.inbox(), recv, n_ctx=n_ctx, n_batch=512)
+    slots = SlotsEngine(client, gate, tok, queue.inbox(), recv, n_ctx=n_ctx, n_batch=512, **slots_kw)
     await nursery.start(queue.start_loop)
     if start_slots:
         await nursery.start(slots.start_loop)

@@ -53,6 +53,8 @@ class ServerConfig:
     seed: int = -1  # -1: a fresh random seed per request
     api_key: str | None = None
     slot_save_path: Path | None = None  # --slot-save-path: where slot files go
+    ctx_checkpoints: int = 32  # --ctx-checkpoints: recurrent-state copies per slot (hybrid models)
+    checkpoint_min_step: int = 8192  # --checkpoint-min-step: positions between copies during prefill
     metrics: bool = False
     warmup: bool = True
     backend: BackendKind = "auto"

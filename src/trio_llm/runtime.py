@@ -444,6 +444,7 @@ async def _run_loaded(
                 slots = SlotsEngine(
                     client, gate, tokenizer, queue.inbox(), assign_recv,
                     n_ctx=backend.n_ctx, n_batch=config.n_batch, grammars=grammars,
+                    ctx_checkpoints=config.ctx_checkpoints, checkpoint_min_step=config.checkpoint_min_step,
                 )
                 await actors.start(queue.start_loop)
                 await actors.start(slots.start_loop)

@@ -81,6 +81,13 @@ def _int(text: str) -> int:
         raise FlagValueError(f"invalid value {text!r} (an integer)") from None
 
 
+def _nonneg(text: str) -> int:
+    n = _int(text)
+    if n < 0:
+        raise FlagValueError(f"invalid value {text!r} (a count: 0 or more)")
+    return n
+
+
 def _float(text: str) -> float:
     try:
         return float(text)
@@ -458,10 +465,13 @@ FLAGS: tuple[Flag, ...] = (
     R("-lcd --lookup-cache-dynamic", "lookup decoding is not implemented", value="FNAME"),
     W("--kv-unified-per-slot", "positions per slot: without -c, the context is -np x N", value="N",
       env="LLAMA_ARG_KV_UNIFIED_PER_SLOT", dest="_kv_per_slot", conv=_int),
-    N("-ctxcp --ctx-checkpoints --swa-checkpoints", "no context checkpoints are needed here", value="N",
-      env="LLAMA_ARG_CTX_CHECKPOINTS", conv=_int),
-    N("-cms --checkpoint-min-step", "no context checkpoints are needed here", value="N",
-      env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT", conv=_int),
+    W("-ctxcp --ctx-checkpoints --swa-checkpoints", "copies of a hybrid (gated delta-net) model's recurrent "
+      "state kept per slot, taken during prefill, so a prompt sharing a prefix continues from the newest at or "
+      "before it (default 32; 0: off; a sliding-window model needs none)", value="N",
+      env="LLAMA_ARG_CTX_CHECKPOINTS", dest="ctx_checkpoints", conv=_nonneg),
+    W("-cms --checkpoint-min-step", "positions between the context checkpoints taken while a prompt is "
+      "processed (default 8192; 0: after every prompt piece); one is always taken before the prompt's last "
+      "token", value="N", env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT", dest="checkpoint_min_step", conv=_nonneg),
     N("-cram --cache-ram", "no host-RAM prompt cache: each slot's KV cache is its prompt cache", value="N",
       env="LLAMA_ARG_CACHE_RAM", conv=_int),
     N("-kvu --kv-unified", "each slot has its own cache of -c/-np positions", neg="-no-kvu --no-kv-unified",

@@ -36,6 +36,7 @@ from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.constraint import Constraint, Grammars, apply_masks
 from trio_llm.engine.sampling import log_softmax, make_rng, sample, top_logprobs
 from trio_llm.errors import ContextOverflow, InvalidRequest, TrioLLMError
+from trio_llm.server.checkpoints import Checkpoints
 from trio_llm.server.gate import ResidencyGate
 from trio_llm.server.queue import (
     Assign,
@@ -128,9 +129,12 @@ class Slot:
     t_start: float = 0.0
     t_prompt_done: float = 0.0
     started_order: int = 0
-    #: (positions cached, common prefix) -> the prefix every layer's memory can continue
-    #: from (a sliding-window ring or a recurrent state may not allow a shorter one)
-    reusable: Callable[[int, int], int] = lambda n_cached, n_common: n_common
+    #: (positions cached, common prefix, checkpoint positions) -> the prefix every layer's
+    #: memory can continue from (a sliding-window ring or a recurrent state may not allow
+    #: a shorter one, unless a checkpoint of the state is there)
+    reusable: Callable[[int, int, Sequence[int]], int] = attrs.field(default=lambda n_cached, n_common, _: n_common)
+    checkpoints: Checkpoints | None = None  # a hybrid model's context checkpoints
+    restore_at: int | None = None  # the checkpoint to write back before the next pass
     constraint: Constraint | None = None  # the task's grammar matcher, made on its first sample
 
     @property
@@ -148,8 +152,12 @@ class Slot:
         if len(prompt) >= self.n_ctx:
             raise ContextOverflow(len(prompt) + 1, self.n_ctx)
         keep = common_prefix(self.cache(), prompt) if task.params.cache_prompt else 0
+        ck = self.checkpoints
+        if ck is not None:
+            ck.keep_upto(keep)  # copies past the common prefix hold another sequence
         # the last prompt token is always evaluated: its logits give the first sample
-        keep = self.reusable(self.n_past, min(keep, len(prompt) - 1))
+        keep = self.reusable(self.n_past, min(keep, len(prompt) - 1), ck.positions() if ck else ())
+        self.restore_at = keep if ck is not None and keep != self.n_past and keep in ck.positions() else None
         self.seq, self.n_past = prompt, keep
         self.task, self.n_prompt, self.n_cached = task, len(prompt), keep
         self.generated, self.probs = [], []
@@ -161,8 +169,22 @@ class Slot:
 
     def want(self) -> Work:
         rest = tuple(self.seq[self.n_past :])  # [n] tokens not yet in the KV cache
+        stop = self.checkpoint_stop()
+        if stop is not None:
+            rest = rest[: stop - self.n_past]  # the prompt piece ends where a checkpoint is taken
         # after a lost KV cache a generating slot re-evaluates its text as a prompt chunk
         return Work(self.id, rest, self.n_past, bool(self.generated) and len(rest) == 1)
+
+    def checkpoint_stop(self) -> int | None:
+        if self.checkpoints is None or self.generated or self.task is None:
+            return None
+        return self.checkpoints.next_stop(self.n_past, len(self.seq))
+
+    def forget(self) -> None:
+        """The KV cache no longer holds what the checkpoints were taken from."""
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
+        self.restore_at = None
 
     def timings(self, now: float) -> Timings:
         return Timings(
@@ -231,6 +253,8 @@ class SlotsEngine:
     n_ctx: int  # per slot
     n_batch: int
     grammars: Grammars | None = None  # constrained decoding (tasks with a grammar)
+    ctx_checkpoints: int = 32  # --ctx-checkpoints (hybrid models; server/checkpoints.py)
+    checkpoint_min_step: int = 8192  # --checkpoint-min-step
     _slots: list[Slot] = attrs.field(init=False)
     _released: list[SlotReleased] = attrs.field(init=False, factory=list)
     _order: int = 0
@@ -247,8 +271,11 @@ class SlotsEngine:
 
     def __attrs_post_init__(self) -> None:
         backend = self._client.backend
-        reusable = getattr(backend, "reusable_prefix", None) or (lambda n_cached, n_common: n_common)
+        reusable = getattr(backend, "reusable_prefix", None) or (lambda n_cached, n_common, _=(): n_common)
         self._slots = [Slot(i, self.n_ctx, reusable=reusable) for i in range(backend.n_seq)]
+        if any(getattr(backend.config, "recurrent_layers", ())) and self.ctx_checkpoints > 0:
+            for slot in self._slots:
+                slot.checkpoints = Checkpoints(self.ctx_checkpoints, self.checkpoint_min_step)
         self._kv_epoch = self._gate_epoch()
 
     # -- read-only views, for /slots, /metrics and tests --------------------------
@@ -412,6 +439,7 @@ class SlotsEngine:
         if action.kind == "erase":
             n = slot.n_past
             slot.seq, slot.n_past = [], 0
+            slot.forget()
             return {"id_slot": slot.id, "n_erased": n}
         if action.kind == "restore":
             kv = action.kv
@@ -419,6 +447,7 @@ class SlotsEngine:
             async with self._gate.resident():
                 self._check_epoch()
                 slot.seq, slot.n_past = [], 0  # nothing of the old cache is valid meanwhile
+                slot.forget()
                 await self._client.write_kv(slot.id, kv)
                 if action.state is not None and action.state.size:  # a recurrent state continues from here
                     await self._client.write_state(slot.id, action.state, len(action.tokens))
@@ -500,12 +529,33 @@ class SlotsEngine:
             batch = [SeqBatch(w.id_slot, np.asarray(w.tokens, dtype=np.int32), w.pos0) for w in plan]
             t0 = trio.current_time()
             try:
+                await self._restore_checkpoints(plan)
                 logits = await self._client.forward(batch)  # [len(plan), n_vocab]
+                await self._take_checkpoints(plan)
             except TrioLLMError as exc:
                 self._fail_all(f"the backend failed: {exc}")
                 return
             t1 = trio.current_time()
         await self._after_forward(plan, logits, t0, t1)
+
+    async def _restore_checkpoints(self, plan: list[Work]) -> None:
+        """Put back the checkpoint each slot continues from (``Slot.begin`` chose it)."""
+        for w in plan:
+            slot = self._slots[w.id_slot]
+            if slot.restore_at is not None and slot.checkpoints is not None and w.pos0 == slot.restore_at:
+                await self._client.write_state(slot.id, slot.checkpoints.state_at(slot.restore_at), slot.restore_at)
+            slot.restore_at = None
+
+    async def _take_checkpoints(self, plan: list[Work]) -> None:
+        """Copy the state of each slot whose prompt piece ended at a checkpoint's place."""
+        for w in plan:
+            slot = self._slots[w.id_slot]
+            ck = slot.checkpoints
+            if ck is None or w.decoding or slot.generated or slot.task is None:
+                continue
+            pos = w.pos0 + len(w.tokens)
+            if ck.wanted(pos, len(slot.seq), ck.next_stop(w.pos0, len(slot.seq))):
+                ck.add(pos, await self._client.read_state(slot.id))
 
     def _check_epoch(self) -> None:
         """On a resident model: if the KV cache was lost while the model slept, every
@@ -515,6 +565,7 @@ class SlotsEngine:
             self._kv_epoch = epoch
             for s in self._slots:
                 s.n_past = 0
+                s.forget()
                 if s.task is not None:
                     s.n_cached = 0
 
@@ -631,8 +682,10 @@ class SlotsEngine:
         for s in self._active():
             assert s.task is not None
             s.n_past = 0  # the cache's state is unknown after a failure
+            s.forget()
             if self._send(s, TaskError(s.task.id_task, message)):
                 self._release(s, cancelled=False)
         for s in self._slots:
             s.n_past = 0
             s.seq = []
+            s.forget()
