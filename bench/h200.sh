@@ -2,7 +2,7 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: verify (the Vulkan correctness tests on the H200), decodeg3 (gemma3-4b), attndepth (decode attention at
+# Stages: verify (the Vulkan correctness tests on the H200), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill),
 # cpumoe (qwen35-35b-a3b Q4_K_M at --n-cpu-moe 0, 10, 10.5, 20),
@@ -93,6 +93,12 @@ for s in $STAGES; do case $s in
     stage verify 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_ops.py tests/test_vulkan_kv.py \
       tests/test_vulkan_attn_prefill.py
     stage verify-model 200 env TRIO_LLM_COOPMAT=0 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_model.py ;;
+  prefill)  # prefill attention of whole prompts, op level (bench/prefill.py: the old per-head kernel up to 8k,
+    # the tiled one, its cooperative-matrix form), then whole prefills of 8k / 32k through the backend
+    stage prefill-attn-1b 300 $PY bench/prefill.py --shape llama-1b --lengths 512,8192,32768 --types f16,q8_0
+    stage prefill-attn-8b 240 $PY bench/prefill.py --shape llama-8b --lengths 512,8192,16384 --types f16
+    stage prefill-pp8k-1b 150 $PY bench/decode.py --model "$M1" --backends vulkan --pp 8192 --tg 8 --repeats 2
+    stage prefill-pp32k-1b 240 $PY bench/decode.py --model "$M1" --backends vulkan --pp 32768 --tg 8 --repeats 2 ;;
   attndepth)  # decode attention at depth, op level: per-head attention vs attention_decode
     stage attn-depth-1b 240 $PY bench/attn_depth.py --shape llama-1b --depths 512,4096,32768,131072 \
       --types f16,q8_0,f32 --min-chunk 128,256,512

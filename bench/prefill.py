@@ -1,0 +1,145 @@
+"""Prefill attention of whole prompts, op level: every chunk of a ``length``-token prompt
+(chunks of 512 tokens, as the backend runs them, the chunk at positions [c, c + 512)
+attending to all the positions before it) through one attention dispatch per layer,
+each followed by a barrier, for the per-(head, token) ``attention`` kernel and the tiled
+``attention_prefill`` (scalar, and on cooperative matrices where the device has them).
+This is the part of a prefill that grows with the square of the prompt (issue 13:
+llama-1b prefilled 8k / 32k prompts at 3,974 / 1,245 tok/s, llama.cpp CUDA at 47,156 /
+35,805); the projections are the rest (``bench/decode.py --pp N`` times a whole prefill
+through the backend).
+
+    .venv/bin/python bench/prefill.py --shape llama-1b --lengths 512,8192,32768
+    .venv/bin/python bench/prefill.py --shape llama-8b --types f16,q8_0 --old-max 8192
+
+Prints seconds per prompt for the attention of all layers and tokens per second of it,
+and the speed-up over ``attention``; writes ``bench/results/prefill-attn-*.json``. The
+cache and queries are random (the time hardly depends on them). Wall-clock per replay
+of one recorded graph (one submit and a fence wait included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import attrs
+import common
+import numpy as np
+
+from trio_llm.model.kvtypes import kv_type, quantize_rows
+from trio_llm.vulkan.device import shared_device
+from trio_llm.vulkan.graph import Barrier, Graph, Op
+from trio_llm.vulkan.kernels import KernelCache
+from trio_llm.vulkan.memory import Allocator, whole
+from trio_llm.vulkan.ops import STEP_BYTES, Ops, fill_step
+
+#: (n_layer, n_head, n_head_kv, head_dim) of the synthetic presets
+SHAPES = {
+    "tiny": (2, 4, 2, 64),
+    "llama-1b": (16, 32, 8, 64),
+    "llama-8b": (32, 32, 8, 128),
+    "gemma3-4b": (34, 8, 4, 256),
+}
+CHUNK = 512
+
+
+def run(args: argparse.Namespace) -> int:
+    n_layer, n_head, n_kv, hd = SHAPES[args.shape]
+    kvd = n_kv * hd
+    device = shared_device()
+    alloc = Allocator(device)
+    kernels = KernelCache(device)
+    base = Ops(kernels, subgroup=device.limits.subgroup_size)
+    kinds = {"attention": base.attention, "prefill": base.attention_prefill}
+    if device.coopmat:
+        kinds["prefill_cm"] = attrs.evolve(base, coopmat=True).attention_prefill
+    chosen = args.kernels.split(",") if args.kernels else list(kinds)
+    rows = []
+    rng = np.random.default_rng(0)
+    try:
+        for tname in args.types.split(","):
+            t = kv_type(tname)
+            for length in (int(n) for n in args.lengths.split(",")):
+                rb = t.row_bytes(kvd)
+                if length * rb > device.limits.max_storage_buffer_range:
+                    print(f"skip {tname} at {length}: a layer's cache exceeds the binding range", file=sys.stderr)
+                    continue
+                layers = min(n_layer, args.layers) if args.layers else n_layer
+                bufs = [alloc.create(length * rb, "kv_cache", "device") for _ in range(2 * layers)]
+                raw = (rng.standard_normal(length * kvd) * 0.5).astype(np.float32)
+                cache = quantize_rows(raw.reshape(length, kvd), t.name).reshape(-1)
+                stage = alloc.create(cache.nbytes, "scratch", "upload")
+                assert stage.array is not None
+                stage.array[: cache.nbytes] = cache.view(np.uint8)
+                with device.one_shot("fill the cache") as cmd:
+                    for b in bufs:
+                        device.vk.vkCmdCopyBuffer(cmd, stage.handle, b.handle, 1,
+                                                  [device.vk.VkBufferCopy(size=cache.nbytes)])
+                alloc.free(stage)
+                q = alloc.create(4 * CHUNK * n_head * hd, "scratch", "upload")
+                o = alloc.create(4 * CHUNK * n_head * hd, "compute", "device")
+                assert q.array is not None
+                q.array[: q.size] = rng.standard_normal(q.size // 4).astype(np.float32).view(np.uint8)
+                n_chunks = math.ceil(length / CHUNK)
+                steps = []
+                for c in range(n_chunks):
+                    st = alloc.create(STEP_BYTES, "scratch", "upload")
+                    assert st.array is not None
+                    p0, n = c * CHUNK, min(CHUNK, length - c * CHUNK)
+                    fill_step(st.array.view(np.uint32), np.zeros(n, np.uint32),
+                              np.arange(p0, p0 + n, dtype=np.uint32), np.zeros(n, np.uint32), np.zeros(0, np.uint32))
+                    steps.append(st)
+                kw = {"n_head": n_head, "n_head_kv": n_kv, "head_dim": hd, "n_ctx": length,
+                      "q_stride": n_head * hd, "o_stride": n_head * hd, "cap": CHUNK,
+                      "k_type": t.name, "v_type": t.name}
+                base_s = None
+                for name in chosen:
+                    if name not in kinds:
+                        print(f"skip {name}: not on {device.name}", file=sys.stderr)
+                        continue
+                    if name == "attention" and length > args.old_max:
+                        continue
+                    fn = kinds[name]
+                    chain: list[Op] = [x for st in steps for i in range(layers) for x in (
+                        fn(whole(q), whole(bufs[2 * i]), whole(bufs[2 * i + 1]), whole(o), whole(st), **kw),
+                        Barrier())]
+                    graph = Graph.record(device, chain)
+                    try:
+                        s = common.repeat(lambda g=graph: common.timed(g.run)[0], args.repeats, args.warmup)
+                    finally:
+                        graph.close()
+                    sec = s.median * n_layer / layers
+                    base_s = sec if name == "attention" else base_s
+                    rows.append({"type": t.name, "length": length, "kernel": name, "s_per_prompt": sec,
+                                 "attn_tok_per_s": length / sec,
+                                 "speedup": (base_s / sec) if base_s else None, "times_s": s})
+                    extra = f"  x{base_s / sec:.2f}" if base_s else ""
+                    print(f"{t.name:5} {length:7} {name:12} {sec:9.4f} s  {length / sec:10.0f} tok/s{extra}",
+                          flush=True)
+                for b in [*bufs, q, o, *steps]:
+                    alloc.free(b)
+    finally:
+        kernels.close()
+        alloc.free_all()
+    path = common.write_result(f"prefill-attn-{args.shape}", {**vars(args), "device": device.name}, rows)
+    common.print_table([{k: v for k, v in r.items() if k != "times_s"} for r in rows])
+    print(f"wrote {path}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
+    ap.add_argument("--types", default="f16")
+    ap.add_argument("--lengths", default="512,8192,32768")
+    ap.add_argument("--kernels", default="", help="attention,prefill,prefill_cm (default: all the device has)")
+    ap.add_argument("--old-max", type=int, default=8192, help="longest prompt the old attention kernel runs")
+    ap.add_argument("--layers", type=int, default=0, help="layers actually run (times scaled to all); 0: all")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    return run(ap.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
