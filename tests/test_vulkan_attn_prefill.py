@@ -4,12 +4,19 @@ that are not multiples of the tile, a prefix already in the cache (queries from
 position p0 > 0: chunked prefill, prompt-cache reuse), several sequences in one batch
 (tiles that straddle them), sliding windows over a ring cache, a softmax scale of the
 model's own (gemma3). The positions are chosen so that each case has fully visible key
-tiles (the mask skipped), diagonal tiles and, with windows, tiles before the window."""
+tiles (the mask skipped), diagonal tiles and, with windows, tiles before the window.
+
+Each case runs on both paths: ``scalar`` (attn_prefill.comp, f32, within 3e-5 of the
+float64 reference) and ``coopmat`` (attn_prefill_cm.comp on cooperative matrices: q,
+K, V and the softmax weights in f16, so it is held to numpy over f16-rounded q, K and
+V within 2e-3), which needs a device with 16x16x16 f16 cooperative matrices and is
+skipped where there are none (lavapipe); ``bash bench/h200.sh verify`` runs it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import attrs
 import numpy as np
 import pytest
 
@@ -34,6 +41,15 @@ def env() -> Iterator[Env]:
     yield Env(device, alloc, Ops(kernels, subgroup=device.limits.subgroup_size))
     kernels.close()
     alloc.free_all()
+
+
+@pytest.fixture(params=["scalar", "coopmat"])
+def ops(request: pytest.FixtureRequest, env: Env) -> Ops:
+    if request.param == "scalar":
+        return env.ops
+    if not env.device.coopmat:
+        pytest.skip(f"{env.device.name} reports no 16x16x16 f16 cooperative matrices (lavapipe has none)")
+    return attrs.evolve(env.ops, coopmat=True)
 
 
 def np_attention(q, k, v, pos, seq, n_head_kv, n_swa, scale):  # type: ignore[no-untyped-def]
@@ -63,7 +79,7 @@ def batch(*runs: tuple[int, int, int]) -> tuple[list[int], list[int]]:
     return pos, seq
 
 
-def check(env: Env, *, hd: int, n_head: int, n_kv: int, pos: list[int], seq: list[int], n_ctx: int,
+def check(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int], seq: list[int], n_ctx: int,
           k_type: str = "f16", v_type: str | None = None, n_swa: int = 0, scale: float | None = None,
           seed: int = 0, cap: int | None = None) -> None:
     v_type = k_type if v_type is None else v_type
@@ -77,62 +93,70 @@ def check(env: Env, *, hd: int, n_head: int, n_kv: int, pos: list[int], seq: lis
     qv, o = env.put(q), env.put(np.full(q.size, np.nan, np.float32))
     st = env.step([0] * ntok, pos, seq)
     s = 1.0 / np.sqrt(hd) if scale is None else scale
-    env.run([env.ops.attention_prefill(
+    env.run([ops.attention_prefill(
         qv, kc, vc, o, st, n_head=n_head, n_head_kv=n_kv, head_dim=hd, n_ctx=n_ctx, q_stride=n_head * hd,
         o_stride=n_head * hd, cap=cap or ntok, scale=s, k_type=k_type, v_type=v_type, n_swa=n_swa)])
-    want = np_attention(q, kh, vh, pos, seq, n_kv, n_swa, s)
-    np.testing.assert_allclose(env.get(o).reshape(q.shape), want, atol=3e-5 * np.abs(vh).max(), rtol=0)
+    got = env.get(o).reshape(q.shape)
+    if ops.coopmat:
+        assert ops.prefill_cm_ok(n_head, n_kv, hd)
+        f16 = np.float16
+        want = np_attention((q * np.float32(s)).astype(f16), kh.astype(f16), vh.astype(f16), pos, seq, n_kv,
+                            n_swa, 1.0)
+        np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(vh).max(), rtol=0)
+    else:
+        want = np_attention(q, kh, vh, pos, seq, n_kv, n_swa, s)
+        np.testing.assert_allclose(got, want, atol=3e-5 * np.abs(vh).max(), rtol=0)
 
 
 @pytest.mark.parametrize("name", TYPES)
-def test_every_kv_type(env: Env, name: str) -> None:
+def test_every_kv_type(env: Env, ops: Ops, name: str) -> None:
     """41 tokens after a prefix of 37 (tiles of 16 tokens: the last one partial), and a
     second sequence from position 0 in the same batch."""
     pos, seq = batch((0, 37, 41), (1, 0, 9))
-    check(env, hd=64, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=96, k_type=name, seed=TYPES.index(name))
+    check(env, ops, hd=64, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=96, k_type=name, seed=TYPES.index(name))
 
 
-def test_mixed_k_and_v_types(env: Env) -> None:
+def test_mixed_k_and_v_types(env: Env, ops: Ops) -> None:
     pos, seq = batch((0, 20, 30))
-    check(env, hd=64, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=64, k_type="q8_0", v_type="f16", seed=9)
-    check(env, hd=64, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=64, k_type="f16", v_type="q4_0", seed=10)
+    check(env, ops, hd=64, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=64, k_type="q8_0", v_type="f16", seed=9)
+    check(env, ops, hd=64, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=64, k_type="f16", v_type="q4_0", seed=10)
 
 
 @pytest.mark.parametrize("hd", [64, 128, 256])
 @pytest.mark.parametrize("gqa", [1, 2, 4, 8])
-def test_head_dims_and_gqa(env: Env, hd: int, gqa: int) -> None:
+def test_head_dims_and_gqa(env: Env, ops: Ops, hd: int, gqa: int) -> None:
     """From position 0 (causal tiles only) and after a prefix of 70 (whole visible
     tiles first); the token count is never a multiple of the tile."""
     n_kv = 1 if hd == 256 else 2
-    g, bq = prefill_tile(gqa * n_kv, n_kv, hd)
-    assert g * bq <= 32 and gqa % g == 0
+    g, bq = prefill_tile(gqa * n_kv, n_kv, hd, coopmat=ops.coopmat)
+    assert g * bq <= 64 and gqa % g == 0
     pos, seq = batch((0, 0, 2 * bq + 3), (1, 70, bq + 5))
-    check(env, hd=hd, n_head=gqa * n_kv, n_kv=n_kv, pos=pos, seq=seq, n_ctx=128, seed=hd + gqa)
+    check(env, ops, hd=hd, n_head=gqa * n_kv, n_kv=n_kv, pos=pos, seq=seq, n_ctx=160, seed=hd + gqa)
 
 
-def test_tiles_straddle_sequences(env: Env) -> None:
+def test_tiles_straddle_sequences(env: Env, ops: Ops) -> None:
     """Five short sequences in one batch (several in each work group's tile), out of
     position order, with a cap larger than the batch."""
     pos, seq = batch((2, 5, 3), (0, 0, 7), (4, 50, 11), (1, 33, 1), (3, 90, 6))
-    check(env, hd=64, n_head=8, n_kv=2, pos=pos, seq=seq, n_ctx=100, seed=3, cap=64)
+    check(env, ops, hd=64, n_head=8, n_kv=2, pos=pos, seq=seq, n_ctx=100, seed=3, cap=64)
 
 
-def test_sliding_window_ring(env: Env) -> None:
+def test_sliding_window_ring(env: Env, ops: Ops) -> None:
     """gemma3's sliding-window layers: a window of 40 over a ring of window + chunk rows
     (70), positions far past the ring's size, a batch from position 0 beside it, and
     gemma3's scale (1/sqrt(n_embd / n_head), not 1/sqrt(head_dim)); q8_0 too."""
     pos, seq = batch((0, 200, 30), (1, 0, 45))
     for t in ("f16", "q8_0"):
-        check(env, hd=256, n_head=4, n_kv=1, pos=pos, seq=seq, n_ctx=70, n_swa=40, k_type=t,
+        check(env, ops, hd=256, n_head=4, n_kv=1, pos=pos, seq=seq, n_ctx=70, n_swa=40, k_type=t,
               scale=1.0 / np.sqrt(160.0), seed=4)
     pos, seq = batch((0, 130, 40))
-    check(env, hd=64, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=72, n_swa=33, seed=5)
+    check(env, ops, hd=64, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=72, n_swa=33, seed=5)
 
 
-def test_window_wider_than_the_positions(env: Env) -> None:
+def test_window_wider_than_the_positions(env: Env, ops: Ops) -> None:
     """A window longer than the sequence so far is the causal mask."""
     pos, seq = batch((0, 0, 40))
-    check(env, hd=64, n_head=2, n_kv=1, pos=pos, seq=seq, n_ctx=64, n_swa=512, seed=6)
+    check(env, ops, hd=64, n_head=2, n_kv=1, pos=pos, seq=seq, n_ctx=64, n_swa=512, seed=6)
 
 
 def test_bad_shapes_are_refused(env: Env) -> None:

@@ -89,14 +89,22 @@ def heads_per_group(n_head: int, n_head_kv: int, most: int = 8) -> int:
     return max(d for d in range(1, min(g, most) + 1) if g % d == 0)
 
 
-def prefill_tile(n_head: int, n_head_kv: int, head_dim: int) -> tuple[int, int]:
+def prefill_tile(n_head: int, n_head_kv: int, head_dim: int, coopmat: bool = False) -> tuple[int, int]:
     """(query heads, tokens) of one ``attention_prefill`` work group: the heads are
     ``heads_per_group`` of the GQA ratio (they share every K/V row the group loads),
     the tokens fill 32 query rows (16 for head_dim 256, keeping the f32 queries in 16
-    KiB of shared memory)."""
-    rows = 32 if head_dim <= 128 else 16
-    g = heads_per_group(n_head, n_head_kv, most=min(8, rows))
+    KiB of shared memory); on cooperative matrices 64 rows (32 for head_dim 256) in
+    f16."""
+    rows = (64 if head_dim <= 128 else 32) if coopmat else (32 if head_dim <= 128 else 16)
+    g = heads_per_group(n_head, n_head_kv, most=8)
     return g, rows // g
+
+
+def prefill_cm_shared(head_dim: int, subgroup: int) -> int:
+    """Bytes of shared memory attn_prefill_cm.comp declares (its arrays, in order)."""
+    rows = 64 if head_dim <= 128 else 32
+    return (2 * rows * (head_dim + 8) + 2 * 32 * (head_dim + 8) + 4 * rows * 36 + 2 * rows * 40
+            + 4 * 256 * (128 // subgroup) + 8 * rows + 12 * rows)
 
 
 def attention_part_floats(cap: int, n_head: int, head_dim: int, n_split: int) -> int:
@@ -320,6 +328,16 @@ class Ops:
         rows = g * bq
         return 4 * rows * (head_dim + 32 + 2) + 8 * 32 <= self.kernels.device.limits.max_shared_memory
 
+    def prefill_cm_ok(self, n_head: int, n_head_kv: int, head_dim: int) -> bool:
+        """Whether ``attention_prefill`` takes its cooperative-matrix form here: the
+        device has them (``coopmat``), subgroups of 32 or 64, a power-of-two head group
+        (the rows are a multiple of 16 dividing the work group) and the shared memory
+        (the device's reported limit)."""
+        g = heads_per_group(n_head, n_head_kv)
+        return (self.coopmat and self.subgroup in (32, 64) and g & (g - 1) == 0 and head_dim % 16 == 0
+                and head_dim <= 256
+                and prefill_cm_shared(head_dim, self.subgroup) <= self.kernels.device.limits.max_shared_memory)
+
     def attention_prefill(
         self, q: View, k_cache: View, v_cache: View, o: View, step: View, *, n_head: int,
         n_head_kv: int, head_dim: int, n_ctx: int, q_stride: int, o_stride: int, cap: int,
@@ -329,14 +347,22 @@ class Ops:
         tile of consecutive tokens and group of query heads of one KV head
         (``prefill_tile``), key tiles staged once for all of its rows, online softmax,
         masked tiles skipped and fully visible ones run without the mask. Same
-        arguments and results as ``attention``."""
+        arguments and results as ``attention``; on cooperative matrices
+        (attn_prefill_cm.comp: f16 Q, K, P and V, f32 scores and sums) where
+        ``prefill_cm_ok``."""
         assert head_dim % 16 == 0 and head_dim <= 256 and n_head % n_head_kv == 0
         kt, vt = _kv(k_type), _kv(v_type)
         _check_head(kt, head_dim, "K")
         _check_head(vt, head_dim, "V")
-        g, bq = prefill_tile(n_head, n_head_kv, head_dim)
-        k = self.kernels.get("attn_prefill", n_bindings=5, n_push=9, local_size=128,
-                             defines=kv_defines(K_TYPE=kt, V_TYPE=vt), spec={1: g, 2: bq, 3: head_dim})
+        cm = self.prefill_cm_ok(n_head, n_head_kv, head_dim)
+        g, bq = prefill_tile(n_head, n_head_kv, head_dim, coopmat=cm)
+        if cm:
+            k = self.kernels.get("attn_prefill_cm", n_bindings=5, n_push=9, local_size=128,
+                                 defines=kv_defines(K_TYPE=kt, V_TYPE=vt),
+                                 spec={1: g, 2: bq, 3: head_dim, 4: self.subgroup})
+        else:
+            k = self.kernels.get("attn_prefill", n_bindings=5, n_push=9, local_size=128,
+                                 defines=kv_defines(K_TYPE=kt, V_TYPE=vt), spec={1: g, 2: bq, 3: head_dim})
         s = 1.0 / math.sqrt(head_dim) if scale is None else scale
         push = (n_head, n_head_kv, head_dim, n_ctx, n_head_kv * head_dim, q_stride, o_stride, float(s), n_swa)
         return Dispatch(k, (q, k_cache, v_cache, o, step), push, (math.ceil(cap / bq), n_head // g, 1))

@@ -149,7 +149,7 @@ def _tools() -> tuple[Path, Path, dict[str, str]]:
 
 
 #: shaders that need a compiler with cooperative matrices (glslangValidator, Vulkan 1.3)
-COOPMAT_SHADERS = ("matmul_cm",)
+COOPMAT_SHADERS = ("matmul_cm", "attn_prefill_cm")
 
 
 def _compile_commands(name: str, defines: dict[str, object] | None, src: Path, out: str) -> tuple[list[list[str]], dict[str, str]]:
@@ -251,6 +251,8 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for k, v in ((3, 1), (1, 4)):
         for name in ("attention", "attn_decode", "attn_prefill"):
             yield name, kv_defines(K_TYPE=k, V_TYPE=v)
+    for code in KV_CODES:  # prefill attention on cooperative matrices
+        yield "attn_prefill_cm", kv_defines(K_TYPE=code, V_TYPE=code)
     for code in KV_CODES[1:]:
         for q in QTYPES if code in (1, 3) else ("Q8_0",):
             yield "matvec", {**qtype_defines(q), **ROPE_OUT, **kv_defines(KV_TYPE=code)}
