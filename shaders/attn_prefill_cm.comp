@@ -13,8 +13,15 @@
 //      the output they keep in registers (o = o * corr + pv): an accumulator cannot be
 //      scaled per row, so the running output is not one.
 // Fully masked key tiles are never visited; fully visible ones skip the mask.
+//
+// CM_EMULATE (tests only): the two products computed by plain lanes from the same shared
+// arrays, into the same 16x16 blocks, with "subgroups" of SG consecutive lanes and work-
+// group barriers for theirs, so a device without cooperative matrices (lavapipe) checks
+// every other part of this kernel (tiles, masks, passes, softmax, staging, ownership).
+#ifndef CM_EMULATE
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
+#endif
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #extension GL_KHR_shader_subgroup_shuffle : require
 #include "common.glsl"
@@ -98,6 +105,16 @@ shared uint tpos[BQ];
 shared uint tseq[BQ];
 shared bool tdone[BQ];
 
+#ifdef CM_EMULATE
+#define SG_ID (gl_LocalInvocationID.x / SG)
+#define SG_LANE (gl_LocalInvocationID.x % SG)
+#define SG_SYNC() barrier()
+#else
+#define SG_ID gl_SubgroupID
+#define SG_LANE gl_SubgroupInvocationID
+#define SG_SYNC() subgroupMemoryBarrierShared(); subgroupBarrier()
+#endif
+
 uint ring_row(uint p) {
     if (p >= pc.n_ctx) {
         p = p % pc.n_ctx;
@@ -121,8 +138,8 @@ void main() {
     uint hgrp = gl_WorkGroupID.y;
     uint kvh = hgrp / per_kv;
     uint h0 = hgrp * G;
-    uint sg = gl_SubgroupID;
-    uint lane = gl_SubgroupInvocationID;
+    uint sg = SG_ID;
+    uint lane = SG_LANE;
     for (uint i = tid; i < BQ; i += WG) {
         tpos[i] = i < nlive ? STEP_POS(t0 + i) : 0u;
         tseq[i] = i < nlive ? STEP_SEQ(t0 + i) : 0xFFFFFFFFu;
@@ -207,6 +224,17 @@ void main() {
             for (uint b = sg; b < NTS; b += NSG) {
                 uint mt = b / (BC / 16u);
                 uint nt = b % (BC / 16u);
+#ifdef CM_EMULATE
+                for (uint e = 0; e < EPL; e++) {
+                    uint r = mt * 16u + (lane + SG * e) / 16u;
+                    uint kc = nt * 16u + (lane + SG * e) % 16u;
+                    float a = 0.0;
+                    for (uint d = 0; d < HD; d++) {
+                        a += float(qs[r * QS + d]) * float(kvs[kc * KS + d]);
+                    }
+                    ss[r * SS + kc] = a;
+                }
+#else
                 coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc =
                     coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
                 [[unroll]] for (uint kk = 0; kk < HD; kk += 16u) {
@@ -217,6 +245,7 @@ void main() {
                     acc = coopMatMulAdd(ma, mb, acc);
                 }
                 coopMatStore(acc, ss, mt * 16u * SS + nt * 16u, SS, gl_CooperativeMatrixLayoutRowMajor);
+#endif
             }
             barrier();
 
@@ -271,6 +300,16 @@ void main() {
                 if (b < NTO) {
                     uint mt = b / (HD / 16u);
                     uint nt = b % (HD / 16u);
+#ifdef CM_EMULATE
+                    for (uint e = 0; e < EPL; e++) {
+                        uint idx = lane + SG * e;
+                        float a = 0.0;
+                        for (uint kk = 0; kk < BC; kk++) {
+                            a += float(ps[(mt * 16u + idx / 16u) * PS + kk]) * float(kvs[kk * KS + nt * 16u + idx % 16u]);
+                        }
+                        stage[sg * 256u + idx] = a;
+                    }
+#else
                     coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc =
                         coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
                     [[unroll]] for (uint kk = 0; kk < BC; kk += 16u) {
@@ -281,15 +320,14 @@ void main() {
                         acc = coopMatMulAdd(ma, mb, acc);
                     }
                     coopMatStore(acc, stage, sg * 256u, 16u, gl_CooperativeMatrixLayoutRowMajor);
-                    subgroupMemoryBarrierShared();
-                    subgroupBarrier();
+#endif
+                    SG_SYNC();
                     [[unroll]] for (uint e = 0; e < EPL; e++) {
                         uint idx = lane + SG * e;
                         uint r = mt * 16u + idx / 16u;
                         oacc[j * EPL + e] = oacc[j * EPL + e] * row_c[r] + stage[sg * 256u + idx];
                     }
-                    subgroupMemoryBarrierShared();
-                    subgroupBarrier();
+                    SG_SYNC();
                 }
             }
             barrier();

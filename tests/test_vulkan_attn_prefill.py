@@ -81,7 +81,7 @@ def batch(*runs: tuple[int, int, int]) -> tuple[list[int], list[int]]:
 
 def check(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int], seq: list[int], n_ctx: int,
           k_type: str = "f16", v_type: str | None = None, n_swa: int = 0, scale: float | None = None,
-          seed: int = 0, cap: int | None = None) -> None:
+          seed: int = 0, cap: int | None = None, emulate: tuple[int, int] | None = None) -> None:
     v_type = k_type if v_type is None else v_type
     rng = np.random.default_rng(seed)
     ntok, n_seq = len(pos), max(seq) + 1
@@ -95,10 +95,11 @@ def check(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int]
     s = 1.0 / np.sqrt(hd) if scale is None else scale
     env.run([ops.attention_prefill(
         qv, kc, vc, o, st, n_head=n_head, n_head_kv=n_kv, head_dim=hd, n_ctx=n_ctx, q_stride=n_head * hd,
-        o_stride=n_head * hd, cap=cap or ntok, scale=s, k_type=k_type, v_type=v_type, n_swa=n_swa)])
+        o_stride=n_head * hd, cap=cap or ntok, scale=s, k_type=k_type, v_type=v_type, n_swa=n_swa,
+        emulate_cm=emulate)])
     got = env.get(o).reshape(q.shape)
-    if ops.coopmat:
-        assert ops.prefill_cm_ok(n_head, n_kv, hd)
+    if ops.coopmat or emulate:
+        assert emulate or ops.prefill_cm_ok(n_head, n_kv, hd)
         f16 = np.float16
         want = np_attention((q * np.float32(s)).astype(f16), kh.astype(f16), vh.astype(f16), pos, seq, n_kv,
                             n_swa, 1.0)
@@ -157,6 +158,30 @@ def test_window_wider_than_the_positions(env: Env, ops: Ops) -> None:
     """A window longer than the sequence so far is the causal mask."""
     pos, seq = batch((0, 0, 40))
     check(env, ops, hd=64, n_head=2, n_kv=1, pos=pos, seq=seq, n_ctx=64, n_swa=512, seed=6)
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("tile", [(1, 32), (2, 16), (4, 8), (8, 4)])
+def test_coopmat_kernel_emulated(env: Env, hd: int, tile: tuple[int, int]) -> None:
+    """attn_prefill_cm.comp with its two products done by plain lanes (CM_EMULATE) on a
+    32-row tile: everything but the cooperative-matrix calls themselves, checked on any
+    device (on lavapipe the real ones cannot run); f16 q, K, V and P as the real one."""
+    g, bq = tile
+    pos, seq = batch((0, 0, 2 * bq + 3), (1, 70, bq + 5), (2, 7, 2))
+    check(env, env.ops, hd=hd, n_head=8, n_kv=8 // g, pos=pos, seq=seq, n_ctx=160, seed=hd + g, emulate=tile)
+
+
+@pytest.mark.parametrize("name", ["f32", "f16", "q8_0", "q5_1"])
+def test_coopmat_kernel_emulated_types_and_windows(env: Env, name: str) -> None:
+    """Its K and V tile loads in a float, a half, a scaled and a scaled-with-minimum
+    type (the decoding itself is kv_read.glsl's, tested with every type above), a
+    prefix, two sequences, a window over a ring, gemma3's scale."""
+    pos, seq = batch((0, 37, 41), (1, 0, 9))
+    check(env, env.ops, hd=64, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=96, k_type=name, seed=TYPES.index(name),
+          emulate=(2, 16))
+    pos, seq = batch((0, 200, 30), (1, 0, 45))
+    check(env, env.ops, hd=64, n_head=4, n_kv=1, pos=pos, seq=seq, n_ctx=70, n_swa=40, k_type=name,
+          scale=1.0 / np.sqrt(160.0), seed=4, emulate=(4, 8))
 
 
 def test_bad_shapes_are_refused(env: Env) -> None:

@@ -342,6 +342,7 @@ class Ops:
         self, q: View, k_cache: View, v_cache: View, o: View, step: View, *, n_head: int,
         n_head_kv: int, head_dim: int, n_ctx: int, q_stride: int, o_stride: int, cap: int,
         scale: float | None = None, k_type: str = "f32", v_type: str = "f32", n_swa: int = 0,
+        emulate_cm: tuple[int, int] | None = None,
     ) -> Dispatch:
         """``attention`` for many tokens (prefill, attn_prefill.comp): a work group per
         tile of consecutive tokens and group of query heads of one KV head
@@ -349,14 +350,22 @@ class Ops:
         masked tiles skipped and fully visible ones run without the mask. Same
         arguments and results as ``attention``; on cooperative matrices
         (attn_prefill_cm.comp: f16 Q, K, P and V, f32 scores and sums) where
-        ``prefill_cm_ok``."""
+        ``prefill_cm_ok``. ``emulate_cm`` = (heads, tokens) is for tests: the
+        cooperative-matrix kernel with its two products done by plain lanes (CM_EMULATE),
+        on that tile, so that a device without them checks the rest of it."""
         assert head_dim % 16 == 0 and head_dim <= 256 and n_head % n_head_kv == 0
         kt, vt = _kv(k_type), _kv(v_type)
         _check_head(kt, head_dim, "K")
         _check_head(vt, head_dim, "V")
         cm = self.prefill_cm_ok(n_head, n_head_kv, head_dim)
         g, bq = prefill_tile(n_head, n_head_kv, head_dim, coopmat=cm)
-        if cm:
+        if emulate_cm is not None:
+            g, bq = emulate_cm
+            assert (g * bq) % 16 == 0 and 128 % (g * bq) == 0 and (n_head // n_head_kv) % g == 0
+            k = self.kernels.get("attn_prefill_cm", n_bindings=5, n_push=9, local_size=128,
+                                 defines={**kv_defines(K_TYPE=kt, V_TYPE=vt), "CM_EMULATE": 1},
+                                 spec={1: g, 2: bq, 3: head_dim, 4: 32})
+        elif cm:
             k = self.kernels.get("attn_prefill_cm", n_bindings=5, n_push=9, local_size=128,
                                  defines=kv_defines(K_TYPE=kt, V_TYPE=vt),
                                  spec={1: g, 2: bq, 3: head_dim, 4: self.subgroup})
