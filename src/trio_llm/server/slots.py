@@ -300,20 +300,29 @@ class SlotsEngine:
         out = []
         for s in self._slots:
             task = s.task
-            out.append(
-                {
-                    "id": s.id,
-                    "id_task": task.id_task if task else -1,
-                    "n_ctx": s.n_ctx,
-                    "is_processing": task is not None,
-                    "state": s.state.value,
-                    "n_past": s.n_past,
-                    "n_cached": len(s.seq[: s.n_past]) if task is None else s.n_cached,
-                    "n_prompt": s.n_prompt if task else 0,
-                    "n_decoded": len(s.generated) if task else 0,
-                    "params": task.params.to_json() if task else None,
+            view: dict[str, Any] = {
+                "id": s.id,
+                "id_task": task.id_task if task else -1,
+                "n_ctx": s.n_ctx,
+                "speculative": False,
+                "is_processing": task is not None,
+                "state": s.state.value,
+                "n_past": s.n_past,
+                "n_cached": len(s.seq[: s.n_past]) if task is None else s.n_cached,
+                "n_prompt": s.n_prompt if task else 0,
+                "n_decoded": len(s.generated) if task else 0,
+            }
+            if task is not None:  # llama-server's fields of a slot with a task; none when idle
+                view |= {
+                    "n_prompt_tokens": s.n_prompt,
+                    "n_prompt_tokens_processed": s.n_prompt - s.n_cached,
+                    "n_prompt_tokens_cache": s.n_cached,
+                    "params": task.params.to_json(),
+                    "next_token": [{"has_next_token": True, "n_decoded": len(s.generated),
+                                    "n_remain": (task.params.n_predict - len(s.generated)
+                                                 if task.params.n_predict >= 0 else -1)}],
                 }
-            )
+            out.append(view)
         return out
 
     # -- the loop ----------------------------------------------------------------
