@@ -3,7 +3,8 @@
 // f16 -> f32 at subgroup scope): the same tiling, masks, passes per sequence and cache
 // reads, with Q K^T and P V as matrix products. A work group of WG lanes (SG-lane
 // subgroups) owns R = BQ * G query rows (a multiple of 16) and walks key tiles of BC = 32:
-//   1. the K tile is dequantized to f16 in shared memory (zeros past the live keys);
+//   1. the K tile is dequantized to f16 in shared memory (zeros past the live keys),
+//      loaded during the previous tile (and V during this one's products);
 //   2. S = Q K^T on cooperative matrices (Q in f16, scaled first, as llama.cpp's GPU
 //      flash attention converts it), stored to shared memory in f32;
 //   3. WG / R lanes per row take the online softmax in f32 and write P in f16, while
@@ -72,6 +73,7 @@ const uint NTS = (R / 16u) * (BC / 16u);  // 16x16 blocks of S
 const uint NTO = (R / 16u) * (HD / 16u);  // 16x16 blocks of the output
 const uint OT = (NTO + NSG - 1u) / NSG;   // output blocks per subgroup
 const uint EPL = 256u / SG;               // elements of a block per lane
+const uint NLD = BC * HD / 4u / WG;       // K (or V) loads of four values per lane and tile
 const float MASKED = -1.0e30;
 
 #include "kv.glsl"
@@ -171,6 +173,8 @@ void main() {
     float m_run = MASKED;
     float l_run = 0.0;
     float oacc[OT * EPL];
+    f16vec4 kpre[NLD];  // K of the next tile, V of this one, on their way to shared memory
+    f16vec4 vpre[NLD];
     [[unroll]] for (uint i = 0; i < OT * EPL; i++) {
         oacc[i] = 0.0;
     }
@@ -204,19 +208,32 @@ void main() {
             }
         }
         uint base = s * pc.n_ctx;
+        // the first tile's K in registers (then each tile loads the next one's)
+        [[unroll]] for (uint n = 0; n < NLD; n++) {
+            uint c = (tid + WG * n) / (HD / 4u);
+            uint d = 4u * ((tid + WG * n) % (HD / 4u));
+            kpre[n] = f16vec4(c < min(BC, pmax + 1u - lomin) ? k_load4((base + ring_row(lomin + c)) * k_row + k_head, d)
+                                                            : vec4(0.0));
+        }
         for (uint k0 = lomin; k0 <= pmax; k0 += BC) {
             uint kn = min(BC, pmax + 1u - k0);
             bool full = one_seq && k0 + BC - 1u <= pmin && k0 >= lomax;
 
-            // 1. the K tile in f16
-            for (uint i = tid; i < BC * (HD / 4u); i += WG) {
-                uint c = i / (HD / 4u);
-                uint d = 4u * (i % (HD / 4u));
-                vec4 kv = c < kn ? k_load4((base + ring_row(k0 + c)) * k_row + k_head, d) : vec4(0.0);
-                kvs[c * KS + d] = float16_t(kv.x);
-                kvs[c * KS + d + 1u] = float16_t(kv.y);
-                kvs[c * KS + d + 2u] = float16_t(kv.z);
-                kvs[c * KS + d + 3u] = float16_t(kv.w);
+            // 1. the K tile into shared memory; this tile's V and the next tile's K into
+            // registers, their loads in flight during the products and the softmax
+            uint k1 = k0 + BC;
+            uint kn1 = k1 <= pmax ? min(BC, pmax + 1u - k1) : 0u;
+            [[unroll]] for (uint n = 0; n < NLD; n++) {
+                uint c = (tid + WG * n) / (HD / 4u);
+                uint d = 4u * ((tid + WG * n) % (HD / 4u));
+                kvs[c * KS + d] = kpre[n].x;
+                kvs[c * KS + d + 1u] = kpre[n].y;
+                kvs[c * KS + d + 2u] = kpre[n].z;
+                kvs[c * KS + d + 3u] = kpre[n].w;
+                vpre[n] = f16vec4(c < kn ? v_load4((base + ring_row(k0 + c)) * v_row + v_head, d) : vec4(0.0));
+                if (kn1 > 0u) {
+                    kpre[n] = f16vec4(c < kn1 ? k_load4((base + ring_row(k1 + c)) * k_row + k_head, d) : vec4(0.0));
+                }
             }
             barrier();
 
@@ -250,14 +267,13 @@ void main() {
             barrier();
 
             // 3. the V tile (K is no longer read) and the online softmax
-            for (uint i = tid; i < BC * (HD / 4u); i += WG) {
-                uint c = i / (HD / 4u);
-                uint d = 4u * (i % (HD / 4u));
-                vec4 vv = c < kn ? v_load4((base + ring_row(k0 + c)) * v_row + v_head, d) : vec4(0.0);
-                kvs[c * KS + d] = float16_t(vv.x);
-                kvs[c * KS + d + 1u] = float16_t(vv.y);
-                kvs[c * KS + d + 2u] = float16_t(vv.z);
-                kvs[c * KS + d + 3u] = float16_t(vv.w);
+            [[unroll]] for (uint n = 0; n < NLD; n++) {
+                uint c = (tid + WG * n) / (HD / 4u);
+                uint d = 4u * ((tid + WG * n) % (HD / 4u));
+                kvs[c * KS + d] = vpre[n].x;
+                kvs[c * KS + d + 1u] = vpre[n].y;
+                kvs[c * KS + d + 2u] = vpre[n].z;
+                kvs[c * KS + d + 3u] = vpre[n].w;
             }
             uint tk = rb / G;
             bool row_in = tk < nlive && tseq[tk] == s;
