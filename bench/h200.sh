@@ -95,8 +95,9 @@ for s in $STAGES; do case $s in
     stage verify-model 200 env TRIO_LLM_COOPMAT=0 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_model.py ;;
   prefill)  # prefill attention of whole prompts, op level (bench/prefill.py: the old per-head kernel up to 8k,
     # the tiled one, its cooperative-matrix form), then whole prefills of 8k / 32k through the backend
-    stage prefill-attn-1b 300 $PY bench/prefill.py --shape llama-1b --lengths 512,8192,32768 --types f16,q8_0
-    stage prefill-attn-8b 240 $PY bench/prefill.py --shape llama-8b --lengths 512,8192,16384 --types f16
+    stage prefill-attn-1b 300 $PY bench/prefill.py --shape llama-1b --lengths 512,8192,32768 --types f16,q8_0 \
+      --rows 0,16 --rows-cm 0,32
+    stage prefill-attn-8b 240 $PY bench/prefill.py --shape llama-8b --lengths 512,8192,16384 --types f16 --rows-cm 0,32
     stage prefill-pp8k-1b 150 $PY bench/decode.py --model "$M1" --backends vulkan --pp 8192 --tg 8 --repeats 2
     stage prefill-pp32k-1b 240 $PY bench/decode.py --model "$M1" --backends vulkan --pp 32768 --tg 8 --repeats 2 ;;
   attndepth)  # decode attention at depth, op level: per-head attention vs attention_decode

@@ -10,6 +10,7 @@ through the backend).
 
     .venv/bin/python bench/prefill.py --shape llama-1b --lengths 512,8192,32768
     .venv/bin/python bench/prefill.py --shape llama-8b --types f16,q8_0 --old-max 8192
+    .venv/bin/python bench/prefill.py --rows 16,32 --rows-cm 32,64   # tile sizes side by side
 
 Prints seconds per prompt for the attention of all layers and tokens per second of it,
 and the speed-up over ``attention``; writes ``bench/results/prefill-attn-*.json``. The
@@ -51,9 +52,13 @@ def run(args: argparse.Namespace) -> int:
     alloc = Allocator(device)
     kernels = KernelCache(device)
     base = Ops(kernels, subgroup=device.limits.subgroup_size)
-    kinds = {"attention": base.attention, "prefill": base.attention_prefill}
+    kinds = {"attention": base.attention}
+    for r in (int(x) for x in args.rows.split(",")):
+        kinds[f"prefill_r{r}" if r else "prefill"] = attrs.evolve(base, prefill_rows=r).attention_prefill
     if device.coopmat:
-        kinds["prefill_cm"] = attrs.evolve(base, coopmat=True).attention_prefill
+        for r in (int(x) for x in args.rows_cm.split(",")):
+            kinds[f"prefill_cm_r{r}" if r else "prefill_cm"] = attrs.evolve(
+                base, coopmat=True, prefill_rows_cm=r).attention_prefill
     chosen = args.kernels.split(",") if args.kernels else list(kinds)
     rows = []
     rng = np.random.default_rng(0)
@@ -133,7 +138,9 @@ def main() -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
     ap.add_argument("--types", default="f16")
     ap.add_argument("--lengths", default="512,8192,32768")
-    ap.add_argument("--kernels", default="", help="attention,prefill,prefill_cm (default: all the device has)")
+    ap.add_argument("--kernels", default="", help="attention,prefill,prefill_cm,... (default: all of them)")
+    ap.add_argument("--rows", default="0", help="query rows per work group of the scalar kernel to try (0: default)")
+    ap.add_argument("--rows-cm", default="0", help="the same for the coopmat kernel (16, 32, 64; 0: default)")
     ap.add_argument("--old-max", type=int, default=8192, help="longest prompt the old attention kernel runs")
     ap.add_argument("--layers", type=int, default=0, help="layers actually run (times scaled to all); 0: all")
     ap.add_argument("--repeats", type=int, default=3)

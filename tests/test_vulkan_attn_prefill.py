@@ -184,6 +184,15 @@ def test_coopmat_kernel_emulated_types_and_windows(env: Env, name: str) -> None:
           scale=1.0 / np.sqrt(160.0), seed=4, emulate=(4, 8))
 
 
+@pytest.mark.parametrize("rows", [16, 32])
+def test_other_row_tiles(env: Env, ops: Ops, rows: int) -> None:
+    """The tile sizes bench/prefill.py compares (``prefill_rows``, ``prefill_rows_cm``)."""
+    ops = attrs.evolve(ops, prefill_rows=rows, prefill_rows_cm=rows)
+    pos, seq = batch((0, 33, 45), (1, 0, 20))
+    for hd, gqa in ((64, 4), (128, 8)):
+        check(env, ops, hd=hd, n_head=gqa * 2, n_kv=2, pos=pos, seq=seq, n_ctx=96, seed=rows + hd)
+
+
 def test_bad_shapes_are_refused(env: Env) -> None:
     v = env.zeros(64)
     for hd, typ in ((40, "f16"), (48, "q8_0")):

@@ -89,20 +89,25 @@ def heads_per_group(n_head: int, n_head_kv: int, most: int = 8) -> int:
     return max(d for d in range(1, min(g, most) + 1) if g % d == 0)
 
 
-def prefill_tile(n_head: int, n_head_kv: int, head_dim: int, coopmat: bool = False) -> tuple[int, int]:
+def prefill_rows(head_dim: int, coopmat: bool = False) -> int:
+    """Query rows (tokens x heads) of one ``attention_prefill`` work group by default."""
+    return (64 if head_dim <= 128 else 32) if coopmat else (32 if head_dim <= 128 else 16)
+
+
+def prefill_tile(n_head: int, n_head_kv: int, head_dim: int, coopmat: bool = False,
+                 rows: int = 0) -> tuple[int, int]:
     """(query heads, tokens) of one ``attention_prefill`` work group: the heads are
     ``heads_per_group`` of the GQA ratio (they share every K/V row the group loads),
     the tokens fill 32 query rows (16 for head_dim 256, keeping the f32 queries in 16
     KiB of shared memory); on cooperative matrices 64 rows (32 for head_dim 256) in
     f16."""
-    rows = (64 if head_dim <= 128 else 32) if coopmat else (32 if head_dim <= 128 else 16)
+    rows = rows or prefill_rows(head_dim, coopmat)
     g = heads_per_group(n_head, n_head_kv, most=8)
     return g, rows // g
 
 
-def prefill_cm_shared(head_dim: int, subgroup: int) -> int:
+def prefill_cm_shared(head_dim: int, subgroup: int, rows: int) -> int:
     """Bytes of shared memory attn_prefill_cm.comp declares (its arrays, in order)."""
-    rows = 64 if head_dim <= 128 else 32
     return (2 * rows * (head_dim + 8) + 2 * 32 * (head_dim + 8) + 4 * rows * 36 + 2 * rows * 40
             + 4 * 256 * (128 // subgroup) + 8 * rows + 12 * rows)
 
@@ -144,6 +149,10 @@ class Ops:
     elem_wg: int = 256
     #: prefill matmuls on cooperative matrices (the device reports and enabled them)
     coopmat: bool = False
+    #: query rows per attention_prefill work group, scalar (16 or 32) and on cooperative
+    #: matrices (16, 32 or 64); 0: prefill_rows' choice (bench/prefill.py tries others)
+    prefill_rows: int = 0
+    prefill_rows_cm: int = 0
 
     def matvec(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
@@ -324,8 +333,7 @@ class Ops:
         memory its tile needs (the device's reported limits, not its name)."""
         if head_dim % 16 or head_dim > 256 or self.subgroup < 4:
             return False
-        g, bq = prefill_tile(1, 1, head_dim)
-        rows = g * bq
+        rows = self.prefill_rows or prefill_rows(head_dim)
         return 4 * rows * (head_dim + 32 + 2) + 8 * 32 <= self.kernels.device.limits.max_shared_memory
 
     def prefill_cm_ok(self, n_head: int, n_head_kv: int, head_dim: int) -> bool:
@@ -336,7 +344,8 @@ class Ops:
         g = heads_per_group(n_head, n_head_kv)
         return (self.coopmat and self.subgroup in (32, 64) and g & (g - 1) == 0 and head_dim % 16 == 0
                 and head_dim <= 256
-                and prefill_cm_shared(head_dim, self.subgroup) <= self.kernels.device.limits.max_shared_memory)
+                and prefill_cm_shared(head_dim, self.subgroup, self.prefill_rows_cm or prefill_rows(head_dim, True))
+                <= self.kernels.device.limits.max_shared_memory)
 
     def attention_prefill(
         self, q: View, k_cache: View, v_cache: View, o: View, step: View, *, n_head: int,
@@ -358,7 +367,8 @@ class Ops:
         _check_head(kt, head_dim, "K")
         _check_head(vt, head_dim, "V")
         cm = self.prefill_cm_ok(n_head, n_head_kv, head_dim)
-        g, bq = prefill_tile(n_head, n_head_kv, head_dim, coopmat=cm)
+        g, bq = prefill_tile(n_head, n_head_kv, head_dim, coopmat=cm,
+                             rows=self.prefill_rows_cm if cm else self.prefill_rows)
         if emulate_cm is not None:
             g, bq = emulate_cm
             assert (g * bq) % 16 == 0 and 128 % (g * bq) == 0 and (n_head // n_head_kv) % g == 0
