@@ -162,8 +162,65 @@ def gpu_breakdown(be, model, replays: int = 20) -> dict:  # type: ignore[no-unty
     return out
 
 
+DELTA_KERNELS = ("delta_net", "delta_prep", "delta_chunk")
+
+
+def prefill_breakdown(be, pp: int, replays: int = 10) -> dict:  # type: ignore[no-untyped-def]
+    """GPU time of the prefill graph of ``pp`` tokens (one sequence from position 0, the
+    step buffer filled for it) and of parts of it: the whole graph; without the
+    delta-rule dispatches (the gated delta-net layers' share of prefill is the
+    difference); the delta rule alone with its barriers, in the chunked form the graph
+    uses and in the token-by-token recurrence it replaced (``delta_net.comp``, the
+    decode form) for an A/B. Parts compute garbage; only their time matters."""
+    from trio_llm.vulkan.graph import Barrier, Dispatch, Graph
+    from trio_llm.vulkan.ops import fill_step
+
+    bucket = 1 << max(0, (pp - 1).bit_length())
+    if bucket > be._cap:
+        return {"skipped": f"pp {pp} exceeds the largest bucket {be._cap}"}
+    ops = be.lowered(bucket)
+    work, be._rs.work = be._rs.work, {}  # without its scratch the lowering takes the recurrence
+    try:
+        recurrent = be.lowered(bucket)
+    finally:
+        be._rs.work = work
+
+    def delta_only(part: list) -> list:  # type: ignore[type-arg]
+        return [x for d in part if isinstance(d, Dispatch) and d.kernel.name in DELTA_KERNELS for x in (d, Barrier())]
+
+    parts = {
+        "all": ops,
+        "without_delta": [op for op in ops if not (isinstance(op, Dispatch) and op.kernel.name in DELTA_KERNELS)],
+        "delta_chunked": delta_only(ops),
+        "delta_recurrent": delta_only(recurrent),
+        "all_recurrent": recurrent,
+    }
+    # chunked: the graph's own choice (recurrent.chunked_prefill: GPUs yes, CPU drivers no)
+    out: dict = {"tokens": pp, "bucket": bucket, "chunked": bool(work),
+                 "delta_dispatches": sum(isinstance(d, Dispatch) and d.kernel.name in DELTA_KERNELS for d in ops)}
+    device = be._device
+    with device.lock:
+        fill_step(be._act.step_words, np.zeros(pp, np.uint32), np.arange(pp, dtype=np.uint32),
+                  np.zeros(pp, np.uint32), np.array([pp - 1], np.uint32))
+        for name, part in parts.items():
+            graph = Graph.record(device, part)
+            try:
+                graph.run()
+                times = []
+                for _ in range(replays):
+                    t0 = common.now()
+                    graph.run()
+                    times.append(common.now() - t0)
+            finally:
+                graph.close()
+            out[name + "_ms"] = 1e3 * sorted(times)[len(times) // 2]
+    out["delta_share"] = 1 - out["without_delta_ms"] / out["all_ms"]
+    return out
+
+
 def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  # type: ignore[no-untyped-def]
-                residency_too: bool = False, breakdown_too: bool = False, n_cpu_moe: float = 0.0) -> dict:
+                residency_too: bool = False, breakdown_too: bool = False, n_cpu_moe: float = 0.0,
+                prefill_too: bool = False) -> dict:
     n_ctx = max(pp, tg) + 8
     if kind == "vulkan":
         from trio_llm.vulkan.backend import VulkanBackend
@@ -220,6 +277,7 @@ def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  
     info = be.device_info()
     mem = be.memory()
     breakdown = gpu_breakdown(be, model) if kind == "vulkan" and breakdown_too else None
+    prefill = prefill_breakdown(be, pp) if kind == "vulkan" and prefill_too else None
     residency = measure_residency(be, repeats) if kind == "vulkan" and residency_too else None
     be.close()
     out = {
@@ -235,6 +293,8 @@ def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  
         out["residency"] = residency
     if breakdown is not None:
         out["breakdown"] = breakdown
+    if prefill is not None:
+        out["prefill_breakdown"] = prefill
     if kind == "vulkan":
         out["gpu_ms_per_token"] = common.stats([1e3 * t / tg for t in replay_t])
         out["python_us_per_token"] = common.stats([1e6 * t / tg for t in python_t])
@@ -256,6 +316,9 @@ def main() -> int:
                     help="keep the experts of this many layers in host memory (Vulkan; fractional)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the decode graph's parts (Vulkan): without barriers, per kernel")
+    ap.add_argument("--prefill-breakdown", action="store_true",
+                    help="also time the pp graph whole, without the delta rule (its share), and the delta rule "
+                         "chunked vs token by token (Vulkan, hybrid models)")
     args = ap.parse_args()
     path = args.model or common.model_file(args.preset, args.quant)
     model = load_gguf(path)
@@ -263,7 +326,7 @@ def main() -> int:
     rows = []
     for kind in args.backends.split(","):
         r = run_backend(kind.strip(), model, args.pp, args.tg, args.repeats, args.warmup, args.residency,
-                        args.breakdown, args.n_cpu_moe)
+                        args.breakdown, args.n_cpu_moe, args.prefill_breakdown)
         r["bytes_per_token"] = per_token
         r["hbm_share"] = common.stats([v * per_token / HBM_BYTES_PER_S for v in r["tg_tps"].values])
         rows.append(r)
@@ -281,6 +344,8 @@ def main() -> int:
     for r in rows:
         if "breakdown" in r:
             print(f"{r['backend']} breakdown: {r['breakdown']}")
+        if "prefill_breakdown" in r:
+            print(f"{r['backend']} prefill breakdown: {r['prefill_breakdown']}")
         for level, fig in (r.get("residency") or {}).items():
             if level in ("raw_copy", "phases"):
                 print(f"{r['backend']} {level}: {fig}")

@@ -6,6 +6,8 @@
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill),
 # cpumoe (qwen35-35b-a3b Q4_K_M at --n-cpu-moe 0, 10, 10.5, 20),
+# hybrid (the delta-net kernel tests, then qwen35-0.8b Q8_0/Q4_K_M and qwen35-9b Q4_K_M prefill and decode,
+#   the delta rule's share of pp512 and its chunked form against the recurrence),
 # residency, handoff,
 # server, scen1b, scen8b,
 # e2emoe (qwen35-0.8b, qwen3-30b-a3b, qwen35-35b-a3b through HTTP beside llama-server; NO8B=1 skips the 8b),
@@ -132,6 +134,15 @@ for s in $STAGES; do case $s in
       stage "decode-moe35-ncmoe$n" 240 $PY bench/decode.py --model /tmp/m/$MOE-Q4_K_M.gguf --backends vulkan \
         --repeats 2 --n-cpu-moe $n
     done ;;
+  hybrid)  # gated delta-net hybrids: the kernels on the GPU, then prefill/decode with the pp512 graph's parts
+    stage verify-hybrid 240 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_deltanet.py tests/test_qwen35.py
+    if [ "${SMALL:-0}" = 1 ]; then H1=tiny-qwen35; H9=tiny-qwen35; else H1=qwen35-0.8b; H9=qwen35-9b; fi
+    for q in Q8_0 Q4_K_M; do
+      stage "decode-q35-08b-$q" 240 $PY bench/decode.py --model "$(model $H1 $q)" --backends vulkan --repeats 3 \
+        --prefill-breakdown
+    done
+    stage decode-q35-9b-q4km 400 $PY bench/decode.py --model "$(model $H9 Q4_K_M)" --backends vulkan --repeats 2 \
+      --prefill-breakdown ;;
   decodeg3)  # gemma3-4b Q4_K_M (sliding-window layers), made in the background meanwhile
     wait $MG3 2>/dev/null
     stage decode-gemma3-4b-q4km 200 $PY bench/decode.py --model /tmp/m/gemma3-4b-Q4_K_M.gguf --backends vulkan \

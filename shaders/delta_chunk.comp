@@ -1,7 +1,7 @@
 #version 450
 // The gated delta rule's chunked prefill form, part 2: each sequence's run walks its
 // chunks (delta_prep.comp's) in order, carrying the state. One work group per (v head,
-// block of J state columns, first token of a run): the columns of the state are
+// block of J state columns, run: ``delta.glsl``): the columns of the state are
 // independent, so a head's d columns are split over d / J work groups. Per chunk, with
 // T, P, G from delta_prep and S the state before it (key i, value j):
 //   x[r]   = beta_r (v_r - e^G_r k_r S)           the chunk's values, corrected
@@ -12,8 +12,6 @@
 // the decode kernel reads next: nothing is transposed or concatenated. A run starting
 // at position 0 starts from zeros.
 #include "common.glsl"
-
-#define DC 64
 
 layout(constant_id = 1) const uint D = 128;  // head size
 layout(constant_id = 2) const uint J = 16;   // state columns per work group
@@ -28,6 +26,7 @@ layout(binding = 6, std430) readonly buffer Gc { float gc[]; };
 layout(binding = 7, std430) writeonly buffer O { float o[]; };
 layout(binding = 8, std430) buffer S { float st[]; };
 DECLARE_STEP(9)
+#include "delta.glsl"
 
 layout(push_constant) uniform Push {
     uint n_k;
@@ -38,19 +37,18 @@ shared float s[D * J];   // [i][jj]
 shared float xs[DC * J]; // [r][jj]
 shared float us[DC * J];
 shared float gs[DC];
+shared float eg[DC];  // e^G_r
+shared float el[DC];  // e^(G_last - G_r)
 
 void main() {
     uint nb = D / J;
     uint h = gl_WorkGroupID.x / nb;
     uint j0 = (gl_WorkGroupID.x % nb) * J;
-    uint t0 = gl_WorkGroupID.y;
+    uint t0 = kth_start(gl_WorkGroupID.y, false);
     if (t0 >= step.n_tokens) {
         return;
     }
     uint seq = STEP_SEQ(t0);
-    if (t0 > 0u && STEP_SEQ(t0 - 1u) == seq) {
-        return;  // not the first token of its run
-    }
     uint lane = gl_LocalInvocationID.x;
     uint kh = h % pc.n_k;
     float scale = inversesqrt(float(D));
@@ -71,6 +69,11 @@ void main() {
             gs[lane] = gc[(t + lane) * pc.n_v + h];
         }
         barrier();
+        if (lane < c) {
+            eg[lane] = exp(gs[lane]);
+            el[lane] = exp(gs[c - 1u] - gs[lane]);
+        }
+        barrier();
         for (uint e = lane; e < c * J; e += WG) {
             uint r = e / J, jj = e % J;
             uint kr = ((t + r) * pc.n_k + kh) * D;
@@ -80,7 +83,7 @@ void main() {
             }
             uint vr = (t + r) * pc.n_v + h;
             float b = 1.0 / (1.0 + exp(-beta[vr]));
-            xs[e] = b * (v[vr * D + j0 + jj] - exp(gs[r]) * acc);
+            xs[e] = b * (v[vr * D + j0 + jj] - eg[r] * acc);
         }
         barrier();
         for (uint e = lane; e < c * J; e += WG) {
@@ -100,7 +103,7 @@ void main() {
             for (uint i = 0u; i < D; i++) {
                 acc += q[qr + i] * s[i * J + jj];
             }
-            acc *= exp(gs[r]) * scale;
+            acc *= eg[r] * scale;
             uint pr = ((t + r) * pc.n_v + h) * DC;
             for (uint x = 0u; x <= r; x++) {
                 acc += pm[pr + x] * us[x * J + jj];
@@ -108,13 +111,12 @@ void main() {
             o[((t + r) * pc.n_v + h) * D + j0 + jj] = acc;
         }
         barrier();
-        float gl = gs[c - 1u];
-        float dl = exp(gl);
+        float dl = eg[c - 1u];
         for (uint e = lane; e < D * J; e += WG) {
             uint i = e / J, jj = e % J;
             float acc = dl * s[e];
             for (uint r = 0u; r < c; r++) {
-                acc += k[((t + r) * pc.n_k + kh) * D + i] * exp(gl - gs[r]) * us[r * J + jj];
+                acc += k[((t + r) * pc.n_k + kh) * D + i] * el[r] * us[r * J + jj];
             }
             s[e] = acc;
         }

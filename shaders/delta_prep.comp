@@ -3,8 +3,9 @@
 // llama.cpp's): what each chunk needs that does not depend on the state, for every
 // chunk at once. A chunk is a run of a sequence's tokens that starts at the run's first
 // token or at a position that is a multiple of DC, so both kernels find the chunks from
-// the step buffer alone. One work group of DC lanes (WG == DC) per (v head h, first token t0 of a
-// chunk), lane r owning the chunk's row r; with G the cumulative log decay in the chunk,
+// the step buffer alone (delta.glsl). One work group of DC lanes (WG == DC) per
+// (v head h, chunk), lane r owning the chunk's row r; with G the cumulative log decay
+// in the chunk,
 //   G[t]    = sum of g over the chunk up to t                            [n_v] per token
 //   T[r][s] = ((I - A)^-1 - I)[r][s], A[r][s] = -beta_r (k_r . k_s) e^(G_r - G_s), s < r
 //   P[r][s] = (q_r . k_s) / sqrt(d) e^(G_r - G_s), s <= r
@@ -12,7 +13,6 @@
 // of a non-positive number). delta_chunk.comp then walks the chunks with the state.
 #include "common.glsl"
 
-#define DC 64
 #define TD 16
 
 layout(binding = 0, std430) readonly buffer Q { float q[]; };
@@ -25,6 +25,7 @@ layout(binding = 6, std430) writeonly buffer Tm { float tm[]; };
 layout(binding = 7, std430) writeonly buffer Pm { float pm[]; };
 layout(binding = 8, std430) writeonly buffer Gc { float gc[]; };
 DECLARE_STEP(9)
+#include "delta.glsl"
 
 layout(push_constant) uniform Push {
     uint n_k;
@@ -37,10 +38,6 @@ shared float ks[DC * TD];
 shared float qs[DC * TD];
 shared float gs[DC];
 shared float bs[DC];
-
-bool chunk_start(uint t) {
-    return t == 0u || STEP_SEQ(t - 1u) != STEP_SEQ(t) || STEP_POS(t) % DC == 0u;
-}
 
 // the chunk's k (or q) values [i0, i0 + TD) of every row into shared memory
 void load_tile(uint t0, uint c, uint kh, uint i0, bool with_q) {
@@ -57,8 +54,8 @@ void load_tile(uint t0, uint c, uint kh, uint i0, bool with_q) {
 
 void main() {
     uint h = gl_WorkGroupID.x;
-    uint t0 = gl_WorkGroupID.y;
-    if (t0 >= step.n_tokens || !chunk_start(t0)) {
+    uint t0 = kth_start(gl_WorkGroupID.y, true);
+    if (t0 >= step.n_tokens) {
         return;
     }
     uint seq = STEP_SEQ(t0);

@@ -285,11 +285,14 @@ def test_the_chunked_prefill_form_equals_the_recurrence() -> None:
 
 
 @pytest.mark.vulkan
-def test_vulkan_prefills_in_chunks_and_continues_from_a_previous_prefill(model) -> None:  # type: ignore[no-untyped-def]
-    """Prefill buckets run the chunked delta rule (decode buckets the recurrence): a
-    prompt of 130 tokens, then 71 more continuing its state (neither a multiple of the
-    chunk, the second starting mid-chunk), then a decode step, equal numpy's logits."""
+def test_vulkan_prefills_in_chunks_and_continues_from_a_previous_prefill(model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Prefill buckets run the chunked delta rule (decode buckets the recurrence; on a
+    CPU driver only when asked, ``recurrent.chunked_prefill``): a prompt of 130 tokens,
+    then 71 more continuing its state (neither a multiple of the chunk, the second
+    starting mid-chunk), then a decode step, equal numpy's logits."""
     from trio_llm.vulkan.backend import VulkanBackend
+
+    monkeypatch.setenv("TRIO_LLM_DELTA_CHUNKED", "1")
 
     rng = np.random.default_rng(7)
     toks = rng.integers(0, model.config.n_vocab, 202).astype(np.int32)

@@ -201,8 +201,10 @@ def test_the_chunked_delta_rule_equals_numpy_across_chunks_and_runs(env: Env, n_
     tm, pm, gc = env.zeros(n * n_v * 64), env.zeros(n * n_v * 64), env.zeros(n * n_v)
     o, sv = env.zeros(n * n_v * d), env.put(np.ascontiguousarray(state.transpose(0, 1, 3, 2)))
     st = env.step([0] * n, pos, seqs)
-    env.run([env.ops.delta_prep(vq, vk, va, vb, vdt, vad, tm, pm, gc, st, n_k=n_k, n_v=n_v, d=d, cap=256)])
-    env.run([env.ops.delta_chunk(vq, vk, vv, vb, tm, pm, gc, o, sv, st, n_k=n_k, n_v=n_v, d=d, cap=256)])
+    env.run([env.ops.delta_prep(vq, vk, va, vb, vdt, vad, tm, pm, gc, st, n_k=n_k, n_v=n_v, d=d, cap=256,
+                                    runs=n_seq)])
+    env.run([env.ops.delta_chunk(vq, vk, vv, vb, tm, pm, gc, o, sv, st, n_k=n_k, n_v=n_v, d=d, cap=256,
+                                     runs=n_seq)])
     np.testing.assert_allclose(env.get(o).reshape(n, -1), want, rtol=1e-4, atol=2e-4)
     got_state = env.get(sv).reshape(n_seq, n_v, d, d).transpose(0, 1, 3, 2)
     np.testing.assert_allclose(got_state, ref_state, rtol=1e-4, atol=2e-4)

@@ -53,7 +53,7 @@ from trio_llm.vulkan.ops import (
     decode_splits,
     fill_step,
 )
-from trio_llm.vulkan.recurrent import RecurrentState, chunk_scratch, state_bytes
+from trio_llm.vulkan.recurrent import RecurrentState, chunk_scratch, chunked_prefill, state_bytes
 from trio_llm.vulkan.shaders import STEP_CAP
 from trio_llm.vulkan.weights import WeightStore
 
@@ -167,7 +167,9 @@ class VulkanBackend:
                 f"buffer range ({limit >> 20} MiB): use fewer slots"
             )
         self._mem = plan_memory(self._ir, n_ctx=self.n_ctx, chunk=self._cap)
-        self._rs.work_sizes = chunk_scratch(self._ir, self._cap)  # the delta rule's chunked prefill
+        # the delta rule's chunked prefill: its scratch, and its grid's most runs per step
+        self._rs.n_seq = self.n_seq
+        self._rs.work_sizes = chunk_scratch(self._ir, self._cap) if chunked_prefill(device.device_type) else {}
         kt, vt = self.cache_types
         for what, t in (("K", kt), ("V", vt)):
             block = kv_type(t).block

@@ -634,7 +634,8 @@ class _Lowering:
         state, key = self._state(node)
         vq, vk, vv, va, vb, vdt, vad = (self.view(t) for t in (q, k, v, alpha, beta, dt, a))
         tm, pm, gc = (self.rs.work_view(n) for n in ("T", "P", "G"))
-        shape = dict(n_k=node.attr("n_k_heads"), n_v=node.attr("n_v_heads"), d=node.attr("head_dim"), cap=self.bucket)
+        shape = dict(n_k=node.attr("n_k_heads"), n_v=node.attr("n_v_heads"), d=node.attr("head_dim"), cap=self.bucket,
+                     runs=self.rs.n_seq)
         work = [("rs_work", n) for n in ("T", "P", "G")]
         self.emit([self.ops.delta_prep(vq, vk, va, vb, vdt, vad, tm, pm, gc, self.st, **shape)],
                   [self.slot(t) for t in (q, k, alpha, beta)], work)

@@ -512,17 +512,20 @@ class Ops:
 
     def delta_prep(
         self, q: View, k: View, alpha: View, beta: View, dt: View, a: View, tm: View, pm: View, gc: View,
-        step: View, *, n_k: int, n_v: int, d: int, cap: int,
+        step: View, *, n_k: int, n_v: int, d: int, cap: int, runs: int,
     ) -> Dispatch:
         """The chunked prefill form's state-free part, every chunk at once: the chunks'
         cumulative log decays, their triangular solves and in-chunk attention
-        (``delta_prep.comp``; ``tm``/``pm`` [cap, n_v, DELTA_CHUNK], ``gc`` [cap, n_v])."""
+        (``delta_prep.comp``; ``tm``/``pm`` [cap, n_v, DELTA_CHUNK], ``gc`` [cap, n_v]).
+        ``runs``: the most sequences in a step; with ``cap`` tokens they make at most
+        cap / DELTA_CHUNK + 2 runs + 1 chunks (a run's chunks end at multiples of the chunk)."""
         kern = self.kernels.get("delta_prep", n_bindings=10, n_push=3, local_size=DELTA_CHUNK)
-        return Dispatch(kern, (q, k, alpha, beta, dt, a, tm, pm, gc, step), (n_k, n_v, d), (n_v, cap, 1))
+        chunks = min(cap, cap // DELTA_CHUNK + 2 * runs + 1)
+        return Dispatch(kern, (q, k, alpha, beta, dt, a, tm, pm, gc, step), (n_k, n_v, d), (n_v, chunks, 1))
 
     def delta_chunk(
         self, q: View, k: View, v: View, beta: View, tm: View, pm: View, gc: View, o: View, state: View,
-        step: View, *, n_k: int, n_v: int, d: int, cap: int,
+        step: View, *, n_k: int, n_v: int, d: int, cap: int, runs: int,
     ) -> Dispatch:
         """The chunked prefill form's walk over each run's chunks with the state
         (``delta_chunk.comp``): a work group per (v head, ``cols`` state columns, run)."""
@@ -530,7 +533,7 @@ class Ops:
         kern = self.kernels.get("delta_chunk", n_bindings=10, n_push=2, local_size=DELTA_LANES,
                                 spec={1: d, 2: cols})
         return Dispatch(kern, (q, k, v, beta, tm, pm, gc, o, state, step), (n_k, n_v),
-                        (n_v * (d // cols), cap, 1))
+                        (n_v * (d // cols), min(cap, runs), 1))
 
 
 #: tokens per chunk of the delta rule's prefill form (``DC`` in delta_prep/delta_chunk.comp)

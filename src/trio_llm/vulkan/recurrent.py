@@ -16,6 +16,8 @@ next one's starts), freed at ``all`` and made again on restore, never copied.
 
 from __future__ import annotations
 
+import os
+
 import attrs
 import numpy as np
 
@@ -38,6 +40,19 @@ def state_bytes(graph: Graph, n_seq: int) -> dict[int, int]:
     return out
 
 
+def chunked_prefill(device_type: str) -> bool:
+    """Whether prefill buckets run the delta rule's chunked form. It trades a token by
+    token chain (64 x 4 x d dependent multiply-adds per chunk) for matrix products over
+    d / 16 times the work groups, which pays where there are many cores to fill; a CPU
+    driver (lavapipe) has two to eight and does the chunked form's larger work more
+    slowly (tiny-qwen35, 200 tokens, lavapipe: 1.36 s against 0.34 s for the
+    recurrence). ``TRIO_LLM_DELTA_CHUNKED=1`` / ``0`` chooses by hand (tests, A/B)."""
+    env = os.environ.get("TRIO_LLM_DELTA_CHUNKED")
+    if env in ("0", "1"):
+        return env == "1"
+    return device_type != "cpu"
+
+
 def chunk_scratch(graph: Graph, cap: int) -> dict[str, int]:
     """Bytes of the chunked prefill form's scratch for steps of up to ``cap`` tokens:
     per (token, v head) a row of the chunk's triangular solve ("T") and in-chunk
@@ -54,6 +69,7 @@ class RecurrentState:
     alloc: Allocator
     sizes: dict[int, int]  # node id -> bytes
     work_sizes: dict[str, int] = attrs.field(factory=dict)  # chunked prefill scratch, name -> bytes
+    n_seq: int = 1  # sequences: the most runs of a step (the chunked form's grid)
     bufs: dict[int, Buffer] = attrs.field(factory=dict)
     work: dict[str, Buffer] = attrs.field(factory=dict)
     host: dict[int, Buffer] = attrs.field(factory=dict)
