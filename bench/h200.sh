@@ -9,7 +9,7 @@
 # hybrid (the delta-net kernel tests, then qwen35-0.8b Q8_0/Q4_K_M and qwen35-9b Q4_K_M prefill and decode,
 #   the delta rule's share of pp512 and its chunked form against the recurrence),
 # residency, handoff,
-# server, scen1b, scen8b,
+# server, scen1b, scen8b, coresident,
 # e2emoe (qwen35-0.8b, qwen3-30b-a3b, qwen35-35b-a3b through HTTP beside llama-server; NO8B=1 skips the 8b),
 # e2e (bench/e2e.py: trio-llm serve beside llama-server Vulkan and CUDA through HTTP; needs
 #   .lcpp carried too: `bash ../shared/tools/llamacpp/prepare.sh` here first).
@@ -176,6 +176,9 @@ for i in range(4):
     stage residency-8b 80 $PY bench/residency.py --model "$M8B" --backend vulkan --repeats 3 ;;
   handoff)
     stage handoff-1b-weights 90 $PY bench/handoff.py --model "$M1" --backend vulkan --handoffs 60 --sleep-mode weights ;;
+  coresident)  # issue 16: a co-resident pair's request latency (--arena-budget auto), to compare with warm
+    stage coresident-1b 90 $PY bench/handoff.py --model "$M1" --backend vulkan --handoffs 60 --sleep-mode weights \
+      --arena-budget auto ;;
   server)
     stage server-1b 90 $PY bench/server.py --model $B1:Q8_0 --backend vulkan --clients 4 --repeats 2 ;;
   scen1b)  # SCEN1B="alternating" to run fewer

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/handoff.py [--model tiny:Q8_0] [--backend numpy]
         [--handoffs 60] [--sleep-mode weights] [--tokens 4] [--timeout 60]
+        [--arena-budget MIB|auto]
 
 Starts two ``trio-llm serve`` processes on one fresh arena, then sends N streaming
 ``/completion`` requests alternating between them, one at a time. Every request
@@ -14,6 +15,10 @@ that gets no first token within ``--timeout`` counts as stranded. The warm figur
 (the same server asked twice in a row, no hand-off) is measured too, so the
 hand-off cost is the difference. Reference fork on an RX 580: median 0.309 s over 60,
 0 stranded.
+
+With ``--arena-budget`` both servers run co-resident (``docs/arbiter.md``): when both
+fit, nobody yields, and the "hand-off" figure is a co-resident pair's request latency,
+which should equal the warm figure (``server_cycles`` then shows no yields).
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ import httpx
 import trio
 
 
-async def start(path: Path, arena: Path, backend: str, mode: str) -> tuple[trio.Process, str]:
+async def start(path: Path, arena: Path, backend: str, mode: str,
+                budget: str | None = None) -> tuple[trio.Process, str]:
     proc = await trio.lowlevel.open_process(
         [sys.executable, "-m", "trio_llm", "serve", "-m", str(path), "--port", "0",
-         "--backend", backend, "--vram-arena", str(arena), "--sleep-mode", mode],
+         "--backend", backend, "--vram-arena", str(arena), "--sleep-mode", mode,
+         *(["--arena-budget", budget] if budget else [])],
         stderr=subprocess.PIPE,
     )
     assert proc.stderr is not None
@@ -74,7 +81,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     procs = []
     try:
         for _ in range(2):
-            procs.append(await start(path, arena, args.backend, args.sleep_mode))
+            procs.append(await start(path, arena, args.backend, args.sleep_mode, args.arena_budget))
         clients = [httpx.AsyncClient(base_url=url, timeout=args.timeout) for _, url in procs]
         warm: list[float] = []
         handoffs: list[float] = []
@@ -119,6 +126,7 @@ def main() -> int:
     ap.add_argument("--sleep-mode", default="weights", choices=["weights", "all", "unload"])
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--arena-budget", default=None, help="MIB or auto: the two servers co-resident")
     args = ap.parse_args()
     figures = trio.run(run, args)
     h = figures["handoff_s"]
