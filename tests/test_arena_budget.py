@@ -10,15 +10,19 @@ fork's stand-in.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
+from test_sleep import released_at
 from trio_llm.errors import ArenaRefused
 from trio_llm.residency.arbiter import Arbiter, Share, open_arbiter
 from trio_llm.residency.ledger import (
@@ -94,7 +98,7 @@ async def member(arena: Path, mib: float, budget: float = 100, *, pinned: bool =
 
 
 def ledger_names(arena: Path) -> list[str]:
-    return sorted(n for n in os.listdir(arena / LEDGER_DIR) if n != "lock")
+    return sorted(n for n in os.listdir(arena / LEDGER_DIR) if n.endswith(".member"))
 
 
 async def until(pred: object, timeout: float = 10.0) -> None:
@@ -122,6 +126,29 @@ async def test_two_that_fit_are_resident_together_and_nobody_yields(
         a.close()
         b.close()
     assert ledger_names(tmp_path) == []
+
+
+async def test_coresidents_never_take_each_others_probe_for_a_waiter(tmp_path: Path) -> None:
+    """A probe holds want.lock exclusively for an instant: two co-residents probing at
+    once would each see the other as a waiter and yield for nobody (seen as a flaky
+    idle yield of the real servers). The probe mutex serialises them: a probe that
+    meets another in flight answers no, and the next one, 10 ms later, decides."""
+    import fcntl
+
+    a, b = await member(tmp_path, 10), await member(tmp_path, 10)
+    try:
+        await a.take()
+        await b.take()
+        assert a._ledger is not None
+        with a._ledger.probing():  # a's probe, in flight
+            fcntl.flock(a._probe_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            assert not b.probe()
+            fcntl.flock(a._probe_fd, fcntl.LOCK_UN)
+        assert not a.probe() and not b.probe()
+        assert a.statistics().probes_positive == b.statistics().probes_positive == 0
+    finally:
+        a.close()
+        b.close()
 
 
 async def test_a_waiter_that_does_not_fit_makes_the_least_recently_used_yield(
@@ -470,3 +497,102 @@ async def test_three_servers_of_which_two_fit(tiny_model: Path, tmp_path: Path) 
             code, err = await s.stop()
             assert code == 0, err[-2000:]
     assert ledger_names(tmp_path) == []
+
+
+# ---- the controller on MockClock ------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def controller(model: Path, arena: Path, cfg: object,
+                     share: Share) -> AsyncIterator[tuple[Any, Arbiter, Any]]:
+    """The sleep controller of a co-resident server (numpy backend, real arbiter),
+    resident after its coordinated load; every thread call happens before it starts."""
+    from trio_llm.engine.actor import BackendActor
+    from trio_llm.engine.reference import NumpyBackend
+    from trio_llm.model.gguf import load_gguf
+    from trio_llm.residency.residency import Residency
+    from trio_llm.residency.sleep import SleepController
+
+    arbiter = await open_arbiter(arena, share=share, ident=next(_idents))
+    await arbiter.take()
+    gg = load_gguf(model)
+    backend = NumpyBackend(gg, n_ctx=64, n_seq=1)
+    gg.close()
+    actor = BackendActor(backend)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.run)
+            residency = Residency(actor.client())
+            await nursery.start(residency.run)
+            ctl = SleepController(cfg, residency, arbiter)  # type: ignore[arg-type]
+            await nursery.start(ctl.run)
+            yield ctl, arbiter, residency
+            nursery.cancel_scope.cancel()
+    finally:
+        backend.close()
+        arbiter.close()
+
+
+async def test_a_busy_coresident_makes_room_at_its_quantum(
+    tiny_model: Path, tmp_path: Path, autojump_clock: object
+) -> None:
+    """Chosen to make room (the least recently used) while busy: the yield comes at
+    the quantum, at a step boundary, and is counted as a budget yield."""
+    from trio_llm.engine.backend import Level
+    from trio_llm.residency.residency import State
+    from trio_llm.residency.sleep import SleepConfig
+
+    cfg = SleepConfig(Level.WEIGHTS, quantum=2.0)
+    other = await member(tmp_path, 40)
+    waiter = await member(tmp_path, 50)
+    try:
+        async with controller(tiny_model, tmp_path, cfg, Share(40 * MiB, 100 * MiB)) as (ctl, arb, res):
+            t0 = ctl.statistics().woke_at
+            await other.take()  # fits beside us
+            ctl.set_busy(True)  # requests in flight all along
+            other.touch()  # used after us: we are the least recently used
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(waiter.take)
+                await trio.sleep(1.0)
+                assert arb.holding and not waiter.holding  # not before the quantum
+                # the release begins at the quantum's probe (the release itself runs on a
+                # worker thread, where autojump moves the clock on)
+                assert await released_at(res) == pytest.approx(t0 + 2.0, abs=1e-9)
+                with trio.fail_after(5):
+                    while not waiter.holding:
+                        await trio.sleep(0.001)
+            assert ctl.statistics().state is State.COLD and not arb.holding
+            assert ctl.arena_statistics().yields == {"idle": 0, "quantum": 0, "budget": 1, "shutdown": 0}
+            assert other.holding  # the fewest: only we made room
+            stats = ctl.arena_statistics()
+            assert stats.coresident and stats.footprint_bytes == 40 * MiB and stats.budget_bytes == 100 * MiB
+    finally:
+        other.close()
+        waiter.close()
+
+
+async def test_a_pinned_server_never_yields_under_the_controller(
+    tiny_model: Path, tmp_path: Path, autojump_clock: object
+) -> None:
+    from trio_llm.engine.backend import Level
+    from trio_llm.residency.residency import State
+    from trio_llm.residency.sleep import SleepConfig
+
+    cfg = SleepConfig(Level.WEIGHTS, quantum=0.5)
+    excl = await open_arbiter(tmp_path)
+    big = await member(tmp_path, 60)
+    try:
+        async with controller(tiny_model, tmp_path, cfg, Share(50 * MiB, 100 * MiB, pinned=True)) as (ctl, arb, _):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(big.take)  # does not fit beside the pin: nobody can make room
+                nursery.start_soon(excl.take)  # an exclusive waiter: a pin does not yield to it either
+                ctl.set_busy(True)
+                await trio.sleep(3.0)
+                ctl.set_busy(False)
+                await trio.sleep(3.0)
+                assert ctl.statistics().state is State.RESIDENT and arb.holding
+                assert ctl.statistics().yields == 0 and arb.statistics().probes > 100
+                nursery.cancel_scope.cancel()
+    finally:
+        excl.close()
+        big.close()

@@ -476,11 +476,13 @@ class Arbiter:
         exclusively (so no exclusive waiter is registered, and none can register
         until we are in: flock alone would let joiners starve a waiting fork), if our
         footprint fits beside the live members. False: not now (try at the next poll).
-        Raises ``ArenaRefused`` for a pin that does not fit beside the other pins."""
+        Raises ``ArenaRefused`` for a pin that does not fit beside the other pins. The
+        probe's mutex is held throughout, so that no co-resident's probe takes our
+        exclusive hold of want.lock for a waiter."""
         ledger, share = self._ledger, self._share
         assert ledger is not None and share is not None
         try:
-            with ledger.locked(exclusive=True):
+            with ledger.locked(exclusive=True), ledger.probing():
                 if not _try_flock(self._token_fd, fcntl.LOCK_SH):
                     return False  # held exclusively
                 joined = False
@@ -630,10 +632,28 @@ class Arbiter:
             return None
 
     def probe(self) -> bool:
-        """Does another process wait for the token? Never blocks; reads live lock state."""
+        """Does another process wait for the token? Never blocks; reads live lock state.
+
+        A co-resident also answers yes when the head waiter does not fit and we are
+        chosen to make room (``probe_reason`` says which). Its probe runs under the
+        ledger's probe mutex: two co-residents probing want.lock exclusively at the same
+        instant would each take the other for a waiter. When another co-resident
+        probes or joins at this instant, the answer is no (the next probe is 10 ms
+        away)."""
         self._check_open()
         if not self.active or self._probe_fd < 0:
             return False
+        if self._ledger is not None:
+            try:
+                with self._ledger.probing():
+                    return self._probe()
+            except Busy:
+                return False
+            except OSError as exc:
+                self._drop_ledger(exc)
+        return self._probe()
+
+    def _probe(self) -> bool:
         self._probes += 1
         if self._check_stale():
             # our token is on a file nobody else can see: yield, so that the token

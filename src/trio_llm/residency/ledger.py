@@ -6,6 +6,11 @@ under a budget, and pin"). The ledger says who is resident with how much:
 
 - ``ledger/lock``: the ledger's mutex (``LOCK_EX`` to change it, ``LOCK_SH`` to read
   it); its content is the use counter that orders members by last use.
+- ``ledger/probe``: the probe's mutex. A probe is ``LOCK_EX|LOCK_NB`` on ``want.lock``,
+  so two co-residents probing at the same instant would each see the other's probe as
+  a waiter (and a joiner's exclusive hold of ``want.lock`` looks like one too): every
+  co-resident-capable process takes this mutex around its probe and its join, and
+  skips a probe when the mutex is busy (the next one is 10 ms later).
 - ``ledger/PID.member``: one co-resident, flock'd ``LOCK_EX`` by its owner for as
   long as it is a member. Created under a temporary name, locked, then renamed into
   place, so it is never visible unlocked: a member file whose lock another process
@@ -37,6 +42,7 @@ import attrs
 
 LEDGER_DIR = "ledger"
 LOCK_FILE = "lock"
+PROBE_FILE = "probe"
 MiB = 1 << 20
 _MEMBER = re.compile(r"(\d+)\.member")
 _OPEN = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
@@ -171,6 +177,7 @@ class Ledger:
     dir_fd: int
     lock_fd: int
     mode: int  # of the files we create (the arena's permission policy)
+    probe_fd: int = -1
     #: our name in the ledger: the pid (tests give two arbiters of one process their own)
     ident: int = attrs.field(factory=os.getpid)
     _entry_fd: int = -1  # our member file, while we are a member
@@ -189,18 +196,21 @@ class Ledger:
             st = os.fstat(fd)
             if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o777 != dir_mode:
                 os.fchmod(fd, dir_mode | (st.st_mode & stat.S_ISGID))
-            lock_fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | _OPEN, mode, dir_fd=fd)
+            fds: list[int] = []
             try:
-                if not stat.S_ISREG(os.fstat(lock_fd).st_mode):
-                    raise OSError(errno.EINVAL, "not a regular file", str(path / LOCK_FILE))
-                _set_mode(lock_fd, mode)
+                for name in (LOCK_FILE, PROBE_FILE):
+                    fds.append(os.open(name, os.O_RDWR | os.O_CREAT | _OPEN, mode, dir_fd=fd))
+                    if not stat.S_ISREG(os.fstat(fds[-1]).st_mode):
+                        raise OSError(errno.EINVAL, "not a regular file", str(path / name))
+                    _set_mode(fds[-1], mode)
             except BaseException:
-                os.close(lock_fd)
+                for f in fds:
+                    os.close(f)
                 raise
         except BaseException:
             os.close(fd)
             raise
-        return cls(fd, lock_fd, mode, os.getpid() if ident is None else ident)
+        return cls(fd, fds[0], mode, fds[1], os.getpid() if ident is None else ident)
 
     @property
     def member(self) -> bool:
@@ -215,6 +225,17 @@ class Ledger:
             yield
         finally:
             _unlock(self.lock_fd)
+
+    @contextlib.contextmanager
+    def probing(self) -> Iterator[None]:
+        """The probe's mutex, non-blocking: ``Busy`` if another co-resident probes or
+        joins at this instant."""
+        if not _try_lock(self.probe_fd, fcntl.LOCK_EX):
+            raise Busy
+        try:
+            yield
+        finally:
+            _unlock(self.probe_fd)
 
     def _next_stamp(self) -> int:
         """Bump the use counter (under the exclusive lock)."""
@@ -315,7 +336,7 @@ class Ledger:
 
     def close(self) -> None:
         self.leave()
-        for name in ("lock_fd", "dir_fd"):
+        for name in ("probe_fd", "lock_fd", "dir_fd"):
             fd = getattr(self, name)
             if fd >= 0:
                 with contextlib.suppress(OSError):
