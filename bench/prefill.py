@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         for r in (int(x) for x in args.rows_cm.split(",")):
             kinds[f"prefill_cm_r{r}" if r else "prefill_cm"] = attrs.evolve(
                 base, coopmat=True, prefill_rows_cm=r).attention_prefill
+        kinds["prefill_cm_staged"] = attrs.evolve(base, coopmat=True, prefill_cm_stage=True).attention_prefill
     chosen = args.kernels.split(",") if args.kernels else list(kinds)
     rows = []
     rng = np.random.default_rng(0)

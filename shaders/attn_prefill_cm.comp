@@ -9,10 +9,10 @@
 //      flash attention converts it), stored to shared memory in f32;
 //   3. WG / R lanes per row take the online softmax in f32 and write P in f16, while
 //      the V tile replaces the K tile;
-//   4. P V on cooperative matrices into fresh accumulators, one 16x16 block at a time
-//      staged through the subgroup's slice of shared memory, added by its lanes into
-//      the output they keep in registers (o = o * corr + pv): an accumulator cannot be
-//      scaled per row, so the running output is not one.
+//   4. o = o * corr + P V with the output in accumulators, scaled per row by an
+//      accumulator of the rows' rescales (a component-wise product); with CM_STAGE the
+//      output stays in plain registers instead and each P V block goes through the
+//      subgroup's staging slice of shared memory (one more write and read per block).
 // Fully masked key tiles are never visited; fully visible ones skip the mask.
 //
 // CM_EMULATE (tests only): the two products computed by plain lanes from the same shared
@@ -22,6 +22,9 @@
 #ifndef CM_EMULATE
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
+#ifndef CM_STAGE
+#define O_IN_ACC 1
+#endif
 #endif
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #extension GL_KHR_shader_subgroup_shuffle : require
@@ -98,9 +101,15 @@ const float MASKED = -1.0e30;
 
 shared float16_t qs[R * QS];    // [row][dim], matrix A of S
 shared float16_t kvs[BC * KS];  // the K tile [key][dim] (B of S, column-major), then V (B of P V, row-major)
-shared float ss[R * SS];        // S [row][key]
+const uint SS_N = R * SS > NSG * 256u ? R * SS : NSG * 256u;  // it stages the output too
+shared float ss[SS_N];          // S [row][key]
 shared float16_t ps[R * PS];    // P [row][key], matrix A of P V
+#ifdef O_IN_ACC
+shared float cb[R * 16u];       // the rows' rescales (then 1 / their sums), 16 columns of each
+#define stage ss                // the scores' array stages the final output blocks
+#else
 shared float stage[NSG * 256u]; // each subgroup's 16x16 block of P V
+#endif
 shared float row_c[R];          // the tile's rescale per row
 shared float row_l[R];
 shared uint tpos[BQ];
@@ -172,6 +181,12 @@ void main() {
     uint part = tid % LPR;
     float m_run = MASKED;
     float l_run = 0.0;
+#ifdef O_IN_ACC
+    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> oc[OT];
+    [[unroll]] for (uint j = 0; j < OT; j++) {
+        oc[j] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+    }
+#endif
     float oacc[OT * EPL];
     f16vec4 kpre[NLD];  // K of the next tile, V of this one, on their way to shared memory
     f16vec4 vpre[NLD];
@@ -308,6 +323,11 @@ void main() {
             if (part == 0u) {
                 row_c[rb] = corr;
             }
+#ifdef O_IN_ACC
+            for (uint i = part; i < 16u; i += LPR) {
+                cb[rb * 16u + i] = corr;
+            }
+#endif
             barrier();
 
             // 4. o = o * corr + P V, block by block
@@ -316,6 +336,18 @@ void main() {
                 if (b < NTO) {
                     uint mt = b / (HD / 16u);
                     uint nt = b % (HD / 16u);
+#ifdef O_IN_ACC
+                    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> cm;
+                    coopMatLoad(cm, cb, mt * 256u, 16u, gl_CooperativeMatrixLayoutRowMajor);
+                    oc[j] = oc[j] * cm;
+                    [[unroll]] for (uint kk = 0; kk < BC; kk += 16u) {
+                        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> ma;
+                        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> mb;
+                        coopMatLoad(ma, ps, mt * 16u * PS + kk, PS, gl_CooperativeMatrixLayoutRowMajor);
+                        coopMatLoad(mb, kvs, kk * KS + nt * 16u, KS, gl_CooperativeMatrixLayoutRowMajor);
+                        oc[j] = coopMatMulAdd(ma, mb, oc[j]);
+                    }
+#else
 #ifdef CM_EMULATE
                     for (uint e = 0; e < EPL; e++) {
                         uint idx = lane + SG * e;
@@ -344,6 +376,7 @@ void main() {
                         oacc[j * EPL + e] = oacc[j * EPL + e] * row_c[r] + stage[sg * 256u + idx];
                     }
                     SG_SYNC();
+#endif
                 }
             }
             barrier();
@@ -361,12 +394,34 @@ void main() {
     if (part == 0u) {
         row_l[rb] = l_run;
     }
+#ifdef O_IN_ACC
+    for (uint i = part; i < 16u; i += LPR) {
+        cb[rb * 16u + i] = l_run;
+    }
+#endif
     barrier();
     [[unroll]] for (uint j = 0; j < OT; j++) {
         uint b = sg + NSG * j;
         if (b < NTO) {
             uint mt = b / (HD / 16u);
             uint nt = b % (HD / 16u);
+#ifdef O_IN_ACC
+            // o / l, then through the subgroup's slice of the scores' array to the rows
+            coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> lm;
+            coopMatLoad(lm, cb, mt * 256u, 16u, gl_CooperativeMatrixLayoutRowMajor);
+            oc[j] = oc[j] / lm;
+            coopMatStore(oc[j], stage, sg * 256u, 16u, gl_CooperativeMatrixLayoutRowMajor);
+            SG_SYNC();
+            [[unroll]] for (uint e = 0; e < EPL; e++) {
+                uint idx = lane + SG * e;
+                uint r = mt * 16u + idx / 16u;
+                uint tk = r / G;
+                if (tk < nlive) {
+                    o[(t0 + tk) * pc.o_stride + (h0 + r % G) * HD + nt * 16u + idx % 16u] = stage[sg * 256u + idx];
+                }
+            }
+            SG_SYNC();
+#else
             [[unroll]] for (uint e = 0; e < EPL; e++) {
                 uint idx = lane + SG * e;
                 uint r = mt * 16u + idx / 16u;
@@ -376,6 +431,7 @@ void main() {
                         oacc[j * EPL + e] / row_l[r];
                 }
             }
+#endif
         }
     }
 }

@@ -6,8 +6,9 @@ position p0 > 0: chunked prefill, prompt-cache reuse), several sequences in one 
 model's own (gemma3). The positions are chosen so that each case has fully visible key
 tiles (the mask skipped), diagonal tiles and, with windows, tiles before the window.
 
-Each case runs on both paths: ``scalar`` (attn_prefill.comp, f32, within 3e-5 of the
-float64 reference) and ``coopmat`` (attn_prefill_cm.comp on cooperative matrices: q,
+Each case runs on every path: ``scalar`` (attn_prefill.comp, f32, within 3e-5 of the
+float64 reference) and ``coopmat`` / ``coopmat-staged`` (attn_prefill_cm.comp on
+cooperative matrices, the output in accumulators or staged per block: q,
 K, V and the softmax weights in f16, so it is held to numpy over f16-rounded q, K and
 V within 2e-3), which needs a device with 16x16x16 f16 cooperative matrices and is
 skipped where there are none (lavapipe); ``bash bench/h200.sh verify`` runs it."""
@@ -43,13 +44,13 @@ def env() -> Iterator[Env]:
     alloc.free_all()
 
 
-@pytest.fixture(params=["scalar", "coopmat"])
+@pytest.fixture(params=["scalar", "coopmat", "coopmat-staged"])
 def ops(request: pytest.FixtureRequest, env: Env) -> Ops:
     if request.param == "scalar":
         return env.ops
     if not env.device.coopmat:
         pytest.skip(f"{env.device.name} reports no 16x16x16 f16 cooperative matrices (lavapipe has none)")
-    return attrs.evolve(env.ops, coopmat=True)
+    return attrs.evolve(env.ops, coopmat=True, prefill_cm_stage=request.param == "coopmat-staged")
 
 
 def np_attention(q, k, v, pos, seq, n_head_kv, n_swa, scale):  # type: ignore[no-untyped-def]
@@ -98,8 +99,7 @@ def check(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int]
         o_stride=n_head * hd, cap=cap or ntok, scale=s, k_type=k_type, v_type=v_type, n_swa=n_swa,
         emulate_cm=emulate)])
     got = env.get(o).reshape(q.shape)
-    if ops.coopmat or emulate:
-        assert emulate or ops.prefill_cm_ok(n_head, n_kv, hd)
+    if emulate or (ops.coopmat and ops.prefill_cm_ok(n_head, n_kv, hd)):
         f16 = np.float16
         want = np_attention((q * np.float32(s)).astype(f16), kh.astype(f16), vh.astype(f16), pos, seq, n_kv,
                             n_swa, 1.0)
@@ -133,6 +133,15 @@ def test_head_dims_and_gqa(env: Env, ops: Ops, hd: int, gqa: int) -> None:
     assert g * bq <= 64 and gqa % g == 0
     pos, seq = batch((0, 0, 2 * bq + 3), (1, 70, bq + 5))
     check(env, ops, hd=hd, n_head=gqa * n_kv, n_kv=n_kv, pos=pos, seq=seq, n_ctx=160, seed=hd + gqa)
+
+
+@pytest.mark.parametrize("gqa", [3, 6])
+def test_odd_gqa_ratios(env: Env, ops: Ops, gqa: int) -> None:
+    """Head groups of 3 and 6 (30-row tiles: the scalar kernel on every device, the
+    cooperative-matrix one needs a power of two)."""
+    assert not ops.prefill_cm_ok(gqa * 2, 2, 64)
+    pos, seq = batch((0, 0, 23), (1, 40, 12))
+    check(env, ops, hd=64, n_head=gqa * 2, n_kv=2, pos=pos, seq=seq, n_ctx=64, seed=gqa)
 
 
 def test_tiles_straddle_sequences(env: Env, ops: Ops) -> None:

@@ -108,8 +108,9 @@ def prefill_tile(n_head: int, n_head_kv: int, head_dim: int, coopmat: bool = Fal
 
 def prefill_cm_shared(head_dim: int, subgroup: int, rows: int) -> int:
     """Bytes of shared memory attn_prefill_cm.comp declares (its arrays, in order)."""
-    return (2 * rows * (head_dim + 8) + 2 * 32 * (head_dim + 8) + 4 * rows * 36 + 2 * rows * 40
-            + 4 * 256 * (128 // subgroup) + 8 * rows + 12 * rows)
+    nsg = 128 // subgroup
+    return (2 * rows * (head_dim + 8) + 2 * 32 * (head_dim + 8) + 4 * max(rows * 36, 256 * nsg) + 2 * rows * 40
+            + 4 * max(256 * nsg, 16 * rows) + 8 * rows + 12 * rows)
 
 
 def attention_part_floats(cap: int, n_head: int, head_dim: int, n_split: int) -> int:
@@ -153,6 +154,9 @@ class Ops:
     #: matrices (16, 32 or 64); 0: prefill_rows' choice (bench/prefill.py tries others)
     prefill_rows: int = 0
     prefill_rows_cm: int = 0
+    #: the coopmat kernel's CM_STAGE form (the output in plain registers, each P V block
+    #: staged through shared memory) instead of the output in accumulators
+    prefill_cm_stage: bool = False
 
     def matvec(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
@@ -376,8 +380,9 @@ class Ops:
                                  defines={**kv_defines(K_TYPE=kt, V_TYPE=vt), "CM_EMULATE": 1},
                                  spec={1: g, 2: bq, 3: head_dim, 4: 32})
         elif cm:
+            stage: dict[str, object] = {"CM_STAGE": 1} if self.prefill_cm_stage else {}
             k = self.kernels.get("attn_prefill_cm", n_bindings=5, n_push=9, local_size=128,
-                                 defines=kv_defines(K_TYPE=kt, V_TYPE=vt),
+                                 defines={**kv_defines(K_TYPE=kt, V_TYPE=vt), **stage},
                                  spec={1: g, 2: bq, 3: head_dim, 4: self.subgroup})
         else:
             k = self.kernels.get("attn_prefill", n_bindings=5, n_push=9, local_size=128,

@@ -251,8 +251,9 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for k, v in ((3, 1), (1, 4)):
         for name in ("attention", "attn_decode", "attn_prefill"):
             yield name, kv_defines(K_TYPE=k, V_TYPE=v)
-    for code in KV_CODES:  # prefill attention on cooperative matrices
+    for code in KV_CODES:  # prefill attention on cooperative matrices, and its staged form
         yield "attn_prefill_cm", kv_defines(K_TYPE=code, V_TYPE=code)
+        yield "attn_prefill_cm", {**kv_defines(K_TYPE=code, V_TYPE=code), "CM_STAGE": 1}
     for code in KV_CODES[1:]:
         for q in QTYPES if code in (1, 3) else ("Q8_0",):
             yield "matvec", {**qtype_defines(q), **ROPE_OUT, **kv_defines(KV_TYPE=code)}
