@@ -255,6 +255,29 @@ async def test_a_file_in_the_way_of_the_ledger_means_taking_turns(
         a.close()
 
 
+async def test_the_ledger_follows_the_arena_permission_policy(tmp_path: Path) -> None:
+    """Private arena: ledger/ 0700 and its files 0600; a shared (group-writable,
+    setgid) arena: 2770 and 0660, whatever the umask; nothing open to other users."""
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    private.mkdir(mode=0o700)
+    shared.mkdir()
+    shared.chmod(0o2770)
+    old = os.umask(0o022)
+    try:
+        for arena, dir_mode, file_mode in ((private, 0o700, 0o600), (shared, 0o2770, 0o660)):
+            a = await member(arena, 10)
+            await a.take()
+            d = arena / LEDGER_DIR
+            assert oct(d.stat().st_mode & 0o7777) == oct(dir_mode)
+            files = list(d.iterdir())
+            assert {f.name for f in files} >= {"lock", "probe"} and len(ledger_names(arena)) == 1
+            for f in files:
+                assert oct(f.stat().st_mode & 0o777) == oct(file_mode), f
+            a.close()
+    finally:
+        os.umask(old)
+
+
 # ---- real processes -------------------------------------------------------------------
 
 CHILD = """
@@ -331,7 +354,7 @@ async def test_sigkill_of_a_coresident_repairs_the_ledger(tmp_path: Path, pin: b
                     await trio.sleep(0.005)
         assert a.holding and waiter.holding
         assert len(ledger_names(tmp_path)) == 2  # a and the waiter; the dead one removed
-        assert f"{proc.pid}.member" not in ledger_names(tmp_path)
+        assert not any(n.startswith(f"{proc.pid}-") for n in ledger_names(tmp_path))
     finally:
         if proc.returncode is None:
             await kill(proc)

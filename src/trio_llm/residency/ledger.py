@@ -11,7 +11,8 @@ under a budget, and pin"). The ledger says who is resident with how much:
   a waiter (and a joiner's exclusive hold of ``want.lock`` looks like one too): every
   co-resident-capable process takes this mutex around its probe and its join, and
   skips a probe when the mutex is busy (the next one is 10 ms later).
-- ``ledger/PID.member``: one co-resident, flock'd ``LOCK_EX`` by its owner for as
+- ``ledger/PID-TAG.member``: one co-resident (TAG: random, so that servers in
+  different pid namespaces sharing a directory never collide), flock'd ``LOCK_EX`` by its owner for as
   long as it is a member. Created under a temporary name, locked, then renamed into
   place, so it is never visible unlocked: a member file whose lock another process
   can take belongs to a dead process and is unlinked by whoever reads it next (the
@@ -34,6 +35,7 @@ import fcntl
 import itertools
 import os
 import re
+import secrets
 import stat
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -44,7 +46,7 @@ LEDGER_DIR = "ledger"
 LOCK_FILE = "lock"
 PROBE_FILE = "probe"
 MiB = 1 << 20
-_MEMBER = re.compile(r"(\d+)\.member")
+_MEMBER = re.compile(r"(\d+)-[0-9a-f]+\.member")
 _OPEN = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 #: beyond this many candidates ``victims`` is greedy (LRU first) instead of exhaustive
 _EXHAUSTIVE = 12
@@ -129,8 +131,8 @@ def decode(pid: int, data: bytes) -> Member | None:
     return Member(pid, int(m[1]), int(m[2]), m[3] == b"1", int(m[4]))
 
 
-def member_name(pid: int) -> str:
-    return f"{pid}.member"
+def member_name(pid: int, tag: str) -> str:
+    return f"{pid}-{tag}.member"
 
 
 # ---- the files -----------------------------------------------------------------------
@@ -180,6 +182,8 @@ class Ledger:
     probe_fd: int = -1
     #: our name in the ledger: the pid (tests give two arbiters of one process their own)
     ident: int = attrs.field(factory=os.getpid)
+    #: our file's tag: the pid alone can repeat across pid namespaces
+    tag: str = attrs.field(factory=lambda: secrets.token_hex(4))
     _entry_fd: int = -1  # our member file, while we are a member
     _record: Member | None = None
 
@@ -211,6 +215,10 @@ class Ledger:
             os.close(fd)
             raise
         return cls(fd, fds[0], mode, fds[1], os.getpid() if ident is None else ident)
+
+    @property
+    def _name(self) -> str:
+        return member_name(self.ident, self.tag)
 
     @property
     def member(self) -> bool:
@@ -255,7 +263,7 @@ class Ledger:
                     self._read_live(name, 0)  # removes it if its creator is gone
                 continue
             pid = int(m[1])
-            if self._entry_fd >= 0 and pid == self.ident and self._record is not None:
+            if self._entry_fd >= 0 and name == self._name and self._record is not None:
                 out.append(self._record)
                 continue
             rec = self._read_live(name, pid)
@@ -288,16 +296,14 @@ class Ledger:
         assert self._entry_fd < 0, "already a member"
         pid = self.ident
         rec = Member(pid, footprint, budget, pinned, self._next_stamp())
-        tmp = f".{pid}.member.tmp"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp, dir_fd=self.dir_fd)  # our own leftover (a previous crash of this pid)
+        tmp = f".{pid}-{self.tag}.member.tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, self.mode, dir_fd=self.dir_fd)
         try:
             if not _try_lock(fd, fcntl.LOCK_EX):
                 raise Busy  # a reader is looking at it this instant
             _set_mode(fd, self.mode)
             os.pwrite(fd, encode(rec.footprint, rec.budget, rec.pinned, rec.stamp), 0)
-            os.rename(tmp, member_name(pid), src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+            os.rename(tmp, self._name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -327,9 +333,9 @@ class Ledger:
             return
         with contextlib.suppress(OSError):
             st = os.fstat(self._entry_fd)
-            now = os.stat(member_name(self.ident), dir_fd=self.dir_fd, follow_symlinks=False)
+            now = os.stat(self._name, dir_fd=self.dir_fd, follow_symlinks=False)
             if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-                os.unlink(member_name(self.ident), dir_fd=self.dir_fd)
+                os.unlink(self._name, dir_fd=self.dir_fd)
         with contextlib.suppress(OSError):
             os.close(self._entry_fd)
         self._entry_fd, self._record = -1, None
