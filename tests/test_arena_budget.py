@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 
@@ -619,3 +620,99 @@ async def test_a_pinned_server_never_yields_under_the_controller(
     finally:
         excl.close()
         big.close()
+
+
+async def start_listening(model: Path, arena: Path, *extra: str) -> Any:
+    """A server whose load may wait for the token: returned once its port is bound."""
+    import re
+
+    from test_arbiter_servers import SERVE, Server
+
+    proc = await trio.lowlevel.open_process(
+        [*SERVE, "-m", str(model), "--vram-arena", str(arena), *extra], stderr=subprocess.PIPE
+    )
+    assert proc.stderr is not None
+    buf = b""
+    with trio.fail_after(60):
+        while not (m := re.search(rb"listening on (http://\S+)", buf)):
+            chunk = await proc.stderr.receive_some()
+            assert chunk, buf.decode()
+            buf += chunk
+    return Server(proc, m.group(1).decode(), [])
+
+
+@pytest.mark.slow
+async def test_sigkill_of_a_pinned_server_lets_the_big_one_load(tiny_model: Path, tmp_path: Path) -> None:
+    """p (8.2 MiB, pinned) and x (15.7 MiB) do not fit 18 MiB together, and a pin never
+    yields: x's coordinated load waits (its /health says loading). SIGKILL p: its shared
+    hold and its member file's lock die with it, x finds it dead, loads and answers."""
+    from test_arbiter_servers import start
+
+    p = await start(tiny_model, tmp_path, "-c", "512", "--arena-budget", "18", "--arena-pin")
+    x = await start_listening(tiny_model, tmp_path, "-c", "8192", "--arena-budget", "18")
+    try:
+        await trio.sleep(1.0)
+        assert (await x.http.get("/health")).status_code == 503  # still waiting for room
+        assert len(ledger_names(tmp_path)) == 1
+        p.proc.send_signal(signal.SIGKILL)
+        await p.proc.wait()
+        with trio.fail_after(60):
+            while (await x.http.get("/health")).status_code != 200:
+                await trio.sleep(0.05)
+        assert (await x.complete("after the pin"))["content"] is not None
+        names = ledger_names(tmp_path)
+        assert len(names) == 1 and names[0].startswith(f"{x.proc.pid}-")  # p's entry removed
+    finally:
+        await p.http.aclose()
+        code, err = await x.stop()
+        assert code == 0, err[-2000:]
+
+
+@pytest.mark.slow
+async def test_sigkill_of_a_busy_coresident_lets_the_waiter_in(tiny_model: Path, tmp_path: Path) -> None:
+    """a streams (quantum 30 s: it would not make room for long) and b idles beside it;
+    c, which fits beside neither, asks: b yields at once (budget), a would only at its
+    quantum. SIGKILL a: its member is found dead, c joins and answers, and a request
+    to b then makes c yield in turn. Nothing stranded, the ledger right."""
+    from test_arbiter_servers import start
+
+    budget = ("--arena-budget", "18", "--arena-quantum", "30")
+    c = await start(tiny_model, tmp_path, "-c", "8192", *budget)
+    a = await start(tiny_model, tmp_path, "-c", "512", *budget)
+    b = await start(tiny_model, tmp_path, "-c", "512", *budget)
+    try:
+        await c.until(lambda r: r["state"] == "cold", "c made room for a and b")
+        body = {"prompt": "A long story:", "n_predict": 3000, "ignore_eos": True, "stream": True}
+        async with trio.open_nursery() as nursery:
+
+            async def stream() -> None:
+                with pytest.raises(httpx.HTTPError):  # the process dies under it
+                    async with a.http.stream("POST", "/completion", json=body) as r:
+                        async for _ in r.aiter_lines():
+                            pass
+
+            nursery.start_soon(stream)
+            await a.until(lambda r: r["state"] == "resident", "a streams")
+            await trio.sleep(0.3)
+
+            async def ask_c() -> None:
+                answer = await c.complete("while a streams")
+                assert answer["content"] is not None
+
+            nursery.start_soon(ask_c)
+            await b.until(lambda r: r["state"] == "cold", "b makes room")
+            await trio.sleep(0.5)
+            assert (await c.residency())["state"] == "cold"  # a still in the way
+            a.proc.send_signal(signal.SIGKILL)
+            await a.proc.wait()
+        assert (await c.residency())["state"] == "resident"
+        assert (await b.residency())["cycles"]["budget_yields"] == 1
+        await b.complete("b again")  # c must go (its second budget yield: the first was for a's load)
+        assert (await c.residency())["cycles"]["budget_yields"] == 2
+        names = ledger_names(tmp_path)
+        assert len(names) == 1 and names[0].startswith(f"{b.proc.pid}-")
+    finally:
+        await a.http.aclose()
+        for s in (b, c):
+            code, err = await s.stop()
+            assert code == 0, err[-2000:]
