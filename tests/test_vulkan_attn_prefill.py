@@ -135,11 +135,12 @@ def test_head_dims_and_gqa(env: Env, ops: Ops, hd: int, gqa: int) -> None:
     check(env, ops, hd=hd, n_head=gqa * n_kv, n_kv=n_kv, pos=pos, seq=seq, n_ctx=160, seed=hd + gqa)
 
 
-@pytest.mark.parametrize("gqa", [3, 6])
-def test_odd_gqa_ratios(env: Env, ops: Ops, gqa: int) -> None:
+@pytest.mark.parametrize("gqa", [3, 6, 16])
+def test_other_gqa_ratios(env: Env, ops: Ops, gqa: int) -> None:
     """Head groups of 3 and 6 (30-row tiles: the scalar kernel on every device, the
-    cooperative-matrix one needs a power of two)."""
-    assert not ops.prefill_cm_ok(gqa * 2, 2, 64)
+    cooperative-matrix one needs a power of two), and a ratio of 16 (two head groups of
+    8 per KV head)."""
+    assert ops.prefill_cm_ok(gqa * 2, 2, 64) == (ops.coopmat and gqa == 16)
     pos, seq = batch((0, 0, 23), (1, 40, 12))
     check(env, ops, hd=64, n_head=gqa * 2, n_kv=2, pos=pos, seq=seq, n_ctx=64, seed=gqa)
 
