@@ -100,6 +100,9 @@ for s in $STAGES; do case $s in
     stage prefill-attn-1b 300 $PY bench/prefill.py --shape llama-1b --lengths 512,8192,32768 --types f16,q8_0 \
       --rows 0,16 --rows-cm 0,32
     stage prefill-attn-8b 240 $PY bench/prefill.py --shape llama-8b --lengths 512,8192,16384 --types f16 --rows-cm 0,32
+    for n in 16 64; do  # n new tokens after a cached prefix: the tiled kernels against attention_decode
+      stage "prefill-tail$n-1b" 120 $PY bench/prefill.py --shape llama-1b --lengths 8192,32768 --tail $n --types f16
+    done
     stage prefill-pp8k-1b 150 $PY bench/decode.py --model "$M1" --backends vulkan --pp 8192 --tg 8 --repeats 2
     stage prefill-pp32k-1b 240 $PY bench/decode.py --model "$M1" --backends vulkan --pp 32768 --tg 8 --repeats 2 ;;
   attndepth)  # decode attention at depth, op level: per-head attention vs attention_decode

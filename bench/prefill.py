@@ -11,6 +11,7 @@ through the backend).
     .venv/bin/python bench/prefill.py --shape llama-1b --lengths 512,8192,32768
     .venv/bin/python bench/prefill.py --shape llama-8b --types f16,q8_0 --old-max 8192
     .venv/bin/python bench/prefill.py --rows 16,32 --rows-cm 32,64   # tile sizes side by side
+    .venv/bin/python bench/prefill.py --lengths 8192,32768 --tail 64  # 64 new tokens after a cached prefix
 
 Prints seconds per prompt for the attention of all layers and tokens per second of it,
 and the speed-up over ``attention``; writes ``bench/results/prefill-attn-*.json``. The
@@ -21,6 +22,7 @@ of one recorded graph (one submit and a fence wait included).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 
@@ -33,7 +35,14 @@ from trio_llm.vulkan.device import shared_device
 from trio_llm.vulkan.graph import Barrier, Graph, Op
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import Allocator, whole
-from trio_llm.vulkan.ops import STEP_BYTES, Ops, fill_step
+from trio_llm.vulkan.ops import (
+    STEP_BYTES,
+    Ops,
+    attention_counters,
+    attention_part_floats,
+    decode_splits,
+    fill_step,
+)
 
 #: (n_layer, n_head, n_head_kv, head_dim) of the synthetic presets
 SHAPES = {
@@ -60,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             kinds[f"prefill_cm_r{r}" if r else "prefill_cm"] = attrs.evolve(
                 base, coopmat=True, prefill_rows_cm=r).attention_prefill
         kinds["prefill_cm_staged"] = attrs.evolve(base, coopmat=True, prefill_cm_stage=True).attention_prefill
-    chosen = args.kernels.split(",") if args.kernels else list(kinds)
+    chosen = args.kernels.split(",") if args.kernels else []  # [] = every kernel in kinds
     rows = []
     rng = np.random.default_rng(0)
     try:
@@ -87,28 +96,39 @@ def run(args: argparse.Namespace) -> int:
                 o = alloc.create(4 * CHUNK * n_head * hd, "compute", "device")
                 assert q.array is not None
                 q.array[: q.size] = rng.standard_normal(q.size // 4).astype(np.float32).view(np.uint8)
-                n_chunks = math.ceil(length / CHUNK)
+                # the whole prompt in chunks, or (--tail N) only its last N tokens, as a
+                # prompt whose prefix is reused from the cache
+                spans = ([(length - args.tail, args.tail)] if args.tail else
+                         [(c * CHUNK, min(CHUNK, length - c * CHUNK)) for c in range(math.ceil(length / CHUNK))])
+                cap = max(8, 1 << (max(n for _, n in spans) - 1).bit_length())  # the bucket
                 steps = []
-                for c in range(n_chunks):
+                for p0, n in spans:
                     st = alloc.create(STEP_BYTES, "scratch", "upload")
                     assert st.array is not None
-                    p0, n = c * CHUNK, min(CHUNK, length - c * CHUNK)
                     fill_step(st.array.view(np.uint32), np.zeros(n, np.uint32),
                               np.arange(p0, p0 + n, dtype=np.uint32), np.zeros(n, np.uint32), np.zeros(0, np.uint32))
                     steps.append(st)
                 kw = {"n_head": n_head, "n_head_kv": n_kv, "head_dim": hd, "n_ctx": length,
-                      "q_stride": n_head * hd, "o_stride": n_head * hd, "cap": CHUNK,
+                      "q_stride": n_head * hd, "o_stride": n_head * hd, "cap": cap,
                       "k_type": t.name, "v_type": t.name}
+                n_split = decode_splits(length)
+                part = alloc.create(4 * attention_part_floats(cap, n_head, hd, n_split), "compute", "device")
+                cnt = alloc.create(4 * attention_counters(cap, n_head, n_kv), "compute", "device")
+                with device.one_shot("zero counters") as cmd:
+                    device.vk.vkCmdFillBuffer(cmd, cnt.handle, 0, cnt.size, 0)
+                kinds["decode"] = functools.partial(base.attention_decode, part=whole(part), counters=whole(cnt),
+                                                    n_split=n_split)
                 base_s = None
-                for name in chosen:
+                for name in chosen or list(kinds):
                     if name not in kinds:
                         print(f"skip {name}: not on {device.name}", file=sys.stderr)
                         continue
-                    if name == "attention" and length > args.old_max:
+                    if (name == "attention" and length > args.old_max and not args.tail
+                            or name == "decode" and not args.tail):
                         continue
                     fn = kinds[name]
                     chain: list[Op] = [x for st in steps for i in range(layers) for x in (
-                        fn(whole(q), whole(bufs[2 * i]), whole(bufs[2 * i + 1]), whole(o), whole(st), **kw),
+                        fn(whole(q), whole(bufs[2 * i]), whole(bufs[2 * i + 1]), whole(o), step=whole(st), **kw),
                         Barrier())]
                     graph = Graph.record(device, chain)
                     try:
@@ -117,13 +137,14 @@ def run(args: argparse.Namespace) -> int:
                         graph.close()
                     sec = s.median * n_layer / layers
                     base_s = sec if name == "attention" else base_s
-                    rows.append({"type": t.name, "length": length, "kernel": name, "s_per_prompt": sec,
-                                 "attn_tok_per_s": length / sec,
+                    n_tok = args.tail or length
+                    rows.append({"type": t.name, "length": length, "tail": args.tail, "kernel": name,
+                                 "s_per_prompt": sec, "attn_tok_per_s": n_tok / sec,
                                  "speedup": (base_s / sec) if base_s else None, "times_s": s})
                     extra = f"  x{base_s / sec:.2f}" if base_s else ""
-                    print(f"{t.name:5} {length:7} {name:12} {sec:9.4f} s  {length / sec:10.0f} tok/s{extra}",
+                    print(f"{t.name:5} {length:7} {name:12} {sec:9.4f} s  {n_tok / sec:10.0f} tok/s{extra}",
                           flush=True)
-                for b in [*bufs, q, o, *steps]:
+                for b in [*bufs, q, o, *steps, part, cnt]:
                     alloc.free(b)
     finally:
         kernels.close()
@@ -143,6 +164,8 @@ def main() -> int:
     ap.add_argument("--rows", default="0", help="query rows per work group of the scalar kernel to try (0: default)")
     ap.add_argument("--rows-cm", default="0", help="the same for the coopmat kernel (16, 32, 64; 0: default)")
     ap.add_argument("--old-max", type=int, default=8192, help="longest prompt the old attention kernel runs")
+    ap.add_argument("--tail", type=int, default=0,
+                    help="only the last N tokens of each prompt (a reused prefix), with attention_decode too")
     ap.add_argument("--layers", type=int, default=0, help="layers actually run (times scaled to all); 0: all")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
