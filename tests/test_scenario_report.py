@@ -200,3 +200,47 @@ def test_a_hand_off_between_two_polls_still_counts() -> None:
                    _req(2, "a", 0.50, 0.52, 0.60)]
     found2 = [(h.request, h.server) for h in report.analyse(r2).handoffs]
     assert found2 == [(1, "b")]
+
+
+def test_stay_resident_and_the_fork_lane(tmp_path: Path) -> None:
+    """Co-residents: the check passes when every poll in the steps' windows reads
+    resident, and names the round and state when one does not; a co-resident that
+    streams beside another is no hand-off (no cold poll); the fork step's events get a
+    lane, and the JSON round trip keeps the expectation."""
+    from trio_llm.scenario.format import StayResident
+
+    def make(b_dips: bool) -> Record:
+        r = Record(
+            scenario={"name": "co", "description": "Co-residents.", "full": False, "length": 1,
+                      "backend": "numpy", "poll_interval_s": 0.02},
+            expect=Expectations(stay_resident=(StayResident(("a", "b"), ("ask-a", "ask-b")),)),
+            servers=[{**_server(n), "command": ["serve", "--arena-budget", "18"]} for n in ("a", "b")],
+            duration_s=2.0, started_at="2026-12-01T12:00:00+00:00",
+        )
+        _poll_span(r, "a", "resident", 0.0, 2.0, 8 * MIB)
+        if b_dips:
+            _poll_span(r, "b", "resident", 0.0, 1.2, 8 * MIB)
+            _poll_span(r, "b", "cold", 1.2, 1.3, 1 * MIB)
+            _poll_span(r, "b", "resident", 1.3, 2.0, 8 * MIB)
+        else:
+            _poll_span(r, "b", "resident", 0.0, 2.0, 8 * MIB)
+        r.requests = [
+            _req(0, "a", 0.10, 0.12, 0.50, step="ask-a"), _req(1, "b", 0.50, 0.52, 0.90, step="ask-b"),
+            _req(2, "a", 1.00, 1.02, 1.40, step="ask-a", rnd=1),
+            _req(3, "b", 1.40, 1.42, 1.80, step="ask-b", rnd=1),
+        ]
+        r.events = [Event(1.85, "fork", "fork", "start"), Event(1.9, "fork", "fork", "waiting"),
+                    Event(1.91, "fork", "fork", "token"), Event(1.99, "fork", "fork", "released")]
+        return r
+
+    good = report.analyse(make(False))
+    check = _check(good, "a, b stay resident")
+    assert check.passed and "2 round(s)" in check.detail
+    assert good.handoffs == ()  # b answered after a streamed: no hand-off between co-residents
+    bad = _check(report.analyse(make(True)), "a, b stay resident")
+    assert not bad.passed and "round 1: b seen cold" in bad.detail
+    record = make(True)
+    report.write(record, tmp_path)
+    again = rec.from_json(json.loads((tmp_path / "report.json").read_text()))
+    assert again.expect.stay_resident == record.expect.stay_resident
+    assert (tmp_path / "timeline.png").stat().st_size > 0
