@@ -349,3 +349,83 @@ async def test_a_full_disk_for_slot_saves_tmpfs(tiny_model: Path, tmp_path: Path
         finally:
             code, log = await s.stop()
         assert code == 0 and "Traceback" not in log, log
+
+
+# -- co-residency (issue 16): a SIGKILL storm beside two co-residents ---------------------------
+
+
+async def test_random_sigkills_of_coresidents_and_queued_waiters(tiny_model: Path, tmp_path: Path) -> None:
+    """a and b (8.2 MiB each) are co-resident under an 18 MiB budget and answer
+    alternating requests without pause. N times another co-resident-capable process
+    (the real ``Arbiter``) joins and is SIGKILLed at a random moment: a small one that
+    fits beside both (killed while holding), or one of 9 MiB that fits only once the
+    least recently used of a and b has yielded (a budget yield, within one short
+    request: it is usually holding when killed, its ticket and member file both dead
+    then; a SIGKILL while queued is ``test_arena_budget``'s). Every request is
+    answered (0 failed); afterwards the ledger holds exactly the live members, and the
+    stand-in still gets the whole GPU. Measured here: 10 children, 10 budget yields."""
+    from test_arena_budget import CHILD, SRC
+
+    rng = random.Random(16)
+    budget = ("--vram-arena", str(tmp_path), "--arena-budget", "18", "-c", "512")
+    a = await serve(tiny_model, *budget)
+    b = await serve(tiny_model, *budget, "--no-warmup")
+    answered: list[int] = []
+    failures: list[str] = []
+    stop_load = trio.Event()
+
+    async def load() -> None:
+        i = 0
+        while not stop_load.is_set():
+            s = (a, b)[i % 2]
+            i += 1
+            try:
+                r = await s.http.post("/completion", json={"prompt": f"request {i}", "n_predict": 3})
+                (answered if r.status_code == 200 else failures).append(r.status_code)
+            except httpx.HTTPError as exc:
+                failures.append(repr(exc))
+
+    seen: dict[str, int] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(load)
+        for n in range(10):
+            mib = "1" if n % 2 == 0 else "9"
+            child = await trio.lowlevel.open_process(
+                [sys.executable, "-c", CHILD, str(tmp_path), mib, "-"],
+                stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": SRC},
+            )
+            assert child.stdout is not None
+            with trio.fail_after(30):
+                line = (await child.stdout.receive_some()).decode().strip()
+            seen[f"{mib} MiB {line}"] = seen.get(f"{mib} MiB {line}", 0) + 1
+            await trio.sleep(rng.uniform(0.0, 0.3))
+            child.send_signal(signal.SIGKILL)
+            await child.wait()
+            await trio.sleep(rng.uniform(0.0, 0.2))
+        n_before = len(answered)
+        with trio.fail_after(30):
+            while len(answered) < n_before + 4:
+                await trio.sleep(0.05)
+        stop_load.set()
+    assert seen.get("1 MiB holding") == 5, seen  # the small one always fits beside both
+    assert sum(v for k, v in seen.items() if k.startswith("9 MiB")) == 5, seen
+    assert failures == [] and len(answered) >= 10, (failures, len(answered))
+    for s in (a, b):
+        r = await s.http.post("/completion", json={"prompt": "after", "n_predict": 2})
+        assert r.status_code == 200, r.text
+    made_room = sum([(await s.residency())["cycles"]["budget_yields"] for s in (a, b)])
+    print("children:", seen, "budget yields of a and b:", made_room)
+    assert made_room >= 1  # the 9 MiB ones did make the least recently used yield
+    # the ledger: a and b only (the dead members' files removed by whoever read next)
+    members = sorted(n for n in os.listdir(tmp_path / "ledger") if n.endswith(".member"))
+    assert sorted(n.split("-")[0] for n in members) == sorted(str(s.proc.pid) for s in (a, b)), members
+    # nobody stranded: the stand-in (exclusive) gets the token once both yield
+    outsider = subprocess.Popen([*STANDIN, "--arena", str(tmp_path), "--hold", "0"], stdout=subprocess.PIPE, text=True)
+    assert outsider.stdout is not None
+    with trio.fail_after(30):
+        assert (await trio.to_thread.run_sync(outsider.stdout.readline)).strip() == "waiting"
+        assert (await trio.to_thread.run_sync(outsider.stdout.readline)).strip() == "token"
+        assert await trio.to_thread.run_sync(outsider.wait) == 0
+    for s in (a, b):
+        code, log = await s.stop()
+        assert code == 0 and "Traceback" not in log, log
