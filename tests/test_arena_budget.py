@@ -241,6 +241,32 @@ async def test_pinned_never_yields_and_pins_that_do_not_fit_are_refused(
             x.close()
 
 
+async def test_a_head_that_can_never_fit_beside_the_pins_holds_nobody_up(
+    tmp_path: Path, autojump_clock: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """First come is the rule, but a head that cannot fit even if every non-pinned
+    member left (50 MiB beside a 60 MiB pin in 100) makes nobody yield, so it would
+    hold up everyone behind it for as long as the pin runs: the next one, which fits,
+    goes ahead; the hopeless one logs why it waits, and gets in once the pin is gone."""
+    pin = await member(tmp_path, 60, pinned=True)
+    hopeless, small = await member(tmp_path, 50), await member(tmp_path, 30)
+    try:
+        await pin.take()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hopeless.take)
+            await trio.sleep(0.05)
+            nursery.start_soon(small.take)  # queued behind it
+            await until(lambda: small.holding)
+            assert not hopeless.holding and small._overtakes == 1
+            assert any("do not fit beside 60.0 MiB of pinned models" in r.getMessage() for r in caplog.records)
+            small.give_back()
+            pin.give_back()
+            await until(lambda: hopeless.holding)
+    finally:
+        for x in (pin, hopeless, small):
+            x.close()
+
+
 async def test_a_file_in_the_way_of_the_ledger_means_taking_turns(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -442,6 +442,10 @@ class Arbiter:
                     turn = now - free_since >= self._skip_after
                 else:
                     free_since = None
+                    # a head that cannot fit even with every non-pinned member gone
+                    # (beside the pins) makes nobody yield and would hold up the queue
+                    # for as long as the pins run: those behind it may go ahead
+                    turn = not exclusive and self._head_hopeless()
                 if turn and not exclusive and not registered and self._join():
                     if not head:
                         self._overtakes += 1
@@ -558,6 +562,25 @@ class Arbiter:
                 self._ledger.touch()
             except OSError as exc:
                 self._drop_ledger(exc)
+
+    def _head_hopeless(self) -> bool:
+        """Is the head waiter co-resident-capable and unable to fit beside the pinned
+        members, whoever else leaves (``victims`` is None)?"""
+        ledger, queue = self._ledger, self._queue
+        if ledger is None or queue is None:
+            return False
+        try:
+            head = queue.head()
+            need = decode(head[0], head[1]) if head is not None else None
+            if need is None:
+                return False
+            with ledger.locked(exclusive=False):
+                members = ledger.members()
+        except Busy:
+            return False
+        except OSError:
+            return False  # the join, or the next probe, reports a broken ledger
+        return victims(members, need.footprint, need.budget) is None
 
     def _budget_victim(self) -> bool:
         """Is the head waiter a co-resident-capable one that does not fit, and are we
