@@ -97,14 +97,16 @@ for s in $STAGES; do case $s in
     stage verify-model 200 env TRIO_LLM_COOPMAT=0 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_model.py ;;
   prefill)  # prefill attention of whole prompts, op level (bench/prefill.py: the old per-head kernel up to 8k,
     # the tiled one, its cooperative-matrix form), then whole prefills of 8k / 32k through the backend
-    stage prefill-attn-1b 300 $PY bench/prefill.py --shape llama-1b --lengths 512,8192,32768 --types f16,q8_0 \
+    if [ "${SMALL:-0}" = 1 ]; then S1=tiny; S8=tiny; LP=512,1100; L8=600; LT=1100; PP1=600; PP2=1100
+    else S1=llama-1b; S8=llama-8b; LP=512,8192,32768; L8=512,8192,16384; LT=8192,32768; PP1=8192; PP2=32768; fi
+    stage prefill-attn-1b 300 $PY bench/prefill.py --shape $S1 --lengths $LP --types f16,q8_0 \
       --rows 0,16 --rows-cm 0,32
-    stage prefill-attn-8b 240 $PY bench/prefill.py --shape llama-8b --lengths 512,8192,16384 --types f16 --rows-cm 0,32
+    stage prefill-attn-8b 240 $PY bench/prefill.py --shape $S8 --lengths $L8 --types f16 --rows-cm 0,32
     for n in 16 64; do  # n new tokens after a cached prefix: the tiled kernels against attention_decode
-      stage "prefill-tail$n-1b" 120 $PY bench/prefill.py --shape llama-1b --lengths 8192,32768 --tail $n --types f16
+      stage "prefill-tail$n-1b" 120 $PY bench/prefill.py --shape $S1 --lengths $LT --tail $n --types f16
     done
-    stage prefill-pp8k-1b 150 $PY bench/decode.py --model "$M1" --backends vulkan --pp 8192 --tg 8 --repeats 2
-    stage prefill-pp32k-1b 240 $PY bench/decode.py --model "$M1" --backends vulkan --pp 32768 --tg 8 --repeats 2 ;;
+    stage prefill-pp$PP1-1b 150 $PY bench/decode.py --model "$M1" --backends vulkan --pp $PP1 --tg 8 --repeats 2
+    stage prefill-pp$PP2-1b 240 $PY bench/decode.py --model "$M1" --backends vulkan --pp $PP2 --tg 8 --repeats 2 ;;
   attndepth)  # decode attention at depth, op level: per-head attention vs attention_decode
     stage attn-depth-1b 240 $PY bench/attn_depth.py --shape llama-1b --depths 512,4096,32768,131072 \
       --types f16,q8_0,f32 --min-chunk 128,256,512
