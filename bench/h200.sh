@@ -181,9 +181,14 @@ for i in range(4):
     stage residency-8b 80 $PY bench/residency.py --model "$M8B" --backend vulkan --repeats 3 ;;
   handoff)
     stage handoff-1b-weights 90 $PY bench/handoff.py --model "$M1" --backend vulkan --handoffs 60 --sleep-mode weights ;;
-  coresident)  # issue 16: a co-resident pair's request latency (--arena-budget auto), to compare with warm
+  coresident)  # issue 16: a co-resident pair's request latency (--arena-budget auto), to compare with warm;
+    # then the co-residency scenarios on the GPU (their budgets are sized for the tiny model: no --model)
     stage coresident-1b 90 $PY bench/handoff.py --model "$M1" --backend vulkan --handoffs 60 --sleep-mode weights \
-      --arena-budget auto ;;
+      --arena-budget auto
+    for sc in coresident pinned fork-joins; do
+      stage "scenario-$sc-tiny" 120 $PY -m trio_llm scenario run "$sc" --full --backend vulkan \
+        --out "$RES/scenario-$sc-tiny" -q
+    done ;;
   server)
     stage server-1b 90 $PY bench/server.py --model $B1:Q8_0 --backend vulkan --clients 4 --repeats 2 ;;
   scen1b)  # SCEN1B="alternating" to run fewer
