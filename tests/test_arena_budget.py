@@ -267,6 +267,24 @@ async def test_a_head_that_can_never_fit_beside_the_pins_holds_nobody_up(
             x.close()
 
 
+async def test_an_unusable_arena_with_a_budget_runs_uncoordinated(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file where the arena should be: one line, and the server runs uncoordinated
+    (every take succeeds at once), budget or not, as without one."""
+    arena = tmp_path / "arena"
+    arena.write_text("not a directory")
+    a = await member(arena, 10)
+    try:
+        assert not a.active and not a.coresident
+        await a.take()
+        assert a.holding and not a.probe()
+        lines = [r.getMessage() for r in caplog.records if "cannot use arena" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].endswith("running without cross-process coordination")
+    finally:
+        a.close()
+
+
 async def test_a_file_in_the_way_of_the_ledger_means_taking_turns(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
