@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from pathlib import Path
@@ -110,6 +111,15 @@ async def test_state_endpoints(start: Start) -> None:
                      "llamacpp:requests_processing", "llamacpp:requests_deferred"):
             assert name in text
         assert "llamacpp:tokens_predicted_total 4.0" in text
+        assert "llamacpp:prompt_tokens_cached_total 0.0" in text
+        assert 0 < int(r.headers["Process-Start-Time-Unix"]) <= time.time()
+        # the same prompt again: all but its last token come from the slot's cache,
+        # counted apart from the evaluated ones, as llama-server
+        again = (await c.post("/completion", json={"prompt": PROMPT, "n_predict": 4})).json()["timings"]
+        assert again["cache_n"] > 0
+        text = (await c.get("/metrics")).text
+        assert f"llamacpp:prompt_tokens_cached_total {float(again['cache_n'])}" in text
+        assert "llamacpp:spec_decode_num_drafts_total 0.0" in text
         r = await c.get("/nope")
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 

@@ -115,6 +115,20 @@ async def test_sigint_when_idle_exits_0(tiny_model: Path) -> None:
     proc, url, _ = await _start(tiny_model, "-np", "2", "--metrics")
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         assert (await c.get("/health")).status_code == 200
+    # on the wire, header names are Title-Case as llama-server sends them (clients
+    # that look them up case-sensitively, llama.cpp's own tests among them, find them)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        await stream.send_all(f"GET /metrics HTTP/1.1\r\nHost: {host}\r\nOrigin: http://localhost\r\n"
+                              "Connection: close\r\n\r\n".encode())
+        raw = b""
+        with trio.fail_after(30):
+            while b"\r\n\r\n" not in raw and (chunk := await stream.receive_some()):
+                raw += chunk
+    head = raw.split(b"\r\n\r\n", 1)[0]
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"\r\nContent-Type: text/plain" in head and b"\r\nProcess-Start-Time-Unix: " in head
     proc.send_signal(signal.SIGINT)
     with trio.fail_after(15):
         log = await _rest_of_log(proc)

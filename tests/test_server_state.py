@@ -215,9 +215,12 @@ def test_stop_scanner_releases_held_text_that_was_not_a_stop() -> None:
 
 
 def test_timings_json() -> None:
-    t = Timings(prompt_n=10, prompt_ms=20.0, cache_n=3, predicted_n=4, predicted_ms=8.0).to_json()
+    t = Timings(prompt_n=10, prompt_ms=20.0, cache_n=3, predicted_n=5, predicted_ms=8.0).to_json()
     assert t["prompt_per_second"] == 500.0
-    assert t["predicted_per_token_ms"] == 2.0
+    # llama-server's rate: over the 4 decode steps after the first token, which is free
+    assert t["predicted_per_token_ms"] == 2.0 and t["predicted_per_second"] == 500.0
+    one = Timings(0, 0.0, 0, 1, 3.0).to_json()
+    assert one["predicted_per_second"] == 0.0 and one["predicted_per_token_ms"] == 0.0
     assert Timings(0, 0.0, 0, 0, 0.0).to_json()["predicted_per_second"] == 0.0
 
 

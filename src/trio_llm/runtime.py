@@ -351,6 +351,35 @@ class _InFlight:
             await self._drained.wait()
 
 
+def _title_case(name: bytes) -> bytes:
+    return b"-".join(part[:1].upper() + part[1:] for part in name.split(b"-"))
+
+
+@attrs.define(eq=False)
+class _HeaderCase:
+    """ASGI wrapper that sends HTTP/1.x response header names in Title-Case, as
+    llama-server does (``Access-Control-Allow-Origin``, ``Process-Start-Time-Unix``).
+
+    ASGI gives header names lower-case and h11 writes them as given; HTTP says names
+    are case-insensitive, but clients that look them up in a plain dict (llama.cpp's
+    own server tests among them) miss ``access-control-allow-origin``. HTTP/2 requires
+    lower case, so only HTTP/1.x answers are re-cased."""
+
+    app: Any
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or scope.get("http_version", "1.1") not in ("1.0", "1.1"):
+            await self.app(scope, receive, send)
+            return
+
+        async def cased(message: Any) -> None:
+            if message.get("type") == "http.response.start":
+                message = dict(message, headers=[(_title_case(bytes(k)), v) for k, v in message.get("headers", ())])
+            await send(message)
+
+        await self.app(scope, receive, cased)
+
+
 #: after the shutdown grace, how long the requests it ended get to send their error
 ANSWER_FLUSH_SECONDS = 1.0
 
@@ -368,7 +397,7 @@ async def _serve_http(
     hc.errorlog = logging.getLogger("hypercorn.error")
     if config.ssl_cert_file is not None and config.ssl_key_file is not None:
         hc.certfile, hc.keyfile = str(config.ssl_cert_file), str(config.ssl_key_file)
-    counted = _InFlight(app)
+    counted = _InFlight(_HeaderCase(app))
 
     async def end_when_drained(scope: trio.CancelScope) -> None:
         await stop.wait()

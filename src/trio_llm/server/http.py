@@ -38,7 +38,7 @@ from trio_llm.server import params as P
 from trio_llm.server import responses as R
 from trio_llm.server import slot_file
 from trio_llm.server.context import Engine, ServerContext
-from trio_llm.server.metrics import CONTENT_TYPE, render
+from trio_llm.server.metrics import CONTENT_TYPE, PROCESS_START_UNIX, render
 from trio_llm.server.tasks import (
     ServerTask,
     SlotAction,
@@ -524,7 +524,9 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     async def metrics() -> Response:
         if not ctx.config.metrics:
             return _error(501, "This server does not support metrics endpoint. Start it with `--metrics`", "not_supported_error")
-        return Response(render(eng().registry), content_type=CONTENT_TYPE)
+        # llama-server's header: when this process started (dashboards detect restarts by it)
+        return Response(render(eng().registry), content_type=CONTENT_TYPE,
+                        headers={"Process-Start-Time-Unix": str(PROCESS_START_UNIX)})
 
     @app.post("/sleep")
     async def sleep() -> Response:

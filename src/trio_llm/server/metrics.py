@@ -9,6 +9,7 @@ is private to the server: several servers in one test process do not collide.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import attrs
@@ -27,6 +28,11 @@ from trio_llm.server.queue import QueueStatistics
 from trio_llm.server.slots import SlotsStatistics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+N_TOKENS_MAX = "llamacpp:n_tokens_max"
+#: llama-server's ``Process-Start-Time-Unix`` header of ``/metrics``: a wall-clock date,
+#: not a duration, which trio's (monotonic) clock cannot give; taken when the server
+#: module is imported, at start-up
+PROCESS_START_UNIX = int(time.time())  # noqa: TID251 (a date, read once; no timing logic)
 
 
 @attrs.frozen
@@ -56,10 +62,20 @@ class ServerCollector(Collector):
             return GaugeMetricFamily(name, doc, value=value)
 
         yield counter("llamacpp:prompt_tokens", "Number of prompt tokens processed.", s.n_prompt_tokens_processed)
+        yield counter("llamacpp:prompt_tokens_cached", "Number of prompt tokens reused from a slot's cache.",
+                      s.n_prompt_tokens_cached)
         yield counter("llamacpp:prompt_seconds", "Prompt process time.", s.t_prompt_processing)
         yield counter("llamacpp:tokens_predicted", "Number of generation tokens processed.", s.n_tokens_predicted)
         yield counter("llamacpp:tokens_predicted_seconds", "Predict process time.", s.t_tokens_generation)
         yield counter("llamacpp:n_decode", "Number of forward passes (llama_decode() calls).", s.n_decode)
+        # llama-server's one counter without the _total suffix (see render)
+        tokens_max = Metric(N_TOKENS_MAX, "Largest observed n_tokens (the longest prompt of a slot).", "counter")
+        tokens_max.add_sample(N_TOKENS_MAX, {}, s.n_tokens_max)
+        yield tokens_max
+        # no speculative decoding here (no draft model): llama-server's counters, honestly 0
+        yield counter("llamacpp:spec_decode_num_draft_tokens", "Draft tokens generated (no draft model: 0).", 0)
+        yield counter("llamacpp:spec_decode_num_accepted_tokens", "Draft tokens accepted (no draft model: 0).", 0)
+        yield counter("llamacpp:spec_decode_num_drafts", "Drafts made (no draft model: 0).", 0)
         yield gauge(
             "llamacpp:n_busy_slots_per_decode",
             "Average number of busy slots per forward pass.",
@@ -136,4 +152,7 @@ def make_registry(sources: StatisticsSources) -> CollectorRegistry:
 
 
 def render(registry: CollectorRegistry) -> bytes:
-    return generate_latest(registry)
+    # prometheus-client names every counter's HELP/TYPE lines ``<name>_total``; llama-
+    # server exposes ``llamacpp:n_tokens_max`` as a counter without it, and dashboards
+    # (and llama.cpp's tests) look it up by that name
+    return generate_latest(registry).replace(f"{N_TOKENS_MAX}_total ".encode(), f"{N_TOKENS_MAX} ".encode())

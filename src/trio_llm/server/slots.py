@@ -239,6 +239,8 @@ class SlotsStatistics:
     n_tasks_cancelled: int
     kv_tokens: int  # positions in use over all slots
     kv_capacity: int
+    n_prompt_tokens_cached: int = 0  # llamacpp:prompt_tokens_cached_total (reused, not evaluated)
+    n_tokens_max: int = 0  # llamacpp:n_tokens_max: the longest prompt a slot has held
 
 
 @attrs.define(eq=False)
@@ -261,6 +263,8 @@ class SlotsEngine:
     _kv_epoch: int = 0
     # statistics
     _n_prompt: int = 0
+    _n_prompt_cached: int = 0
+    _n_tokens_max: int = 0
     _t_prompt: float = 0.0
     _n_predicted: int = 0
     _t_predicted: float = 0.0
@@ -294,6 +298,8 @@ class SlotsEngine:
             n_tasks_cancelled=self._n_cancelled,
             kv_tokens=sum(s.n_past for s in self._slots),
             kv_capacity=self.n_ctx * len(self._slots),
+            n_prompt_tokens_cached=self._n_prompt_cached,
+            n_tokens_max=self._n_tokens_max,
         )
 
     def slot_views(self) -> list[dict[str, Any]]:
@@ -378,6 +384,8 @@ class SlotsEngine:
             self._order += 1
             try:
                 slot.begin(msg.task, self._tokenizer.stream_decoder(), now, self._order)
+                self._n_prompt_cached += slot.n_cached
+                self._n_tokens_max = max(self._n_tokens_max, slot.n_prompt)
             except TrioLLMError as exc:
                 slot.task = msg.task
                 error = TaskError(msg.task.id_task, str(exc), 400, "exceed_context_size_error")

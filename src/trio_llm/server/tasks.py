@@ -115,6 +115,9 @@ class Timings:
         def per_second(n: int, ms: float) -> float:
             return 1e3 * n / ms if ms > 0 else 0.0
 
+        # as llama-server (October 2026): the generation rate is over the decode steps,
+        # n - 1, since the first token comes from the prompt pass's logits
+        steps = max(self.predicted_n - 1, 0)
         return {
             "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
@@ -123,10 +126,8 @@ class Timings:
             "prompt_per_second": per_second(self.prompt_n, self.prompt_ms),
             "predicted_n": self.predicted_n,
             "predicted_ms": self.predicted_ms,
-            "predicted_per_token_ms": (
-                self.predicted_ms / self.predicted_n if self.predicted_n else 0.0
-            ),
-            "predicted_per_second": per_second(self.predicted_n, self.predicted_ms),
+            "predicted_per_token_ms": self.predicted_ms / steps if steps else 0.0,
+            "predicted_per_second": per_second(steps, self.predicted_ms),
         }
 
 
