@@ -485,7 +485,7 @@ FLAGS: tuple[Flag, ...] = (
       value="PROMPT"),
     R("-sp --special", "control tokens are always left out of the text (printing them is not implemented)"),
     W("--warmup", "warm-up passes before the server reports ready", neg="--no-warmup", dest="warmup"),
-    N("--spm-infill", "only for /infill, which is " + _LATER, dest="spm_infill"),
+    W("--spm-infill", "/infill puts the suffix before the prefix (SPM order), as llama-server", dest="spm_infill"),
     W("--pooling", "pooling of --embeddings (default: the file's pooling type, else none); rank: --reranking",
       value="{none,mean,cls,last,rank}", env="LLAMA_ARG_POOLING", dest="pooling",
       conv=_choice("none", "mean", "cls", "last", "rank")),

@@ -34,6 +34,7 @@ from trio_llm.errors import (
 )
 from trio_llm.model import chat_output as CO
 from trio_llm.server import embeddings as EM
+from trio_llm.server import infill as IN
 from trio_llm.server import params as P
 from trio_llm.server import responses as R
 from trio_llm.server import slot_file
@@ -700,17 +701,34 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         scores = await emb.rank(toks)
         return _json(EM.rerank_response(req, scores, [len(t) for t in toks], model=EM.model_name(body, ctx.model_id)))
 
+    fim: list[IN.FimTokens] = []  # the vocabulary's FIM tokens, found on first use
+
     @app.post("/infill")
     async def infill() -> Response:
-        return _error(501, "/infill is not implemented yet in trio-llm", "not_supported_error")
+        e = eng()
+        if not fim:
+            fim.append(await trio.to_thread.run_sync(IN.fim_tokens, e.metadata))
+        missing = fim[0].missing()
+        if missing:
+            raise ApiError(501, f"Infill is not supported by this model: {missing}", "not_supported_error")
+        body = await _body()
+        cfg = ctx.config
+        tokens = await trio.to_thread.run_sync(lambda: IN.infill_prompt(
+            body, e.tokenizer, fim[0], n_vocab=e.model_config.n_vocab, n_batch=cfg.n_batch,
+            n_predict=cfg.n_predict, n_ctx=e.n_ctx, spm=cfg.spm_infill))
+        return await complete(dict(body, prompt=tokens))
 
     # -- generation ----------------------------------------------------------------------
 
     @app.post("/completion")
     @app.post("/completions")
     async def completion() -> Response:
+        return await complete(await _body())
+
+    async def complete(body: Any) -> Response:
+        """llama-server's native completion of ``body`` (also /infill's, with its prompt built)."""
         e = eng()
-        req = await trio.to_thread.run_sync(P.parse_completion, await _body(), e.tokenizer, limits())
+        req = await trio.to_thread.run_sync(P.parse_completion, body, e.tokenizer, limits())
         await check_grammar(req.params.grammar)
         n_probs = req.params.sampling.n_probs
         settings = req.params.to_json()
