@@ -203,6 +203,18 @@ async def test_pooling_none_gives_every_token_unnormalized(start: Start, llama, 
     await oai.close()
 
 
+async def test_the_files_pooling_type_is_the_default(start: Start, llama, model_path) -> None:  # noqa: F811
+    theirs = llama("tiny-qwen3-embd", "unspecified").post("/v1/embeddings", {"input": TEXTS})  # the file's: last
+    h = await start("-m", str(model_path("tiny-qwen3-embd", QUANT)), "--embeddings", "-np", "2")
+    async with client(h) as c:
+        ours = (await c.post("/v1/embeddings", json={"input": TEXTS})).json()
+        one = (await c.post("/v1/embeddings", json={"input": TEXTS[0]})).json()
+    for d, t in zip(ours["data"], theirs["data"], strict=True):
+        assert cosines(np.array(d["embedding"]), np.array(t["embedding"]))[0] > COS
+    last = llama("tiny-qwen3-embd", "last").post("/v1/embeddings", {"input": TEXTS[0]})["data"][0]["embedding"]
+    assert cosines(np.array(one["data"][0]["embedding"]), np.array(last))[0] > COS
+
+
 async def test_without_the_flag_embeddings_and_rerank_are_501(start: Start) -> None:  # noqa: F811
     h = await start()
     async with client(h) as c:

@@ -85,6 +85,8 @@ class Preset:
     #: a reranker (Qwen3-Reranker's layout): the labels of its rank head
     #: ``cls.output.weight``, written with pooling type rank and a ``rerank`` template
     rank_labels: tuple[str, ...] = ()
+    #: the file's ``<arch>.pooling_type`` (an embedding model's default pooling)
+    pooling: gguf.PoolingType | None = None
 
     def config(self) -> ModelConfig:
         extra: dict[str, object]
@@ -132,7 +134,7 @@ def _preset(name: str, arch: str, dims: tuple[int, ...], tied: bool, theta: floa
             rope_scaling: tuple[float, float, float, int] | None = None, n_swa: int = 0,
             rope_linear: float = 0.0, moe: tuple[int, int, int] = (0, 0, 0),
             ssm: tuple[int, int, int, int] = (0, 0, 0, 0), n_rot: int = 0, n_ff_shexp: int = 0,
-            rank_labels: tuple[str, ...] = ()) -> Preset:
+            rank_labels: tuple[str, ...] = (), pooling: gguf.PoolingType | None = None) -> Preset:
     n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff, n_vocab = dims
     return Preset(
         name=name, arch=arch, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
@@ -142,6 +144,7 @@ def _preset(name: str, arch: str, dims: tuple[int, ...], tied: bool, theta: floa
         rope_scaling=rope_scaling, n_swa=n_swa, rope_linear=rope_linear,
         n_expert=moe[0], n_expert_used=moe[1], n_ff_exp=moe[2], ssm=ssm, n_rot=n_rot,
         n_ff_shexp=n_ff_shexp, rank_labels=rank_labels,
+        pooling=gguf.PoolingType.RANK if rank_labels else pooling,
     )
 
 
@@ -163,6 +166,9 @@ PRESETS: dict[str, Preset] = {
         # a Qwen3-Reranker-shaped qwen3: a yes/no rank head, pooling rank
         _preset("tiny-qwen3-rerank", "qwen3", (256, 2, 4, 2, 64, 512, 1024), True, 1e6, 4096,
                 ("gpt2", "chatml"), "trio-llm tiny-qwen3-rerank", rank_labels=("yes", "no")),
+        # a Qwen3-Embedding-shaped qwen3: pooling type last
+        _preset("tiny-qwen3-embd", "qwen3", (256, 2, 4, 2, 64, 512, 1024), True, 1e6, 4096,
+                ("gpt2", "chatml"), "trio-llm tiny-qwen3-embd", pooling=gguf.PoolingType.LAST),
         _preset("tiny-qwen2", "qwen2", (256, 2, 4, 2, 64, 512, 1024), False, 1e6, 4096,
                 ("gpt2", "chatml"), "trio-llm tiny-qwen2"),
         _preset("tiny-spm", "llama", (256, 2, 4, 2, 64, 512, 1024), False, 1e4, 4096,
@@ -515,8 +521,9 @@ def _write_metadata(writer: gguf.GGUFWriter, preset: Preset, quant: str) -> None
     if preset.rope_linear:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(preset.rope_linear)
+    if preset.pooling is not None:
+        writer.add_pooling_type(preset.pooling)
     if preset.rank_labels:
-        writer.add_pooling_type(gguf.PoolingType.RANK)
         writer.add_classifier_output_labels(list(preset.rank_labels))
     build_vocab(preset.vocab_style, cfg.n_vocab, preset.vocab_family).write(writer)
     if preset.rank_labels:
