@@ -35,12 +35,14 @@ from trio_llm.config import ServerConfig
 from trio_llm.engine.actor import BackendActor, BackendClient
 from trio_llm.engine.backend import Backend, SeqBatch
 from trio_llm.engine.constraint import Grammars
+from trio_llm.engine.devsample import DeviceChain
 from trio_llm.errors import ArenaRefused, ConfigError, ModelLoadError, TrioLLMError
 from trio_llm.residency.arbiter import Arbiter, Share, open_arbiter
 from trio_llm.residency.residency import Residency, resolve_level
 from trio_llm.residency.sleep import SleepConfig, SleepController
 from trio_llm.server import embeddings, flags
 from trio_llm.server.context import Engine, ServerContext
+from trio_llm.server.decode import DEFAULT_DECODE_STEPS
 from trio_llm.server.flags import UsageError
 from trio_llm.server.gate import ResidencyGate
 from trio_llm.server.http import create_app, end_requests
@@ -474,6 +476,7 @@ async def _run_loaded(
                     client, gate, tokenizer, queue.inbox(), assign_recv,
                     n_ctx=backend.n_ctx, n_batch=config.n_batch, grammars=grammars,
                     ctx_checkpoints=config.ctx_checkpoints, checkpoint_min_step=config.checkpoint_min_step,
+                    decode_steps=decode_steps_setting(),
                 )
                 await actors.start(queue.start_loop)
                 await actors.start(slots.start_loop)
@@ -488,6 +491,11 @@ async def _run_loaded(
                     for n in warmup_sizes(backend.n_ctx, config.n_batch):
                         async with gate.resident():
                             await client.forward([SeqBatch(0, np.full(n, first, np.int32), 0)])
+                    # and the device-sampled decode graphs (bucket x steps per submit)
+                    for rows, steps in decode_warmup_shapes(backend, slots.decode_steps):
+                        async with gate.resident():
+                            await client.decode([SeqBatch(i, np.array([first], np.int32), 0) for i in range(rows)],
+                                                [DeviceChain.greedy()] * rows, np.zeros((steps, rows), np.float32))
                 device = await client.call(lambda b: b.device_info(), "device_info")
                 embedder = None
                 if config.embeddings:
@@ -532,6 +540,36 @@ def warmup_sizes(n_ctx: int, n_batch: int) -> list[int]:
     """Token counts of the warm-up passes: 1, 2, 4, 8 and 16, within the context and
     the batch size."""
     return [n for n in (1, 2, 4, 8, 16) if n <= min(n_ctx, n_batch)]
+
+
+def decode_steps_setting() -> int:
+    """Decode steps per submit of the device-sampled path (server/decode.py):
+    ``TRIO_LLM_DECODE_STEPS`` (1..16; 1 turns the multi-step submits off, 0 sampling on
+    the device too: every step reads its logits back and samples on the host), default 4."""
+    raw = os.environ.get("TRIO_LLM_DECODE_STEPS", "")
+    if not raw:
+        return DEFAULT_DECODE_STEPS
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 16:
+        raise ConfigError(f"TRIO_LLM_DECODE_STEPS must be an integer 0..16, got {raw!r}")
+    return n
+
+
+def decode_warmup_shapes(backend: Backend, decode_steps: int) -> list[tuple[int, int]]:
+    """(sequences, steps) of the warm-up ``decode`` calls: the Vulkan backend records a
+    graph per decode bucket (1, 2, 4, 8 sequences, within the slots) and power-of-two
+    step count up to ``decode_steps``; the numpy backend has nothing to record."""
+    most = getattr(backend, "decode_steps_max", 0)
+    if backend.name != "vulkan" or not most or decode_steps < 1:
+        return []
+    rows = sorted({min(b, backend.n_seq) for b in (1, 2, 4, 8)})
+    rows = [r for r in rows if r == 1 or r & (r - 1) == 0 or r == backend.n_seq]
+    top = min(decode_steps, most, backend.n_ctx)
+    steps = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+    return [(r, k) for r in rows for k in steps]
 
 
 async def _close_backend(client: BackendClient, backend: Backend) -> None:

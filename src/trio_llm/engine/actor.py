@@ -19,6 +19,7 @@ import numpy as np
 import trio
 
 from trio_llm.engine.backend import Backend, Level, SeqBatch
+from trio_llm.engine.devsample import DeviceChain
 
 T = TypeVar("T")
 
@@ -102,6 +103,10 @@ class BackendClient:
 
     async def forward(self, batch: Sequence[SeqBatch]) -> np.ndarray:
         return await self.call(lambda b: b.forward(batch), "forward")
+
+    async def decode(self, batch: Sequence[SeqBatch], chains: Sequence[DeviceChain], us: np.ndarray) -> np.ndarray:
+        """Decode steps sampled by the backend (``engine/devsample.py``): ids [n_steps, B]."""
+        return await self.call(lambda b: b.decode(batch, chains, us), "decode")  # type: ignore[attr-defined]
 
     async def memory(self) -> dict[str, int]:
         return await self.call(lambda b: b.memory(), "memory")

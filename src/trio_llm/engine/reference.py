@@ -25,6 +25,7 @@ import attrs
 import numpy as np
 
 from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch, check_batch
+from trio_llm.engine.devsample import DeviceChain, check_decode, decode_steps
 from trio_llm.engine.memory import (
     LayerMemory,
     plan_memory,
@@ -335,6 +336,19 @@ class NumpyBackend:
     def forward_rows(self, entry: SeqBatch) -> np.ndarray:
         """The graph's result for every token of one sequence (``Backend.forward_rows``)."""
         return self.forward_all_logits(entry.tokens, entry.seq_id, entry.pos0)
+
+    @property
+    def decode_steps_max(self) -> int:
+        """Steps one ``decode`` may run: several only where every layer's memory lets
+        the positions past a stop be overwritten later (a full KV cache)."""
+        return 16 if all(m.kind == "kv" and not m.window for m in self.layers) and not self.recurrent else 1
+
+    def decode(self, batch: Sequence[SeqBatch], chains: Sequence[DeviceChain], us: np.ndarray) -> np.ndarray:
+        """``Backend.decode`` by the host chain: the reference the device equals."""
+        check_decode(batch, chains, us, self.n_ctx)
+        if us.shape[0] > self.decode_steps_max:
+            raise InvalidRequest(f"this model decodes at most {self.decode_steps_max} steps per call")
+        return decode_steps(self.forward, batch, chains, us)
 
     def forward_all_logits(self, tokens: Sequence[int] | np.ndarray, seq_id: int = 0,
                            pos0: int = 0) -> np.ndarray:

@@ -231,14 +231,27 @@ def sample(
 
     ``recent_tokens`` are the tokens already in the sequence (prompt and generated,
     oldest first) that the repetition penalties look at. Greedy (temperature <= 0)
-    draws nothing from ``rng``; otherwise exactly one uniform number is drawn.
+    draws nothing from ``rng``; otherwise exactly one uniform number is drawn, even
+    when one candidate is left: how many numbers a step takes then never depends on
+    the logits, so the caller can draw them before the step runs (``draw_u``) and the
+    device chain (``engine/devsample.py``) consumes the same numbers as this one.
     """
+    return sample_u(logits, params, draw_u(params, rng), recent_tokens)
+
+
+def draw_u(params: SamplingParams, rng: np.random.Generator) -> float:
+    """The uniform number one step of ``params`` consumes (0.0 for greedy, no draw)."""
+    return 0.0 if params.greedy else float(rng.random())
+
+
+def sample_u(logits: np.ndarray, params: SamplingParams, u: float,
+             recent_tokens: Sequence[int] | np.ndarray = ()) -> int:
+    """``sample`` with its uniform number ``u`` in [0, 1) given."""
     ids, probs = candidates(logits, params, recent_tokens)
     if ids.shape[0] == 1:
         return int(ids[0])
     cum = np.cumsum(probs)  # [n_cand]
-    u = rng.random() * cum[-1]
-    idx = int(np.searchsorted(cum, u, side="right"))
+    idx = int(np.searchsorted(cum, u * cum[-1], side="right"))
     return int(ids[min(idx, ids.shape[0] - 1)])
 
 

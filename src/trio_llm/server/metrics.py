@@ -105,6 +105,11 @@ class ServerCollector(Collector):
             q.cancelled + s.n_tasks_cancelled,
         )
         yield counter("trio_llm_requests_finished", "Requests that ran to completion.", s.n_tasks_done)
+        phases = CounterMetricFamily("trio_llm_step_seconds", "Time the slots loop spent per phase of its steps.",
+                                     labels=["phase"])
+        for phase, seconds in s.t_phases:
+            phases.add_metric([phase], seconds)
+        yield phases
         yield counter("trio_llm_backend_calls", "Calls into the backend actor.", b.calls)
         yield counter("trio_llm_backend_busy_seconds", "Time the backend actor spent in calls.", b.busy_seconds)
         yield gauge("trio_llm_is_sleeping", "1 while the model is not resident.", float(self.sources.is_sleeping()))

@@ -34,9 +34,10 @@ import trio
 from trio_llm.engine.actor import BackendClient
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.constraint import Constraint, Grammars, apply_masks
-from trio_llm.engine.sampling import log_softmax, make_rng, sample, top_logprobs
+from trio_llm.engine.sampling import draw_u, log_softmax, make_rng, sample, top_logprobs
 from trio_llm.errors import ContextOverflow, InvalidRequest, TrioLLMError
 from trio_llm.server.checkpoints import Checkpoints
+from trio_llm.server.decode import DEFAULT_DECODE_STEPS, DecodeWant, device_plan
 from trio_llm.server.gate import ResidencyGate
 from trio_llm.server.queue import (
     Assign,
@@ -241,6 +242,12 @@ class SlotsStatistics:
     kv_capacity: int
     n_prompt_tokens_cached: int = 0  # llamacpp:prompt_tokens_cached_total (reused, not evaluated)
     n_tokens_max: int = 0  # llamacpp:n_tokens_max: the longest prompt a slot has held
+    #: seconds the loop spent per phase of its steps ("prompt" / "decode": the forward
+    #: calls of passes with / without prompt tokens as the loop sees them, thread hop
+    #: included; "device": the calls of device-sampled decode steps; "sample"; "emit":
+    #: stop checks and sends to clients): where a decode step's time goes
+    #: (bench/serverpath.py)
+    t_phases: tuple[tuple[str, float], ...] = ()
 
 
 @attrs.define(eq=False)
@@ -257,6 +264,9 @@ class SlotsEngine:
     grammars: Grammars | None = None  # constrained decoding (tasks with a grammar)
     ctx_checkpoints: int = 32  # --ctx-checkpoints (hybrid models; server/checkpoints.py)
     checkpoint_min_step: int = 8192  # --checkpoint-min-step
+    #: decode steps per submit when the backend samples on the device (server/decode.py);
+    #: 0: every step samples on the host
+    decode_steps: int = DEFAULT_DECODE_STEPS
     _slots: list[Slot] = attrs.field(init=False)
     _released: list[SlotReleased] = attrs.field(init=False, factory=list)
     _order: int = 0
@@ -272,6 +282,7 @@ class SlotsEngine:
     _n_busy_total: int = 0
     _n_done: int = 0
     _n_cancelled: int = 0
+    _t_phases: dict[str, float] = attrs.field(factory=lambda: dict.fromkeys(("prompt", "decode", "device", "sample", "emit"), 0.0))
 
     def __attrs_post_init__(self) -> None:
         backend = self._client.backend
@@ -300,6 +311,7 @@ class SlotsEngine:
             kv_capacity=self.n_ctx * len(self._slots),
             n_prompt_tokens_cached=self._n_prompt_cached,
             n_tokens_max=self._n_tokens_max,
+            t_phases=tuple(self._t_phases.items()),
         )
 
     def slot_views(self) -> list[dict[str, Any]]:
@@ -544,16 +556,69 @@ class SlotsEngine:
             if not plan:
                 return
             batch = [SeqBatch(w.id_slot, np.asarray(w.tokens, dtype=np.int32), w.pos0) for w in plan]
+            dev = self._device_plan(plan)
             t0 = trio.current_time()
             try:
-                await self._restore_checkpoints(plan)
-                logits = await self._client.forward(batch)  # [len(plan), n_vocab]
-                await self._take_checkpoints(plan)
+                if dev is not None:
+                    await self._restore_checkpoints(plan)
+                    ids = await self._client.decode(batch, dev[0], dev[1])  # [n_steps, len(plan)]
+                else:
+                    await self._restore_checkpoints(plan)
+                    logits = await self._client.forward(batch)  # [len(plan), n_vocab]
+                    await self._take_checkpoints(plan)
             except TrioLLMError as exc:
                 self._fail_all(f"the backend failed: {exc}")
                 return
             t1 = trio.current_time()
-        await self._after_forward(plan, logits, t0, t1)
+        if dev is not None:
+            self._after_decode(plan, ids, t0, t1)
+        else:
+            await self._after_forward(plan, logits, t0, t1)
+
+    def _device_plan(self, plan: list[Work]) -> tuple[list[Any], np.ndarray] | None:
+        """The chains and uniform numbers [n_steps, len(plan)] of a device-sampled pass
+        (``server/decode.py``), or None for the logits path."""
+        backend = self._client.backend
+        steps_max = getattr(backend, "decode_steps_max", 0)
+        if not steps_max or self.decode_steps < 1 or not all(w.decoding for w in plan):
+            return None
+        wants = []
+        for w in plan:
+            task = self._slots[w.id_slot].task
+            assert task is not None
+            p = task.params
+            left = p.n_predict - len(self._slots[w.id_slot].generated) if p.n_predict >= 0 else -1
+            wants.append(DecodeWant(p.sampling, p.grammar is not None, w.pos0, left))
+        chosen = device_plan(wants, n_vocab=backend.config.n_vocab, n_ctx=self.n_ctx, steps=self.decode_steps,
+                             steps_max=steps_max, rows_max=8)
+        if chosen is None:
+            return None
+        chains, n_steps = chosen
+        us = np.empty((n_steps, len(plan)), np.float32)
+        for r, w in enumerate(plan):
+            slot = self._slots[w.id_slot]
+            assert slot.task is not None and slot.rng is not None
+            for j in range(n_steps):
+                us[j, r] = draw_u(slot.task.params.sampling, slot.rng)
+        return chains, us
+
+    def _after_decode(self, plan: list[Work], ids: np.ndarray, t0: float, now: float) -> None:
+        """Accept a device-sampled pass's ids step by step; a slot that stops drops the
+        ids drawn past its stop (their KV positions lie past what it keeps)."""
+        n_steps = ids.shape[0]
+        self._n_decode += n_steps
+        self._n_busy_total += n_steps * len(plan)
+        self._t_predicted += now - t0
+        self._t_phases["device"] += now - t0
+        tasks = [self._slots[w.id_slot].task for w in plan]
+        for j in range(n_steps):
+            for r, w in enumerate(plan):
+                slot = self._slots[w.id_slot]
+                if slot.task is None or slot.task is not tasks[r]:
+                    continue  # cancelled while the pass ran, or stopped at an earlier step
+                slot.n_past += 1
+                self._accept(slot, int(ids[j, r]), None, now)
+        self._t_phases["emit"] += trio.current_time() - now
 
     async def _restore_checkpoints(self, plan: list[Work]) -> None:
         """Put back the checkpoint each slot continues from (``Slot.begin`` chose it)."""
@@ -603,6 +668,7 @@ class SlotsEngine:
             self._t_prompt += now - t0
         else:
             self._t_predicted += now - t0
+        self._t_phases["prompt" if n_prompt_tokens else "decode"] += now - t0
 
         ready: list[tuple[Slot, np.ndarray]] = []
         for w, row in zip(plan, logits, strict=True):
@@ -620,9 +686,12 @@ class SlotsEngine:
             ready.append((slot, row))
         if ready:
             picks = await self._sample(ready)
+            t_sampled = trio.current_time()
+            self._t_phases["sample"] += t_sampled - now
             for (slot, _), (token, prob) in zip(ready, picks, strict=True):
                 if slot.task is not None:
-                    self._accept(slot, token, prob, trio.current_time())
+                    self._accept(slot, token, prob, t_sampled)
+            self._t_phases["emit"] += trio.current_time() - t_sampled
 
     async def _sample(self, ready: list[tuple[Slot, np.ndarray]]) -> list[tuple[int, TokenProb | None]]:
         jobs = []

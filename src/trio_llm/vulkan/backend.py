@@ -18,6 +18,7 @@ import attrs
 import numpy as np
 
 from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch, check_batch
+from trio_llm.engine.devsample import DeviceChain, check_decode
 from trio_llm.engine.memory import plan_memory, plan_recurrent, reusable_prefix, state_layout
 from trio_llm.engine.placement import cpu_moe_tensors
 from trio_llm.errors import (
@@ -54,6 +55,7 @@ from trio_llm.vulkan.ops import (
     fill_step,
 )
 from trio_llm.vulkan.recurrent import RecurrentState, chunk_scratch, chunked_prefill, state_bytes
+from trio_llm.vulkan.sampling import MAX_STEPS, DeviceSampler, extra_buffers
 from trio_llm.vulkan.shaders import STEP_CAP
 from trio_llm.vulkan.weights import WeightStore
 
@@ -194,7 +196,15 @@ class VulkanBackend:
         self._rope_buf, consts = rope_consts(self._ir, factors)
         # --n-cpu-moe: these expert tensors are read from host-visible memory
         self._weights = WeightStore(self._alloc, model, host_tensors=self._host_tensors)
-        self._act = Activations(self._alloc, self._plan, self._width, self._cap, out_cap, consts)
+        self._act = Activations(self._alloc, self._plan, self._width, self._cap, out_cap, consts,
+                                extra=extra_buffers() if self._output == "logits" else {})
+        self._sampler = DeviceSampler(device, self._ops, self._act, self.lowered)
+        # several steps per submit run past a stop the host finds afterwards: only where
+        # every layer's memory lets those positions be overwritten later (full KV cache);
+        # an embedding model samples nothing (0: no decode)
+        self.decode_steps_max = (0 if self._output != "logits" else MAX_STEPS
+                                 if all(m.kind == "kv" and not m.window for m in self._mem) and not self._rs.sizes
+                                 else 1)
         total = self._weights.total_bytes()
         self._weights.ensure_shadow(self._progress)
         self._weights.upload()
@@ -279,6 +289,32 @@ class VulkanBackend:
         self._forwards += 1
         self._tokens += len(toks)
         return out
+
+    def decode(self, batch: Sequence[SeqBatch], chains: Sequence[DeviceChain], us: np.ndarray) -> np.ndarray:
+        """``us.shape[0]`` decode steps of one token per entry in one submit, each
+        sampled on the device by its entry's chain and fed to the next; returns the
+        ids [n_steps, B] (see ``engine/devsample.py``, ``vulkan/sampling.py``)."""
+        entries = list(batch)
+        check_decode(entries, chains, us, self.n_ctx)
+        if len(entries) > MATVEC_MAX_COLS or len(entries) > self._act.out_cap:
+            raise InvalidRequest(f"decode samples at most {min(MATVEC_MAX_COLS, self._act.out_cap)} sequences "
+                                 f"on the device, not {len(entries)}")
+        if us.shape[0] > self.decode_steps_max:
+            raise InvalidRequest(f"this model decodes at most {self.decode_steps_max} steps per submit")
+        self._check_batch(entries)
+        n = len(entries)
+        with self._guard("decode"):
+            fill_step(self._act.step_words, np.array([int(e.tokens[0]) for e in entries], np.uint32),
+                      np.array([e.pos0 for e in entries], np.uint32),
+                      np.array([e.seq_id for e in entries], np.uint32), np.arange(n, dtype=np.uint32))
+            ids = self._sampler.run(chains, us)
+            self._submits += 1
+        if self._rs.sizes:
+            for e in entries:
+                self._rs_pos[e.seq_id] = e.pos0 + us.shape[0]
+        self._forwards += us.shape[0]
+        self._tokens += n * us.shape[0]
+        return ids
 
     def reusable_prefix(self, n_cached: int, n_common: int, checkpoints: Sequence[int] = ()) -> int:
         return reusable_prefix(self._mem + self._recurrent, n_cached, n_common, checkpoints)
@@ -382,6 +418,7 @@ class VulkanBackend:
         now = self._roles()
         new = {old: now[role] for role, old in self._before.items() if role in now}
         self._before.clear()
+        self._sampler.rebind(new)
         for bucket, graph in list(self._graphs.items()):
             graph.rebind(new)
             if not all(self._alloc.is_live(b) for b in graph.buffers()):
@@ -539,6 +576,8 @@ class VulkanBackend:
                          self._mem, self._rope_buf, bucket=bucket, rs=self._rs)
 
     def _drop_graphs(self) -> None:
+        if hasattr(self, "_sampler"):
+            self._sampler.drop()
         graphs, self._graphs = self._graphs, {}
         for g in graphs.values():
             g.close()

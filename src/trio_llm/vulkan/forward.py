@@ -118,6 +118,8 @@ class Activations:
     out_cap: int
     consts: dict[str, np.ndarray]  # name -> float32 values
     bufs: dict[str, Buffer] = attrs.field(factory=dict)
+    #: more buffers allocated and freed with these: name -> (bytes, category, place)
+    extra: dict[str, tuple[int, str, str]] = attrs.field(factory=dict)
 
     def allocate(self) -> None:
         if self.bufs:
@@ -130,6 +132,8 @@ class Activations:
                 self.bufs[name] = self.alloc.create(4 * max(1, values.size), "compute", "device")
             self.bufs["step"] = self.alloc.create(STEP_BYTES, "scratch", "upload")
             self.bufs["readback"] = self.alloc.create(4 * self.out_cap * self.n_vocab, "scratch", "readback")
+            for name, (nbytes, category, place) in self.extra.items():
+                self.bufs[name] = self.alloc.create(nbytes, category, place)
             self._upload_consts()
         except BaseException:
             self.free()

@@ -428,6 +428,15 @@ class Ops:
         k = self.kernels.get("argmax", n_bindings=3, n_push=3, local_size=self.norm_wg)
         return Dispatch(k, (x, r, step), (n, stride, count_sel), grid(cap))
 
+    def sample(
+        self, x: View, params: View, ids: View, step: View, *, n: int, stride: int, j: int, rows_cap: int,
+        feed: bool, cap: int,
+    ) -> Dispatch:
+        """One token per live output row by the device chain (sample.comp): ids[j, row];
+        with ``feed`` the id becomes the row's next input token at the next position."""
+        k = self.kernels.get("sample", n_bindings=4, n_push=5, local_size=256)
+        return Dispatch(k, (x, params, ids, step), (n, stride, j, rows_cap, int(feed)), grid(cap))
+
     def transpose(self, src: View, dst: View, *, rows: int, cols: int) -> Dispatch:
         k = self.kernels.get("transpose", n_bindings=2, n_push=2, local_size=256)
         return Dispatch(k, (src, dst), (rows, cols), (math.ceil(cols / 32), math.ceil(rows / 32), 1))

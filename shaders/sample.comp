@@ -1,0 +1,237 @@
+#version 450
+// One token per live output row, drawn on the device by the host's chain
+// (engine/sampling.py: top-k, min-p, top-p, temperature, then the draw), so that a
+// decode step reads back token ids instead of a row of logits. The uniform number of
+// each draw comes from the host (its seeded generator), so the same seed gives the
+// same ids as the host chain. One work group per row:
+//   1. the maximum and its index (ties: the lower id); temperature <= 0 stops here
+//   2. the k-th largest logit by an 8-bit radix select over order-preserving keys
+//   3. the candidates (>= that and >= max + log(min_p)) gathered in shared memory and
+//      sorted by logit, ties by lower id (bitonic)
+//   4. one invocation walks them: top-p's cut (mass over the top-k set), the tempered
+//      softmax and the draw (the first candidate whose running sum exceeds u x sum)
+// With FEED the drawn id becomes the row's next input token and its position moves on
+// by one, so the next decode step of the same recorded graph can run without the host
+// (every entry of such a step is one token: token index == output row).
+#include "common.glsl"
+
+#define CMAX 1024u
+
+layout(binding = 0, std430) readonly buffer X { float x[]; };
+// per row (rows_cap of them): temperature, top_k, top_p, min_p (uint bits); then
+// n_steps x rows_cap uniform numbers in [0, 1)
+layout(binding = 1, std430) readonly buffer P { uint prm[]; };
+layout(binding = 2, std430) buffer R { uint ids[]; };  // [n_steps, rows_cap]
+layout(binding = 3, std430) buffer StepW {
+    uint n_tokens; uint n_out; uint pad0; uint pad1; uint sdata[];
+} stepw;
+
+layout(push_constant) uniform Push {
+    uint n;         // vocabulary
+    uint stride;    // floats between rows of x
+    uint j;         // which step of a multi-step submit (the u and ids index)
+    uint rows_cap;
+    uint feed;
+} pc;
+
+shared float bv[WG];
+shared uint bi[WG];
+shared uint hist[256];
+shared uint sel_bin;
+shared uint sel_rest;
+shared uint n_cand;
+shared float cv[CMAX];
+shared uint ci[CMAX];
+shared float zsum[WG];
+
+uint okey(float v) {
+    uint b = floatBitsToUint(v);
+    return (b & 0x80000000u) != 0u ? ~b : (b | 0x80000000u);
+}
+
+bool before(float va, uint ia, float vb, uint ib) {
+    return va > vb || (va == vb && ia < ib);
+}
+
+void emit(uint row, uint tok) {
+    ids[pc.j * pc.rows_cap + row] = tok;
+    if (pc.feed != 0u) {
+        stepw.sdata[row] = tok;
+        stepw.sdata[STEP_CAP + row] += 1u;
+    }
+}
+
+void main() {
+    uint row = FLAT_GROUP;
+    if (row >= stepw.n_out) {
+        return;
+    }
+    uint tid = gl_LocalInvocationID.x;
+    uint base = row * pc.stride;
+    float temp = uintBitsToFloat(prm[4u * row]);
+    uint top_k = prm[4u * row + 1u];
+    float top_p = uintBitsToFloat(prm[4u * row + 2u]);
+    float min_p = uintBitsToFloat(prm[4u * row + 3u]);
+    float u = uintBitsToFloat(prm[4u * pc.rows_cap + pc.j * pc.rows_cap + row]);
+
+    // 1. maximum, lowest index among ties
+    float best = -1.0 / 0.0;
+    uint idx = 0xFFFFFFFFu;
+    for (uint i = tid; i < pc.n; i += WG) {
+        float v = x[base + i];
+        if (v > best || idx == 0xFFFFFFFFu) {
+            best = v;
+            idx = i;
+        }
+    }
+    bv[tid] = best;
+    bi[tid] = idx;
+    barrier();
+    for (uint s = WG / 2u; s > 0u; s >>= 1) {
+        if (tid < s) {
+            float ov = bv[tid + s];
+            uint oi = bi[tid + s];
+            if (oi != 0xFFFFFFFFu && (bi[tid] == 0xFFFFFFFFu || before(ov, oi, bv[tid], bi[tid]))) {
+                bv[tid] = ov;
+                bi[tid] = oi;
+            }
+        }
+        barrier();
+    }
+    float top = bv[0];
+    if (temp <= 0.0 || top_k == 1u) {
+        if (tid == 0u) {
+            emit(row, bi[0]);
+        }
+        return;
+    }
+
+    // 2. the key of the k-th largest value (top_k in 1..CMAX here: the host checks)
+    uint prefix = 0u;
+    uint mask = 0u;
+    uint rest = top_k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (uint b = tid; b < 256u; b += WG) {
+            hist[b] = 0u;
+        }
+        barrier();
+        for (uint i = tid; i < pc.n; i += WG) {
+            uint kk = okey(x[base + i]);
+            if ((kk & mask) == prefix) {
+                atomicAdd(hist[(kk >> uint(shift)) & 255u], 1u);
+            }
+        }
+        barrier();
+        if (tid == 0u) {
+            uint cum = 0u;
+            uint chosen = 0u;
+            for (int b = 255; b >= 0; b--) {
+                uint h = hist[b];
+                if (cum + h >= rest) {
+                    chosen = uint(b);
+                    break;
+                }
+                cum += h;
+            }
+            sel_bin = chosen;
+            sel_rest = rest - cum;
+        }
+        barrier();
+        prefix |= sel_bin << uint(shift);
+        mask |= 255u << uint(shift);
+        rest = sel_rest;
+        barrier();
+    }
+    uint kth = prefix;  // candidates: okey(v) >= kth
+
+    // 3. top-p's normaliser (every top-k candidate) and the gathered candidates
+    float thr_m = min_p > 0.0 ? top + log(min_p) : -1.0 / 0.0;
+    if (tid == 0u) {
+        n_cand = 0u;
+    }
+    barrier();
+    float z = 0.0;
+    for (uint i = tid; i < pc.n; i += WG) {
+        float v = x[base + i];
+        if (okey(v) >= kth) {
+            z += exp(v - top);
+            if (v >= thr_m) {
+                uint slot = atomicAdd(n_cand, 1u);
+                if (slot < CMAX) {
+                    cv[slot] = v;
+                    ci[slot] = i;
+                }
+            }
+        }
+    }
+    zsum[tid] = z;
+    barrier();
+    for (uint s = WG / 2u; s > 0u; s >>= 1) {
+        if (tid < s) {
+            zsum[tid] += zsum[tid + s];
+        }
+        barrier();
+    }
+    uint count = min(n_cand, CMAX);
+    uint p2 = 1u;
+    while (p2 < count) {
+        p2 <<= 1;
+    }
+    for (uint i = count + tid; i < p2; i += WG) {
+        cv[i] = -1.0 / 0.0;
+        ci[i] = 0xFFFFFFFFu;
+    }
+    barrier();
+    for (uint k = 2u; k <= p2; k <<= 1) {
+        for (uint jj = k >> 1; jj > 0u; jj >>= 1) {
+            for (uint i = tid; i < p2; i += WG) {
+                uint o = i ^ jj;
+                if (o > i) {
+                    bool up = (i & k) == 0u;
+                    bool sw = up ? before(cv[o], ci[o], cv[i], ci[i]) : before(cv[i], ci[i], cv[o], ci[o]);
+                    if (sw) {
+                        float tv = cv[i];
+                        uint ti = ci[i];
+                        cv[i] = cv[o];
+                        ci[i] = ci[o];
+                        cv[o] = tv;
+                        ci[o] = ti;
+                    }
+                }
+            }
+            barrier();
+        }
+    }
+
+    // 4. top-p's cut, the tempered softmax and the draw, in the host's order
+    if (tid == 0u) {
+        uint cut = count;
+        if (top_p < 1.0) {
+            float zt = zsum[0];
+            float c = 0.0;
+            for (uint i = 0u; i < count; i++) {
+                c += exp(cv[i] - top);
+                if (c / zt >= top_p) {
+                    cut = i + 1u;
+                    break;
+                }
+            }
+        }
+        float v0 = cv[0] / temp;
+        float s = 0.0;
+        for (uint i = 0u; i < cut; i++) {
+            s += exp(cv[i] / temp - v0);
+        }
+        float target = u * s;
+        float c = 0.0;
+        uint pick = ci[cut - 1u];
+        for (uint i = 0u; i < cut; i++) {
+            c += exp(cv[i] / temp - v0);
+            if (c > target) {
+                pick = ci[i];
+                break;
+            }
+        }
+        emit(row, pick);
+    }
+}
