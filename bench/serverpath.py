@@ -10,7 +10,8 @@ Issue 14's check on lavapipe, in one run on one model file:
   replayed alone (``replay``: one submit and the GPU work, the issue's denominator);
   ``forward`` + host argmax (what ``bench/decode.py`` calls tg); and, where the backend
   has it, ``decode`` with the argmax on the device (only token ids read back), one
-  and ``--steps`` decode steps per submit. Beside them the parts a server step adds
+  and ``--steps`` decode steps per submit, each without and with the next call's
+  submit queued ahead (``_ahead``: what the server does). Beside them the parts a server step adds
   on the host: copying one logits row out of the readback buffer, and the host
   sampling chain on it (greedy, and llama-server's default chain).
 * **http**: a real ``trio-llm serve -np 1`` process on the same file, ``/completion``
@@ -40,6 +41,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,66 +54,68 @@ from trio_llm.engine.sampling import SamplingParams, make_rng, sample
 from trio_llm.model.gguf import load_gguf
 
 
-def measure_backend(path: Path, kind: str, p_len: int, n: int, repeats: int, steps: list[int]) -> dict[str, Any]:
+def backend_rounds(path: Path, kind: str, p_len: int, n: int, steps: list[int]) -> Iterator[dict[str, float]]:
+    """The in-process figures, one round per ``next()``; closes the backend when closed."""
     from trio_llm.engine.loader import open_backend
 
     model = load_gguf(path)
     be = open_backend(kind, model, n_ctx=p_len + n * max(steps) + 16, n_seq=1)
     prompt = np.random.default_rng(0).integers(10, be.config.n_vocab, p_len).astype(np.int32)
-    out: dict[str, list[float]] = {}
 
     def prefill() -> None:
         be.forward([SeqBatch(0, prompt, 0)])
 
-    for r in range(repeats + 1):
-        prefill()
-        figs: dict[str, float] = {}
-        if hasattr(be, "replay"):
-            t0 = common.now()
-            for _ in range(n):
-                be.replay(1)
-            figs["replay_ms"] = 1e3 * (common.now() - t0) / n
-        prefill()
-        tok = 1
-        t0 = common.now()
-        for i in range(n):
-            logits = be.forward([SeqBatch(0, np.array([tok], np.int32), p_len + i)])
-            tok = int(np.argmax(logits[0]))
-        figs["forward_ms"] = 1e3 * (common.now() - t0) / n
-        row = np.array(logits[0], np.float32)
-        decode = getattr(be, "decode", None)
-        if decode is not None:
-            from trio_llm.engine.devsample import DeviceChain
-
-            for k in steps:
-                prefill()
-                tok, pos = 1, p_len
+    try:
+        while True:
+            prefill()
+            figs: dict[str, float] = {}
+            if hasattr(be, "replay"):
                 t0 = common.now()
-                done = 0
-                while done < n:
-                    m = min(k, n - done)
-                    ids = decode([SeqBatch(0, np.array([tok], np.int32), pos)], [DeviceChain.greedy()],
-                                 np.zeros((m, 1), np.float32))
-                    tok, pos, done = int(ids[-1][0]), pos + m, done + m
-                figs[f"device_greedy_x{k}_ms"] = 1e3 * (common.now() - t0) / n
-        readback = getattr(getattr(be, "_act", None), "logits", None)
-        if readback is not None:
+                for _ in range(n):
+                    be.replay(1)
+                figs["replay_ms"] = 1e3 * (common.now() - t0) / n
+            prefill()
+            tok = 1
             t0 = common.now()
-            for _ in range(n):
-                readback(1).copy()
-            figs["readback_copy_ms"] = 1e3 * (common.now() - t0) / n
-        rng = make_rng(1)
-        for name, params in (("greedy", SamplingParams(temperature=0.0)), ("default", SamplingParams())):
-            t0 = common.now()
-            for _ in range(n):
-                sample(row, params, rng, prompt)
-            figs[f"host_sample_{name}_ms"] = 1e3 * (common.now() - t0) / n
-        if r:  # the first round warms up
-            for k, v in figs.items():
-                out.setdefault(k, []).append(v)
-    be.close()
-    model.close()
-    return {k: common.stats(v) for k, v in out.items()}
+            for i in range(n):
+                logits = be.forward([SeqBatch(0, np.array([tok], np.int32), p_len + i)])
+                tok = int(np.argmax(logits[0]))
+            figs["forward_ms"] = 1e3 * (common.now() - t0) / n
+            row = np.array(logits[0], np.float32)
+            decode = getattr(be, "decode", None)
+            if decode is not None:
+                from trio_llm.engine.devsample import DeviceChain
+
+                for k in steps:
+                    for look in (False, True):
+                        prefill()
+                        tok, pos = 1, p_len
+                        t0 = common.now()
+                        done = 0
+                        while done < n:
+                            m = min(k, n - done)
+                            nxt = min(k, n - done - m)
+                            ahead = np.zeros((nxt, 1), np.float32) if look and nxt else None
+                            ids = decode([SeqBatch(0, np.array([tok], np.int32), pos)], [DeviceChain.greedy()],
+                                         np.zeros((m, 1), np.float32), ahead)
+                            tok, pos, done = int(ids[-1][0]), pos + m, done + m
+                        figs[f"device_greedy_x{k}{'_ahead' if look else ''}_ms"] = 1e3 * (common.now() - t0) / n
+            readback = getattr(getattr(be, "_act", None), "logits", None)
+            if readback is not None:
+                t0 = common.now()
+                for _ in range(n):
+                    readback(1).copy()
+                figs["readback_copy_ms"] = 1e3 * (common.now() - t0) / n
+            rng = make_rng(1)
+            for name, params in (("greedy", SamplingParams(temperature=0.0)), ("default", SamplingParams())):
+                t0 = common.now()
+                for _ in range(n):
+                    sample(row, params, rng, prompt)
+                figs[f"host_sample_{name}_ms"] = 1e3 * (common.now() - t0) / n
+            yield figs
+    finally:
+        be.close()
+        model.close()
 
 
 class Server:
@@ -147,52 +151,64 @@ def step_seconds(c: httpx.Client) -> dict[str, float]:
             for m in re.finditer(r'^trio_llm_step_seconds_total\{phase="(\w+)"\} (\S+)$', text, re.M)}
 
 
-def measure_http(path: Path, backend: str, p_len: int, n: int, repeats: int, extra: list[str],
-                 sampling: dict[str, Any]) -> dict[str, Any]:
+def http_round(c: httpx.Client, body: dict[str, Any], n: int) -> dict[str, float]:
+    """One plain request (the loop's step counters around it) and one streamed one."""
+    figs: dict[str, float] = {}
+    before = step_seconds(c)
+    t0 = common.now()
+    r = c.post("/completion", json=body)
+    figs["client_wall_s"] = common.now() - t0
+    r.raise_for_status()
+    t = r.json()["timings"]
+    assert t["predicted_n"] == n, t
+    figs["predicted_per_second"] = t["predicted_per_second"]
+    figs["server_ms_per_token"] = t["predicted_ms"] / n
+    for phase, v in step_seconds(c).items():
+        figs[f"step_{phase}_ms_per_token"] = 1e3 * (v - before.get(phase, 0.0)) / n
+    t_first = t_end = None
+    count = 0
+    server_ms = 0.0
+    with c.stream("POST", "/completion", json={**body, "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("stop"):
+                server_ms = ev["timings"]["predicted_ms"]
+                break
+            count += 1
+            if t_first is None:
+                t_first = common.now()
+            t_end = common.now()
+    assert t_first is not None and t_end is not None and count == n, count
+    figs["stream_client_tps"] = (count - 1) / (t_end - t_first)
+    figs["stream_server_ms_per_token"] = server_ms / n
+    return figs
+
+
+def measure(path: Path, backend: str, p_len: int, n: int, repeats: int, steps: list[int], extra: list[str],
+            sampling: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Backend rounds and HTTP rounds alternately (the in-process backend and the server
+    are both open, each idle while the other runs), so that a shared machine's load
+    drifting during the run weighs on both alike; the first round of each warms up."""
     n_vocab = load_gguf(path).config.n_vocab
     prompt = np.random.default_rng(0).integers(10, n_vocab, p_len).tolist()
     body = {"prompt": prompt, "n_predict": n, "ignore_eos": True, "cache_prompt": False, **sampling}
+    rounds = backend_rounds(path, backend, p_len, n, steps)
     server = Server(path, backend, p_len + n + 16, extra)
-    out: dict[str, list[float]] = {}
+    b: dict[str, list[float]] = {}
+    h: dict[str, list[float]] = {}
     try:
         with httpx.Client(base_url=server.url, timeout=600) as c:
-            c.post("/completion", json=body).raise_for_status()  # warm-up
-            before = step_seconds(c)
-            for _ in range(repeats):
-                t0 = common.now()
-                r = c.post("/completion", json=body)
-                wall = common.now() - t0
-                r.raise_for_status()
-                t = r.json()["timings"]
-                assert t["predicted_n"] == n, t
-                out.setdefault("predicted_per_second", []).append(t["predicted_per_second"])
-                out.setdefault("server_ms_per_token", []).append(t["predicted_ms"] / n)
-                out.setdefault("client_wall_s", []).append(wall)
-            after = step_seconds(c)
-            for phase, v in after.items():
-                out.setdefault(f"step_{phase}_ms_per_token", []).append(1e3 * (v - before.get(phase, 0.0)) / (n * repeats))
-            for _ in range(repeats):
-                t_first = t_end = None
-                count = 0
-                server_ms = 0.0
-                with c.stream("POST", "/completion", json={**body, "stream": True}) as resp:
-                    for line in resp.iter_lines():
-                        if not line.startswith("data: "):
-                            continue
-                        ev = json.loads(line[6:])
-                        if ev.get("stop"):
-                            server_ms = ev["timings"]["predicted_ms"]
-                            break
-                        count += 1
-                        if t_first is None:
-                            t_first = common.now()
-                        t_end = common.now()
-                assert t_first is not None and t_end is not None and count == n, count
-                out.setdefault("stream_client_tps", []).append((count - 1) / (t_end - t_first))
-                out.setdefault("stream_server_ms_per_token", []).append(server_ms / n)
+            for r in range(repeats + 1):
+                for out, figs in ((b, next(rounds)), (h, http_round(c, body, n))):
+                    if r:
+                        for k, v in figs.items():
+                            out.setdefault(k, []).append(v)
     finally:
         server.stop()
-    return {k: common.stats(v) for k, v in out.items()}
+        rounds.close()
+    return ({k: common.stats(v) for k, v in b.items()}, {k: common.stats(v) for k, v in h.items()})
 
 
 def breakdown(b: dict[str, Any], h: dict[str, Any], steps: int) -> dict[str, float]:
@@ -206,7 +222,7 @@ def breakdown(b: dict[str, Any], h: dict[str, Any], steps: int) -> dict[str, flo
     host = med.get("step_decode_ms_per_token", 0.0)
     call = device + host
     if device > host:
-        own = med.get(f"device_greedy_x{steps}_ms", med.get("device_greedy_x1_ms", med["forward_ms"]))
+        own = med.get(f"device_greedy_x{steps}_ahead_ms", med.get("device_greedy_x1_ahead_ms", med["forward_ms"]))
     else:
         own = med["forward_ms"]
     out = {
@@ -231,7 +247,7 @@ def main() -> int:
     ap.add_argument("--backend", default="vulkan")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", default="1,4", help="decode steps per submit to time the device path at")
     ap.add_argument("--sampled", action="store_true",
                     help="the server requests use llama-server's default chain (seed 1) instead of greedy")
@@ -239,9 +255,9 @@ def main() -> int:
     args = ap.parse_args()
     path = args.model or common.model_file(args.preset, args.quant)
     steps = [int(s) for s in args.steps.split(",")]
-    b = measure_backend(path, args.backend, args.prompt, args.tokens, args.repeats, steps)
     sampling = {"seed": 1} if args.sampled else {"temperature": 0}
-    h = measure_http(path, args.backend, args.prompt, args.tokens, args.repeats, args.server_args.split(), sampling)
+    b, h = measure(path, args.backend, args.prompt, args.tokens, args.repeats, steps, args.server_args.split(),
+                   sampling)
     denom = b.get("replay_ms", b["forward_ms"]).median
     ratio = h["predicted_per_second"].median * denom / 1e3
     parts = breakdown(b, h, int(os.environ.get("TRIO_LLM_DECODE_STEPS", "4") or 4))

@@ -30,6 +30,7 @@ from trio_llm.server.slots import SlotsEngine
 from trio_llm.server.tasks import ServerTask, TaskFinal, TaskParams, TaskPartial, TaskResult
 
 N_CTX = 96
+AHEAD = [0, 0]  # the last Vulkan run's (resumed, dropped) look-ahead submits
 GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(seed=1234)  # llama-server's default chain
 HOT = SamplingParams(temperature=1.5, top_k=100, top_p=0.9, min_p=0.0, seed=99)
@@ -57,7 +58,7 @@ def reference(path: Path, kind: str, prompt: list[int], params: SamplingParams, 
 
 
 async def run_engine(path: Path, kind: str, jobs: list[tuple[list[int], SamplingParams, int, tuple[str, ...]]],
-                     decode_steps: int) -> tuple[list[list[TaskResult]], SlotsEngine, int]:
+                     decode_steps: int, look_ahead: bool = True) -> tuple[list[list[TaskResult]], SlotsEngine, int]:
     """The jobs (prompt, params, n_predict, stop) at once on ``len(jobs)`` slots;
     every job's messages, streamed, the loop, and how many calls reached the backend."""
     model = load_gguf(path)
@@ -71,7 +72,7 @@ async def run_engine(path: Path, kind: str, jobs: list[tuple[list[int], Sampling
             queue = TaskQueue.create(len(jobs), send, gate)
             tok = Tokenizer.from_metadata(model.metadata)
             slots = SlotsEngine(actor.client(), gate, tok, queue.inbox(), recv, n_ctx=N_CTX, n_batch=512,
-                                decode_steps=decode_steps)
+                                decode_steps=decode_steps, look_ahead=look_ahead)
             await nursery.start(queue.start_loop)
             chans = []
             for i, (prompt, params, n, stop) in enumerate(jobs):
@@ -84,6 +85,9 @@ async def run_engine(path: Path, kind: str, jobs: list[tuple[list[int], Sampling
             nursery.start_soon(slots.start_loop)
             results = [[m async for m in r] for r in chans]
             calls = actor.statistics().calls
+            sampler = getattr(backend, "_sampler", None)
+            if sampler is not None:  # Vulkan: how the submits queued ahead were used
+                AHEAD[:] = [sampler.resumed, sampler.dropped]
             nursery.cancel_scope.cancel()
     finally:
         backend.close()
@@ -140,6 +144,21 @@ async def test_slots_stopping_inside_a_submit_keep_exactly_their_tokens(tiny_mod
     assert dev_calls < host_calls
 
 
+@pytest.mark.vulkan
+async def test_look_ahead_submits_are_used_and_change_nothing(tiny_model: Path) -> None:
+    """With look-ahead the next decode submit is queued while the host accepts the last
+    one's ids: a long run resumes from them, and every run (one slot, three slots that
+    stop at different points) gives exactly the tokens of the run without it."""
+    p0, p1, p2 = (prompt_of(tiny_model, t) for t in ("alpha beta", "gamma delta epsilon", "zeta"))
+    jobs = [(p0, SEEDED, 9, ()), (p1, GREEDY, 30, ()), (p2, HOT, 21, ())]
+    for js in (jobs[1:2], jobs):
+        plain, _, _ = await run_engine(tiny_model, "vulkan", js, 4, look_ahead=False)
+        ahead, _, _ = await run_engine(tiny_model, "vulkan", js, 4, look_ahead=True)
+        for a, b in zip(plain, ahead, strict=True):
+            assert tokens_of(a) == tokens_of(b)
+        assert AHEAD[0] >= 3
+
+
 def test_device_plan_choices() -> None:
     w = DecodeWant(GREEDY, False, 10, -1)
     assert device_plan([w], n_vocab=1000, n_ctx=100, steps=4, steps_max=16, rows_max=8) is not None
@@ -156,3 +175,39 @@ def test_device_plan_choices() -> None:
     assert device_plan([w, DecodeWant(SamplingParams(repeat_penalty=1.2), False, 10, -1)], n_vocab=1000,
                        n_ctx=100, steps=4, steps_max=16, rows_max=8) is None
     assert device_plan([w] * 9, n_vocab=1000, n_ctx=100, steps=4, steps_max=16, rows_max=8) is None
+
+
+@pytest.mark.vulkan
+def test_a_release_or_another_call_waits_for_the_submit_queued_ahead(tiny_model: Path) -> None:
+    """A submit queued ahead is in flight when the call returns: a release, a forward,
+    or a decode that is not its continuation first waits for it and drops it, and the
+    tokens stay those of plain greedy decoding."""
+    from trio_llm.engine.backend import Level
+    from trio_llm.engine.devsample import DeviceChain
+    from trio_llm.vulkan.backend import VulkanBackend
+
+    be = VulkanBackend(load_gguf(tiny_model), n_ctx=64, n_seq=1)
+    try:
+        prompt = np.asarray(prompt_of(tiny_model, "one two three"), np.int32)
+        n0 = len(prompt)
+        logits = be.forward([SeqBatch(0, prompt, 0)])
+        want = [int(np.argmax(logits[0]))]
+        for i in range(12):
+            logits = be.forward([SeqBatch(0, np.array([want[-1]], np.int32), n0 + i)])
+            want.append(int(np.argmax(logits[0])))
+        g, z = [DeviceChain.greedy()], np.zeros((4, 1), np.float32)
+
+        def step(tok: int, pos: int, ahead: bool) -> list[int]:
+            return be.decode([SeqBatch(0, np.array([tok], np.int32), pos)], g, z, z if ahead else None)[:, 0].tolist()
+
+        got = want[:1] + step(want[0], n0, True)  # queues the continuation
+        be.release(Level.ALL)  # waits for it, drops it
+        be.restore()
+        got += step(got[-1], n0 + 4, True)  # afresh after the release; queues the next
+        logits = be.forward([SeqBatch(0, np.array([got[-1]], np.int32), n0 + 8)])  # not the continuation
+        got.append(int(np.argmax(logits[0])))
+        got += step(got[-1], n0 + 9, False)[:3]
+        assert got == want
+        assert be._sampler.dropped == 2 and be._sampler.resumed == 0
+    finally:
+        be.close()

@@ -104,9 +104,11 @@ class BackendClient:
     async def forward(self, batch: Sequence[SeqBatch]) -> np.ndarray:
         return await self.call(lambda b: b.forward(batch), "forward")
 
-    async def decode(self, batch: Sequence[SeqBatch], chains: Sequence[DeviceChain], us: np.ndarray) -> np.ndarray:
-        """Decode steps sampled by the backend (``engine/devsample.py``): ids [n_steps, B]."""
-        return await self.call(lambda b: b.decode(batch, chains, us), "decode")  # type: ignore[attr-defined]
+    async def decode(self, batch: Sequence[SeqBatch], chains: Sequence[DeviceChain], us: np.ndarray,
+                     ahead: np.ndarray | None = None) -> np.ndarray:
+        """Decode steps sampled by the backend (``engine/devsample.py``): ids [n_steps, B];
+        ``ahead``: the numbers of the call expected next (it may be queued meanwhile)."""
+        return await self.call(lambda b: b.decode(batch, chains, us, ahead), "decode")  # type: ignore[attr-defined]
 
     async def memory(self) -> dict[str, int]:
         return await self.call(lambda b: b.memory(), "memory")

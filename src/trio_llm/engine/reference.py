@@ -343,8 +343,10 @@ class NumpyBackend:
         the positions past a stop be overwritten later (a full KV cache)."""
         return 16 if all(m.kind == "kv" and not m.window for m in self.layers) and not self.recurrent else 1
 
-    def decode(self, batch: Sequence[SeqBatch], chains: Sequence[DeviceChain], us: np.ndarray) -> np.ndarray:
-        """``Backend.decode`` by the host chain: the reference the device equals."""
+    def decode(self, batch: Sequence[SeqBatch], chains: Sequence[DeviceChain], us: np.ndarray,
+               ahead: np.ndarray | None = None) -> np.ndarray:
+        """``Backend.decode`` by the host chain: the reference the device equals
+        (``ahead`` is only a hint of the next call: nothing runs ahead here)."""
         check_decode(batch, chains, us, self.n_ctx)
         if us.shape[0] > self.decode_steps_max:
             raise InvalidRequest(f"this model decodes at most {self.decode_steps_max} steps per call")

@@ -34,7 +34,7 @@ import trio
 from trio_llm.engine.actor import BackendClient
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.constraint import Constraint, Grammars, apply_masks
-from trio_llm.engine.sampling import draw_u, log_softmax, make_rng, sample, top_logprobs
+from trio_llm.engine.sampling import draw_u, log_softmax, make_rng, sample_u, top_logprobs
 from trio_llm.errors import ContextOverflow, InvalidRequest, TrioLLMError
 from trio_llm.server.checkpoints import Checkpoints
 from trio_llm.server.decode import DEFAULT_DECODE_STEPS, DecodeWant, device_plan
@@ -267,6 +267,9 @@ class SlotsEngine:
     #: decode steps per submit when the backend samples on the device (server/decode.py);
     #: 0: every step samples on the host
     decode_steps: int = DEFAULT_DECODE_STEPS
+    #: hand the backend the numbers of the decode call expected next, so that it can
+    #: queue that submit while the host accepts this one's tokens (server/decode.py)
+    look_ahead: bool = True
     _slots: list[Slot] = attrs.field(init=False)
     _released: list[SlotReleased] = attrs.field(init=False, factory=list)
     _order: int = 0
@@ -283,6 +286,8 @@ class SlotsEngine:
     _n_done: int = 0
     _n_cancelled: int = 0
     _t_phases: dict[str, float] = attrs.field(factory=lambda: dict.fromkeys(("prompt", "decode", "device", "sample", "emit"), 0.0))
+    #: id_task -> uniform numbers drawn ahead (for a look-ahead submit), consumed first
+    _drawn: dict[int, list[float]] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         backend = self._client.backend
@@ -411,6 +416,7 @@ class SlotsEngine:
     def _release(self, slot: Slot, *, cancelled: bool) -> None:
         assert slot.task is not None
         id_task = slot.task.id_task
+        self._drawn.pop(id_task, None)
         slot.task.results.close()
         slot.reset()
         if cancelled:
@@ -561,7 +567,7 @@ class SlotsEngine:
             try:
                 if dev is not None:
                     await self._restore_checkpoints(plan)
-                    ids = await self._client.decode(batch, dev[0], dev[1])  # [n_steps, len(plan)]
+                    ids = await self._client.decode(batch, *dev)  # [n_steps, len(plan)]
                 else:
                     await self._restore_checkpoints(plan)
                     logits = await self._client.forward(batch)  # [len(plan), n_vocab]
@@ -575,9 +581,9 @@ class SlotsEngine:
         else:
             await self._after_forward(plan, logits, t0, t1)
 
-    def _device_plan(self, plan: list[Work]) -> tuple[list[Any], np.ndarray] | None:
-        """The chains and uniform numbers [n_steps, len(plan)] of a device-sampled pass
-        (``server/decode.py``), or None for the logits path."""
+    def _device_plan(self, plan: list[Work]) -> tuple[list[Any], np.ndarray, np.ndarray | None] | None:
+        """The chains, uniform numbers [n_steps, len(plan)] and look-ahead numbers of a
+        device-sampled pass (``server/decode.py``), or None for the logits path."""
         backend = self._client.backend
         steps_max = getattr(backend, "decode_steps_max", 0)
         if not steps_max or self.decode_steps < 1 or not all(w.decoding for w in plan):
@@ -597,10 +603,33 @@ class SlotsEngine:
         us = np.empty((n_steps, len(plan)), np.float32)
         for r, w in enumerate(plan):
             slot = self._slots[w.id_slot]
-            assert slot.task is not None and slot.rng is not None
             for j in range(n_steps):
-                us[j, r] = draw_u(slot.task.params.sampling, slot.rng)
-        return chains, us
+                us[j, r] = self._next_u(slot)
+        # the next call, if every slot goes on: its numbers drawn now (and consumed by
+        # whatever pass comes next, so a seed gives the same tokens either way)
+        ahead = None
+        later = [attrs.evolve(x, pos0=x.pos0 + n_steps, remaining=x.remaining - n_steps if x.remaining >= 0 else -1)
+                 for x in wants]
+        if self.look_ahead and all(x.remaining != 0 and x.pos0 < self.n_ctx - 1 for x in later):
+            nxt = device_plan(later, n_vocab=backend.config.n_vocab, n_ctx=self.n_ctx, steps=self.decode_steps,
+                              steps_max=steps_max, rows_max=8)
+            if nxt is not None:
+                ahead = np.empty((nxt[1], len(plan)), np.float32)
+                for r, w in enumerate(plan):
+                    slot = self._slots[w.id_slot]
+                    assert slot.task is not None and slot.rng is not None
+                    for j in range(nxt[1]):
+                        ahead[j, r] = draw_u(slot.task.params.sampling, slot.rng)
+                    self._drawn.setdefault(slot.task.id_task, []).extend(ahead[:, r].tolist())
+        return chains, us, ahead
+
+    def _next_u(self, slot: Slot) -> float:
+        """The slot's next uniform number: one drawn ahead, else a fresh draw."""
+        assert slot.task is not None and slot.rng is not None
+        drawn = self._drawn.get(slot.task.id_task)
+        if drawn:
+            return drawn.pop(0)
+        return draw_u(slot.task.params.sampling, slot.rng)
 
     def _after_decode(self, plan: list[Work], ids: np.ndarray, t0: float, now: float) -> None:
         """Accept a device-sampled pass's ids step by step; a slot that stops drops the
@@ -698,7 +727,7 @@ class SlotsEngine:
         for slot, row in ready:
             assert slot.task is not None and slot.rng is not None
             params = slot.task.params.sampling
-            jobs.append((row, params, slot.rng, slot.seq[: slot.n_past]))
+            jobs.append((row, params, self._next_u(slot), slot.seq[: slot.n_past]))
         constrained = [(k, slot) for k, (slot, _) in enumerate(ready)
                        if slot.task is not None and slot.task.params.grammar is not None]
 
@@ -716,8 +745,8 @@ class SlotsEngine:
                                    [jobs[k][0] for k, _ in constrained])
                 masked = {k: r for (k, _), r in zip(constrained, rows, strict=True)}
             out: list[tuple[int, TokenProb | None]] = []
-            for k, (row, params, rng, recent) in enumerate(jobs):
-                token = sample(masked.get(k, row), params, rng, recent)
+            for k, (row, params, u, recent) in enumerate(jobs):
+                token = sample_u(masked.get(k, row), params, u, recent)
                 constraint = ready[k][0].constraint
                 if constraint is not None:
                     constraint.consume(token)

@@ -290,10 +290,13 @@ class VulkanBackend:
         self._tokens += len(toks)
         return out
 
-    def decode(self, batch: Sequence[SeqBatch], chains: Sequence[DeviceChain], us: np.ndarray) -> np.ndarray:
+    def decode(self, batch: Sequence[SeqBatch], chains: Sequence[DeviceChain], us: np.ndarray,
+               ahead: np.ndarray | None = None) -> np.ndarray:
         """``us.shape[0]`` decode steps of one token per entry in one submit, each
         sampled on the device by its entry's chain and fed to the next; returns the
-        ids [n_steps, B] (see ``engine/devsample.py``, ``vulkan/sampling.py``)."""
+        ids [n_steps, B] (see ``engine/devsample.py``, ``vulkan/sampling.py``). With
+        ``ahead`` (the numbers of the next call, if it continues this one) that call's
+        submit is queued behind this one before this one is waited for."""
         entries = list(batch)
         check_decode(entries, chains, us, self.n_ctx)
         if len(entries) > MATVEC_MAX_COLS or len(entries) > self._act.out_cap:
@@ -303,11 +306,18 @@ class VulkanBackend:
             raise InvalidRequest(f"this model decodes at most {self.decode_steps_max} steps per submit")
         self._check_batch(entries)
         n = len(entries)
-        with self._guard("decode"):
-            fill_step(self._act.step_words, np.array([int(e.tokens[0]) for e in entries], np.uint32),
-                      np.array([e.pos0 for e in entries], np.uint32),
-                      np.array([e.seq_id for e in entries], np.uint32), np.arange(n, dtype=np.uint32))
-            ids = self._sampler.run(chains, us)
+        seqs = [e.seq_id for e in entries]
+        pos0 = [e.pos0 for e in entries]
+        tokens = [int(e.tokens[0]) for e in entries]
+
+        def fill() -> None:
+            fill_step(self._act.step_words, np.array(tokens, np.uint32), np.array(pos0, np.uint32),
+                      np.array(seqs, np.uint32), np.arange(n, dtype=np.uint32))
+
+        if self.decode_steps_max == 1 or (ahead is not None and max(pos0) + us.shape[0] + ahead.shape[0] > self.n_ctx):
+            ahead = None  # a recurrent state or a window must not run past a stop; nor a context's end
+        with self._guard("decode", settle=False):
+            ids = self._sampler.run(seqs, pos0, tokens, chains, us, ahead, fill)
             self._submits += 1
         if self._rs.sizes:
             for e in entries:
@@ -547,12 +557,14 @@ class VulkanBackend:
     # -- internals -------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _guard(self, what: str):  # type: ignore[no-untyped-def]
+    def _guard(self, what: str, settle: bool = True):  # type: ignore[no-untyped-def]
         if self._lost:
             raise DeviceLost("the Vulkan device was lost earlier; restart the server")
         assert self._device is not None
         try:
             with self._device.lock, vk_errors(what):
+                if settle and hasattr(self, "_sampler"):
+                    self._sampler.settle()  # a decode submit queued ahead is done first
                 yield
         except DeviceLost:
             self._lost = True

@@ -3,26 +3,38 @@
 A sampled graph is a decode bucket's lowered ops without the logits copy, followed by
 ``sample.comp`` over the output rows; for ``n`` steps per submit the forward and the
 sample repeat ``n`` times in one command buffer, each sample writing its ids to row
-``j`` of the ids buffer and (but the last) feeding them to the step buffer as the next
-input tokens at the next positions. The host then reads ``n x B`` token ids, and the
-GPU never waits for the host between the steps of one submit.
+``j`` of the ids buffer and feeding them to the step buffer as the next input tokens
+at the next positions. The host then reads ``n x B`` token ids, and the GPU never
+waits for the host between the steps of one submit.
 
-Buffers: the chain parameters and uniform numbers (host-written, ``sample_params``)
-and the ids (host-read, ``sample_ids``) are activations' extra buffers, so a release
+Look-ahead: with the uniform numbers of the call that will most likely come next
+(the same sequences, going on where this one stops), ``run`` queues that submit too,
+right behind this one, before it waits: the GPU goes on while the host accepts this
+call's ids, and the next call, if it is that continuation, only waits for it. Each of
+the two submits in flight has its lane: its own parameter and ids buffers, graphs and
+fence. A call that is not the continuation (another batch, a prompt, a release: every
+other backend entry point) first waits for what is in flight (``settle``) and drops
+it; the positions it wrote lie past what any slot keeps, which is why the backend
+allows more than one step only where the memory of every layer can be overwritten
+later. The sampled graphs start with a barrier: across submits on one queue a
+barrier's first scope covers the earlier submit's writes (the fed tokens).
+
+Buffers: the parameters and numbers (host-written, ``sample_params<lane>``) and the
+ids (host-read, ``sample_ids<lane>``) are activations' extra buffers, so a release
 frees them with the compute buffers and ``Graph.rebind`` moves these graphs to the new
-ones by role like the plain graphs. Graphs are kept per (bucket, steps); the step
-counts come from the caller, a handful of values (``decode_steps_choice``).
+ones by role like the plain graphs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
 
 from trio_llm.engine.devsample import DeviceChain
-from trio_llm.vulkan.device import Device
+from trio_llm.vulkan.device import Device, _check, vk_errors
 from trio_llm.vulkan.forward import MATVEC_MAX_COLS, Activations
 from trio_llm.vulkan.graph import Barrier, Copy, Graph, Op
 from trio_llm.vulkan.memory import Buffer
@@ -31,15 +43,17 @@ from trio_llm.vulkan.ops import Ops
 #: the most decode steps one submit runs (the ids and numbers buffers' rows)
 MAX_STEPS = 16
 ROWS = MATVEC_MAX_COLS
+LANES = 2
 
 
 def extra_buffers() -> dict[str, tuple[int, str, str]]:
     """The activations' extra buffers the sampled graphs use: name -> (bytes,
     category, place)."""
-    return {
-        "sample_params": (4 * (4 * ROWS + MAX_STEPS * ROWS), "scratch", "upload"),
-        "sample_ids": (4 * MAX_STEPS * ROWS, "scratch", "readback"),
-    }
+    out = {}
+    for lane in range(LANES):
+        out[f"sample_params{lane}"] = (4 * (4 * ROWS + MAX_STEPS * ROWS), "scratch", "upload")
+        out[f"sample_ids{lane}"] = (4 * MAX_STEPS * ROWS, "scratch", "readback")
+    return out
 
 
 def chain_words(chains: Sequence[DeviceChain], us: np.ndarray, rows_cap: int) -> np.ndarray:
@@ -60,60 +74,144 @@ def chain_words(chains: Sequence[DeviceChain], us: np.ndarray, rows_cap: int) ->
     return out
 
 
+Key = tuple[object, ...]
+
+
+def call_key(seqs: Sequence[int], pos0: Sequence[int], tokens: Sequence[int], chains: Sequence[DeviceChain],
+             us: np.ndarray) -> Key:
+    """What identifies a decode call: a call with this key equals the submit queued
+    ahead for it."""
+    return (tuple(seqs), tuple(pos0), tuple(int(t) for t in tokens), tuple(chains), us.shape,
+            np.ascontiguousarray(us, np.float32).tobytes())
+
+
+@attrs.define(eq=False)
+class _Flight:
+    lane: int
+    n_steps: int
+    n_rows: int
+    key: Key | None = None  # the call it answers (known for a look-ahead once its predecessor is read)
+
+
 @attrs.define(eq=False)
 class DeviceSampler:
-    """The sampled graphs of one backend; ``run`` is one decode submit."""
+    """The sampled graphs of one backend; ``run`` is one decode call."""
 
     device: Device
     ops: Ops
     act: Activations
     lowered: Callable[[int], list[Op]]  # the backend's graph of a bucket
-    _graphs: dict[tuple[int, int], Graph] = attrs.field(factory=dict)
+    _graphs: dict[tuple[int, int, int], Graph] = attrs.field(factory=dict)
+    _fences: list[Any] = attrs.field(factory=list)
+    _submits: dict[int, Any] = attrs.field(factory=dict)  # id(graph) -> (VkSubmitInfo*, cmds)
+    _ahead: _Flight | None = None
     recorded: int = 0
+    resumed: int = 0  # calls answered by a submit queued ahead
+    dropped: int = 0  # submits queued ahead that no call wanted
 
-    def graph(self, bucket: int, n_steps: int) -> Graph:
-        key = (bucket, n_steps)
+    def graph(self, bucket: int, n_steps: int, lane: int) -> Graph:
+        key = (bucket, n_steps, lane)
         g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[key] = Graph.record(self.device, self.build(bucket, n_steps))
+            g = self._graphs[key] = Graph.record(self.device, self.build(bucket, n_steps, lane))
             self.recorded += 1
         return g
 
-    def build(self, bucket: int, n_steps: int) -> list[Op]:
+    def build(self, bucket: int, n_steps: int, lane: int = 0) -> list[Op]:
         body = self.lowered(bucket)
         copy = body[-1]
         assert isinstance(copy, Copy), "a lowered graph ends with its logits copy"
         body = body[:-1]
-        logits = copy.src
-        stride = self.act.n_vocab
-        out: list[Op] = []
+        out: list[Op] = [Barrier()]  # after the tokens an earlier submit fed
         for j in range(n_steps):
             out += body
             out.append(Barrier())
-            out.append(self.ops.sample(logits, self.act.view("sample_params"), self.act.view("sample_ids"),
-                                       self.act.view("step"), n=self.act.n_vocab, stride=stride, j=j,
-                                       rows_cap=ROWS, feed=j + 1 < n_steps, cap=min(bucket, ROWS)))
+            out.append(self.ops.sample(copy.src, self.act.view(f"sample_params{lane}"),
+                                       self.act.view(f"sample_ids{lane}"), self.act.view("step"),
+                                       n=self.act.n_vocab, stride=self.act.n_vocab, j=j, rows_cap=ROWS,
+                                       feed=True, cap=min(bucket, ROWS)))
             out.append(Barrier())
         return out
 
-    def run(self, chains: Sequence[DeviceChain], us: np.ndarray) -> np.ndarray:
-        """The step buffer holds the first step (one token per entry); returns the ids
-        [n_steps, B]."""
+    def run(self, seqs: Sequence[int], pos0: Sequence[int], tokens: Sequence[int], chains: Sequence[DeviceChain],
+            us: np.ndarray, ahead: np.ndarray | None, fill: Callable[[], None]) -> np.ndarray:
+        """One decode call: ids [n_steps, B]. ``fill`` writes the step buffer for this
+        call's first step (not called when a submit queued ahead answers it); with
+        ``ahead`` [n2, B] the continuation's submit is queued before this one is
+        waited for."""
+        key = call_key(seqs, pos0, tokens, chains, us)
         n_steps, n = us.shape
-        params = self.act.bufs["sample_params"].array
+        flight = self._ahead
+        self._ahead = None
+        if flight is not None and flight.key == key:
+            self.resumed += 1
+        else:
+            if flight is not None:
+                self._wait(flight)
+                self.dropped += 1
+            fill()
+            flight = self._submit(0, chains, us)
+        if ahead is not None and ahead.shape[0] >= 1:
+            self._ahead = self._submit(1 - flight.lane, chains, ahead)
+        self._wait(flight)
+        ids_buf = self.act.bufs[f"sample_ids{flight.lane}"].array
+        assert ids_buf is not None
+        ids = ids_buf.view(np.uint32)[: n_steps * ROWS].reshape(n_steps, ROWS)[:, :n].astype(np.int32)
+        if self._ahead is not None:
+            self._ahead.key = call_key(seqs, [p + n_steps for p in pos0], ids[-1], chains, ahead)  # type: ignore[arg-type]
+        return ids
+
+    def settle(self) -> None:
+        """Wait for a submit queued ahead and drop it (before any other use of the
+        device's buffers)."""
+        flight, self._ahead = self._ahead, None
+        if flight is not None:
+            self._wait(flight)
+            self.dropped += 1
+
+    def _submit(self, lane: int, chains: Sequence[DeviceChain], us: np.ndarray) -> _Flight:
+        n_steps, n = us.shape
+        params = self.act.bufs[f"sample_params{lane}"].array
         assert params is not None
         params.view(np.uint32)[: 4 * ROWS + n_steps * ROWS] = chain_words(chains, us, ROWS)
         bucket = 1 << max(0, (n - 1).bit_length())
-        self.graph(bucket, n_steps).run("decode")
-        ids = self.act.bufs["sample_ids"].array
-        assert ids is not None
-        return ids.view(np.uint32)[: n_steps * ROWS].reshape(n_steps, ROWS)[:, :n].astype(np.int32)
+        graph = self.graph(bucket, n_steps, lane)
+        if graph.stale:
+            graph.encode()
+        vk = self.device.vk
+        lib, ffi = vk.lib, vk.ffi
+        if not self._fences:
+            with vk_errors("create fences"):
+                self._fences = [vk.vkCreateFence(self.device.handle, vk.VkFenceCreateInfo(), None)
+                                for _ in range(LANES)]
+        sub = self._submits.get(id(graph))
+        if sub is None or sub[2] is not graph:
+            cmds = ffi.new("VkCommandBuffer[1]", [graph.command_buffer])
+            info = ffi.new("VkSubmitInfo*", {"sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1,
+                                             "pCommandBuffers": cmds})
+            sub = self._submits[id(graph)] = (info, cmds, graph, ffi.new("VkFence[1]", [self._fences[lane]]))
+        with vk_errors("decode"):
+            _check(vk, lib.vkResetFences(self.device.handle, 1, sub[3]))
+            _check(vk, lib.vkQueueSubmit(self.device.queue, 1, sub[0], self._fences[lane]))
+        return _Flight(lane, n_steps, n)
+
+    def _wait(self, flight: _Flight) -> None:
+        vk = self.device.vk
+        fence = vk.ffi.new("VkFence[1]", [self._fences[flight.lane]])
+        with vk_errors("decode"):
+            _check(vk, vk.lib.vkWaitForFences(self.device.handle, 1, fence, vk.VK_TRUE, 0xFFFFFFFFFFFFFFFF))
 
     def rebind(self, new: dict[Buffer, Buffer]) -> None:
         for g in self._graphs.values():
             g.rebind(new)
 
     def drop(self) -> None:
+        """Close the graphs and fences (nothing may be in flight: ``settle`` first)."""
+        self.settle()
         graphs, self._graphs = self._graphs, {}
+        self._submits = {}
         for g in graphs.values():
             g.close()
+        for f in self._fences:
+            self.device.vk.vkDestroyFence(self.device.handle, f, None)
+        self._fences = []
