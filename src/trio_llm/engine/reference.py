@@ -340,7 +340,11 @@ class NumpyBackend:
     @property
     def decode_steps_max(self) -> int:
         """Steps one ``decode`` may run: several only where every layer's memory lets
-        the positions past a stop be overwritten later (a full KV cache)."""
+        the positions past a stop be overwritten later (a full KV cache); none for an
+        embedding graph (nothing to sample)."""
+        assert self.graph.logits is not None
+        if self.graph.logits.width != self.config.n_vocab:
+            return 0
         return 16 if all(m.kind == "kv" and not m.window for m in self.layers) and not self.recurrent else 1
 
     def decode(self, batch: Sequence[SeqBatch], chains: Sequence[DeviceChain], us: np.ndarray,
