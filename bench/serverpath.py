@@ -22,7 +22,8 @@ Issue 14's check on lavapipe, in one run on one model file:
   the plain requests (``trio_llm_step_seconds{phase}``: the backend call as the loop
   sees it, sampling, emitting to the client).
 
-The ratio ``http / replay`` is the issue's target (≥ 0.95). The per-token breakdown
+The ratio ``http / replay`` is the issue's target (≥ 0.95), of the medians and of the
+best round of each (on a shared machine the least disturbed one). The per-token breakdown
 (ms) puts the rest in its place: ``gpu`` (replay), ``backend host`` (forward − replay:
 step buffer, readback copy, Python), ``hop`` (the loop's backend call − the backend's
 forward in this process: the trip to the actor's worker thread and back),
@@ -260,6 +261,8 @@ def main() -> int:
                    sampling)
     denom = b.get("replay_ms", b["forward_ms"]).median
     ratio = h["predicted_per_second"].median * denom / 1e3
+    # on a shared machine the best round of each is the least disturbed one
+    ratio_best = h["predicted_per_second"].max * b.get("replay_ms", b["forward_ms"]).min / 1e3
     parts = breakdown(b, h, int(os.environ.get("TRIO_LLM_DECODE_STEPS", "4") or 4))
     label = path.name if args.model else f"{args.preset} {args.quant}"
     print(f"{label}, {args.backend}, prompt {args.prompt}, {args.tokens} tokens, "
@@ -269,13 +272,15 @@ def main() -> int:
             + [(f"{k[:-3]} tok/s", 1e3 / v.median) for k, v in b.items() if k.startswith("device_")]
             + [("/completion predicted_per_second", h["predicted_per_second"].median),
                ("streamed, client tok/s", h["stream_client_tps"].median),
-               ("ratio /completion / replay (target 0.95)", ratio)]]
+               ("ratio /completion / replay (target 0.95)", ratio),
+               ("ratio, best round of each", ratio_best)]]
     rows += [{"figure": f"ms/token {k}", "value": v} for k, v in parts.items()]
     common.print_table(rows)
     params = {"model": str(path), "preset": args.preset, "quant": args.quant, "backend": args.backend,
               "prompt": args.prompt, "tokens": args.tokens, "repeats": args.repeats, "sampled": args.sampled,
               "server_args": args.server_args}
-    rec = common.write_result("serverpath", params, {"backend": b, "http": h, "ratio": ratio, "breakdown_ms": parts})
+    rec = common.write_result("serverpath", params, {"backend": b, "http": h, "ratio": ratio, "ratio_best": ratio_best,
+                                                      "breakdown_ms": parts})
     print(f"wrote {rec.relative_to(common.ROOT)}")
     return 0
 
