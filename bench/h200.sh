@@ -94,7 +94,9 @@ for s in $STAGES; do case $s in
     # the cooperative-matrix matmul (f16 tiles) is checked op by op in test_vulkan_ops.py
     stage verify 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_ops.py tests/test_vulkan_kv.py \
       tests/test_vulkan_attn_prefill.py
-    stage verify-model 200 env TRIO_LLM_COOPMAT=0 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_model.py ;;
+    stage verify-model 200 env TRIO_LLM_COOPMAT=0 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_model.py
+    # sampling on the device = the host chain for the same seeds (issue 14), op level and through the slots loop
+    stage verify-sample 150 $PY -m pytest -q -p no:cacheprovider tests/test_devsample.py tests/test_server_decode.py ;;
   prefill)  # prefill attention of whole prompts, op level (bench/prefill.py: the old per-head kernel up to 8k,
     # the tiled one, its cooperative-matrix form), then whole prefills of 8k / 32k through the backend
     if [ "${SMALL:-0}" = 1 ]; then S1=tiny; S8=tiny; LP=512,1100; L8=600; LT=1100; PP1=600; PP2=1100
