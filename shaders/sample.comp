@@ -5,9 +5,13 @@
 // each draw comes from the host (its seeded generator), so the same seed gives the
 // same ids as the host chain. One work group per row:
 //   1. the maximum and its index (ties: the lower id); temperature <= 0 stops here
-//   2. the k-th largest logit by an 8-bit radix select over order-preserving keys
-//   3. the candidates (>= that and >= max + log(min_p)) gathered in shared memory and
-//      sorted by logit, ties by lower id (bitonic)
+//   2. the top-k set: when k <= WG, the k-th largest of the invocations' own maxima is
+//      a bound that at least k logits reach, and the logits >= it (a few more than k,
+//      in practice) are gathered in shared memory and sorted: the first k are the set.
+//      Otherwise (or when more than CMAX reach the bound) the k-th largest logit by an
+//      8-bit radix select over order-preserving keys (shared-memory histograms), and
+//      the logits >= it and >= max + log(min_p) are gathered
+//   3. the candidates sorted by logit, ties by lower id (bitonic); min-p keeps a prefix
 //   4. one invocation walks them: top-p's cut (mass over the top-k set), the tempered
 //      softmax and the draw (the first candidate whose running sum exceeds u x sum)
 // With FEED the drawn id becomes the row's next input token and its position moves on
@@ -43,6 +47,8 @@ shared uint n_cand;
 shared float cv[CMAX];
 shared uint ci[CMAX];
 shared float zsum[WG];
+shared float lm[WG];  // each invocation's own maximum
+shared uint fast_ok;
 
 uint okey(float v) {
     uint b = floatBitsToUint(v);
@@ -86,6 +92,7 @@ void main() {
     }
     bv[tid] = best;
     bi[tid] = idx;
+    lm[tid] = best;
     barrier();
     for (uint s = WG / 2u; s > 0u; s >>= 1) {
         if (tid < s) {
@@ -106,7 +113,49 @@ void main() {
         return;
     }
 
-    // 2. the key of the k-th largest value (top_k in 1..CMAX here: the host checks)
+    float thr_m = min_p > 0.0 ? top + log(min_p) : -1.0 / 0.0;
+    // 2a. the bound from the invocations' maxima: sorted, descending
+    bool fast = top_k <= WG;
+    if (fast) {
+        for (uint k = 2u; k <= WG; k <<= 1) {
+            for (uint jj = k >> 1; jj > 0u; jj >>= 1) {
+                uint o = tid ^ jj;
+                if (o > tid) {
+                    bool up = (tid & k) == 0u;
+                    float a = lm[tid];
+                    float b = lm[o];
+                    if (up ? b > a : a > b) {
+                        lm[tid] = b;
+                        lm[o] = a;
+                    }
+                }
+                barrier();
+            }
+        }
+        float bound = lm[top_k - 1u];
+        if (tid == 0u) {
+            n_cand = 0u;
+        }
+        barrier();
+        for (uint i = tid; i < pc.n; i += WG) {
+            float v = x[base + i];
+            if (v >= bound) {
+                uint slot = atomicAdd(n_cand, 1u);
+                if (slot < CMAX) {
+                    cv[slot] = v;
+                    ci[slot] = i;
+                }
+            }
+        }
+        barrier();
+        if (tid == 0u) {
+            fast_ok = n_cand <= CMAX ? 1u : 0u;
+        }
+        barrier();
+        fast = fast_ok != 0u;
+    }
+    if (!fast) {
+    // 2b. the key of the k-th largest value (top_k in 1..CMAX here: the host checks)
     uint prefix = 0u;
     uint mask = 0u;
     uint rest = top_k;
@@ -145,7 +194,6 @@ void main() {
     uint kth = prefix;  // candidates: okey(v) >= kth
 
     // 3. top-p's normaliser (every top-k candidate) and the gathered candidates
-    float thr_m = min_p > 0.0 ? top + log(min_p) : -1.0 / 0.0;
     if (tid == 0u) {
         n_cand = 0u;
     }
@@ -171,6 +219,7 @@ void main() {
             zsum[tid] += zsum[tid + s];
         }
         barrier();
+    }
     }
     uint count = min(n_cand, CMAX);
     uint p2 = 1u;
@@ -205,9 +254,21 @@ void main() {
 
     // 4. top-p's cut, the tempered softmax and the draw, in the host's order
     if (tid == 0u) {
+        float zt = zsum[0];
+        if (fast) {  // the first k are the top-k set; min-p keeps a prefix of them
+            uint nk = min(top_k, count);
+            zt = 0.0;
+            uint nm = 0u;
+            for (uint i = 0u; i < nk; i++) {
+                zt += exp(cv[i] - top);
+                if (cv[i] >= thr_m) {
+                    nm = i + 1u;
+                }
+            }
+            count = nm;
+        }
         uint cut = count;
         if (top_p < 1.0) {
-            float zt = zsum[0];
             float c = 0.0;
             for (uint i = 0u; i < count; i++) {
                 c += exp(cv[i] - top);

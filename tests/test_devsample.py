@@ -107,6 +107,23 @@ def test_device_chain_equals_host(env: Env, n_vocab: int) -> None:
 
 
 @pytest.mark.vulkan
+def test_top_k_beyond_the_gathered_bound_takes_the_radix_select(env: Env) -> None:
+    """A 128k vocabulary, top-k 250: the invocations' maxima bound more candidates than
+    shared memory holds, so the k-th largest comes from the radix select instead; and
+    top-k 300 (more than the work group's invocations) always does."""
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((3, 131072)).astype(np.float32)
+    logits[0, ::256] += 6.0  # one invocation holds the 512 best: 1406 logits reach the 250th maximum
+    chains = [DeviceChain(1.0, 250, 1.0, 0.0), DeviceChain(0.9, 300, 0.8, 0.0), DeviceChain(1.2, 40, 0.95, 0.05)]
+    gen = make_rng(5)
+    us = np.array([[draw_u(c.params(), gen) for c in chains] for _ in range(6)], np.float32)
+    got, _ = run_device(env, logits, chains, us)
+    want = np.array([[sample_u(logits[r], c.params(), float(us[j, r])) for r, c in enumerate(chains)]
+                     for j in range(6)])
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.vulkan
 def test_device_draws_follow_the_seeded_host_generator(env: Env) -> None:
     """A slot's whole sequence of draws: the host generator's numbers, in order, give the
     same ids on the device as ``sample`` gives with that seed."""
