@@ -491,11 +491,13 @@ async def _run_loaded(
                     for n in warmup_sizes(backend.n_ctx, config.n_batch):
                         async with gate.resident():
                             await client.forward([SeqBatch(0, np.full(n, first, np.int32), 0)])
-                    # and the device-sampled decode graphs (bucket x steps per submit)
+                    # and the device-sampled decode graphs (bucket x steps per submit, both
+                    # look-ahead lanes: the second call is queued ahead of the first)
                     for rows, steps in decode_warmup_shapes(backend, slots.decode_steps):
+                        zeros = np.zeros((steps, rows), np.float32)
                         async with gate.resident():
                             await client.decode([SeqBatch(i, np.array([first], np.int32), 0) for i in range(rows)],
-                                                [DeviceChain.greedy()] * rows, np.zeros((steps, rows), np.float32))
+                                                [DeviceChain.greedy()] * rows, zeros, zeros)
                 device = await client.call(lambda b: b.device_info(), "device_info")
                 embedder = None
                 if config.embeddings:
