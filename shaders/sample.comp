@@ -4,6 +4,7 @@
 // decode step reads back token ids instead of a row of logits. The uniform number of
 // each draw comes from the host (its seeded generator), so the same seed gives the
 // same ids as the host chain. One work group per row:
+//   0. the row's logit biases added in place (one invocation, in the host's order)
 //   1. the maximum and its index (ties: the lower id); temperature <= 0 stops here
 //   2. the top-k set: when k <= WG, the k-th largest of the invocations' own maxima is
 //      a bound that at least k logits reach, and the logits >= it (a few more than k,
@@ -20,10 +21,12 @@
 #include "common.glsl"
 
 #define CMAX 1024u
+#define NBIAS 64u
 
-layout(binding = 0, std430) readonly buffer X { float x[]; };
-// per row (rows_cap of them): temperature, top_k, top_p, min_p (uint bits); then
-// n_steps x rows_cap uniform numbers in [0, 1)
+layout(binding = 0, std430) buffer X { float x[]; };  // written: the biases
+// per row (rows_cap of them) 8 words: temperature, top_k, top_p, min_p (float bits but
+// top_k), the number of biases, 0, 0, 0; then per row NBIAS (token, bias bits) pairs;
+// then n_steps x rows_cap uniform numbers in [0, 1)
 layout(binding = 1, std430) readonly buffer P { uint prm[]; };
 layout(binding = 2, std430) buffer R { uint ids[]; };  // [n_steps, rows_cap]
 layout(binding = 3, std430) buffer StepW {
@@ -74,11 +77,25 @@ void main() {
     }
     uint tid = gl_LocalInvocationID.x;
     uint base = row * pc.stride;
-    float temp = uintBitsToFloat(prm[4u * row]);
-    uint top_k = prm[4u * row + 1u];
-    float top_p = uintBitsToFloat(prm[4u * row + 2u]);
-    float min_p = uintBitsToFloat(prm[4u * row + 3u]);
-    float u = uintBitsToFloat(prm[4u * pc.rows_cap + pc.j * pc.rows_cap + row]);
+    float temp = uintBitsToFloat(prm[8u * row]);
+    uint top_k = prm[8u * row + 1u];
+    float top_p = uintBitsToFloat(prm[8u * row + 2u]);
+    float min_p = uintBitsToFloat(prm[8u * row + 3u]);
+    uint n_bias = prm[8u * row + 4u];
+    uint boff = 8u * pc.rows_cap + 2u * NBIAS * row;
+    float u = uintBitsToFloat(prm[8u * pc.rows_cap + 2u * NBIAS * pc.rows_cap + pc.j * pc.rows_cap + row]);
+
+    // 0. logit biases (-inf bans a token), serially: a token named twice adds twice
+    if (n_bias > 0u) {
+        if (tid == 0u) {
+            for (uint b = 0u; b < n_bias; b++) {
+                uint t = prm[boff + 2u * b];
+                x[base + t] += uintBitsToFloat(prm[boff + 2u * b + 1u]);
+            }
+        }
+        memoryBarrierBuffer();
+        barrier();
+    }
 
     // 1. maximum, lowest index among ties
     float best = -1.0 / 0.0;

@@ -19,7 +19,7 @@ from trio_llm.vulkan.graph import Graph
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import Allocator, View
 from trio_llm.vulkan.ops import STEP_BYTES, STEP_CAP, STEP_HEADER, Ops, fill_step
-from trio_llm.vulkan.sampling import chain_words
+from trio_llm.vulkan.sampling import chain_words, param_words
 
 CHAINS = [
     DeviceChain.greedy(),
@@ -30,6 +30,8 @@ CHAINS = [
     DeviceChain(1.0, 7, 0.5, 0.0),
     DeviceChain(2.0, 1, 1.0, 0.0),  # top-k 1: the arg-max at any temperature
     DeviceChain(0.7, 64, 0.2, 0.02),
+    DeviceChain(0.0, 1, 1.0, 0.0, ((10, -np.inf), (20, -np.inf))),  # ignore_eos-style bans of the top two
+    DeviceChain(0.8, 40, 0.95, 0.05, ((3, 4.0), (3, 4.0), (7, -np.inf), (11, -1.5))),  # a token named twice
 ]
 
 
@@ -62,13 +64,14 @@ def words(v: View) -> np.ndarray:
 
 def run_device(env: Env, logits: np.ndarray, chains: list[DeviceChain], us: np.ndarray,
                feed: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """ids [n_steps, rows] of one dispatch per step over the same logits, and the step
-    buffer's words after them."""
+    """ids [n_steps, rows] of one dispatch per step over the same logits (a copy each:
+    the biases are added in place), and the step buffer's words after them."""
     rows, n = logits.shape
     n_steps = us.shape[0]
-    x = env.buf(logits.nbytes)
-    words(x)[:] = logits.view(np.uint32).reshape(-1)
-    prm = env.buf(4 * (4 * rows + n_steps * rows))
+    xs = [env.buf(logits.nbytes) for _ in range(n_steps)]
+    for x in xs:
+        words(x)[:] = logits.view(np.uint32).reshape(-1)
+    prm = env.buf(4 * param_words(rows, n_steps))
     words(prm)[:] = chain_words(chains, us, rows)
     ids = env.buf(4 * n_steps * rows, "readback")
     st = env.buf(STEP_BYTES)
@@ -78,7 +81,7 @@ def run_device(env: Env, logits: np.ndarray, chains: list[DeviceChain], us: np.n
 
     ops = []
     for j in range(n_steps):
-        ops += [env.ops.sample(x, prm, ids, st, n=n, stride=n, j=j, rows_cap=rows, feed=feed, cap=rows), Barrier()]
+        ops += [env.ops.sample(xs[j], prm, ids, st, n=n, stride=n, j=j, rows_cap=rows, feed=feed, cap=rows), Barrier()]
     graph = Graph.record(env.device, ops)
     try:
         graph.run("test")
@@ -96,6 +99,7 @@ def test_device_chain_equals_host(env: Env, n_vocab: int) -> None:
     logits = (rng.standard_normal((rows, n_vocab)) * 3).astype(np.float32)
     logits[3, :50] += 8.0
     logits[5, [10, 20]] = logits[5].max() + 1.0
+    logits[8, [10, 20]] = logits[8].max() + 1.0
     n_steps = 16
     gen = make_rng(42)
     us = np.array([[draw_u(c.params(), gen) for c in CHAINS] for _ in range(n_steps)], np.float32)
@@ -161,6 +165,8 @@ def test_device_chain_eligibility() -> None:
     assert DeviceChain.of(SamplingParams(repeat_penalty=1.1), 1000) is None
     assert DeviceChain.of(SamplingParams(presence_penalty=0.5), 1000) is None
     assert DeviceChain.of(SamplingParams(repeat_penalty=1.1, repeat_last_n=0), 1000) is not None
-    assert DeviceChain.of(SamplingParams(logit_bias=((3, 1.0),)), 1000) is None
+    assert DeviceChain.of(SamplingParams(logit_bias=((3, 1.0),)), 1000) == DeviceChain(0.8, 40, 0.95, 0.05,
+                                                                                       ((3, 1.0),))
+    assert DeviceChain.of(SamplingParams(logit_bias=tuple((t, -np.inf) for t in range(65))), 1000) is None
     assert DeviceChain.of(SamplingParams(typical_p=0.9), 1000) is None
     assert DeviceChain.of(SamplingParams(n_probs=2), 1000) is None

@@ -121,6 +121,24 @@ async def test_device_decode_equals_the_host_chain(tiny_model: Path, kind: str, 
 
 
 @pytest.mark.parametrize("kind", ["numpy", pytest.param("vulkan", marks=pytest.mark.vulkan)])
+async def test_ignore_eos_and_logit_bias_sample_on_the_device(tiny_model: Path, kind: str) -> None:
+    """``ignore_eos`` (a -inf bias per end-of-generation token) and a request's own
+    biases are applied on the device: the pass takes the device path and its tokens
+    are the host chain's."""
+    tok = Tokenizer.from_metadata(load_gguf(tiny_model).metadata)
+    prompt = prompt_of(tiny_model, "one two three four")
+    bans = tuple((t, -np.inf) for t in sorted(tok.eog_ids))
+    for params in (SamplingParams(temperature=0.0, logit_bias=bans),
+                   SamplingParams(seed=11, logit_bias=bans + ((prompt[1], 3.0), (prompt[2], -2.0)))):
+        want = reference(tiny_model, kind, prompt, params, 24)
+        assert len(want) == 24  # no end of generation
+        (msgs,), slots, _ = await run_engine(tiny_model, kind, [(prompt, params, 24, ())], 4)
+        assert tokens_of(msgs) == want
+        phases = dict(slots.statistics().t_phases)
+        assert phases["device"] > 0 and phases["decode"] == 0
+
+
+@pytest.mark.parametrize("kind", ["numpy", pytest.param("vulkan", marks=pytest.mark.vulkan)])
 async def test_slots_stopping_inside_a_submit_keep_exactly_their_tokens(tiny_model: Path, kind: str) -> None:
     """Three slots in one pass, four steps per submit: one stops at its limit after 3
     tokens, one at a stop string, one runs on; each equals its own run alone on the

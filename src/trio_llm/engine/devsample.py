@@ -4,10 +4,10 @@ A decode step that samples on the device reads back one token id per sequence in
 of a row of logits (513 KB for a 128k vocabulary), and the drawn id can be fed to the
 next step on the device, so several steps run in one submit. The device runs the part
 of the host chain (``engine/sampling.py``) that needs no per-token host state:
-top-k, min-p, top-p and temperature, then the draw from a uniform number the host
+logit bias (``ignore_eos`` too), top-k, min-p, top-p and temperature, then the draw from a uniform number the host
 drew from the request's seeded generator (``sampling.draw_u``). Everything else stays
-on the host, and a slot asking for it takes the logits path: logit bias, the
-repetition penalties (they read the recent tokens), typical-p, grammar masks,
+on the host, and a slot asking for it takes the logits path: more than
+``DEVICE_BIASES`` logit biases, the repetition penalties (they read the recent tokens), typical-p, grammar masks,
 ``n_probs``, top-k of 0 or above ``DEVICE_TOP_K`` (the device sorts its candidates in
 shared memory).
 
@@ -28,6 +28,9 @@ from trio_llm.engine.sampling import SamplingParams, sample_u
 
 #: the most candidates the device's sort holds (shaders/sample.comp CMAX)
 DEVICE_TOP_K = 1024
+#: the most logit biases a row carries to the device (sample.comp NBIAS); ``ignore_eos``
+#: is one per end-of-generation token
+DEVICE_BIASES = 64
 
 
 @attrs.frozen
@@ -38,6 +41,7 @@ class DeviceChain:
     top_k: int = 1
     top_p: float = 1.0
     min_p: float = 0.0
+    bias: tuple[tuple[int, float], ...] = ()  # (token, bias) added first; -inf bans
 
     @classmethod
     def greedy(cls) -> DeviceChain:
@@ -46,22 +50,25 @@ class DeviceChain:
     @classmethod
     def of(cls, params: SamplingParams, n_vocab: int) -> DeviceChain | None:
         """The device form of ``params``, or None when the host must sample."""
-        if params.logit_bias or params.typical_p < 1.0 or params.n_probs > 0:
+        if len(params.logit_bias) > DEVICE_BIASES or params.typical_p < 1.0 or params.n_probs > 0:
             return None
         if params.repeat_last_n != 0 and (params.repeat_penalty != 1.0 or params.presence_penalty != 0.0
                                           or params.frequency_penalty != 0.0):
             return None
+        bias = tuple((int(t), float(b)) for t, b in params.logit_bias)
+        if any(not 0 <= t < n_vocab for t, _ in bias):
+            return None  # the host chain says what is wrong
         if params.greedy:
-            return cls.greedy()
+            return cls(bias=bias)
         k = params.top_k if 0 < params.top_k < n_vocab else n_vocab
         if k > DEVICE_TOP_K:
             return None
-        return cls(float(params.temperature), k, float(params.top_p), float(params.min_p))
+        return cls(float(params.temperature), k, float(params.top_p), float(params.min_p), bias)
 
     def params(self) -> SamplingParams:
-        """The host chain this one equals (no bias, penalties or typical-p)."""
+        """The host chain this one equals (no penalties or typical-p)."""
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              min_p=self.min_p, repeat_penalty=1.0)
+                              min_p=self.min_p, repeat_penalty=1.0, logit_bias=self.bias)
 
 
 def decode_steps(

@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from trio_llm.engine.devsample import DeviceChain
+from trio_llm.engine.devsample import DEVICE_BIASES, DeviceChain
 from trio_llm.vulkan.device import Device, _check, vk_errors
 from trio_llm.vulkan.forward import MATVEC_MAX_COLS, Activations
 from trio_llm.vulkan.graph import Barrier, Copy, Graph, Op
@@ -51,26 +51,40 @@ def extra_buffers() -> dict[str, tuple[int, str, str]]:
     category, place)."""
     out = {}
     for lane in range(LANES):
-        out[f"sample_params{lane}"] = (4 * (4 * ROWS + MAX_STEPS * ROWS), "scratch", "upload")
+        out[f"sample_params{lane}"] = (4 * param_words(ROWS, MAX_STEPS), "scratch", "upload")
         out[f"sample_ids{lane}"] = (4 * MAX_STEPS * ROWS, "scratch", "readback")
     return out
 
 
+def param_words(rows_cap: int, n_steps: int) -> int:
+    return 8 * rows_cap + 2 * DEVICE_BIASES * rows_cap + n_steps * rows_cap
+
+
 def chain_words(chains: Sequence[DeviceChain], us: np.ndarray, rows_cap: int) -> np.ndarray:
-    """The parameter buffer's uint32 words: per row (temperature, top_k, top_p,
-    min_p), then ``us`` [n_steps, rows] as rows of ``rows_cap``."""
+    """The parameter buffer's uint32 words (sample.comp): per row 8 words (temperature,
+    top_k, top_p, min_p, the number of biases), per row ``DEVICE_BIASES`` (token, bias)
+    pairs, then ``us`` [n_steps, rows] as rows of ``rows_cap``."""
     n_steps = us.shape[0]
-    out = np.zeros(4 * rows_cap + n_steps * rows_cap, np.uint32)
-    head = np.zeros((rows_cap, 4), np.float32)
+    out = np.zeros(param_words(rows_cap, n_steps), np.uint32)
+    head = np.zeros((rows_cap, 8), np.float32)
+    bias = np.zeros((rows_cap, DEVICE_BIASES, 2), np.float32)
     for r, c in enumerate(chains):
-        head[r] = (c.temperature, 0.0, c.top_p, c.min_p)
+        head[r, :4] = (c.temperature, 0.0, c.top_p, c.min_p)
+        for b, (tok, val) in enumerate(c.bias):
+            bias[r, b, 1] = val
     words = head.view(np.uint32)
+    bwords = bias.view(np.uint32)
     for r, c in enumerate(chains):
         words[r, 1] = c.top_k
-    out[: 4 * rows_cap] = words.reshape(-1)
+        words[r, 4] = len(c.bias)
+        for b, (tok, _) in enumerate(c.bias):
+            bwords[r, b, 0] = tok
+    n_head = 8 * rows_cap + 2 * DEVICE_BIASES * rows_cap
+    out[: 8 * rows_cap] = words.reshape(-1)
+    out[8 * rows_cap : n_head] = bwords.reshape(-1)
     u = np.zeros((n_steps, rows_cap), np.float32)
     u[:, : us.shape[1]] = us
-    out[4 * rows_cap :] = u.view(np.uint32).reshape(-1)
+    out[n_head:] = u.view(np.uint32).reshape(-1)
     return out
 
 
@@ -173,7 +187,7 @@ class DeviceSampler:
         n_steps, n = us.shape
         params = self.act.bufs[f"sample_params{lane}"].array
         assert params is not None
-        params.view(np.uint32)[: 4 * ROWS + n_steps * ROWS] = chain_words(chains, us, ROWS)
+        params.view(np.uint32)[: param_words(ROWS, n_steps)] = chain_words(chains, us, ROWS)
         bucket = 1 << max(0, (n - 1).bit_length())
         graph = self.graph(bucket, n_steps, lane)
         if graph.stale:
