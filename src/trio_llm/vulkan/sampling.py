@@ -70,7 +70,7 @@ def chain_words(chains: Sequence[DeviceChain], us: np.ndarray, rows_cap: int) ->
     bias = np.zeros((rows_cap, DEVICE_BIASES, 2), np.float32)
     for r, c in enumerate(chains):
         head[r, :4] = (c.temperature, 0.0, c.top_p, c.min_p)
-        for b, (tok, val) in enumerate(c.bias):
+        for b, (_, val) in enumerate(c.bias):
             bias[r, b, 1] = val
     words = head.view(np.uint32)
     bwords = bias.view(np.uint32)
