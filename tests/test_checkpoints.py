@@ -64,3 +64,27 @@ async def test_a_prompt_sharing_a_prefix_continues_from_the_newest_checkpoint(mo
     fresh = await make_rig(path, nursery, n_seq=1, n_ctx=128, ctx_checkpoints=0)
     assert (await answer(fresh, second)).tokens == a2.tokens
     assert fresh.slots._slots[0].checkpoints is None
+
+
+async def test_a_checkpoint_chosen_for_a_task_that_left_before_its_pass_is_still_restored(
+    model_path, nursery: trio.Nursery
+) -> None:  # type: ignore[no-untyped-def]
+    """A task takes the slot (``begin`` picks the checkpoint at 16) and goes away before
+    any pass (``reset``, as a cancellation does): the slot reports 16 cached tokens while
+    the state still stands at the old sequence's end, so the next task must still get
+    the checkpoint written back, not continue from the wrong state."""
+    path = model_path("tiny-qwen35", "Q8_0")
+    rng = np.random.default_rng(3)
+    first = [int(t) for t in rng.integers(10, 1000, 30)]
+    second = first[:18] + [int(t) for t in rng.integers(10, 1000, 7)]
+    r = await make_rig(path, nursery, n_seq=1, n_ctx=128, checkpoint_min_step=4)
+    await answer(r, first)
+    slot = r.slots._slots[0]
+    gone, _ = r.task(second)
+    slot.begin(gone, r.tok.stream_decoder(), 0.0, 99)
+    assert slot.n_past == 16 and slot.restore_at == 16
+    slot.reset()
+    got = await answer(r, second)
+    assert got.timings.cache_n == 16
+    fresh = await make_rig(path, nursery, n_seq=1, n_ctx=128, ctx_checkpoints=0)
+    assert (await answer(fresh, second)).tokens == got.tokens

@@ -158,7 +158,12 @@ class Slot:
             ck.keep_upto(keep)  # copies past the common prefix hold another sequence
         # the last prompt token is always evaluated: its logits give the first sample
         keep = self.reusable(self.n_past, min(keep, len(prompt) - 1), ck.positions() if ck else ())
-        self.restore_at = keep if ck is not None and keep != self.n_past and keep in ck.positions() else None
+        if ck is None or keep == 0:
+            self.restore_at = None  # position 0 starts afresh
+        elif keep != self.n_past:
+            self.restore_at = keep  # a checkpoint (reusable_prefix returned one)
+        # else: continuing where the cache stands; a restore chosen for a task that went
+        # away before its pass is still owed (the state is not at n_past yet)
         self.seq, self.n_past = prompt, keep
         self.task, self.n_prompt, self.n_cached = task, len(prompt), keep
         self.generated, self.probs = [], []
@@ -494,7 +499,10 @@ class SlotsEngine:
             self._check_epoch()
             tokens = tuple(slot.seq[: slot.n_past])
             kv = await self._client.read_kv(slot.id, len(tokens))
-            state = await self._client.read_state(slot.id)
+            if slot.restore_at is not None and slot.checkpoints is not None:  # the state is owed a restore
+                state = slot.checkpoints.state_at(slot.restore_at)
+            else:
+                state = await self._client.read_state(slot.id)
         body = {"id_slot": slot.id, "filename": action.filename, "n_saved": len(tokens)}
         return TaskActionDone(-1, body, tokens, kv, state)
 
