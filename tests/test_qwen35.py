@@ -326,7 +326,7 @@ def test_a_state_read_and_written_back_continues_exactly(model, backend: str) ->
     ref = NumpyBackend(model, n_ctx=32, n_seq=1)
     try:
         be.forward([SeqBatch(0, PROMPT[:11], 0)])
-        state, kv = be.read_state(0), be.read_kv(0, 11)
+        state, kv, raw_at_11 = be.read_state(0), be.read_kv(0, 11), be.read_state(0, raw=True)
         assert state.shape == (state_floats(be.graph if backend == "numpy" else be._ir),) and state.any()
         want = be.forward([SeqBatch(0, PROMPT[11:], 11)])
         be.forward([SeqBatch(0, PROMPT[::-1].copy(), 0)])  # something else in the sequence
@@ -334,6 +334,11 @@ def test_a_state_read_and_written_back_continues_exactly(model, backend: str) ->
             be.forward([SeqBatch(0, PROMPT[11:], 11)])
         be.write_kv(0, kv)
         be.write_state(0, state, 11)
+        np.testing.assert_allclose(be.forward([SeqBatch(0, PROMPT[11:], 11)]), want, rtol=0, atol=1e-5)
+        # the backend's own layout (the checkpoints' copies) goes back the same way
+        be.forward([SeqBatch(0, PROMPT[::-1].copy(), 0)])
+        be.write_kv(0, kv)
+        be.write_state(0, raw_at_11, 11, raw=True)
         np.testing.assert_allclose(be.forward([SeqBatch(0, PROMPT[11:], 11)]), want, rtol=0, atol=1e-5)
         ref.write_kv(0, kv)
         ref.write_state(0, state, 11)

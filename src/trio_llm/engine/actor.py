@@ -125,11 +125,11 @@ class BackendClient:
     async def write_kv(self, seq_id: int, kv: np.ndarray) -> None:
         await self.call(lambda b: b.write_kv(seq_id, kv), "write_kv")
 
-    async def read_state(self, seq_id: int) -> np.ndarray:
-        return await self.call(lambda b: b.read_state(seq_id), "read_state")
+    async def read_state(self, seq_id: int, raw: bool = False) -> np.ndarray:
+        return await self.call(lambda b: b.read_state(seq_id, raw), "read_state")
 
-    async def write_state(self, seq_id: int, state: np.ndarray, n_pos: int) -> None:
-        await self.call(lambda b: b.write_state(seq_id, state, n_pos), "write_state")
+    async def write_state(self, seq_id: int, state: np.ndarray, n_pos: int, raw: bool = False) -> None:
+        await self.call(lambda b: b.write_state(seq_id, state, n_pos, raw), "write_state")
 
     async def close(self) -> None:
         with trio.CancelScope(shield=True), trio.move_on_after(30):

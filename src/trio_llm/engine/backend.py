@@ -137,16 +137,17 @@ class Backend(Protocol):
         shape). Only while resident."""
         ...
 
-    def read_state(self, seq_id: int) -> np.ndarray:
+    def read_state(self, seq_id: int, raw: bool = False) -> np.ndarray:
         """Sequence ``seq_id``'s recurrent state (gated delta-net layers) as one float32
         vector in ``engine.memory.state_layout``'s order, a copy; empty for a model
-        without recurrent layers. Only while resident."""
+        without recurrent layers. ``raw``: in the backend's own layout instead, cheaper,
+        for ``write_state(raw=True)`` on this backend only. Only while resident."""
         ...
 
-    def write_state(self, seq_id: int, state: np.ndarray, n_pos: int) -> None:
-        """Overwrite sequence ``seq_id``'s recurrent state with ``read_state``'s vector,
-        taken after ``n_pos`` positions (the next pass continues at ``n_pos``). Only
-        while resident."""
+    def write_state(self, seq_id: int, state: np.ndarray, n_pos: int, raw: bool = False) -> None:
+        """Overwrite sequence ``seq_id``'s recurrent state with ``read_state``'s vector
+        (of the same ``raw``), taken after ``n_pos`` positions (the next pass continues
+        at ``n_pos``). Only while resident."""
         ...
 
     def close(self) -> None:

@@ -480,13 +480,14 @@ class NumpyBackend:
 
     # -- internals -----------------------------------------------------------------
 
-    def read_state(self, seq_id: int) -> np.ndarray:
+    def read_state(self, seq_id: int, raw: bool = False) -> np.ndarray:
+        """``raw`` is the same layout here."""
         if self._rs is None:
             raise BackendError("read_state while released; restore first")
         parts = [self._rs[i][seq_id].reshape(-1) for i, _ in state_layout(self.graph)]
         return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
-    def write_state(self, seq_id: int, state: np.ndarray, n_pos: int) -> None:
+    def write_state(self, seq_id: int, state: np.ndarray, n_pos: int, raw: bool = False) -> None:
         if self._rs is None:
             raise BackendError("write_state while released; restore first")
         layout = state_layout(self.graph)

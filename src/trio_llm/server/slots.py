@@ -499,10 +499,11 @@ class SlotsEngine:
             self._check_epoch()
             tokens = tuple(slot.seq[: slot.n_past])
             kv = await self._client.read_kv(slot.id, len(tokens))
-            if slot.restore_at is not None and slot.checkpoints is not None:  # the state is owed a restore
-                state = slot.checkpoints.state_at(slot.restore_at)
-            else:
-                state = await self._client.read_state(slot.id)
+            if slot.restore_at is not None and slot.checkpoints is not None:  # the state is owed a restore: now
+                await self._client.write_state(slot.id, slot.checkpoints.state_at(slot.restore_at), slot.restore_at,
+                                               raw=True)
+                slot.restore_at = None
+            state = await self._client.read_state(slot.id)
         body = {"id_slot": slot.id, "filename": action.filename, "n_saved": len(tokens)}
         return TaskActionDone(-1, body, tokens, kv, state)
 
@@ -662,7 +663,8 @@ class SlotsEngine:
         for w in plan:
             slot = self._slots[w.id_slot]
             if slot.restore_at is not None and slot.checkpoints is not None and w.pos0 == slot.restore_at:
-                await self._client.write_state(slot.id, slot.checkpoints.state_at(slot.restore_at), slot.restore_at)
+                await self._client.write_state(slot.id, slot.checkpoints.state_at(slot.restore_at), slot.restore_at,
+                                               raw=True)
             slot.restore_at = None
 
     async def _take_checkpoints(self, plan: list[Work]) -> None:
@@ -674,7 +676,7 @@ class SlotsEngine:
                 continue
             pos = w.pos0 + len(w.tokens)
             if ck.wanted(pos, len(slot.seq), ck.next_stop(w.pos0, len(slot.seq))):
-                ck.add(pos, await self._client.read_state(slot.id))
+                ck.add(pos, await self._client.read_state(slot.id, raw=True))  # the backend's layout: one copy
 
     def _check_epoch(self) -> None:
         """On a resident model: if the KV cache was lost while the model slept, every

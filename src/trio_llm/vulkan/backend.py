@@ -479,31 +479,40 @@ class VulkanBackend:
                     data[il[i], 0] = dequantize_rows(k, lays[i].k_type, lays[i].kv_dim)
                     data[il[i], 1] = dequantize_rows(v, lays[i].v_type, lays[i].kv_dim)
 
-    def read_state(self, seq_id: int) -> np.ndarray:
+    def read_state(self, seq_id: int, raw: bool = False) -> np.ndarray:
         """The delta rule's matrices are kept [j][i] on the device (``delta_net.comp``):
-        transposed here into the shared layout."""
+        transposed here into the shared layout, unless ``raw`` (the device's own
+        layout, one copy: for writing back here, as the slots' checkpoints do)."""
         self._check_state_access(seq_id)
-        arrays: dict[int, np.ndarray] = {}
         with self._guard("read recurrent state"):
-            self._rs.copy_seq(seq_id, self.n_seq, arrays, to_device=False)
-        parts = [arrays[i].reshape(shape).transpose(0, 2, 1).reshape(-1) if len(shape) == 3 else arrays[i]
-                 for i, shape in state_layout(self._ir)]
+            flat = self._rs.copy_seq(seq_id, self.n_seq)
+        if raw:
+            return flat
+        parts, at = [], 0
+        for _, shape in state_layout(self._ir):
+            n = int(np.prod(shape))
+            part = flat[at : at + n]
+            parts.append(part.reshape(shape).transpose(0, 2, 1).reshape(-1) if len(shape) == 3 else part)
+            at += n
         return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
-    def write_state(self, seq_id: int, state: np.ndarray, n_pos: int) -> None:
+    def write_state(self, seq_id: int, state: np.ndarray, n_pos: int, raw: bool = False) -> None:
         self._check_state_access(seq_id)
         layout = state_layout(self._ir)
         total = sum(int(np.prod(shape)) for _, shape in layout)
         if state.size != total:
             raise BackendError(f"a recurrent state of {state.size} values; this model's has {total}")
-        arrays, at = {}, 0
-        for i, shape in layout:
-            n = int(np.prod(shape))
-            part = state[at : at + n].reshape(shape)
-            arrays[i] = part.transpose(0, 2, 1) if len(shape) == 3 else part
-            at += n
+        flat = np.ascontiguousarray(state, np.float32)
+        if not raw:
+            parts, at = [], 0
+            for _, shape in layout:
+                n = int(np.prod(shape))
+                part = flat[at : at + n]
+                parts.append(part.reshape(shape).transpose(0, 2, 1).reshape(-1) if len(shape) == 3 else part)
+                at += n
+            flat = np.concatenate(parts) if parts else flat
         with self._guard("write recurrent state"):
-            self._rs.copy_seq(seq_id, self.n_seq, arrays, to_device=True)
+            self._rs.copy_seq(seq_id, self.n_seq, flat)
         self._rs_pos[seq_id] = n_pos
 
     def _check_state_access(self, seq_id: int) -> None:

@@ -72,6 +72,7 @@ class RecurrentState:
     n_seq: int = 1  # sequences: the most runs of a step (the chunked form's grid)
     bufs: dict[int, Buffer] = attrs.field(factory=dict)
     work: dict[str, Buffer] = attrs.field(factory=dict)
+    staging: dict[str, Buffer] = attrs.field(factory=dict)  # copy_seq's host buffers, by memory kind
     host: dict[int, Buffer] = attrs.field(factory=dict)
     saved: bool = False
 
@@ -102,10 +103,11 @@ class RecurrentState:
                 self.work[name] = self.alloc.create(n, "compute", "device")
 
     def free_device(self) -> None:
-        for b in [*self.bufs.values(), *self.work.values()]:
+        for b in [*self.bufs.values(), *self.work.values(), *self.staging.values()]:
             self.alloc.free(b)
         self.bufs = {}
         self.work = {}
+        self.staging = {}
 
     def free_host(self) -> None:
         for b in self.host.values():
@@ -146,40 +148,40 @@ class RecurrentState:
             jobs.append(CopyJob(src.size, "kv_cache", src, put))
         return jobs
 
-    def copy_seq(self, seq_id: int, n_seq: int, arrays: dict[int, np.ndarray], *, to_device: bool) -> None:
-        """One sequence's part of every node's buffer to or from ``arrays`` (node id ->
-        float32 of that part's size, in the device layout), through one host buffer and
-        one submit."""
+    def copy_seq(self, seq_id: int, n_seq: int, flat: np.ndarray | None = None) -> np.ndarray:
+        """One sequence's part of every node's buffer, node after node in the device
+        layout, as one float32 vector: read (``flat`` None) or written from ``flat``,
+        through a host buffer kept for the next call (freed with the device buffers)
+        and one submit."""
         if not self.bufs:
             raise BackendError("recurrent state access while it is not on the device")
         device = self.alloc.device
         vk = device.vk
-        parts = {i: b.size // n_seq for i, b in self.bufs.items()}
-        total = sum(parts.values())
-        host = self.alloc.create(max(total, 4), "scratch", "upload" if to_device else "readback")
-        try:
-            assert host.array is not None
+        parts = [(b, b.size // n_seq) for b in self.bufs.values()]
+        total = sum(n for _, n in parts)
+        to_device = flat is not None
+        kind = "upload" if to_device else "readback"
+        host = self.staging.get(kind)
+        if host is None or host.size < total:
+            if host is not None:
+                self.alloc.free(host)
+            host = self.staging[kind] = self.alloc.create(max(total, 4), "scratch", kind)
+        assert host.array is not None
+        if flat is not None:
+            if flat.nbytes != total:
+                raise BackendError(f"a recurrent state of {flat.nbytes} bytes; this model's has {total}")
+            host.array[:total] = np.ascontiguousarray(flat, np.float32).view(np.uint8).reshape(-1)
+        with device.one_shot("write recurrent state" if to_device else "read recurrent state") as cmd:
             at = 0
-            regions = []
-            for i, n in parts.items():
+            for buf, n in parts:
                 if to_device:
-                    host.array[at : at + n] = np.ascontiguousarray(arrays[i], np.float32).view(np.uint8).reshape(-1)
-                regions.append((i, at, n))
+                    vk.vkCmdCopyBuffer(cmd, host.handle, buf.handle, 1,
+                                       [vk.VkBufferCopy(srcOffset=at, dstOffset=seq_id * n, size=n)])
+                else:
+                    vk.vkCmdCopyBuffer(cmd, buf.handle, host.handle, 1,
+                                       [vk.VkBufferCopy(srcOffset=seq_id * n, dstOffset=at, size=n)])
                 at += n
-            with device.one_shot("write recurrent state" if to_device else "read recurrent state") as cmd:
-                for i, off, n in regions:
-                    buf = self.bufs[i]
-                    if to_device:
-                        vk.vkCmdCopyBuffer(cmd, host.handle, buf.handle, 1,
-                                           [vk.VkBufferCopy(srcOffset=off, dstOffset=seq_id * n, size=n)])
-                    else:
-                        vk.vkCmdCopyBuffer(cmd, buf.handle, host.handle, 1,
-                                           [vk.VkBufferCopy(srcOffset=seq_id * n, dstOffset=off, size=n)])
-            if not to_device:
-                for i, off, n in regions:
-                    arrays[i] = host.array[off : off + n].view(np.float32).copy()
-        finally:
-            self.alloc.free(host)
+        return flat if flat is not None else host.array[:total].view(np.float32).copy()
 
     def restored(self) -> None:
         self.saved = False
