@@ -21,6 +21,7 @@ it goes idle, so the next request reuses the longest common prefix.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from enum import Enum
@@ -60,6 +61,8 @@ from trio_llm.server.tasks import (
     Timings,
     TokenProb,
 )
+
+log = logging.getLogger(__name__)
 
 #: above this vocabulary size a step's sampling (sorts over the vocabulary) runs on a
 #: worker thread, so that a 128k-token top-p does not stall HTTP handling for ~10 ms
@@ -665,6 +668,7 @@ class SlotsEngine:
             if slot.restore_at is not None and slot.checkpoints is not None and w.pos0 == slot.restore_at:
                 await self._client.write_state(slot.id, slot.checkpoints.state_at(slot.restore_at), slot.restore_at,
                                                raw=True)
+                log.info("slot %d: restored the context checkpoint at %d", slot.id, slot.restore_at)
             slot.restore_at = None
 
     async def _take_checkpoints(self, plan: list[Work]) -> None:
@@ -677,6 +681,8 @@ class SlotsEngine:
             pos = w.pos0 + len(w.tokens)
             if ck.wanted(pos, len(slot.seq), ck.next_stop(w.pos0, len(slot.seq))):
                 ck.add(pos, await self._client.read_state(slot.id, raw=True))  # the backend's layout: one copy
+                log.info("slot %d: context checkpoint at %d (%d held, %.1f MiB)", slot.id, pos, len(ck.positions()),
+                         ck.n_bytes / 2**20)
 
     def _check_epoch(self) -> None:
         """On a resident model: if the KV cache was lost while the model slept, every
