@@ -188,6 +188,16 @@ async def test_input_shapes_encodings_and_native_answers(start: Start, llama, ti
         assert r.status_code == 501 and "--embeddings" in r.json()["error"]["message"]
 
 
+async def test_embedding_prompts_are_counted_in_metrics(start: Start, tiny) -> None:  # noqa: F811
+    h = await start(*tiny, "--embeddings", "--pooling", "last", "--metrics", "-np", "2")
+    async with client(h) as c:
+        r = (await c.post("/v1/embeddings", json={"input": TEXTS})).json()
+        text = (await c.get("/metrics")).text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("llamacpp:")}
+    assert values["llamacpp:prompt_tokens_total"] == r["usage"]["prompt_tokens"]
+    assert values["llamacpp:n_decode_total"] >= 1 and values["llamacpp:tokens_predicted_total"] == 0
+
+
 async def test_pooling_none_gives_every_token_unnormalized(start: Start, llama, tiny) -> None:  # noqa: F811
     h = await start(*tiny, "--embeddings")  # the tiny file has no pooling type: none, as llama.cpp
     theirs = llama("tiny", "none").post("/embedding", {"content": TEXTS[0]})[0]["embedding"]

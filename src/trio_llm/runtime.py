@@ -506,7 +506,8 @@ async def _run_loaded(
                         output=loaded.output, arch=model.config.arch, n_seq=backend.n_seq)
                 registry = make_registry(
                     StatisticsSources(slots.statistics, queue.statistics, actor.statistics, gate.is_sleeping,
-                                      arena=getattr(gate, "arena_statistics", None))
+                                      arena=getattr(gate, "arena_statistics", None),
+                                      embeddings=embedder.statistics if embedder is not None else None)
                 )
                 path = Path(model.path)
                 ctx.set_engine(

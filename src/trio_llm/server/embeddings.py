@@ -33,6 +33,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+import trio
 
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.errors import ContextOverflow, InvalidRequest
@@ -305,6 +306,13 @@ def rerank_response(req: RerankRequest, scores: Sequence[float], n_tokens: Seque
 # -- the async shell -----------------------------------------------------------------
 
 
+@attrs.frozen
+class EmbedderStatistics:
+    n_prompt_tokens: int  # prompt tokens through the model
+    t_prompt: float  # seconds of those passes (trio's clock)
+    n_decode: int  # forward passes (backend calls)
+
+
 @attrs.define(eq=False)
 class Embedder:
     """Runs embedding and rank passes through the backend actor (see the module
@@ -317,18 +325,29 @@ class Embedder:
     arch: str
     n_seq: int
     _active: int = 0
+    _tokens: int = 0
+    _seconds: float = 0.0
+    _passes: int = 0
+
+    def statistics(self) -> EmbedderStatistics:
+        return EmbedderStatistics(self._tokens, self._seconds, self._passes)
 
     @property
     def has_rank_head(self) -> bool:
         return self.output == "rank"
 
-    async def _run(self, fn: Any, what: str) -> Any:
+    async def _run(self, fn: Any, what: str, n_tokens: int) -> Any:
         self._active += 1
         if self._active == 1:
             self.gate.set_busy(True)
         try:
             async with self.gate.resident():
-                return await self.client.call(fn, what)
+                t0 = trio.current_time()
+                out = await self.client.call(fn, what)
+                self._seconds += trio.current_time() - t0
+                self._tokens += n_tokens
+                self._passes += 1
+                return out
         finally:
             self._active -= 1
             if self._active == 0:
@@ -344,12 +363,12 @@ class Embedder:
             for start in range(0, len(prompts), self.n_seq):
                 group = prompts[start : start + self.n_seq]
                 batch = [SeqBatch(i, np.asarray(p, np.int32), 0) for i, p in enumerate(group)]
-                rows = await self._run(lambda b, batch=batch: b.forward(batch), "embed")
+                rows = await self._run(lambda b, batch=batch: b.forward(batch), "embed", sum(map(len, group)))
                 out += [Embedded([normalize(rows[i], embd_norm)], len(p)) for i, p in enumerate(group)]
             return out
         for p in prompts:
             entry = SeqBatch(0, np.asarray(p, np.int32), 0)
-            rows = await self._run(lambda b, entry=entry: b.forward_rows(entry), "embed")
+            rows = await self._run(lambda b, entry=entry: b.forward_rows(entry), "embed", len(p))
             pooled = pool(rows, pooling)
             if pooling == "none":
                 out.append(Embedded([r.copy() for r in pooled], len(p)))
@@ -364,6 +383,6 @@ class Embedder:
         for start in range(0, len(prompts), self.n_seq):
             group = prompts[start : start + self.n_seq]
             batch = [SeqBatch(i, np.asarray(p, np.int32), 0) for i, p in enumerate(group)]
-            rows = await self._run(lambda b, batch=batch: b.forward(batch), "rank")
+            rows = await self._run(lambda b, batch=batch: b.forward(batch), "rank", sum(map(len, group)))
             scores += [rank_score(rows[i], self.arch) for i in range(len(group))]
         return scores

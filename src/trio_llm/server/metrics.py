@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from trio_llm.engine.actor import BackendActorStatistics
 from trio_llm.residency.sleep import ArenaStatistics
+from trio_llm.server.embeddings import EmbedderStatistics
 from trio_llm.server.queue import QueueStatistics
 from trio_llm.server.slots import SlotsStatistics
 
@@ -44,6 +45,9 @@ class StatisticsSources:
     #: the residency gate's arena figures (``SleepController.arena_statistics``); None:
     #: a gate without them, and no ``trio_llm_arena_*`` metrics
     arena: Callable[[], ArenaStatistics] | None = None
+    #: an embedding server's passes (``Embedder.statistics``), counted with the slots'
+    #: prompt figures as llama-server counts its embedding tasks; None: not one
+    embeddings: Callable[[], EmbedderStatistics] | None = None
 
 
 @attrs.define(eq=False)
@@ -54,6 +58,10 @@ class ServerCollector(Collector):
         s = self.sources.slots()
         q = self.sources.queue()
         b = self.sources.backend()
+        if self.sources.embeddings is not None:
+            e = self.sources.embeddings()
+            s = attrs.evolve(s, n_prompt_tokens_processed=s.n_prompt_tokens_processed + e.n_prompt_tokens,
+                             t_prompt_processing=s.t_prompt_processing + e.t_prompt, n_decode=s.n_decode + e.n_decode)
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(name, doc, value=value)
