@@ -467,7 +467,8 @@ FLAGS: tuple[Flag, ...] = (
       env="LLAMA_ARG_KV_UNIFIED_PER_SLOT", dest="_kv_per_slot", conv=_int),
     W("-ctxcp --ctx-checkpoints --swa-checkpoints", "copies of a hybrid (gated delta-net) model's recurrent "
       "state kept per slot, taken during prefill, so a prompt sharing a prefix continues from the newest at or "
-      "before it (default 32; 0: off; a sliding-window model needs none)", value="N",
+      "before it (default 32; 0: off; sliding-window caches are not checkpointed: a prefix their ring no longer "
+      "holds is computed again)", value="N",
       env="LLAMA_ARG_CTX_CHECKPOINTS", dest="ctx_checkpoints", conv=_nonneg),
     W("-cms --checkpoint-min-step", "positions between the context checkpoints taken while a prompt is "
       "processed (default 8192; 0: after every prompt piece); one is always taken before the prompt's last "
