@@ -14,6 +14,9 @@
 //      output stays in plain registers instead and each P V block goes through the
 //      subgroup's staging slice of shared memory (one more write and read per block).
 // Fully masked key tiles are never visited; fully visible ones skip the mask.
+// With n_split > 1 the key tiles of each pass are split over the grid's z (more work
+// groups at depth, where one per query tile leaves the GPU half idle): each writes its
+// rows' unnormalised output and (m, l) to partial[], which attn_combine.comp adds up.
 //
 // CM_EMULATE (tests only): the two products computed by plain lanes from the same shared
 // arrays, into the same 16x16 blocks, with "subgroups" of SG consecutive lanes and work-
@@ -46,6 +49,9 @@ layout(binding = 2, std430) readonly buffer V2 { uvec2 vc2[]; };
 layout(binding = 2, std430) readonly buffer V16 { uint16_t vc16[]; };
 layout(binding = 3, std430) writeonly buffer O { float o[]; };
 DECLARE_STEP(4)
+// with n_split > 1: [cap, n_head, n_split, head_dim] unnormalised outputs, then
+// [cap, n_head, n_split, 2] (m, l) from ml_off on (attn_combine.comp adds them up)
+layout(binding = 5, std430) writeonly buffer P { float partial[]; };
 
 layout(push_constant) uniform Push {
     uint n_head;
@@ -56,7 +62,10 @@ layout(push_constant) uniform Push {
     uint q_stride;
     uint o_stride;
     float scale;
-    uint n_swa;  // sliding window (0: none)
+    uint n_swa;      // sliding window (0: none)
+    uint n_split;    // the grid's z: work groups sharing each tile of queries' keys
+    uint min_tiles;  // fewest key tiles a split takes
+    uint ml_off;     // where (m, l) start in partial[]
 } pc;
 
 layout(constant_id = 1) const uint G = 4;    // query heads per work group (of one KV head)
@@ -223,21 +232,26 @@ void main() {
             }
         }
         uint base = s * pc.n_ctx;
+        // this split's key tiles [kb0, kb1) of the pass's [lomin, pmax]: chunks of at
+        // least min_tiles, so a short range is one split and the others get none
+        uint ntl = (pmax - lomin) / BC + 1u;
+        uint per = max(pc.min_tiles, (ntl + pc.n_split - 1u) / pc.n_split);
+        uint kb0 = lomin + min(ntl, gl_WorkGroupID.z * per) * BC;
+        uint kb1 = min(pmax + 1u, lomin + min(ntl, (gl_WorkGroupID.z + 1u) * per) * BC);
         // the first tile's K in registers (then each tile loads the next one's)
         [[unroll]] for (uint n = 0; n < NLD; n++) {
             uint c = (tid + WG * n) / (HD / 4u);
             uint d = 4u * ((tid + WG * n) % (HD / 4u));
-            kpre[n] = f16vec4(c < min(BC, pmax + 1u - lomin) ? k_load4((base + ring_row(lomin + c)) * k_row + k_head, d)
-                                                            : vec4(0.0));
+            kpre[n] = f16vec4(kb0 + c < kb1 ? k_load4((base + ring_row(kb0 + c)) * k_row + k_head, d) : vec4(0.0));
         }
-        for (uint k0 = lomin; k0 <= pmax; k0 += BC) {
-            uint kn = min(BC, pmax + 1u - k0);
+        for (uint k0 = kb0; k0 < kb1; k0 += BC) {
+            uint kn = min(BC, kb1 - k0);
             bool full = one_seq && k0 + BC - 1u <= pmin && k0 >= lomax;
 
             // 1. the K tile into shared memory; this tile's V and the next tile's K into
             // registers, their loads in flight during the products and the softmax
             uint k1 = k0 + BC;
-            uint kn1 = k1 <= pmax ? min(BC, pmax + 1u - k1) : 0u;
+            uint kn1 = k1 < kb1 ? min(BC, kb1 - k1) : 0u;
             [[unroll]] for (uint n = 0; n < NLD; n++) {
                 uint c = (tid + WG * n) / (HD / 4u);
                 uint d = 4u * ((tid + WG * n) % (HD / 4u));
@@ -391,12 +405,19 @@ void main() {
         barrier();
     }
 
+    bool split = pc.n_split > 1u;  // partials out, unnormalised, with (m, l)
+    uint rt = rb / G;
+    if (split && part == 0u && rt < nlive) {
+        uint mb = pc.ml_off + (((t0 + rt) * pc.n_head + h0 + rb % G) * pc.n_split + gl_WorkGroupID.z) * 2u;
+        partial[mb] = m_run;
+        partial[mb + 1u] = l_run;
+    }
     if (part == 0u) {
-        row_l[rb] = l_run;
+        row_l[rb] = split ? 1.0 : l_run;
     }
 #ifdef O_IN_ACC
     for (uint i = part; i < 16u; i += LPR) {
-        cb[rb * 16u + i] = l_run;
+        cb[rb * 16u + i] = split ? 1.0 : l_run;
     }
 #endif
     barrier();
@@ -417,7 +438,13 @@ void main() {
                 uint r = mt * 16u + idx / 16u;
                 uint tk = r / G;
                 if (tk < nlive) {
-                    o[(t0 + tk) * pc.o_stride + (h0 + r % G) * HD + nt * 16u + idx % 16u] = stage[sg * 256u + idx];
+                    float v = stage[sg * 256u + idx];
+                    if (split) {
+                        partial[(((t0 + tk) * pc.n_head + h0 + r % G) * pc.n_split + gl_WorkGroupID.z) * HD
+                             + nt * 16u + idx % 16u] = v;
+                    } else {
+                        o[(t0 + tk) * pc.o_stride + (h0 + r % G) * HD + nt * 16u + idx % 16u] = v;
+                    }
                 }
             }
             SG_SYNC();
@@ -427,8 +454,13 @@ void main() {
                 uint r = mt * 16u + idx / 16u;
                 uint tk = r / G;
                 if (tk < nlive) {
-                    o[(t0 + tk) * pc.o_stride + (h0 + r % G) * HD + nt * 16u + idx % 16u] =
-                        oacc[j * EPL + e] / row_l[r];
+                    float v = oacc[j * EPL + e] / row_l[r];
+                    if (split) {
+                        partial[(((t0 + tk) * pc.n_head + h0 + r % G) * pc.n_split + gl_WorkGroupID.z) * HD
+                             + nt * 16u + idx % 16u] = v;
+                    } else {
+                        o[(t0 + tk) * pc.o_stride + (h0 + r % G) * HD + nt * 16u + idx % 16u] = v;
+                    }
                 }
             }
 #endif

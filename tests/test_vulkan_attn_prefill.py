@@ -23,11 +23,15 @@ import pytest
 
 from test_vulkan_kv import _typed_cache
 from test_vulkan_ops import Env
+from trio_llm.engine.backend import SeqBatch
+from trio_llm.model.gguf import load_gguf
 from trio_llm.model.kvtypes import KV_TYPES
+from trio_llm.vulkan.backend import VulkanBackend
 from trio_llm.vulkan.device import shared_device
+from trio_llm.vulkan.graph import Barrier, Op
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import Allocator
-from trio_llm.vulkan.ops import Ops, prefill_tile
+from trio_llm.vulkan.ops import Ops, attention_part_floats, prefill_tile
 
 pytestmark = pytest.mark.vulkan
 
@@ -82,7 +86,8 @@ def batch(*runs: tuple[int, int, int]) -> tuple[list[int], list[int]]:
 
 def check(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int], seq: list[int], n_ctx: int,
           k_type: str = "f16", v_type: str | None = None, n_swa: int = 0, scale: float | None = None,
-          seed: int = 0, cap: int | None = None, emulate: tuple[int, int] | None = None) -> None:
+          seed: int = 0, cap: int | None = None, emulate: tuple[int, int] | None = None,
+          n_split: int = 1) -> None:
     v_type = k_type if v_type is None else v_type
     rng = np.random.default_rng(seed)
     ntok, n_seq = len(pos), max(seq) + 1
@@ -94,10 +99,16 @@ def check(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int]
     qv, o = env.put(q), env.put(np.full(q.size, np.nan, np.float32))
     st = env.step([0] * ntok, pos, seq)
     s = 1.0 / np.sqrt(hd) if scale is None else scale
-    env.run([ops.attention_prefill(
+    cap = cap or ntok
+    part = env.put(np.full(attention_part_floats(cap, n_head, hd, n_split), np.nan, np.float32))
+    run: list[Op] = [ops.attention_prefill(
         qv, kc, vc, o, st, n_head=n_head, n_head_kv=n_kv, head_dim=hd, n_ctx=n_ctx, q_stride=n_head * hd,
-        o_stride=n_head * hd, cap=cap or ntok, scale=s, k_type=k_type, v_type=v_type, n_swa=n_swa,
-        emulate_cm=emulate)])
+        o_stride=n_head * hd, cap=cap, scale=s, k_type=k_type, v_type=v_type, n_swa=n_swa,
+        emulate_cm=emulate, part=part, n_split=n_split, min_tiles=1)]
+    if n_split > 1:
+        run += [Barrier(), ops.attention_combine(part, o, st, n_head=n_head, head_dim=hd, n_split=n_split,
+                                                 o_stride=n_head * hd, cap=cap)]
+    env.run(run)
     got = env.get(o).reshape(q.shape)
     if emulate or (ops.coopmat and ops.prefill_cm_ok(n_head, n_kv, hd)):
         f16 = np.float16
@@ -201,6 +212,76 @@ def test_other_row_tiles(env: Env, ops: Ops, rows: int) -> None:
     pos, seq = batch((0, 33, 45), (1, 0, 20))
     for hd, gqa in ((64, 4), (128, 8)):
         check(env, ops, hd=hd, n_head=gqa * 2, n_kv=2, pos=pos, seq=seq, n_ctx=96, seed=rows + hd)
+
+
+@pytest.mark.parametrize("n_split", [2, 3, 5])
+def test_coopmat_kernel_emulated_split(env: Env, n_split: int) -> None:
+    """Keys split over work groups (the grid's z) and added up by attn_combine: a long
+    prefix (splits of several tiles, the last one short), a short sequence (splits with
+    no keys at all) and a window over a ring in one batch each."""
+    pos, seq = batch((0, 150, 37), (1, 0, 5), (2, 60, 20))
+    check(env, env.ops, hd=64, n_head=8, n_kv=2, pos=pos, seq=seq, n_ctx=200, seed=n_split, emulate=(4, 8),
+          n_split=n_split)
+    pos, seq = batch((0, 200, 30), (1, 0, 45))
+    check(env, env.ops, hd=128, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=70, n_swa=40, seed=n_split,
+          emulate=(2, 16), n_split=n_split)
+
+
+@pytest.mark.parametrize("n_split", [2, 4])
+def test_coopmat_split(env: Env, ops: Ops, n_split: int) -> None:
+    """The same on the cooperative-matrix kernel (where there is one)."""
+    if not ops.coopmat:
+        pytest.skip("the scalar kernel does not split the keys")
+    pos, seq = batch((0, 150, 37), (1, 0, 5), (2, 60, 20))
+    check(env, ops, hd=64, n_head=8, n_kv=2, pos=pos, seq=seq, n_ctx=200, seed=n_split, n_split=n_split)
+    pos, seq = batch((0, 300, 70))
+    check(env, ops, hd=128, n_head=16, n_kv=2, pos=pos, seq=seq, n_ctx=400, seed=n_split, n_split=n_split)
+
+
+def test_split_prefill_through_the_backend(env: Env, model_path) -> None:  # type: ignore[no-untyped-def]
+    """The lowering of a split prefill (the KV cache's partials, the barrier, the
+    combine, every layer reusing them): a 9000-token prompt at n_ctx 16384 (two splits)
+    gives the logits of the same backend with the split turned off."""
+    if not env.device.coopmat:
+        pytest.skip(f"{env.device.name} reports no 16x16x16 f16 cooperative matrices (lavapipe has none)")
+    model = load_gguf(model_path("tiny", "F16"))
+    prompt = np.random.default_rng(0).integers(0, model.config.n_vocab, 9000).astype(np.int32)
+    got = []
+    for most in (4, 1):
+        vk = VulkanBackend(model, n_ctx=16384, n_seq=1)
+        try:
+            vk._ops = attrs.evolve(vk._ops, prefill_split_most=most)  # before any graph is recorded
+            cfg = model.config
+            assert vk._ops.prefill_splits(16384, cfg.n_head, cfg.n_head_kv, cfg.head_dim) == (2 if most == 4 else 1)
+            got.append(vk.forward([SeqBatch(0, prompt, 0)])[0])
+        finally:
+            vk.close()
+    np.testing.assert_allclose(got[0], got[1], atol=1e-4 * np.abs(got[1]).max(), rtol=0)
+
+
+def test_emulated_split_prefill_through_the_backend(env: Env, model_path) -> None:  # type: ignore[no-untyped-def]
+    """The same lowering on any device, with the cooperative-matrix kernel emulated
+    (``prefill_cm_emulate``, 32-row tiles): 600 tokens at n_ctx 16384 (two splits of the
+    record, both used) equal the unsplit emulated kernel's logits and the scalar
+    kernel's, within the f16 rounding of q, K, V and P (a split rounds its weights
+    against its own running max)."""
+    model = load_gguf(model_path("tiny", "F16"))
+    cfg = model.config
+    prompt = np.random.default_rng(1).integers(0, cfg.n_vocab, 600).astype(np.int32)
+    got = []
+    for emulate, most in ((True, 4), (True, 1), (False, 4)):
+        vk = VulkanBackend(model, n_ctx=16384, n_seq=1, cache_type_k="f32", cache_type_v="f32")
+        try:
+            vk._ops = attrs.evolve(vk._ops, prefill_split_most=most, prefill_cm_emulate=emulate, prefill_rows_cm=32)
+            want = (2 if most == 4 else 1) if emulate else 1
+            assert vk._ops.prefill_splits(16384, cfg.n_head, cfg.n_head_kv, cfg.head_dim) == want
+            got.append(vk.forward([SeqBatch(0, prompt, 0)])[0])
+        finally:
+            vk.close()
+    scale = np.abs(got[2]).max()
+    np.testing.assert_allclose(got[0], got[1], atol=1e-3 * scale, rtol=0)
+    np.testing.assert_allclose(got[0], got[2], atol=3e-3 * scale, rtol=0)
+    assert np.abs(got[0] - got[2]).max() > 0  # the emulated kernel ran (f16), not the scalar one
 
 
 def test_bad_shapes_are_refused(env: Env) -> None:

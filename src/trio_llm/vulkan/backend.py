@@ -181,7 +181,11 @@ class VulkanBackend:
         dec_cap = min(MATVEC_MAX_COLS, self._cap)  # the decode buckets' attention work
         self._kv = KVCache(
             self._alloc, [LayerKV(self.n_seq, m.rows, m.kv_dim, kt, vt) for m in self._mem],
-            part_floats=attention_part_floats(dec_cap, cfg.n_head, cfg.head_dim, decode_splits(self.n_ctx)),
+            # the decode attention's splits, or (at depth, cooperative matrices) the prefill's
+            part_floats=max(attention_part_floats(dec_cap, cfg.n_head, cfg.head_dim, decode_splits(self.n_ctx)),
+                            attention_part_floats(self._cap, cfg.n_head, cfg.head_dim, splits)
+                            if (splits := self._ops.prefill_splits(self.n_ctx, cfg.n_head, cfg.n_head_kv,
+                                                                   cfg.head_dim)) > 1 else 0),
             n_counters=attention_counters(dec_cap, cfg.n_head, cfg.n_head_kv),
         )
         if self._kv.largest_buffer > device.limits.max_storage_buffer_range:

@@ -44,6 +44,7 @@ from trio_llm.vulkan.ops import (
     ROPE_NORMAL,
     STEP_BYTES,
     Ops,
+    attention_part_floats,
     decode_splits,
     row_bytes,
 )
@@ -523,13 +524,35 @@ class _Lowering:
                                           **common)  # type: ignore[arg-type]
             # the partials and counters are reused by every layer's attention
             self.emit([d], reads + ["kv_part"], [self.slot(node.out), "kv_part"])
+        elif not self.decode and self.ops.prefill_ok(hd):  # many queries: tiled flash attention
+            self._attend_prefill(node, q, kc, vc, reads, common)
         else:
-            # many queries: tiled flash attention where the device can run it, else per (head, token)
-            attend = self.ops.attention_prefill if not self.decode and self.ops.prefill_ok(hd) else self.ops.attention
-            d = attend(self.view(q), kc, vc, self.view(node.out), self.st, **common)  # type: ignore[arg-type]
+            d = self.ops.attention(self.view(q), kc, vc, self.view(node.out), self.st, **common)  # type: ignore[arg-type]
             self.emit([d], reads, [self.slot(node.out)])
         if vb:  # the output rotated back (the matrix is its own inverse)
             self._rotate(node.out, vb)
+
+    def _attend_prefill(self, node: Node, q: Tensor, kc: View, vc: View, reads: Sequence[object],
+                        common: dict[str, object]) -> None:
+        """``attention_prefill``; at depth on cooperative matrices its keys split over
+        work groups (``prefill_splits``) into the KV cache's partials, added up by
+        ``attention_combine`` after a barrier."""
+        nh, nkv, hd = node.attr("n_head"), node.attr("n_head_kv"), node.attr("head_dim")
+        n_split = self.ops.prefill_splits(int(common["n_ctx"]), nh, nkv, hd, window=node.attr("window"))  # type: ignore[call-overload]
+        part = self.kv.part
+        if part is None or part.size < 4 * attention_part_floats(self.bucket, nh, hd, n_split):
+            n_split = 1
+        if n_split == 1:
+            d = self.ops.attention_prefill(self.view(q), kc, vc, self.view(node.out), self.st, **common)  # type: ignore[arg-type]
+            self.emit([d], reads, [self.slot(node.out)])
+            return
+        assert part is not None
+        d = self.ops.attention_prefill(self.view(q), kc, vc, self.view(node.out), self.st, part=whole(part),
+                                       n_split=n_split, **common)  # type: ignore[arg-type]
+        self.emit([d], [*reads, "kv_part"], ["kv_part"])  # the partials are every layer's
+        c = self.ops.attention_combine(whole(part), self.view(node.out), self.st, n_head=nh, head_dim=hd,
+                                       n_split=n_split, o_stride=node.out.width, cap=self.bucket)
+        self.emit([c], ["kv_part"], [self.slot(node.out)])
 
     def _rotate(self, t: Tensor, block: int) -> None:
         sel, cap = self.rows(t)

@@ -157,6 +157,11 @@ class Ops:
     #: the coopmat kernel's CM_STAGE form (the output in plain registers, each P V block
     #: staged through shared memory) instead of the output in accumulators
     prefill_cm_stage: bool = False
+    #: most work groups sharing a query tile's keys (``prefill_splits``); 1: no split
+    prefill_split_most: int = 4
+    #: tests only: the cooperative-matrix path with its products emulated (CM_EMULATE),
+    #: so a device without cooperative matrices runs all of that path's lowering
+    prefill_cm_emulate: bool = False
 
     def matvec(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
@@ -346,16 +351,19 @@ class Ops:
         (the rows are a multiple of 16 dividing the work group) and the shared memory
         (the device's reported limit)."""
         g = heads_per_group(n_head, n_head_kv)
-        return (self.coopmat and self.subgroup in (32, 64) and g & (g - 1) == 0 and head_dim % 16 == 0
+        hw = self.prefill_cm_emulate or self.coopmat and self.subgroup in (32, 64)
+        sub = 32 if self.prefill_cm_emulate else self.subgroup
+        return (hw and g & (g - 1) == 0 and head_dim % 16 == 0
                 and head_dim <= 256
-                and prefill_cm_shared(head_dim, self.subgroup, self.prefill_rows_cm or prefill_rows(head_dim, True))
+                and prefill_cm_shared(head_dim, sub, self.prefill_rows_cm or prefill_rows(head_dim, True))
                 <= self.kernels.device.limits.max_shared_memory)
 
     def attention_prefill(
         self, q: View, k_cache: View, v_cache: View, o: View, step: View, *, n_head: int,
         n_head_kv: int, head_dim: int, n_ctx: int, q_stride: int, o_stride: int, cap: int,
         scale: float | None = None, k_type: str = "f32", v_type: str = "f32", n_swa: int = 0,
-        emulate_cm: tuple[int, int] | None = None,
+        emulate_cm: tuple[int, int] | None = None, part: View | None = None, n_split: int = 1,
+        min_tiles: int = 8,
     ) -> Dispatch:
         """``attention`` for many tokens (prefill, attn_prefill.comp): a work group per
         tile of consecutive tokens and group of query heads of one KV head
@@ -365,7 +373,13 @@ class Ops:
         (attn_prefill_cm.comp: f16 Q, K, P and V, f32 scores and sums) where
         ``prefill_cm_ok``. ``emulate_cm`` = (heads, tokens) is for tests: the
         cooperative-matrix kernel with its two products done by plain lanes (CM_EMULATE),
-        on that tile, so that a device without them checks the rest of it."""
+        on that tile, so that a device without them checks the rest of it.
+
+        ``n_split`` > 1 (the cooperative-matrix kernel only, ``prefill_splits``) splits
+        each query tile's keys over that many work groups (at least ``min_tiles`` tiles
+        of 32 each), which write partials to ``part`` (``attention_part_floats(cap,
+        n_head, head_dim, n_split)`` floats) for ``attention_combine`` to add up into
+        ``o`` after a barrier."""
         assert head_dim % 16 == 0 and head_dim <= 256 and n_head % n_head_kv == 0
         kt, vt = _kv(k_type), _kv(v_type)
         _check_head(kt, head_dim, "K")
@@ -373,23 +387,51 @@ class Ops:
         cm = self.prefill_cm_ok(n_head, n_head_kv, head_dim)
         g, bq = prefill_tile(n_head, n_head_kv, head_dim, coopmat=cm,
                              rows=self.prefill_rows_cm if cm else self.prefill_rows)
-        if emulate_cm is not None:
-            g, bq = emulate_cm
-            assert (g * bq) % 16 == 0 and 128 % (g * bq) == 0 and (n_head // n_head_kv) % g == 0
-            k = self.kernels.get("attn_prefill_cm", n_bindings=5, n_push=9, local_size=128,
-                                 defines={**kv_defines(K_TYPE=kt, V_TYPE=vt), "CM_EMULATE": 1},
-                                 spec={1: g, 2: bq, 3: head_dim, 4: 32})
-        elif cm:
-            stage: dict[str, object] = {"CM_STAGE": 1} if self.prefill_cm_stage else {}
-            k = self.kernels.get("attn_prefill_cm", n_bindings=5, n_push=9, local_size=128,
-                                 defines={**kv_defines(K_TYPE=kt, V_TYPE=vt), **stage},
-                                 spec={1: g, 2: bq, 3: head_dim, 4: self.subgroup})
-        else:
-            k = self.kernels.get("attn_prefill", n_bindings=5, n_push=9, local_size=128,
-                                 defines=kv_defines(K_TYPE=kt, V_TYPE=vt), spec={1: g, 2: bq, 3: head_dim})
         s = 1.0 / math.sqrt(head_dim) if scale is None else scale
         push = (n_head, n_head_kv, head_dim, n_ctx, n_head_kv * head_dim, q_stride, o_stride, float(s), n_swa)
+        if cm and self.prefill_cm_emulate and emulate_cm is None:
+            emulate_cm = (g, bq)
+        if emulate_cm is not None or cm:
+            assert n_split == 1 or (part is not None
+                                    and part.size >= 4 * attention_part_floats(cap, n_head, head_dim, n_split))
+            if emulate_cm is not None:
+                g, bq = emulate_cm
+                assert (g * bq) % 16 == 0 and 128 % (g * bq) == 0 and (n_head // n_head_kv) % g == 0
+                defines: dict[str, object] = {"CM_EMULATE": 1}
+                sub = 32
+            else:
+                defines = {"CM_STAGE": 1} if self.prefill_cm_stage else {}
+                sub = self.subgroup
+            k = self.kernels.get("attn_prefill_cm", n_bindings=6, n_push=12, local_size=128,
+                                 defines={**kv_defines(K_TYPE=kt, V_TYPE=vt), **defines},
+                                 spec={1: g, 2: bq, 3: head_dim, 4: sub})
+            ml_off = cap * n_head * n_split * head_dim
+            return Dispatch(k, (q, k_cache, v_cache, o, step, o if part is None else part),
+                            (*push, n_split, min_tiles, ml_off), (math.ceil(cap / bq), n_head // g, n_split))
+        else:
+            assert n_split == 1, "only the cooperative-matrix kernel splits the keys"
+            k = self.kernels.get("attn_prefill", n_bindings=5, n_push=9, local_size=128,
+                                 defines=kv_defines(K_TYPE=kt, V_TYPE=vt), spec={1: g, 2: bq, 3: head_dim})
         return Dispatch(k, (q, k_cache, v_cache, o, step), push, (math.ceil(cap / bq), n_head // g, 1))
+
+    def prefill_splits(self, n_ctx: int, n_head: int, n_head_kv: int, head_dim: int, window: int = 0) -> int:
+        """How many work groups share a query tile's keys in ``attention_prefill``: 1
+        for the scalar kernel and for sliding windows (few keys per tile), else one per
+        8k positions of context up to ``prefill_split_most`` (fixed at record time;
+        a shallow step uses fewer, the kernel's ``min_tiles``)."""
+        if window or not self.prefill_cm_ok(n_head, n_head_kv, head_dim):
+            return 1
+        return max(1, min(self.prefill_split_most, n_ctx // 8192))
+
+    def attention_combine(
+        self, part: View, o: View, step: View, *, n_head: int, head_dim: int, n_split: int, o_stride: int,
+        cap: int,
+    ) -> Dispatch:
+        """o of every live (token, head) from the ``n_split`` partials a split
+        ``attention_prefill`` wrote (attn_combine.comp)."""
+        k = self.kernels.get("attn_combine", n_bindings=3, n_push=5, local_size=64)
+        ml_off = cap * n_head * n_split * head_dim
+        return Dispatch(k, (part, o, step), (n_head, head_dim, n_split, o_stride, ml_off), (n_head, cap, 1))
 
     def swiglu(
         self, g: View, u: View, y: View, step: View, *, n: int, stride: int, cap: int,

@@ -47,7 +47,7 @@ GATE_UP = {"GATE_UP": 1}
 #: shaders with a single variant (for f32 caches; the KV readers and writers have one
 #: per cache type, see all_variants)
 PLAIN_SHADERS = ("rms_norm", "rope", "attention", "attn_decode", "attn_prefill", "swiglu", "add", "scale", "hadamard", "argmax",
-                 "sample", "transpose",
+                 "sample", "transpose", "attn_combine",
                  "moe_topk", "moe_combine", "take", "l2_norm", "gate_rows", "rope_partial", "delta_net",
                  "delta_prep", "delta_chunk")
 #: KV cache type codes (model/kvtypes.py KVType.code) the cache readers and writers take
