@@ -2,7 +2,10 @@
 (chunks of 512 tokens, as the backend runs them, the chunk at positions [c, c + 512)
 attending to all the positions before it) through one attention dispatch per layer,
 each followed by a barrier, for the per-(head, token) ``attention`` kernel and the tiled
-``attention_prefill`` (scalar, and on cooperative matrices where the device has them).
+``attention_prefill`` (scalar, and on cooperative matrices where the device has them:
+its tile sizes, its staged form, its keys split over 2 or 4 work groups plus the
+combine; ``prefill_cm`` is what the forward pass runs up to 8k of context, ``_split2``
+at 16k, ``_split4`` from 32k).
 This is the part of a prefill that grows with the square of the prompt (issue 13:
 llama-1b prefilled 8k / 32k prompts at 3,974 / 1,245 tok/s, llama.cpp CUDA at 47,156 /
 35,805); the projections are the rest (``bench/decode.py --pp N`` times a whole prefill
@@ -118,6 +121,19 @@ def run(args: argparse.Namespace) -> int:
                     device.vk.vkCmdFillBuffer(cmd, cnt.handle, 0, cnt.size, 0)
                 kinds["decode"] = functools.partial(base.attention_decode, part=whole(part), counters=whole(cnt),
                                                     n_split=n_split)
+                emu = args.emulate and not device.coopmat  # the products emulated: a dry run of this code
+                splits = [int(x) for x in args.splits.split(",") if int(x) > 1] if device.coopmat or emu else []
+                spart = alloc.create(4 * attention_part_floats(cap, n_head, hd, max(splits, default=1)),
+                                     "compute", "device")
+                cm = attrs.evolve(base, coopmat=True, prefill_cm_emulate=emu, prefill_rows_cm=32 if emu else 0)
+                for n in splits:  # the keys split over work groups, then the combine
+                    def split_ops(q, kc, vc, o, step, n=n, cm=cm, spart=spart, **kw):  # type: ignore[no-untyped-def]
+                        return [cm.attention_prefill(q, kc, vc, o, step, part=whole(spart), n_split=n, **kw),
+                                Barrier(),
+                                cm.attention_combine(whole(spart), o, step, n_head=kw["n_head"],
+                                                     head_dim=kw["head_dim"], n_split=n, o_stride=kw["o_stride"],
+                                                     cap=kw["cap"])]
+                    kinds[f"prefill_cm_split{n}"] = split_ops
                 base_s = None
                 for name in chosen or list(kinds):
                     if name not in kinds:
@@ -127,9 +143,11 @@ def run(args: argparse.Namespace) -> int:
                             or name == "decode" and not args.tail):
                         continue
                     fn = kinds[name]
-                    chain: list[Op] = [x for st in steps for i in range(layers) for x in (
-                        fn(whole(q), whole(bufs[2 * i]), whole(bufs[2 * i + 1]), whole(o), step=whole(st), **kw),
-                        Barrier())]
+                    chain: list[Op] = []
+                    for st in steps:
+                        for i in range(layers):
+                            d = fn(whole(q), whole(bufs[2 * i]), whole(bufs[2 * i + 1]), whole(o), step=whole(st), **kw)
+                            chain += [*(d if isinstance(d, list) else [d]), Barrier()]
                     graph = Graph.record(device, chain)
                     try:
                         s = common.repeat(lambda g=graph: common.timed(g.run)[0], args.repeats, args.warmup)
@@ -144,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
                     extra = f"  x{base_s / sec:.2f}" if base_s else ""
                     print(f"{t.name:5} {length:7} {name:12} {sec:9.4f} s  {n_tok / sec:10.0f} tok/s{extra}",
                           flush=True)
-                for b in [*bufs, q, o, *steps, part, cnt]:
+                for b in [*bufs, q, o, *steps, part, cnt, spart]:
                     alloc.free(b)
     finally:
         kernels.close()
@@ -164,6 +182,9 @@ def main() -> int:
     ap.add_argument("--rows", default="0", help="query rows per work group of the scalar kernel to try (0: default)")
     ap.add_argument("--rows-cm", default="0", help="the same for the coopmat kernel (16, 32, 64; 0: default)")
     ap.add_argument("--old-max", type=int, default=8192, help="longest prompt the old attention kernel runs")
+    ap.add_argument("--splits", default="2,4", help="key splits of the coopmat kernel to try (with the combine)")
+    ap.add_argument("--emulate", action="store_true",
+                    help="without cooperative matrices: the split kinds on the emulated kernel (a dry run, not a figure)")
     ap.add_argument("--tail", type=int, default=0,
                     help="only the last N tokens of each prompt (a reused prefix), with attention_decode too")
     ap.add_argument("--layers", type=int, default=0, help="layers actually run (times scaled to all); 0: all")
