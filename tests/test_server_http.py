@@ -501,6 +501,12 @@ async def test_n_choices_through_the_openai_client(start: Start) -> None:
         assert usage is not None and usage.completion_tokens == many.usage.completion_tokens
         with pytest.raises(openai.BadRequestError):
             await oai.chat.completions.create(model="m", messages=msgs, max_tokens=2, n=4)
+        # every choice pinned to one slot: they run there in turn, twice over (the
+        # second request reuses the cache), and equal the unpinned choices
+        for _ in range(2):
+            pinned = await oai.chat.completions.create(model="m", messages=msgs, max_tokens=12, n=3, seed=40,
+                                                       extra_body={"id_slot": 0})
+            assert [c.message.content for c in pinned.choices] == texts
     finally:
         await oai.close()
 

@@ -304,8 +304,10 @@ def test_parse_oai_and_chat_options(tok: Tokenizer) -> None:
     assert req.n == 2 and [c.sampling.seed for _, c in req.choices()] == [7, 8]
     random = P.parse_chat({"messages": [], "n": 2}, enc, LIMITS, "r")
     assert [c.sampling.seed for _, c in random.choices()] == [DEFAULT_SEED] * 2  # drawn per task
-    for bad in ({"n": 3}, {"n": 0}, {"n": "2"}, {"n": 2, "id_slot": 1}):
-        with pytest.raises(InvalidRequest, match="'n'|id_slot"):
+    pinned = P.parse_oai_completion({"prompt": "hi", "n": 2, "id_slot": 1}, enc, LIMITS)
+    assert [c.id_slot for _, c in pinned.choices()] == [1, 1]  # both in slot 1, in turn
+    for bad in ({"n": 3}, {"n": 0}, {"n": "2"}):
+        with pytest.raises(InvalidRequest, match="'n'"):
             P.parse_oai_completion({"prompt": "hi", **bad}, enc, LIMITS)
     req = P.parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, enc, LIMITS, "rendered")
     assert req.logprobs and req.params.sampling.n_probs == 1

@@ -304,11 +304,10 @@ def _require_object(body: Any) -> Mapping[str, Any]:
 
 def _get_n(body: Mapping[str, Any], limits: Limits) -> int:
     """OpenAI's ``n``: that many choices, each in its own slot at the same time (so at
-    most the server's slots), each with its own random stream."""
-    n = get_int(body, "n", 1, 1, limits.n_slots)
-    if n > 1 and get_int(body, "id_slot", -1, -1, limits.n_slots - 1) >= 0:
-        raise InvalidRequest("'id_slot' pins one slot; it cannot serve 'n' > 1 choices")
-    return n
+    most the server's slots, as llama-server's limit), each with its own random stream.
+    With ``id_slot`` every choice is pinned to that one slot and they run one after
+    another there (llama-server serves that too)."""
+    return get_int(body, "n", 1, 1, limits.n_slots)
 
 
 def choice_params(params: TaskParams, n: int) -> list[TaskParams]:
