@@ -383,3 +383,33 @@ def test_a_slot_file_is_checked_against_the_model(tmp_path: Path) -> None:
     with pytest.raises(TrioLLMError, match="cannot write") as failed:
         slot_file.save(tmp_path / "no-such-dir" / "s.bin", cfg, [1], kv[:, :, :1])
     assert not isinstance(failed.value, InvalidRequest)
+
+
+def test_a_hybrid_slot_file_carries_the_recurrent_state_of_its_shape(tmp_path: Path) -> None:
+    """A gated delta-net model's file holds the state beside the cache; its shape names
+    the recurrent layers, so a hybrid of other delta-net heads is another model, and a
+    state of the wrong length (or not finite) is refused."""
+    import attrs
+    import numpy as np
+
+    from trio_llm.model.synth import PRESETS
+    from trio_llm.server import slot_file
+
+    cfg = PRESETS["tiny-qwen35"].config()
+    n_state = slot_file.state_size(cfg)
+    assert n_state == 3 * (3 * (2 * 2 * 64 + 4 * 64) + 4 * 64 * 64)  # 3 layers: conv state and 4 heads of 64 x 64
+    kv = np.zeros((cfg.n_layer, 2, 3, cfg.kv_dim), np.float32)
+    state = np.random.default_rng(1).standard_normal(n_state).astype(np.float32)
+    path = tmp_path / "h.bin"
+    slot_file.save(path, cfg, [1, 2, 3], kv, state)
+    tokens, _, back = slot_file.load(path, cfg, n_ctx=16)
+    assert tokens == [1, 2, 3] and np.array_equal(back, state)
+    with pytest.raises(InvalidRequest, match="another model"):
+        slot_file.load(path, attrs.evolve(cfg, ssm_n_v_heads=2), n_ctx=16)
+    slot_file.save(path, cfg, [1, 2, 3], kv, state[:-1])
+    with pytest.raises(InvalidRequest, match="recurrent state of the wrong shape"):
+        slot_file.load(path, cfg, n_ctx=16)
+    state[5] = np.nan
+    slot_file.save(path, cfg, [1, 2, 3], kv, state)
+    with pytest.raises(InvalidRequest, match="recurrent state of the wrong shape"):
+        slot_file.load(path, cfg, n_ctx=16)
