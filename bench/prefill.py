@@ -4,8 +4,9 @@ attending to all the positions before it) through one attention dispatch per lay
 each followed by a barrier, for the per-(head, token) ``attention`` kernel and the tiled
 ``attention_prefill`` (scalar, and on cooperative matrices where the device has them:
 its tile sizes, its staged form, its keys split over 2 or 4 work groups plus the
-combine; ``prefill_cm`` is what the forward pass runs up to 8k of context, ``_split2``
-at 16k, ``_split4`` from 32k).
+combine; ``prefill`` / ``prefill_cm`` is what the forward pass runs up to 8k of
+context, split in 2 at 16k and in 4 from 32k, which only the coopmat kernel's
+``_split2`` / ``_split4`` rows here time).
 This is the part of a prefill that grows with the square of the prompt (issue 13:
 llama-1b prefilled 8k / 32k prompts at 3,974 / 1,245 tok/s, llama.cpp CUDA at 47,156 /
 35,805); the projections are the rest (``bench/decode.py --pp N`` times a whole prefill

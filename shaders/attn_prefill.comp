@@ -13,6 +13,8 @@
 // mask_opt), so only the tiles on the diagonal (and a window's edge) pay for it.
 // Tokens of several sequences in one tile (continuous batching) are served one
 // sequence at a time: the rows of the other sequences see nothing in that pass.
+// With n_split > 1 each pass's key tiles are split over the grid's z, each split
+// writing its rows' unnormalised output and (m, l) for attn_combine.comp.
 //
 // K and V are read in their cache types K_TYPE / V_TYPE (kv.glsl, dequantized to f32
 // here); position p of a sequence is at row p % n_ctx of its rows (a ring for a
@@ -43,6 +45,9 @@ layout(binding = 2, std430) readonly buffer V2 { uvec2 vc2[]; };
 layout(binding = 2, std430) readonly buffer V16 { uint16_t vc16[]; };
 layout(binding = 3, std430) writeonly buffer O { float o[]; };
 DECLARE_STEP(4)
+// with n_split > 1: [cap, n_head, n_split, head_dim] unnormalised outputs, then
+// [cap, n_head, n_split, 2] (m, l) from ml_off on (attn_combine.comp adds them up)
+layout(binding = 5, std430) writeonly buffer P { float partial[]; };
 
 layout(push_constant) uniform Push {
     uint n_head;
@@ -53,7 +58,10 @@ layout(push_constant) uniform Push {
     uint q_stride;
     uint o_stride;
     float scale;
-    uint n_swa;  // sliding window (0: none)
+    uint n_swa;      // sliding window (0: none)
+    uint n_split;    // the grid's z: work groups sharing each tile of queries' keys
+    uint min_tiles;  // fewest key tiles a split takes
+    uint ml_off;     // where (m, l) start in partial[]
 } pc;
 
 layout(constant_id = 1) const uint G = 4;    // query heads per work group (of one KV head)
@@ -177,8 +185,13 @@ void main() {
         }
         bool one_seq = cur == live_mask && nlive == BQ;
         uint base = s * pc.n_ctx;
-        for (uint k0 = lomin; k0 <= pmax; k0 += BC) {
-            uint kn = min(BC, pmax + 1u - k0);
+        // this split's key tiles [kb0, kb1) of [lomin, pmax] (as attn_prefill_cm.comp)
+        uint ntl = (pmax - lomin) / BC + 1u;
+        uint per = max(pc.min_tiles, (ntl + pc.n_split - 1u) / pc.n_split);
+        uint kb0 = lomin + min(ntl, gl_WorkGroupID.z * per) * BC;
+        uint kb1 = min(pmax + 1u, lomin + min(ntl, (gl_WorkGroupID.z + 1u) * per) * BC);
+        for (uint k0 = kb0; k0 < kb1; k0 += BC) {
+            uint kn = min(BC, kb1 - k0);
             bool full = one_seq && k0 + BC - 1u <= pmin && k0 >= lomax;
 
             // (A) scores of key c against every row, a quarter of the dims per lane
@@ -263,8 +276,14 @@ void main() {
         }
         done |= cur;
     }
+    bool split = pc.n_split > 1u;  // partials out, unnormalised, with (m, l)
     if (rb < ROWS && qq == 0u) {
-        row_l[rb] = l_run;
+        row_l[rb] = split ? 1.0 : l_run;
+        if (split && rb / G < nlive) {
+            uint mb = pc.ml_off + (((t0 + rb / G) * pc.n_head + h0 + rb % G) * pc.n_split + gl_WorkGroupID.z) * 2u;
+            partial[mb] = m_run;
+            partial[mb + 1u] = l_run;
+        }
     }
     barrier();
 
@@ -273,11 +292,19 @@ void main() {
         uint tk = r / G;
         if (clane && r < ROWS && tk < nlive) {
             vec4 v = acc[i] / row_l[r];
-            uint ob = (t0 + tk) * pc.o_stride + (h0 + r % G) * HD + 4u * d4;
-            o[ob] = v.x;
-            o[ob + 1u] = v.y;
-            o[ob + 2u] = v.z;
-            o[ob + 3u] = v.w;
+            if (split) {
+                uint pb = (((t0 + tk) * pc.n_head + h0 + r % G) * pc.n_split + gl_WorkGroupID.z) * HD + 4u * d4;
+                partial[pb] = v.x;
+                partial[pb + 1u] = v.y;
+                partial[pb + 2u] = v.z;
+                partial[pb + 3u] = v.w;
+            } else {
+                uint ob = (t0 + tk) * pc.o_stride + (h0 + r % G) * HD + 4u * d4;
+                o[ob] = v.x;
+                o[ob + 1u] = v.y;
+                o[ob + 2u] = v.z;
+                o[ob + 3u] = v.w;
+            }
         }
     }
 }

@@ -228,10 +228,8 @@ def test_coopmat_kernel_emulated_split(env: Env, n_split: int) -> None:
 
 
 @pytest.mark.parametrize("n_split", [2, 4])
-def test_coopmat_split(env: Env, ops: Ops, n_split: int) -> None:
-    """The same on the cooperative-matrix kernel (where there is one)."""
-    if not ops.coopmat:
-        pytest.skip("the scalar kernel does not split the keys")
+def test_split(env: Env, ops: Ops, n_split: int) -> None:
+    """The same on the scalar and the cooperative-matrix kernels."""
     pos, seq = batch((0, 150, 37), (1, 0, 5), (2, 60, 20))
     check(env, ops, hd=64, n_head=8, n_kv=2, pos=pos, seq=seq, n_ctx=200, seed=n_split, n_split=n_split)
     pos, seq = batch((0, 300, 70))
@@ -261,10 +259,10 @@ def test_split_prefill_through_the_backend(env: Env, model_path) -> None:  # typ
 
 def test_emulated_split_prefill_through_the_backend(env: Env, model_path) -> None:  # type: ignore[no-untyped-def]
     """The same lowering on any device, with the cooperative-matrix kernel emulated
-    (``prefill_cm_emulate``, 32-row tiles): 600 tokens at n_ctx 16384 (two splits of the
-    record, both used) equal the unsplit emulated kernel's logits and the scalar
-    kernel's, within the f16 rounding of q, K, V and P (a split rounds its weights
-    against its own running max)."""
+    (``prefill_cm_emulate``, 32-row tiles) and on the scalar kernel: 600 tokens at n_ctx
+    16384 (two splits of the record, both used) equal the unsplit emulated kernel's
+    logits and the split scalar kernel's, within the f16 rounding of q, K, V and P (a
+    split rounds its weights against its own running max)."""
     model = load_gguf(model_path("tiny", "F16"))
     cfg = model.config
     prompt = np.random.default_rng(1).integers(0, cfg.n_vocab, 600).astype(np.int32)
@@ -273,8 +271,7 @@ def test_emulated_split_prefill_through_the_backend(env: Env, model_path) -> Non
         vk = VulkanBackend(model, n_ctx=16384, n_seq=1, cache_type_k="f32", cache_type_v="f32")
         try:
             vk._ops = attrs.evolve(vk._ops, prefill_split_most=most, prefill_cm_emulate=emulate, prefill_rows_cm=32)
-            want = (2 if most == 4 else 1) if emulate else 1
-            assert vk._ops.prefill_splits(16384, cfg.n_head, cfg.n_head_kv, cfg.head_dim) == want
+            assert vk._ops.prefill_splits(16384, cfg.n_head, cfg.n_head_kv, cfg.head_dim) == (2 if most == 4 else 1)
             got.append(vk.forward([SeqBatch(0, prompt, 0)])[0])
         finally:
             vk.close()

@@ -375,7 +375,7 @@ class Ops:
         cooperative-matrix kernel with its two products done by plain lanes (CM_EMULATE),
         on that tile, so that a device without them checks the rest of it.
 
-        ``n_split`` > 1 (the cooperative-matrix kernel only, ``prefill_splits``) splits
+        ``n_split`` > 1 (``prefill_splits``) splits
         each query tile's keys over that many work groups (at least ``min_tiles`` tiles
         of 32 each), which write partials to ``part`` (``attention_part_floats(cap,
         n_head, head_dim, n_split)`` floats) for ``attention_combine`` to add up into
@@ -408,18 +408,20 @@ class Ops:
             ml_off = cap * n_head * n_split * head_dim
             return Dispatch(k, (q, k_cache, v_cache, o, step, o if part is None else part),
                             (*push, n_split, min_tiles, ml_off), (math.ceil(cap / bq), n_head // g, n_split))
-        else:
-            assert n_split == 1, "only the cooperative-matrix kernel splits the keys"
-            k = self.kernels.get("attn_prefill", n_bindings=5, n_push=9, local_size=128,
-                                 defines=kv_defines(K_TYPE=kt, V_TYPE=vt), spec={1: g, 2: bq, 3: head_dim})
-        return Dispatch(k, (q, k_cache, v_cache, o, step), push, (math.ceil(cap / bq), n_head // g, 1))
+        assert n_split == 1 or (part is not None
+                                and part.size >= 4 * attention_part_floats(cap, n_head, head_dim, n_split))
+        k = self.kernels.get("attn_prefill", n_bindings=6, n_push=12, local_size=128,
+                             defines=kv_defines(K_TYPE=kt, V_TYPE=vt), spec={1: g, 2: bq, 3: head_dim})
+        ml_off = cap * n_head * n_split * head_dim
+        return Dispatch(k, (q, k_cache, v_cache, o, step, o if part is None else part),
+                        (*push, n_split, min_tiles, ml_off), (math.ceil(cap / bq), n_head // g, n_split))
 
     def prefill_splits(self, n_ctx: int, n_head: int, n_head_kv: int, head_dim: int, window: int = 0) -> int:
         """How many work groups share a query tile's keys in ``attention_prefill``: 1
-        for the scalar kernel and for sliding windows (few keys per tile), else one per
-        8k positions of context up to ``prefill_split_most`` (fixed at record time;
-        a shallow step uses fewer, the kernel's ``min_tiles``)."""
-        if window or not self.prefill_cm_ok(n_head, n_head_kv, head_dim):
+        for sliding windows (few keys per tile), else one per 8k positions of context
+        up to ``prefill_split_most`` (fixed at record time; a shallow step uses fewer,
+        the kernel's ``min_tiles``)."""
+        if window or not self.prefill_ok(head_dim):
             return 1
         return max(1, min(self.prefill_split_most, n_ctx // 8192))
 
