@@ -209,6 +209,37 @@ async def test_an_exclusive_waiter_drains_the_coresidents_and_no_one_joins_meanw
             x.close()
 
 
+async def test_a_cancelled_coresident_take_leaves_nothing_behind(tmp_path: Path, autojump_clock: object) -> None:
+    """Cancelled while registered on want.lock (an exclusive holder in the way) and
+    while queued for room (co-residents in the way): no registration, no ticket, no
+    member file, no token: the arbiter is as before the take."""
+    excl = await open_arbiter(tmp_path)
+    big = await member(tmp_path, 80)
+    c = await member(tmp_path, 50)
+    try:
+        await excl.take()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(c.take)
+            await trio.sleep(0.3)
+            assert excl.probe()  # registered: the exclusive holder sees it
+            nursery.cancel_scope.cancel()
+        assert not c.holding and not c.statistics().waiting
+        assert not excl.probe()  # the registration went with the cancel
+        excl.give_back()
+        await big.take()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(c.take)  # does not fit beside big: queued
+            await trio.sleep(0.3)
+            assert big.probe() and big.probe_reason == "budget"
+            nursery.cancel_scope.cancel()
+        assert not c.holding and not big.probe()  # its ticket is gone: nobody to make room for
+        assert [n for n in os.listdir(tmp_path / "queue") if n.endswith(".ticket")] == []
+        assert len(ledger_names(tmp_path)) == 1  # big's only
+    finally:
+        for x in (excl, big, c):
+            x.close()
+
+
 async def test_pinned_never_yields_and_pins_that_do_not_fit_are_refused(
     tmp_path: Path, autojump_clock: object, caplog: pytest.LogCaptureFixture
 ) -> None:
