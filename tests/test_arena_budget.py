@@ -739,19 +739,23 @@ async def test_sigkill_of_a_pinned_server_lets_the_big_one_load(tiny_model: Path
         assert len(names) == 1 and names[0].startswith(f"{x.proc.pid}-")  # p's entry removed
     finally:
         await p.http.aclose()
+        if p.proc.returncode is None:  # the test failed before the kill
+            p.proc.kill()
+            await p.proc.wait()
         code, err = await x.stop()
         assert code == 0, err[-2000:]
 
 
 @pytest.mark.slow
 async def test_sigkill_of_a_busy_coresident_lets_the_waiter_in(tiny_model: Path, tmp_path: Path) -> None:
-    """a streams (quantum 30 s: it would not make room for long) and b idles beside it;
+    """a streams (quantum 600 s: it would not make room for long) and b idles beside it;
     c, which fits beside neither, asks: b yields at once (budget), a would only at its
     quantum. SIGKILL a: its member is found dead, c joins and answers, and a request
     to b then makes c yield in turn. Nothing stranded, the ledger right."""
     from test_arbiter_servers import start
 
-    budget = ("--arena-budget", "18", "--arena-quantum", "30")
+    # a's quantum counts from its load: 30 s ran out before c asked inside a loaded full suite
+    budget = ("--arena-budget", "18", "--arena-quantum", "600")
     c = await start(tiny_model, tmp_path, "-c", "8192", *budget)
     a = await start(tiny_model, tmp_path, "-c", "512", *budget)
     b = await start(tiny_model, tmp_path, "-c", "512", *budget)
@@ -788,6 +792,9 @@ async def test_sigkill_of_a_busy_coresident_lets_the_waiter_in(tiny_model: Path,
         assert len(names) == 1 and names[0].startswith(f"{b.proc.pid}-")
     finally:
         await a.http.aclose()
+        if a.proc.returncode is None:  # the test failed before the kill: no server left behind
+            a.proc.kill()
+            await a.proc.wait()
         for s in (b, c):
             code, err = await s.stop()
             assert code == 0, err[-2000:]
