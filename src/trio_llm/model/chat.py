@@ -11,6 +11,9 @@ A template usually writes BOS itself, and the tokenizer adds one too when the mo
 asks for it; like llama-server we drop the template's leading BOS text in that case
 (and a trailing EOS text if the tokenizer appends EOS), so a prompt never starts with
 two BOS tokens. A file without a template gets plain ChatML, llama-server's fallback.
+``--chat-template NAME`` gives one of llama-server's built-in formats, written as Jinja
+in ``builtin_templates`` (those keep the prompt as llama.cpp's legacy formatter writes
+it: no BOS is dropped).
 """
 
 from __future__ import annotations
@@ -27,53 +30,11 @@ import jinja2.nodes
 import jinja2.sandbox
 
 from trio_llm.errors import InvalidRequest, TemplateError
+from trio_llm.model.builtin_templates import BUILTIN_TEMPLATES, LEGACY_SOURCES
 from trio_llm.model.tokenizer import Tokenizer
 
 #: used when the GGUF has no ``tokenizer.chat_template``
-FALLBACK_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
-#: llama-server's built-in templates that ``--chat-template NAME`` may name here, as
-#: Jinja with the same output as llama.cpp's ``llm_chat_apply_template`` for them
-BUILTIN_TEMPLATES: dict[str, str] = {
-    "chatml": FALLBACK_TEMPLATE,
-    "llama3": (
-        "{%- for message in messages %}"
-        "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
-        " + message['content'] | trim + '<|eot_id|>' }}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
-    ),
-    "gemma": (
-        "{%- set ns = namespace(system='') %}"
-        "{%- for message in messages %}"
-        "{%- if message['role'] == 'system' %}{%- set ns.system = ns.system + message['content'] | trim + '\\n\\n' %}"
-        "{%- else %}"
-        "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-        "{{- '<start_of_turn>' + role + '\\n' + ns.system + message['content'] | trim + '<end_of_turn>\\n' }}"
-        "{%- set ns.system = '' %}"
-        "{%- endif %}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
-    ),
-    "phi3": (
-        "{%- for message in messages %}"
-        "{{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
-    ),
-    "zephyr": (
-        "{%- for message in messages %}"
-        "{{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|endoftext|>\\n' }}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
-    ),
-}
+FALLBACK_TEMPLATE = BUILTIN_TEMPLATES["chatml"]
 
 
 def _raise_exception(message: str) -> None:
@@ -141,6 +102,10 @@ class ChatTemplate:
     _strip_bos: bool
     _strip_eos: bool
     _now: Callable[[], datetime.datetime] = datetime.datetime.now
+    #: one of llama-server's built-in formats (``--chat-template NAME``) but chatml: its
+    #: legacy formatter keeps the prompt as written (a BOS it writes stays, and a last
+    #: assistant message is rendered whole, not continued)
+    legacy: bool = False
 
     @classmethod
     def from_metadata(
@@ -178,14 +143,16 @@ class ChatTemplate:
             raise TemplateError(f"chat template line {exc.lineno}: {exc.message}") from None
         bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
         eos = tokenizer.token_text(tokenizer.eos_id)
+        legacy = source in LEGACY_SOURCES
         return cls(
             source=source,
             bos_token=bos,
             eos_token=eos,
             template=template,
-            strip_bos=tokenizer.add_bos and bool(bos),
-            strip_eos=tokenizer.add_eos and bool(eos),
+            strip_bos=tokenizer.add_bos and bool(bos) and not legacy,
+            strip_eos=tokenizer.add_eos and bool(eos) and not legacy,
             now=now,
+            legacy=legacy,
         )
 
     def render(

@@ -222,7 +222,7 @@ def _hf_repo(text: str) -> str:
 
 def _template(text: str) -> str:
     """Jinja source, or the name of a built-in template (its source then)."""
-    from trio_llm.model.chat import BUILTIN_TEMPLATES
+    from trio_llm.model.builtin_templates import BUILTIN_TEMPLATES
 
     if text in BUILTIN_TEMPLATES:
         return BUILTIN_TEMPLATES[text]
@@ -591,8 +591,8 @@ FLAGS: tuple[Flag, ...] = (
       env="LLAMA_ARG_THINK_BUDGET_MESSAGE"),
     N("--reasoning-preserve", "the template sees the messages as sent", neg="--no-reasoning-preserve",
       env="LLAMA_ARG_REASONING_PRESERVE"),
-    W("--chat-template", "a Jinja template, or a built-in name (chatml, llama3, gemma, phi3, zephyr; others "
-      "are refused)", value="JINJA_TEMPLATE", env="LLAMA_ARG_CHAT_TEMPLATE", dest="chat_template", conv=_template),
+    W("--chat-template", "a Jinja template, or any of llama-server's 54 built-in names (chatml, command-r, "
+      "llama2, mistral-v7, ...), rendered as its --no-jinja formatter does", value="JINJA_TEMPLATE", env="LLAMA_ARG_CHAT_TEMPLATE", dest="chat_template", conv=_template),
     W("--chat-template-file", "a file holding a Jinja chat template", value="JINJA_TEMPLATE_FILE",
       env="LLAMA_ARG_CHAT_TEMPLATE_FILE", dest="chat_template", conv=_read_text),
     W("--skip-chat-parsing", "answers are not parsed: reasoning and tool calls stay in content",

@@ -600,9 +600,10 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         inputs = P.chat_inputs(body, ctx.config, template.source)
         text = str(template.render(inputs.messages, add_generation_prompt=inputs.add_generation_prompt,
                                    **inputs.kwargs))
-        if inputs.continue_final:
+        if inputs.continue_final and not template.legacy:
             # prefill: the answer continues the last assistant message, so the prompt
-            # ends with its text (the template's end-of-turn after it is cut)
+            # ends with its text (the template's end-of-turn after it is cut); a
+            # built-in format keeps it, as llama-server's legacy formatter does
             last = str(inputs.messages[-1].get("content") or "")
             at = text.rfind(last) if last else -1
             if at >= 0:
