@@ -9,7 +9,7 @@
 # hybrid (the delta-net kernel tests, then qwen35-0.8b Q8_0/Q4_K_M and qwen35-9b Q4_K_M prefill and decode,
 #   the delta rule's share of pp512 and its chunked form against the recurrence),
 # residency, handoff,
-# server, serverpath (bench/serverpath.py, issue 14), scen1b, scen8b, coresident,
+# server, serverpath (bench/serverpath.py, issue 14), sample (its device-sampling tests), scen1b, scen8b, coresident,
 # e2emoe (qwen35-0.8b, qwen3-30b-a3b, qwen35-35b-a3b through HTTP beside llama-server; NO8B=1 skips the 8b),
 # e2e (bench/e2e.py: trio-llm serve beside llama-server Vulkan and CUDA through HTTP; needs
 #   .lcpp carried too: `bash ../shared/tools/llamacpp/prepare.sh` here first).
@@ -183,6 +183,8 @@ for i in range(4):
     stage residency-8b 80 $PY bench/residency.py --model "$M8B" --backend vulkan --repeats 3 ;;
   handoff)
     stage handoff-1b-weights 90 $PY bench/handoff.py --model "$M1" --backend vulkan --handoffs 60 --sleep-mode weights ;;
+  sample)  # the device sampling tests alone (also in verify)
+    stage verify-sample 150 $PY -m pytest -q -p no:cacheprovider tests/test_devsample.py tests/test_server_decode.py ;;
   serverpath)  # issue 14: the backend's own decode beside /completion on the same file, per-token breakdown;
     # TRIO_LLM_DECODE_STEPS 0 (logits read back, host sampling: the old path), 1 and 4 (device sampling)
     for st in ${SP_STEPS:-0 1 4}; do
