@@ -577,11 +577,10 @@ class SlotsEngine:
             dev = self._device_plan(plan)
             t0 = trio.current_time()
             try:
+                await self._restore_checkpoints(plan)
                 if dev is not None:
-                    await self._restore_checkpoints(plan)
                     ids = await self._client.decode(batch, *dev)  # [n_steps, len(plan)]
                 else:
-                    await self._restore_checkpoints(plan)
                     logits = await self._client.forward(batch)  # [len(plan), n_vocab]
                     await self._take_checkpoints(plan)
             except TrioLLMError as exc:
