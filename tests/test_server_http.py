@@ -386,6 +386,41 @@ async def test_chat_stream_ends_with_done(start: Start) -> None:
     assert rendered["prompt"].endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
+async def test_continue_final_message_and_verbose(start: Start) -> None:
+    """vLLM's ``continue_final_message`` continues the last assistant message (the
+    prompt ends with its text), and with ``add_generation_prompt`` left true it is a
+    400, as llama-server; ``verbose`` (default on with -v) adds llama-server's
+    ``__verbose``: the native answer with the prompt as text; /completion's answer
+    always holds the prompt."""
+    h = await start()
+    msgs = [{"role": "user", "content": "What is the best book"}, {"role": "assistant", "content": "Whill"}]
+    async with client(h) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 3, "add_generation_prompt": False,
+                                                       "continue_final_message": True, "verbose": True})
+        assert r.status_code == 200, r.text
+        verbose = r.json()["__verbose"]
+        assert verbose["prompt"].endswith("What is the best book<|eot_id|><|start_header_id|>assistant"
+                                          "<|end_header_id|>\n\nWhill")
+        assert verbose["tokens_predicted"] == r.json()["usage"]["completion_tokens"]
+        # the prefill heuristic (no switch), the last message as text parts: joined, then continued
+        parts = [msgs[0], {"role": "assistant", "content": [{"type": "text", "text": "Wh"}, {"type": "text", "text": "ill"}]}]
+        r = await c.post("/v1/chat/completions", json={"messages": parts, "max_tokens": 2, "verbose": True})
+        assert r.json()["__verbose"]["prompt"].endswith("<|end_header_id|>\n\nWh\nill")
+        r = await c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 3,
+                                                       "continue_final_message": True})
+        assert r.status_code == 400 and "add_generation_prompt" in r.json()["error"]["message"]
+        plain = await c.post("/v1/chat/completions", json={"messages": msgs[:1], "max_tokens": 2})
+        assert plain.status_code == 200 and "__verbose" not in plain.json()
+        bad = await c.post("/v1/chat/completions", json={"messages": msgs[:1], "max_tokens": 2, "verbose": "yes"})
+        assert bad.status_code == 400 and "'verbose'" in bad.json()["error"]["message"]
+        native = (await c.post("/completion", json={"prompt": PROMPT, "n_predict": 2})).json()
+        assert native["prompt"].endswith(PROMPT)
+    h2 = await start(verbose=True)
+    async with client(h2) as c:
+        r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.json()["__verbose"]["prompt"].endswith(PROMPT)
+
+
 # -- tokens ----------------------------------------------------------------------------------------
 
 

@@ -54,7 +54,7 @@ def ops(request: pytest.FixtureRequest, env: Env) -> Ops:
         return env.ops
     if not env.device.coopmat:
         pytest.skip(f"{env.device.name} reports no 16x16x16 f16 cooperative matrices (lavapipe has none)")
-    return attrs.evolve(env.ops, coopmat=True, prefill_cm_stage=request.param == "coopmat-staged")
+    return attrs.evolve(env.ops, coopmat=True, prefill_cm=True, prefill_cm_stage=request.param == "coopmat-staged")
 
 
 def np_attention(q, k, v, pos, seq, n_head_kv, n_swa, scale):  # type: ignore[no-untyped-def]
@@ -151,7 +151,7 @@ def test_other_gqa_ratios(env: Env, ops: Ops, gqa: int) -> None:
     """Head groups of 3 and 6 (30-row tiles: the scalar kernel on every device, the
     cooperative-matrix one needs a power of two), and a ratio of 16 (two head groups of
     8 per KV head)."""
-    assert ops.prefill_cm_ok(gqa * 2, 2, 64) == (ops.coopmat and gqa == 16)
+    assert ops.prefill_cm_ok(gqa * 2, 2, 64) == (ops.coopmat and ops.prefill_cm and gqa == 16)
     pos, seq = batch((0, 0, 23), (1, 40, 12))
     check(env, ops, hd=64, n_head=gqa * 2, n_kv=2, pos=pos, seq=seq, n_ctx=64, seed=gqa)
 
@@ -248,7 +248,8 @@ def test_split_prefill_through_the_backend(env: Env, model_path) -> None:  # typ
     for most in (4, 1):
         vk = VulkanBackend(model, n_ctx=16384, n_seq=1)
         try:
-            vk._ops = attrs.evolve(vk._ops, prefill_split_most=most)  # before any graph is recorded
+            # before any graph is recorded; the coopmat kernel is opt-in (TRIO_LLM_PREFILL_CM)
+            vk._ops = attrs.evolve(vk._ops, prefill_split_most=most, prefill_cm=True)
             cfg = model.config
             assert vk._ops.prefill_splits(16384, cfg.n_head, cfg.n_head_kv, cfg.head_dim) == (2 if most == 4 else 1)
             got.append(vk.forward([SeqBatch(0, prompt, 0)])[0])

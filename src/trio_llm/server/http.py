@@ -33,6 +33,7 @@ from trio_llm.errors import (
     TrioLLMError,
 )
 from trio_llm.model import chat_output as CO
+from trio_llm.model.chat import normalize_messages
 from trio_llm.server import embeddings as EM
 from trio_llm.server import infill as IN
 from trio_llm.server import params as P
@@ -604,7 +605,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             # prefill: the answer continues the last assistant message, so the prompt
             # ends with its text (the template's end-of-turn after it is cut); a
             # built-in format keeps it, as llama-server's legacy formatter does
-            last = str(inputs.messages[-1].get("content") or "")
+            last = str(normalize_messages(inputs.messages[-1:])[0]["content"])  # a list of parts joined
             at = text.rfind(last) if last else -1
             if at >= 0:
                 text = text[: at + len(last)]
@@ -721,6 +722,16 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
     # -- generation ----------------------------------------------------------------------
 
+    def verbose_of(body: Any, req: P.CompletionRequest, finals: Sequence[TaskFinal]) -> dict[str, Any]:
+        """llama-server's ``__verbose`` (the request's ``verbose``, on by default with
+        ``-v``): the first answer in the native shape, with the prompt as text, special
+        tokens written out. Empty when not asked for."""
+        if not P.get_bool(body, "verbose", ctx.config.verbose):
+            return {}
+        native = R.native_final(finals[0], piece, model=ctx.model_id, settings=req.params.to_json(), stream=False,
+                                n_probs=req.params.sampling.n_probs)
+        return {"__verbose": native | {"prompt": eng().tokenizer.decode(req.prompt)}}
+
     @app.post("/completion")
     @app.post("/completions")
     async def completion() -> Response:
@@ -738,6 +749,11 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             finals = await _finals(e, choices, open_requests)
             answers = [R.native_final(f, piece, model=ctx.model_id, settings=settings, stream=False,
                                       n_probs=n_probs, index=i) for i, f in enumerate(finals)]
+            # llama-server's answer holds the prompt as text (special tokens written out)
+            prompts = [p for p, _ in choices]
+            texts = await trio.to_thread.run_sync(lambda: [e.tokenizer.decode(p) for p in prompts])
+            for answer, text in zip(answers, texts, strict=True):
+                answer["prompt"] = text
             # several prompts: a list of answers, as llama-server gives
             return _json(answers[0] if len(answers) == 1 else answers)
 
@@ -752,14 +768,15 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     @app.post("/v1/completions")
     async def oai_completions() -> Response:
         e = eng()
-        req = await trio.to_thread.run_sync(P.parse_oai_completion, await _body(), e.tokenizer, limits())
+        body = await _body()
+        req = await trio.to_thread.run_sync(P.parse_oai_completion, body, e.tokenizer, limits())
         await check_grammar(req.params.grammar)
         id_ = f"cmpl-{e.queue.new_id_task()}"
         top = req.n_logprobs
         if not req.params.stream:
             finals = await _finals(e, req.choices(), open_requests)
             return _json(R.completion_response(finals, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs,
-                                               top=top, n=req.n))
+                                               top=top, n=req.n) | verbose_of(body, req, finals))
 
         created = R.unix_now()
         choices = req.choices()
@@ -813,7 +830,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             finals = await _finals(e, req.choices(), open_requests)
             answers = [CO.parse(f.content, spec)[0] for f in finals]
             return _json(R.chat_response(finals, piece, id_=id_, model=ctx.model_id, logprobs=req.logprobs, top=top,
-                                         answers=answers))
+                                         answers=answers) | verbose_of(body, req, finals))
 
         created = R.unix_now()
         done: dict[int, TaskFinal] = {}

@@ -496,6 +496,11 @@ class ChatInputs:
     continue_final: bool = False  # the last message is the assistant's, to be continued
 
 
+def _continuation(body: Mapping[str, Any]) -> bool:
+    value = _get(body, "continue_final_message")
+    return value is True or value in ("content", "reasoning_content")
+
+
 def chat_inputs(body: Any, config: ServerConfig, template_source: str | None) -> ChatInputs:
     """A chat request's messages, template variables (tools, the thinking switch) and
     answer format. Tools reach a template that knows them; for one that does not they
@@ -528,7 +533,13 @@ def chat_inputs(body: Any, config: ServerConfig, template_source: str | None) ->
     if config.skip_chat_parsing:
         fmt = None
     add_gen = get_bool(body, "add_generation_prompt", True)
-    continue_final = bool(config.prefill_assistant and messages and messages[-1].get("role") == "assistant")
+    # vLLM's / transformers' explicit switch (llama-server reads it too): true, or the
+    # part to continue ("content", "reasoning_content"); anything else means no
+    explicit = _continuation(body)
+    ends_assistant = bool(messages and messages[-1].get("role") == "assistant")
+    continue_final = ends_assistant and (explicit or config.prefill_assistant)
+    if explicit and add_gen:
+        raise InvalidRequest("Cannot set both add_generation_prompt and continue_final_message to true.")
     if continue_final:
         if len(messages) >= 2 and messages[-2].get("role") == "assistant":
             raise InvalidRequest("Cannot have 2 or more assistant messages at the end of the list.")

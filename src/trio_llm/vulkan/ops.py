@@ -9,6 +9,7 @@ count comes from the step buffer at run time and the extra work groups return at
 from __future__ import annotations
 
 import math
+import os
 
 import attrs
 import numpy as np
@@ -159,6 +160,10 @@ class Ops:
     prefill_cm_stage: bool = False
     #: most work groups sharing a query tile's keys (``prefill_splits``); 1: no split
     prefill_split_most: int = 4
+    #: the cooperative-matrix form of attention_prefill; off unless TRIO_LLM_PREFILL_CM=1
+    #: until `bench/h200.sh verify` has passed it on real hardware (it has only run
+    #: emulated, on lavapipe); the scalar tiled kernel serves meanwhile
+    prefill_cm: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_PREFILL_CM", "0") == "1")
     #: tests only: the cooperative-matrix path with its products emulated (CM_EMULATE),
     #: so a device without cooperative matrices runs all of that path's lowering
     prefill_cm_emulate: bool = False
@@ -347,11 +352,11 @@ class Ops:
 
     def prefill_cm_ok(self, n_head: int, n_head_kv: int, head_dim: int) -> bool:
         """Whether ``attention_prefill`` takes its cooperative-matrix form here: the
-        device has them (``coopmat``), subgroups of 32 or 64, a power-of-two head group
+        device has them (``coopmat``) and it is enabled (``prefill_cm``), subgroups of 32 or 64, a power-of-two head group
         (the rows are a multiple of 16 dividing the work group) and the shared memory
         (the device's reported limit)."""
         g = heads_per_group(n_head, n_head_kv)
-        hw = self.prefill_cm_emulate or self.coopmat and self.subgroup in (32, 64)
+        hw = self.prefill_cm_emulate or self.prefill_cm and self.coopmat and self.subgroup in (32, 64)
         sub = 32 if self.prefill_cm_emulate else self.subgroup
         return (hw and g & (g - 1) == 0 and head_dim % 16 == 0
                 and head_dim <= 256
