@@ -386,6 +386,55 @@ async def test_chat_stream_ends_with_done(start: Start) -> None:
     assert rendered["prompt"].endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
+async def test_return_progress_and_timings_per_token(start: Start) -> None:
+    """llama-server's stream extras: with ``return_progress`` a ``prompt_progress``
+    report before the prompt's first pass (processed == cache) and after each pass (the
+    last one complete), on /completion and chat; with ``timings_per_token`` every event
+    carries ``timings``, which never go backwards."""
+    h = await start(parallel=1, batch_size=8)
+    prompt = PROMPT + " again and again"
+    async with client(h) as c:
+        n = len((await c.post("/tokenize", json={"content": prompt, "add_special": True})).json()["tokens"])
+        r = await c.post("/completion", json={"prompt": prompt, "n_predict": 3, "stream": True,
+                                              "return_progress": True, "timings_per_token": True})
+        events = sse_events(r.text)
+        # the same prompt again: all but the last token cached, one pass
+        again = sse_events((await c.post("/completion", json={"prompt": prompt, "n_predict": 3, "stream": True,
+                                                                "return_progress": True})).text)
+        chat = sse_events((await c.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": prompt}], "max_tokens": 3, "stream": True,
+            "return_progress": True, "timings_per_token": True, "stream_options": {"include_usage": True}})).text)
+        plain = sse_events((await c.post("/completion", json={"prompt": prompt, "n_predict": 3,
+                                                                "stream": True})).text)
+    progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+    assert progress[0] == {"total": n, "cache": 0, "processed": 0, "time_ms": progress[0]["time_ms"]}
+    assert [p["processed"] for p in progress] == [*range(0, n, 8), n]  # one report per pass of -b 8
+    assert all(p["total"] == n and p["cache"] == 0 for p in progress)
+    assert all(e["tokens"] == [] and e["content"] == "" for e in events if "prompt_progress" in e)
+    assert all("timings" in e for e in events)
+    first = events[0]["timings"]
+    assert (first["prompt_n"], first["prompt_ms"], first["predicted_n"], first["predicted_ms"]) == (0, 0.0, 0, 0.0)
+    ms = [e["timings"]["prompt_ms"] for e in events]
+    assert ms == sorted(ms) and ms[-1] > 0
+    assert [e["timings"]["prompt_n"] for e in events if "prompt_progress" in e] == [p["processed"] for p in progress]
+    tokens = [e for e in events if "prompt_progress" not in e and not e["stop"]]
+    assert [e["timings"]["predicted_n"] for e in tokens] == list(range(1, len(tokens) + 1))
+    assert [e["prompt_progress"] for e in again if "prompt_progress" in e] == [
+        {"total": n, "cache": n - 1, "processed": n - 1, "time_ms": again[0]["prompt_progress"]["time_ms"]},
+        {"total": n, "cache": n - 1, "processed": n, "time_ms": again[1]["prompt_progress"]["time_ms"]}]
+    assert all("timings" not in e for e in again[:-1]) and "timings" in again[-1]
+    # chat: a report is a role delta; the first event is the first report; timings on
+    # every event (the final ones: on the usage chunk, the last before [DONE])
+    assert chat[-1] == "[DONE]"
+    reports = [e for e in chat[:-1] if "prompt_progress" in e]
+    assert chat[0] is reports[0] and reports[-1]["prompt_progress"]["processed"] == reports[-1]["prompt_progress"]["total"]
+    assert all(e["choices"][0]["delta"] == {"role": "assistant", "content": None} for e in reports)
+    assert all("timings" in e for e in chat[:-1] if e["choices"] and e["choices"][0]["delta"])
+    assert chat[-2]["choices"] == [] and chat[-2]["timings"]["predicted_n"] <= 3
+    assert "timings" not in chat[-3]  # the finish chunk: the timings went to the usage chunk
+    assert not any("prompt_progress" in e or "timings" in e for e in plain[:-1])
+
+
 async def test_continue_final_message_and_verbose(start: Start) -> None:
     """vLLM's ``continue_final_message`` continues the last assistant message (the
     prompt ends with its text), and with ``add_generation_prompt`` left true it is a

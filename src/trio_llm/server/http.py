@@ -254,7 +254,10 @@ async def run_tasks(
     ids = [queue.new_id_task() for _ in choices]
     index = {id_task: i for i, id_task in enumerate(ids)}
     # a buffer no sender can fill: per task one partial per position plus the final
+    # (and with return_progress one report per prompt pass, at most one per position)
     per_task = engine.n_ctx + 4 if any(p.stream for _, p in choices) else 4
+    if any(p.stream and p.return_progress for _, p in choices):
+        per_task += engine.n_ctx + 1
     send, recv = trio.open_memory_channel[TaskResult](per_task * len(choices))
     unfinished: set[int] = set()
     if open_requests is not None:
@@ -788,7 +791,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             if req.logprobs and msg.prob is not None:
                 lp = R.completion_logprobs([msg.prob], piece, top, offsets[i])
             offsets[i] += len(msg.text)
-            return [_sse(R.completion_chunk(id_=id_, model=ctx.model_id, created=created, text=msg.text, logprobs=lp, index=i))]
+            out = R.completion_chunk(id_=id_, model=ctx.model_id, created=created, text=msg.text, logprobs=lp, index=i)
+            return [_sse(out | R.partial_extras(msg))]
 
         def on_final(i: int, msg: TaskFinal) -> list[bytes]:
             chunk = R.completion_chunk(
@@ -840,13 +844,22 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             return _sse(R.chat_chunk(id_=id_, model=ctx.model_id, created=created, delta=delta, index=index, **kw))
 
         def on_partial(i: int, msg: TaskPartial) -> list[bytes]:
+            if msg.progress is not None:
+                # llama-server: a progress report is a role delta carrying prompt_progress
+                role = R.chat_chunk(id_=id_, model=ctx.model_id, created=created,
+                                    delta={"role": "assistant", "content": None}, index=i)
+                return [_sse(role | R.partial_extras(msg))]
             lp = None
             if req.logprobs and msg.prob is not None:
                 lp = R.chat_logprobs([msg.prob], piece, top)
             deltas = readers[i].feed(msg.text) if msg.text else []
             if lp is not None and not deltas:
                 deltas = [{}]  # the token's log-probabilities, its text held back
-            return [chunk(d, i, logprobs=lp if k == 0 else None) for k, d in enumerate(deltas)]
+            events = [R.chat_chunk(id_=id_, model=ctx.model_id, created=created, delta=d, index=i,
+                                   logprobs=lp if k == 0 else None) for k, d in enumerate(deltas)]
+            if events:
+                events[-1] |= R.partial_extras(msg)  # as llama-server: the timings on the last delta
+            return [_sse(e) for e in events]
 
         def on_final(i: int, msg: TaskFinal) -> list[bytes]:
             if msg.text_tail:
@@ -857,18 +870,19 @@ def create_app(ctx: ServerContext) -> QuartTrio:
                 id_=id_, model=ctx.model_id, created=created, delta={},
                 finish_reason=finish, index=i,
             )
-            last["timings"] = msg.timings.to_json()
-            out.append(_sse(last))
+            events = [last]
             done[i] = msg
             if req.include_usage and len(done) == req.n:
                 usage = R.chat_chunk(id_=id_, model=ctx.model_id, created=created, delta={})
-                out.append(_sse(usage | {"choices": [], "usage": R.usage([done[j] for j in range(req.n)], req.n)}))
-            return out
+                events.append(usage | {"choices": [], "usage": R.usage([done[j] for j in range(req.n)], req.n)})
+            events[-1]["timings"] = msg.timings.to_json()  # as llama-server: on the last event
+            return out + [_sse(e) for e in events]
 
         async def events() -> AsyncIterator[bytes]:
-            for i in range(req.n):
-                # llama-server's first delta: the role, content null (never an empty string)
-                yield chunk({"role": "assistant", "content": None}, i)
+            if not req.params.return_progress:  # else the first progress report is the role delta
+                for i in range(req.n):
+                    # llama-server's first delta: the role, content null (never an empty string)
+                    yield chunk({"role": "assistant", "content": None}, i)
             async for event in _task_events(e, req.choices(), on_partial, on_final, open_requests):
                 yield event
             yield SSE_DONE

@@ -284,6 +284,8 @@ def _task_params(body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_pre
         cache_prompt=get_bool(body, "cache_prompt", limits.defaults.cache_prompt),
         id_slot=get_int(body, "id_slot", -1, -1, limits.n_slots - 1),
         stream=get_bool(body, "stream", False),
+        return_progress=get_bool(body, "return_progress", False),
+        timings_per_token=get_bool(body, "timings_per_token", False),
     )
 
 

@@ -48,17 +48,28 @@ def native_probs(probs: Sequence[TokenProb], piece: Piece) -> list[dict[str, Any
     return [one(p.id, p.logprob) | {"top_logprobs": [one(t, lp) for t, lp in p.top]} for p in probs]
 
 
+def partial_extras(msg: TaskPartial) -> dict[str, Any]:
+    """A streamed event's ``timings`` (``timings_per_token``) and ``prompt_progress``
+    (``return_progress``), in any API's shape, as llama-server adds them."""
+    out: dict[str, Any] = {}
+    if msg.timings is not None:
+        out["timings"] = msg.timings.to_json()
+    if msg.progress is not None:
+        out["prompt_progress"] = msg.progress.to_json()
+    return out
+
+
 def native_partial(msg: TaskPartial, piece: Piece, *, n_probs: int, index: int = 0) -> dict[str, Any]:
     out: dict[str, Any] = {
         "index": index,
         "content": msg.text,
-        "tokens": [msg.token],
+        "tokens": [msg.token] if msg.progress is None else [],  # a progress report has no token
         "stop": False,
         "id_slot": -1,
     }
     if n_probs and msg.prob is not None:
         out["completion_probabilities"] = native_probs([msg.prob], piece)
-    return out
+    return out | partial_extras(msg)
 
 
 def native_final(

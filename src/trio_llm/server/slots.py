@@ -50,6 +50,7 @@ from trio_llm.server.queue import (
 )
 from trio_llm.server.stop import StopScanner
 from trio_llm.server.tasks import (
+    PromptProgress,
     ServerTask,
     SlotAction,
     StopType,
@@ -196,13 +197,22 @@ class Slot:
         self.restore_at = None
 
     def timings(self, now: float) -> Timings:
+        """The figures so far: while the prompt is processed, its passes until ``now``."""
+        done = bool(self.generated) or self.n_past >= self.n_prompt
         return Timings(
-            prompt_n=self.n_prompt - self.n_cached,
-            prompt_ms=1e3 * (self.t_prompt_done - self.t_start),
+            prompt_n=(self.n_prompt if done else self.n_past) - self.n_cached,
+            prompt_ms=1e3 * ((self.t_prompt_done if done else now) - self.t_start),
             cache_n=self.n_cached,
             predicted_n=len(self.generated),
             predicted_ms=1e3 * (now - self.t_prompt_done) if self.generated else 0.0,
         )
+
+    def progress(self, now: float) -> TaskPartial:
+        """llama-server's prompt progress report (``return_progress``), with its timings."""
+        assert self.task is not None
+        report = PromptProgress(self.n_prompt, self.n_cached, self.n_past, int(1e3 * (now - self.t_start)))
+        timings = self.timings(now) if self.task.params.timings_per_token else None
+        return TaskPartial(self.task.id_task, -1, "", None, progress=report, timings=timings)
 
     def finish(self, stop_type: StopType, now: float) -> TaskFinal:
         assert self.task is not None
@@ -411,6 +421,7 @@ class SlotsEngine:
                 slot.begin(msg.task, self._tokenizer.stream_decoder(), now, self._order)
                 self._n_prompt_cached += slot.n_cached
                 self._n_tokens_max = max(self._n_tokens_max, slot.n_prompt)
+                self._report_progress(slot, now)  # the first report: before any pass
             except TrioLLMError as exc:
                 slot.task = msg.task
                 error = TaskError(msg.task.id_task, str(exc), 400, "exceed_context_size_error")
@@ -721,9 +732,12 @@ class SlotsEngine:
                 continue  # cancelled while the pass ran
             slot.n_past += len(w.tokens)
             if slot.n_past < len(slot.seq):
+                self._report_progress(slot, now)
                 continue  # more prompt to go
             if not slot.generated:
                 slot.t_prompt_done = now
+                if not self._report_progress(slot, now):
+                    continue
                 if slot.task.params.n_predict == 0:
                     self._finish(slot, "limit", now)
                     continue
@@ -789,12 +803,14 @@ class SlotsEngine:
             slot.probs.append(prob)
         assert slot.text is not None
         text = slot.scanner.feed(slot.text.feed(token))
+        timings = slot.timings(now) if params.timings_per_token else None
+        partial = TaskPartial(slot.task.id_task, token, text, prob, timings=timings)
         if slot.scanner.stopping_word:
-            if text and params.stream and not self._send(slot, TaskPartial(slot.task.id_task, token, text, prob)):
+            if text and params.stream and not self._send(slot, partial):
                 return
             self._finish(slot, "word", now)
             return
-        if params.stream and not self._send(slot, TaskPartial(slot.task.id_task, token, text, prob)):
+        if params.stream and not self._send(slot, partial):
             return
         if params.n_predict >= 0 and len(slot.generated) >= params.n_predict:
             self._finish(slot, "limit", now)
@@ -802,6 +818,14 @@ class SlotsEngine:
             self._finish(slot, "limit", now)  # no position left to feed the token back
         else:
             slot.seq.append(token)
+
+    def _report_progress(self, slot: Slot, now: float) -> bool:
+        """Send a prompt progress report if the task asked for them (streaming with
+        ``return_progress``); False if the client went away (the slot is freed)."""
+        assert slot.task is not None
+        if slot.generated or not (slot.task.params.stream and slot.task.params.return_progress):
+            return True
+        return self._send(slot, slot.progress(now))
 
     def _finish(self, slot: Slot, stop_type: StopType, now: float) -> None:
         final = slot.finish(stop_type, now)

@@ -36,6 +36,10 @@ class TaskParams:
     id_slot: int = -1  # -1: any slot (best prefix match); else wait for this one
     stream: bool = False  # send a TaskPartial per token, not only the final result
     grammar: str | None = None  # an llguidance grammar (compiled at the edge) the answer must match
+    #: streaming: a ``prompt_progress`` event before the prompt's first pass and after
+    #: each of its passes (llama-server's ``return_progress``)
+    return_progress: bool = False
+    timings_per_token: bool = False  # streaming: ``timings`` in every event, not only the last
 
     def to_json(self) -> dict[str, object]:
         """llama-server's ``generation_settings`` / ``/slots`` ``params`` view."""
@@ -59,6 +63,7 @@ class TaskParams:
             "stream": self.stream,
             "cache_prompt": self.cache_prompt,
             "id_slot": self.id_slot,
+            "timings_per_token": self.timings_per_token,
         }
 
 
@@ -132,14 +137,35 @@ class Timings:
 
 
 @attrs.frozen
+class PromptProgress:
+    """llama-server's ``prompt_progress``: how far the prompt's evaluation has come.
+    ``processed`` counts the positions in the KV cache, the reused ones included, so
+    the first report (before any pass) has ``processed == cache``."""
+
+    total: int  # prompt tokens
+    cache: int  # reused from the slot's cache
+    processed: int
+    time_ms: int  # since the slot took the task
+
+    def to_json(self) -> dict[str, int]:
+        return {"total": self.total, "cache": self.cache, "processed": self.processed, "time_ms": self.time_ms}
+
+
+@attrs.frozen
 class TaskPartial:
     """One generated token while streaming; ``text`` may be empty while held back
-    (a possible start of a stop string, or an incomplete UTF-8 character)."""
+    (a possible start of a stop string, or an incomplete UTF-8 character).
+
+    A progress report (``return_progress``) is a partial without a token (``token``
+    -1, ``text`` empty) carrying ``progress``. ``timings`` is set on every partial of
+    a ``timings_per_token`` task: the figures so far."""
 
     id_task: int
     token: int
     text: str
     prob: TokenProb | None
+    progress: PromptProgress | None = None
+    timings: Timings | None = None
 
 
 @attrs.frozen
