@@ -218,9 +218,58 @@ def prefill_breakdown(be, pp: int, replays: int = 10) -> dict:  # type: ignore[n
     return out
 
 
+MOE_GROUPED = ("moe_group", "moe_matmul")
+
+
+def moe_prefill(be, pp: int, replays: int = 10) -> dict:  # type: ignore[no-untyped-def]
+    """GPU time of the prefill graph of ``pp`` tokens (one sequence from position 0)
+    with the expert products grouped by expert and tiled (``moe_group`` +
+    ``moe_matmul``, the default) and with one ``moe_matvec`` work group per (token,
+    expert) pair (``TRIO_LLM_MOE_MATMUL=0``), whole and the expert dispatches alone
+    (each followed by a barrier: they compute garbage, only their time counts). pp
+    tok/s from the whole graph's time, the backend's submit without Python."""
+    import attrs
+
+    from trio_llm.vulkan.graph import Barrier, Dispatch, Graph
+    from trio_llm.vulkan.ops import fill_step
+
+    bucket = 1 << max(0, (pp - 1).bit_length())
+    if bucket > be._cap or bucket <= 8 or "moe_map" not in be._act.bufs:
+        return {"skipped": f"pp {pp}: no grouped expert path in bucket {bucket} (largest {be._cap})"}
+    grouped = be.lowered(bucket, attrs.evolve(be._ops, moe_grouped=True))
+    per_pair = be.lowered(bucket, attrs.evolve(be._ops, moe_grouped=False))
+
+    def experts(part: list, names: tuple[str, ...]) -> list:  # type: ignore[type-arg]
+        return [x for d in part if isinstance(d, Dispatch) and d.kernel.name in names for x in (d, Barrier())]
+
+    parts = {"all_grouped": grouped, "all_matvec": per_pair, "experts_grouped": experts(grouped, MOE_GROUPED),
+             "experts_matvec": experts(per_pair, ("moe_matvec",))}
+    out: dict = {"tokens": pp, "bucket": bucket}
+    device = be._device
+    with device.lock:
+        fill_step(be._act.step_words, np.zeros(pp, np.uint32), np.arange(pp, dtype=np.uint32),
+                  np.zeros(pp, np.uint32), np.array([pp - 1], np.uint32))
+        for name, part in parts.items():
+            graph = Graph.record(device, part)
+            try:
+                graph.run()
+                times = []
+                for _ in range(replays):
+                    t0 = common.now()
+                    graph.run()
+                    times.append(common.now() - t0)
+            finally:
+                graph.close()
+            out[name + "_ms"] = 1e3 * sorted(times)[len(times) // 2]
+    out["pp_tps_grouped"] = pp / (out["all_grouped_ms"] / 1e3)
+    out["pp_tps_matvec"] = pp / (out["all_matvec_ms"] / 1e3)
+    out["experts_speedup"] = out["experts_matvec_ms"] / out["experts_grouped_ms"]
+    return out
+
+
 def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  # type: ignore[no-untyped-def]
                 residency_too: bool = False, breakdown_too: bool = False, n_cpu_moe: float = 0.0,
-                prefill_too: bool = False) -> dict:
+                prefill_too: bool = False, moe_too: bool = False) -> dict:
     n_ctx = max(pp, tg) + 8
     if kind == "vulkan":
         from trio_llm.vulkan.backend import VulkanBackend
@@ -278,6 +327,7 @@ def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  
     mem = be.memory()
     breakdown = gpu_breakdown(be, model) if kind == "vulkan" and breakdown_too else None
     prefill = prefill_breakdown(be, pp) if kind == "vulkan" and prefill_too else None
+    moe = moe_prefill(be, pp) if kind == "vulkan" and moe_too else None
     residency = measure_residency(be, repeats) if kind == "vulkan" and residency_too else None
     be.close()
     out = {
@@ -295,6 +345,8 @@ def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  
         out["breakdown"] = breakdown
     if prefill is not None:
         out["prefill_breakdown"] = prefill
+    if moe is not None:
+        out["moe_prefill"] = moe
     if kind == "vulkan":
         out["gpu_ms_per_token"] = common.stats([1e3 * t / tg for t in replay_t])
         out["python_us_per_token"] = common.stats([1e6 * t / tg for t in python_t])
@@ -319,6 +371,9 @@ def main() -> int:
     ap.add_argument("--prefill-breakdown", action="store_true",
                     help="also time the pp graph whole, without the delta rule (its share), and the delta rule "
                          "chunked vs token by token (Vulkan, hybrid models)")
+    ap.add_argument("--moe-prefill", action="store_true",
+                    help="also time the pp graph with the expert products grouped by expert (the default) "
+                         "against one matvec per (token, expert) pair, whole and the experts alone (Vulkan, MoE)")
     args = ap.parse_args()
     path = args.model or common.model_file(args.preset, args.quant)
     model = load_gguf(path)
@@ -326,7 +381,7 @@ def main() -> int:
     rows = []
     for kind in args.backends.split(","):
         r = run_backend(kind.strip(), model, args.pp, args.tg, args.repeats, args.warmup, args.residency,
-                        args.breakdown, args.n_cpu_moe, args.prefill_breakdown)
+                        args.breakdown, args.n_cpu_moe, args.prefill_breakdown, args.moe_prefill)
         r["bytes_per_token"] = per_token
         r["hbm_share"] = common.stats([v * per_token / HBM_BYTES_PER_S for v in r["tg_tps"].values])
         rows.append(r)
@@ -346,6 +401,8 @@ def main() -> int:
             print(f"{r['backend']} breakdown: {r['breakdown']}")
         if "prefill_breakdown" in r:
             print(f"{r['backend']} prefill breakdown: {r['prefill_breakdown']}")
+        if "moe_prefill" in r:
+            print(f"{r['backend']} moe prefill: {r['moe_prefill']}")
         for level, fig in (r.get("residency") or {}).items():
             if level in ("raw_copy", "phases"):
                 print(f"{r['backend']} {level}: {fig}")

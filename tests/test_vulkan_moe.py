@@ -1,6 +1,8 @@
 """The mixture-of-experts kernels against the numpy reference's ops, on lavapipe:
 routing (softmax, top-k, renormalised weights), expert matvecs that read their ids
-from the routing buffer (every weight type), and the weighted combine."""
+from the routing buffer (every weight type), the prefill path's grouping of a chunk's
+pairs by expert and its tiled expert products (every weight type), the weighted
+combine, and the prefill lowering against the numpy backend."""
 
 from __future__ import annotations
 
@@ -10,12 +12,23 @@ import numpy as np
 import pytest
 
 from test_vulkan_ops import QTYPES, Env, make_weights
-from trio_llm.engine.reference import _moe_op
+from trio_llm.engine.backend import SeqBatch
+from trio_llm.engine.reference import NumpyBackend, _moe_op
 from trio_llm.graph import Graph
+from trio_llm.model.gguf import load_gguf
+from trio_llm.vulkan.backend import VulkanBackend
 from trio_llm.vulkan.device import shared_device
+from trio_llm.vulkan.graph import Barrier, Dispatch
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import Allocator
-from trio_llm.vulkan.ops import Ops
+from trio_llm.vulkan.ops import (
+    MOE_BN,
+    MOE_PERM_OFF,
+    Ops,
+    moe_map_words,
+    moe_max_tiles,
+    moe_tiles_off,
+)
 
 pytestmark = pytest.mark.vulkan
 
@@ -84,3 +97,94 @@ def test_moe_combine_weights_the_experts(env: Env) -> None:
     env.run([env.ops.moe_combine(env.put(ys), env.put(routes), out, st, n=n, k=k, y_stride=n, cap=4)])
     want = np.einsum("tkd,tk->td", ys, routes[:, k:])
     np.testing.assert_allclose(env.get(out).reshape(n_tok, n), want, rtol=1e-5, atol=1e-6)
+
+
+def _routing(n_tok: int, n_exp: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [T, k], routes [T, 2k]): expert 0 chosen by every token, the last by none,
+    the others at random (k distinct per token, as top-k gives)."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([np.concatenate([[0], rng.choice(np.arange(1, n_exp - 1), k - 1, replace=False)])
+                    for _ in range(n_tok)])
+    routes = np.concatenate([ids.astype(np.float32), rng.random((n_tok, k), np.float32)], axis=1)
+    return ids, routes
+
+
+@pytest.mark.parametrize(("n_tok", "n_exp", "k"), [(45, 9, 4), (1, 5, 2), (100, 130, 8)])
+def test_moe_group_permutes_the_pairs_by_expert_into_tiles(env: Env, n_tok: int, n_exp: int, k: int) -> None:
+    cap = 128
+    ids, routes = _routing(n_tok, n_exp, k, seed=n_tok)
+    m, st = env.zeros(moe_map_words(n_exp, k, cap), np.uint32), env.step([0] * n_tok)
+    env.run([env.ops.moe_group(env.put(routes), m, st, n_expert=n_exp, k=k, cap=cap)])
+    words = env.get(m, np.uint32)
+    perm = words[MOE_PERM_OFF : MOE_PERM_OFF + n_tok * k]
+    assert sorted(perm.tolist()) == list(range(n_tok * k))
+    flat = ids.reshape(-1)
+    counts = np.bincount(flat, minlength=n_exp)
+    want_tiles = [(e, s) for e in range(n_exp) for s in range(0, counts[e], MOE_BN)]
+    n_tiles = int(words[0])
+    assert n_tiles == len(want_tiles) <= moe_max_tiles(n_exp, k, cap)
+    tiles = words[moe_tiles_off(k, cap) :][: 2 * n_tiles].reshape(-1, 2)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    for (start, en), (e, s) in zip(tiles, want_tiles, strict=True):
+        n = min(MOE_BN, counts[e] - s)
+        assert (int(en) >> 8, int(en) & 0xFF, int(start)) == (e, n, starts[e] + s)
+        assert (flat[perm[start : start + n]] == e).all()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_moe_matmul_equals_the_per_token_products(env: Env, qtype: str) -> None:
+    """Tokens grouped by expert (45 tokens: tiles not full, an expert in every token,
+    one in none) give each (token, expert) pair's product, for one input per token
+    (gate, up) and one per pair (down)."""
+    n_exp, rows, cols, n_tok, k, cap = 9, 70, 512, 45, 4, 64
+    raw, ref = make_weights(qtype, n_exp * rows, cols, seed=11)
+    ref = ref.reshape(n_exp, rows, cols)
+    ids, routes = _routing(n_tok, n_exp, k, seed=12)
+    rng = np.random.default_rng(13)
+    x1 = rng.standard_normal((n_tok, cols)).astype(np.float32)
+    x2 = rng.standard_normal((n_tok, k, cols)).astype(np.float32)
+    w, st = env.put(raw), env.step([0] * n_tok)
+    m = env.zeros(moe_map_words(n_exp, k, cap), np.uint32)
+    y1, y2 = env.zeros(n_tok * k * rows), env.zeros(n_tok * k * rows)
+    kw = dict(n_in=cols, n_rows=rows, y_stride=k * rows, k=k, n_expert=n_exp, cap=cap)
+    env.run([
+        env.ops.moe_group(env.put(routes), m, st, n_expert=n_exp, k=k, cap=cap),
+        Barrier(),
+        env.ops.moe_matmul(qtype, w, env.put(x1), y1, st, m, x_stride=cols, x_pair=0, **kw),  # type: ignore[arg-type]
+        env.ops.moe_matmul(qtype, w, env.put(x2), y2, st, m, x_stride=k * cols, x_pair=cols, **kw),  # type: ignore[arg-type]
+    ])
+    want1 = np.einsum("tkoi,ti->tko", ref[ids], x1)
+    want2 = np.einsum("tkoi,tki->tko", ref[ids], x2)
+    for got, want in ((y1, want1), (y2, want2)):
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(env.get(got).reshape(n_tok, k, rows), want, atol=2e-5 * scale, rtol=0)
+
+
+def _kernels(backend: VulkanBackend, bucket: int) -> set[str]:
+    return {op.kernel.name for op in backend.lowered(bucket) if isinstance(op, Dispatch)}
+
+
+@pytest.mark.parametrize(("preset", "quant"), [("tiny-qwen3moe", "Q4_K_M"), ("tiny-qwen35moe", "Q8_0")])
+def test_prefill_groups_tokens_by_expert_and_equals_numpy(model_path, preset: str, quant: str) -> None:  # type: ignore[no-untyped-def]
+    """A prefill chunk (45 tokens: not a multiple of the tiles) runs the grouped expert
+    products, decode keeps moe_matvec, and both paths give numpy's logits (the grouped
+    ones also the per-pair path's), for the first chunk and a continuing one."""
+    model = load_gguf(model_path(preset, quant))
+    tokens = np.random.default_rng(3).integers(1, model.config.n_vocab, 60).astype(np.int32)
+    chunks = [SeqBatch(0, tokens[:45], 0), SeqBatch(0, tokens[45:], 45)]
+    ref = NumpyBackend(model, n_ctx=64, n_seq=1)
+    grouped, per_pair = VulkanBackend(model, n_ctx=64, n_seq=1), VulkanBackend(model, n_ctx=64, n_seq=1)
+    per_pair._ops.moe_grouped = False
+    try:
+        assert {"moe_group", "moe_matmul"} <= _kernels(grouped, 64) and "moe_matvec" not in _kernels(grouped, 64)
+        assert "moe_matvec" in _kernels(grouped, 8) and "moe_matmul" not in _kernels(grouped, 8)
+        assert "moe_matmul" not in _kernels(per_pair, 64)
+        for chunk in chunks:
+            want = ref.forward([chunk])
+            got = grouped.forward([chunk])
+            assert float(np.abs(got - want).max()) <= 2e-3 * float(np.abs(want).max())
+            np.testing.assert_allclose(got, per_pair.forward([chunk]), rtol=0, atol=1e-4 * float(np.abs(want).max()))
+    finally:
+        per_pair.close()
+        grouped.close()
+        ref.close()

@@ -40,6 +40,7 @@ from trio_llm.vulkan.forward import (
     Activations,
     KVCache,
     build_ops,
+    moe_map_bytes,
     plan_buffers,
     rope_consts,
 )
@@ -200,8 +201,10 @@ class VulkanBackend:
         self._rope_buf, consts = rope_consts(self._ir, factors)
         # --n-cpu-moe: these expert tensors are read from host-visible memory
         self._weights = WeightStore(self._alloc, model, host_tensors=self._host_tensors)
-        self._act = Activations(self._alloc, self._plan, self._width, self._cap, out_cap, consts,
-                                extra=extra_buffers() if self._output == "logits" else {})
+        extra = extra_buffers() if self._output == "logits" else {}
+        if moe_bytes := moe_map_bytes(self._ir, self._cap):  # the prefill buckets' expert grouping
+            extra["moe_map"] = (moe_bytes, "compute", "device")
+        self._act = Activations(self._alloc, self._plan, self._width, self._cap, out_cap, consts, extra=extra)
         self._sampler = DeviceSampler(device, self._ops, self._act, self.lowered)
         # several steps per submit run past a stop the host finds afterwards: only where
         # every layer's memory lets those positions be overwritten later (full KV cache);

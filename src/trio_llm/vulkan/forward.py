@@ -46,6 +46,7 @@ from trio_llm.vulkan.ops import (
     Ops,
     attention_part_floats,
     decode_splits,
+    moe_map_words,
     row_bytes,
 )
 from trio_llm.vulkan.recurrent import RecurrentState
@@ -55,6 +56,16 @@ MATVEC_MAX_COLS = 8
 
 #: ops whose output may take the buffer of their first input when that input dies there
 _IN_PLACE = {"add", "scale", "rms_norm", "rope", "glu"}
+
+
+def moe_map_bytes(graph: Graph, cap: int) -> int:
+    """Bytes of the expert grouping map the prefill buckets' ``moe_group`` writes (one
+    buffer, rewritten by every MoE layer): 0 when the graph has no experts or no bucket
+    is a prefill bucket."""
+    if cap <= MATVEC_MAX_COLS:
+        return 0
+    return max((4 * moe_map_words(int(n.inputs[1].shape[0]), n.attr("k"), cap)
+                for n in graph.nodes if n.op == "moe_linear"), default=0)
 
 
 @attrs.frozen
@@ -221,6 +232,7 @@ class _Lowering:
     _v_out: dict[int, Node] = attrs.field(factory=dict)  # attention id -> the v linear writing the cache
     _gate_up: dict[int, tuple[Node, Node, tuple[View, int, int]]] = attrs.field(factory=dict)
     _add_into: dict[int, Node] = attrs.field(factory=dict)  # linear id -> the add it accumulates for
+    _grouped: int = -1  # the routing whose grouping the moe map holds now
 
     @property
     def decode(self) -> bool:
@@ -589,12 +601,33 @@ class _Lowering:
 
     def op_moe_linear(self, node: Node) -> None:
         x, w, routes = node.inputs
-        _, n_rows, n_in = (int(d) for d in w.shape)
+        n_expert, n_rows, n_in = (int(d) for d in w.shape)
+        if not self.decode and self.ops.moe_grouped and "moe_map" in self.act.bufs:
+            self._moe_grouped(node, n_expert, n_rows, n_in)
+            return
         d = self.ops.moe_matvec(self.weights.slots[w.name].qtype, self.weights.view(w.name), self.view(x),
                                 self.view(node.out), self.st, self.view(routes), n_in=n_in, n_rows=n_rows,
                                 x_stride=x.width, x_pair=n_in if len(x.shape) == 3 else 0,
                                 y_stride=node.out.width, k=node.attr("k"), cap=self.bucket)
         self.emit([d], [self.slot(x), self.slot(routes)], [self.slot(node.out)])
+
+    def _moe_grouped(self, node: Node, n_expert: int, n_rows: int, n_in: int) -> None:
+        """Prefill buckets: the chunk's pairs grouped by expert once per routing (the
+        map is every layer's, a hazard of its own), then a tiled product per expert
+        over its tokens (``moe_matmul``), so each expert's weights are read once per
+        tile of 32 of its tokens rather than once per token."""
+        x, w, routes = node.inputs
+        k = node.attr("k")
+        m = self.act.view("moe_map")
+        if self._grouped != routes.id:
+            g = self.ops.moe_group(self.view(routes), m, self.st, n_expert=n_expert, k=k, cap=self.bucket)
+            self.emit([g], [self.slot(routes)], ["moe_map"])
+            self._grouped = routes.id
+        d = self.ops.moe_matmul(self.weights.slots[w.name].qtype, self.weights.view(w.name), self.view(x),
+                                self.view(node.out), self.st, m, n_in=n_in, n_rows=n_rows, x_stride=x.width,
+                                x_pair=n_in if len(x.shape) == 3 else 0, y_stride=node.out.width, k=k,
+                                n_expert=n_expert, cap=self.bucket)
+        self.emit([d], [self.slot(x), "moe_map"], [self.slot(node.out)])
 
     def op_moe_combine(self, node: Node) -> None:
         y, routes = node.inputs

@@ -164,6 +164,10 @@ class Ops:
     #: until `bench/h200.sh verify` has passed it on real hardware (it has only run
     #: emulated, on lavapipe); the scalar tiled kernel serves meanwhile
     prefill_cm: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_PREFILL_CM", "0") == "1")
+    #: prefill buckets' expert products grouped by expert and tiled (moe_group +
+    #: moe_matmul); TRIO_LLM_MOE_MATMUL=0 keeps moe_matvec per (token, expert) pair,
+    #: the A/B of bench/decode.py's MoE prefill
+    moe_grouped: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MOE_MATMUL", "1") != "0")
     #: tests only: the cooperative-matrix path with its products emulated (CM_EMULATE),
     #: so a device without cooperative matrices runs all of that path's lowering
     prefill_cm_emulate: bool = False
@@ -518,6 +522,32 @@ class Ops:
         push = (n_in, n_rows, x_stride, x_pair, y_stride, k, 2 * k)
         return Dispatch(kern, (w, x, y, step, routes), push, (math.ceil(n_rows / (nr * rs)), 1, cap * k))
 
+    def moe_group(
+        self, routes: View, moe_map: View, step: View, *, n_expert: int, k: int, cap: int,
+    ) -> Dispatch:
+        """The chunk's (token, expert) pairs grouped by expert into ``moe_map``
+        (``moe_map_words(n_expert, k, cap)`` uint32): per-expert counts, their scan,
+        the tile table and the permutation (moe_group.comp), all on the device, for
+        the ``moe_matmul`` dispatches that follow it (after a barrier)."""
+        assert n_expert <= 512 and cap * k < 65536
+        kern = self.kernels.get("moe_group", n_bindings=3, n_push=4, local_size=256)
+        assert moe_map.size >= 4 * moe_map_words(n_expert, k, cap)
+        return Dispatch(kern, (routes, moe_map, step), (n_expert, k, 2 * k, moe_tiles_off(k, cap)), (1, 1, 1))
+
+    def moe_matmul(
+        self, qtype: str, w: View, x: View, y: View, step: View, moe_map: View, *, n_in: int, n_rows: int,
+        x_stride: int, x_pair: int, y_stride: int, k: int, n_expert: int, cap: int,
+    ) -> Dispatch:
+        """``moe_matvec``'s products for a prefill chunk, tiled per expert over the
+        pairs ``moe_group`` gave it (moe_matmul.comp): each expert's weight tile is read
+        once per 32 of its tokens. Same arguments and result as ``moe_matvec``, with the
+        map in place of the routing."""
+        assert n_in % 32 == 0 and x_stride % 4 == 0 and x_pair % 4 == 0
+        kern = self.kernels.get("moe_matmul", n_bindings=5, n_push=7, local_size=256, defines=qtype_defines(qtype))
+        push = (n_in, n_rows, x_stride, x_pair, y_stride, k, moe_tiles_off(k, cap))
+        return Dispatch(kern, (w, x, y, step, moe_map), push,
+                        (math.ceil(n_rows / MOE_BM), moe_max_tiles(n_expert, k, cap), 1))
+
     def moe_combine(
         self, x: View, routes: View, y: View, step: View, *, n: int, k: int, y_stride: int, cap: int,
     ) -> Dispatch:
@@ -597,6 +627,30 @@ class Ops:
                                 spec={1: d, 2: cols})
         return Dispatch(kern, (q, k, v, beta, tm, pm, gc, o, state, step), (n_k, n_v),
                         (n_v * (d // cols), min(cap, runs), 1))
+
+
+#: rows and pairs of a moe_matmul tile (BM, BN in moe_matmul.comp and moe_group.comp)
+MOE_BM = 64
+MOE_BN = 32
+#: words before the permutation in the map (its first holds the live tile count)
+MOE_PERM_OFF = 4
+
+
+def moe_max_tiles(n_expert: int, k: int, cap: int) -> int:
+    """The most tiles of ``MOE_BN`` pairs ``cap`` tokens' ``cap * k`` pairs can make:
+    one expert has at most ``cap`` of them (a token picks it once), and the tiles of
+    all experts add up to at most one partial tile per expert used beyond the full ones."""
+    pairs = cap * k
+    return min(n_expert * math.ceil(cap / MOE_BN), math.ceil(pairs / MOE_BN) + min(n_expert, pairs))
+
+
+def moe_tiles_off(k: int, cap: int) -> int:
+    return MOE_PERM_OFF + cap * k
+
+
+def moe_map_words(n_expert: int, k: int, cap: int) -> int:
+    """uint32 words of ``moe_group``'s map: the header, the permutation, the tiles."""
+    return moe_tiles_off(k, cap) + 2 * moe_max_tiles(n_expert, k, cap)
 
 
 #: tokens per chunk of the delta rule's prefill form (``DC`` in delta_prep/delta_chunk.comp)

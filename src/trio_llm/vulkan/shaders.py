@@ -39,7 +39,7 @@ QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", 
           "Q6_K", "IQ4_NL", "IQ4_XS")
 
 #: shaders with one variant per weight type
-QUANT_SHADERS = ("matvec", "matmul", "get_rows", "moe_matvec")
+QUANT_SHADERS = ("matvec", "matmul", "get_rows", "moe_matvec", "moe_matmul")
 #: matvec with rope and the KV-cache write in its epilogue (see matvec.comp)
 ROPE_OUT = {"ROPE_OUT": 1}
 #: matvec of the FFN's gate and up at once, SwiGLU in the epilogue
@@ -48,7 +48,7 @@ GATE_UP = {"GATE_UP": 1}
 #: per cache type, see all_variants)
 PLAIN_SHADERS = ("rms_norm", "rope", "attention", "attn_decode", "attn_prefill", "swiglu", "add", "scale", "hadamard", "argmax",
                  "sample", "transpose", "attn_combine",
-                 "moe_topk", "moe_combine", "take", "l2_norm", "gate_rows", "rope_partial", "delta_net",
+                 "moe_topk", "moe_group", "moe_combine", "take", "l2_norm", "gate_rows", "rope_partial", "delta_net",
                  "delta_prep", "delta_chunk")
 #: KV cache type codes (model/kvtypes.py KVType.code) the cache readers and writers take
 KV_CODES = range(8)
