@@ -5,7 +5,7 @@
 # Stages: verify (the Vulkan correctness tests on the H200), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill, the pp512 graph
-#   with grouped expert matmuls against per-pair matvecs),
+#   with grouped expert matmuls against per-pair matvecs; MOE35=1 adds qwen35-35b-a3b's),
 # cpumoe (qwen35-35b-a3b Q4_K_M at --n-cpu-moe 0, 10, 10.5, 20),
 # hybrid (the delta-net kernel tests, then qwen35-0.8b Q8_0/Q4_K_M and qwen35-9b Q4_K_M prefill and decode,
 #   the delta rule's share of pp512 and its chunked form against the recurrence),
@@ -99,7 +99,8 @@ for s in $STAGES; do case $s in
       tests/test_vulkan_attn_prefill.py
     stage verify-model 200 env TRIO_LLM_COOPMAT=0 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_model.py
     # the MoE kernels, the prefill path's device-side grouping (shared atomics, scan) and grouped expert matmuls
-    stage verify-moe 150 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_moe.py
+    # (scalar dense matmuls, as verify-model: the model-level checks hold Vulkan to numpy at f32 tolerances)
+    stage verify-moe 150 env TRIO_LLM_COOPMAT=0 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_moe.py
     # sampling on the device = the host chain for the same seeds (issue 14), op level and through the slots loop
     stage verify-sample 150 $PY -m pytest -q -p no:cacheprovider tests/test_devsample.py tests/test_server_decode.py ;;
   prefill)  # prefill attention of whole prompts, op level (bench/prefill.py: the old per-head kernel up to 8k,
@@ -135,14 +136,22 @@ for s in $STAGES; do case $s in
       stage "decode-$tag-after" 150 $PY bench/decode.py --model "$m" --backends vulkan --repeats 3
     done ;;
   moe)  # mixture of experts: the MoE kernel tests on the GPU, then qwen3-30b-a3b Q4_K_M (18.6 GB)
-    stage verify-moe 120 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_moe.py tests/test_moe.py
+    stage verify-moe 150 env TRIO_LLM_COOPMAT=0 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_moe.py \
+      tests/test_moe.py
     if [ "${SMALL:-0}" = 1 ]; then MOE=tiny-qwen3moe; else MOE=qwen3-30b-a3b; fi
     stage make-moe 480 $PY -m trio_llm make-model --preset $MOE --quant Q4_K_M -o /tmp/m/$MOE-Q4_K_M.gguf -q
     stage decode-moe-q4km 300 $PY bench/decode.py --model /tmp/m/$MOE-Q4_K_M.gguf --backends vulkan --repeats 3 \
       --moe-prefill
     # the whole pp512 with one moe_matvec per (token, expert) pair instead of the grouped, tiled experts
     stage decode-moe-q4km-matvec 300 env TRIO_LLM_MOE_MATMUL=0 $PY bench/decode.py \
-      --model /tmp/m/$MOE-Q4_K_M.gguf --backends vulkan --repeats 2 --tg 16 ;;
+      --model /tmp/m/$MOE-Q4_K_M.gguf --backends vulkan --repeats 2 --tg 16
+    if [ "${MOE35:-0}" = 1 ]; then  # MOE35=1: qwen35-35b-a3b's (256 experts) too, the file cpumoe makes
+      if [ "${SMALL:-0}" = 1 ]; then M35=tiny-qwen35moe; else M35=qwen35-35b-a3b; fi
+      [ -f /tmp/m/$M35-Q4_K_M.gguf ] || stage make-moe35 480 $PY -m trio_llm make-model --preset $M35 \
+        --quant Q4_K_M -o /tmp/m/$M35-Q4_K_M.gguf -q
+      stage decode-moe35-pp 300 $PY bench/decode.py --model /tmp/m/$M35-Q4_K_M.gguf --backends vulkan \
+        --repeats 2 --tg 16 --moe-prefill
+    fi ;;
   cpumoe)  # qwen35-35b-a3b Q4_K_M (21 GB) with --n-cpu-moe 0, 10, 10.5, 20: decode cost per host-resident layer
     if [ "${SMALL:-0}" = 1 ]; then MOE=tiny-qwen35moe; NS="0 1 1.5"; else MOE=qwen35-35b-a3b; NS="0 10 10.5 20"; fi
     stage make-moe35 480 $PY -m trio_llm make-model --preset $MOE --quant Q4_K_M -o /tmp/m/$MOE-Q4_K_M.gguf -q
