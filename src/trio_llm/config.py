@@ -84,6 +84,7 @@ class ServerConfig:
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
     cache_prompt: bool = True  # --no-cache-prompt: the request field's default
+    cache_reuse: int = 0  # --cache-reuse: the request field n_cache_reuse's default (KV shifting; 0: off)
     chat_template: str | None = None  # --chat-template(-file): Jinja source replacing the file's
     chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)  # --chat-template-kwargs
     reasoning: str = "auto"  # --reasoning on|off|auto: the template's enable_thinking

@@ -462,6 +462,10 @@ async def _run_loaded(
     model, tokenizer, backend = loaded.model, loaded.tokenizer, loaded.backend
     log.info("model %s: %s backend, %d slot(s) of %d positions",
              model.path, backend.name, backend.n_seq, backend.n_ctx)
+    if config.cache_reuse > 0 and not getattr(backend, "can_shift", False):
+        # llama-server's words: a sliding window or a recurrent state cannot shift
+        log.warning("--cache-reuse %d: cache_reuse is not supported by this context (a sliding window or a "
+                    "recurrent state), it will be disabled: the common prefix is reused", config.cache_reuse)
     actor = BackendActor(backend)
     async with trio.open_nursery() as backend_nursery:
         await backend_nursery.start(actor.run)

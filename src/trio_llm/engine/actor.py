@@ -20,6 +20,7 @@ import trio
 
 from trio_llm.engine.backend import Backend, Level, SeqBatch
 from trio_llm.engine.devsample import DeviceChain
+from trio_llm.engine.kvshift import Move
 
 T = TypeVar("T")
 
@@ -124,6 +125,10 @@ class BackendClient:
 
     async def write_kv(self, seq_id: int, kv: np.ndarray) -> None:
         await self.call(lambda b: b.write_kv(seq_id, kv), "write_kv")
+
+    async def shift_kv(self, seq_id: int, moves: Sequence[Move]) -> None:
+        """Only for a backend whose ``can_shift`` is true (``engine/kvshift.py``)."""
+        await self.call(lambda b: b.shift_kv(seq_id, moves), "shift_kv")  # type: ignore[attr-defined]
 
     async def read_state(self, seq_id: int, raw: bool = False) -> np.ndarray:
         return await self.call(lambda b: b.read_state(seq_id, raw), "read_state")

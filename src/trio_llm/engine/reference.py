@@ -26,6 +26,7 @@ import numpy as np
 
 from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch, check_batch
 from trio_llm.engine.devsample import DeviceChain, check_decode, decode_steps
+from trio_llm.engine.kvshift import Move, can_shift, k_ropes, rope_factors, shift_k
 from trio_llm.engine.memory import (
     LayerMemory,
     plan_memory,
@@ -468,6 +469,30 @@ class NumpyBackend:
             out[m.layer, 0, pos] = k[seq_id, pos % m.rows].reshape(len(pos), m.kv_dim)
             out[m.layer, 1, pos] = v[seq_id, pos % m.rows].reshape(len(pos), m.kv_dim)
         return out
+
+    @property
+    def can_shift(self) -> bool:
+        """KV shifting (``--cache-reuse``): every layer a full positional KV cache."""
+        return can_shift(self.layers, self.recurrent)
+
+    def shift_kv(self, seq_id: int, moves: Sequence[Move]) -> None:
+        """The cache holds each type's float values (Hadamard-rotated for a quantized
+        K): K is roped by the delta and stored as its type again, V copied as is."""
+        if self._kv is None or self._weights is None:
+            raise BackendError("shift_kv while released; restore first")
+        if not self.can_shift:
+            raise BackendError("this model's memory cannot shift (a sliding window or a recurrent state)")
+        ropes = k_ropes(self.graph)
+        factors = rope_factors(self.graph, self._weights)
+        kt = self.cache_types[0]
+        kb, _ = rotation_blocks(*self.cache_types, self.config.head_dim)
+        for mv in moves:
+            for m, (k, v) in zip(self.layers, self._kv, strict=True):
+                rope = ropes[m.layer]
+                src = k[seq_id, mv.src : mv.src + mv.n].reshape(mv.n, -1)  # [n, kv_dim]
+                shifted = shift_k(src, mv.dst - mv.src, rope, factors.get(rope.out.id) if rope else None, kb)
+                k[seq_id, mv.dst : mv.dst + mv.n] = roundtrip(shifted, kt).reshape(mv.n, *k.shape[2:])
+                v[seq_id, mv.dst : mv.dst + mv.n] = v[seq_id, mv.src : mv.src + mv.n].copy()
 
     def write_kv(self, seq_id: int, kv: np.ndarray) -> None:
         if self._kv is None:

@@ -171,6 +171,10 @@ PRESETS: dict[str, Preset] = {
                 ("gpt2", "chatml"), "trio-llm tiny-qwen3-embd", pooling=gguf.PoolingType.LAST),
         _preset("tiny-qwen2", "qwen2", (256, 2, 4, 2, 64, 512, 1024), False, 1e6, 4096,
                 ("gpt2", "chatml"), "trio-llm tiny-qwen2"),
+        # one layer: its K and V depend only on the token and its position, so a KV shift
+        # (--cache-reuse) is exact and its answers can equal a fresh evaluation's
+        _preset("tiny-1layer", "llama", (256, 1, 4, 2, 64, 512, 1024), False, 1e4, 4096,
+                ("gpt2", "llama3"), "trio-llm tiny-1layer"),
         _preset("tiny-spm", "llama", (256, 2, 4, 2, 64, 512, 1024), False, 1e4, 4096,
                 ("llama", "llama2"), "trio-llm tiny-spm"),
         _preset("demo", "llama", (512, 4, 8, 4, 64, 1024, 4096), False, 1e4, 4096,

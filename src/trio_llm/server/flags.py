@@ -559,8 +559,11 @@ FLAGS: tuple[Flag, ...] = (
       conv=_int),
     W("--cache-prompt", "default of the request field cache_prompt", neg="--no-cache-prompt",
       env="LLAMA_ARG_CACHE_PROMPT", dest="cache_prompt"),
-    N("--cache-reuse", "KV shifting is not implemented; the longest cached prefix is always reused",
-      value="N", env="LLAMA_ARG_CACHE_REUSE", conv=_int),
+    W("--cache-reuse", "default of the request field n_cache_reuse: after the common prefix, cached chunks of at "
+      "least N tokens that the new prompt repeats further on are moved there (KV shifting: K re-roped, on the "
+      "host), not evaluated again; 0: off. Only where every layer is a full KV cache (no sliding window, no "
+      "recurrent state: those keep prefix reuse)", value="N", env="LLAMA_ARG_CACHE_REUSE", dest="cache_reuse",
+      conv=_int),
     W("--metrics", "serve Prometheus metrics at /metrics", env="LLAMA_ARG_ENDPOINT_METRICS", dest="metrics"),
     W("--props", "allow POST /props (accepted and answered as llama-server: nothing to change)",
       env="LLAMA_ARG_ENDPOINT_PROPS", dest="endpoint_props"),

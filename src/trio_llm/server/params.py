@@ -286,6 +286,7 @@ def _task_params(body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_pre
         stream=get_bool(body, "stream", False),
         return_progress=get_bool(body, "return_progress", False),
         timings_per_token=get_bool(body, "timings_per_token", False),
+        n_cache_reuse=get_int(body, "n_cache_reuse", limits.defaults.cache_reuse, -(1 << 31), (1 << 31) - 1),
     )
 
 

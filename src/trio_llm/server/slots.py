@@ -35,6 +35,7 @@ import trio
 from trio_llm.engine.actor import BackendClient
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.constraint import Constraint, Grammars, apply_masks
+from trio_llm.engine.kvshift import Move, reuse_chunks
 from trio_llm.engine.sampling import draw_u, log_softmax, make_rng, sample_u, top_logprobs
 from trio_llm.errors import ContextOverflow, InvalidRequest, TrioLLMError
 from trio_llm.server.checkpoints import Checkpoints
@@ -141,6 +142,10 @@ class Slot:
     checkpoints: Checkpoints | None = None  # a hybrid model's context checkpoints
     restore_at: int | None = None  # the checkpoint to write back before the next pass
     constraint: Constraint | None = None  # the task's grammar matcher, made on its first sample
+    can_shift: bool = False  # the backend can move cache rows (every layer a full KV cache)
+    #: KV moves (--cache-reuse) owed before the next pass, and the prefix valid until then
+    shifts: tuple[Move, ...] = ()
+    n_prefix: int = 0
 
     @property
     def state(self) -> SlotState:
@@ -156,7 +161,12 @@ class Slot:
         prompt = list(task.prompt)
         if len(prompt) >= self.n_ctx:
             raise ContextOverflow(len(prompt) + 1, self.n_ctx)
-        keep = common_prefix(self.cache(), prompt) if task.params.cache_prompt else 0
+        cache = self.cache()
+        keep = common_prefix(cache, prompt) if task.params.cache_prompt else 0
+        shifts: list[Move] = []
+        n_prefix = keep  # what the cache holds at its place until the moves are made
+        if task.params.cache_prompt and task.params.n_cache_reuse > 0 and self.can_shift:
+            keep, shifts = reuse_chunks(cache, prompt, keep, task.params.n_cache_reuse)
         ck = self.checkpoints
         if ck is not None:
             ck.keep_upto(keep)  # copies past the common prefix hold another sequence
@@ -169,6 +179,8 @@ class Slot:
         # else: continuing where the cache stands; a restore chosen for a task that went
         # away before its pass is still owed (the state is not at n_past yet)
         self.seq, self.n_past = prompt, keep
+        self.shifts = tuple(shifts)
+        self.n_prefix = min(n_prefix, keep)
         self.task, self.n_prompt, self.n_cached = task, len(prompt), keep
         self.generated, self.probs = [], []
         self.scanner = StopScanner(task.params.stop)
@@ -195,6 +207,7 @@ class Slot:
         if self.checkpoints is not None:
             self.checkpoints.clear()
         self.restore_at = None
+        self.shifts = ()
 
     def timings(self, now: float) -> Timings:
         """The figures so far: while the prompt is processed, its passes until ``now``."""
@@ -237,7 +250,10 @@ class Slot:
         return final
 
     def reset(self) -> None:
-        """Go idle; the KV cache (``seq[:n_past]``) stays for the next request."""
+        """Go idle; the KV cache (``seq[:n_past]``) stays for the next request (if its
+        KV moves were never made, only the common prefix before them)."""
+        if self.shifts:
+            self.n_past, self.shifts = min(self.n_past, self.n_prefix), ()
         self.task = None
         self.seq = self.seq[: self.n_past]
         self.rng = None
@@ -310,7 +326,8 @@ class SlotsEngine:
     def __attrs_post_init__(self) -> None:
         backend = self._client.backend
         reusable = getattr(backend, "reusable_prefix", None) or (lambda n_cached, n_common, _=(): n_common)
-        self._slots = [Slot(i, self.n_ctx, reusable=reusable) for i in range(backend.n_seq)]
+        shift = bool(getattr(backend, "can_shift", False))
+        self._slots = [Slot(i, self.n_ctx, reusable=reusable, can_shift=shift) for i in range(backend.n_seq)]
         if any(getattr(backend.config, "recurrent_layers", ())) and self.ctx_checkpoints > 0:
             for slot in self._slots:
                 slot.checkpoints = Checkpoints(self.ctx_checkpoints, self.checkpoint_min_step)
@@ -588,6 +605,7 @@ class SlotsEngine:
             dev = self._device_plan(plan)
             t0 = trio.current_time()
             try:
+                await self._shift_kv()
                 await self._restore_checkpoints(plan)
                 if dev is not None:
                     ids = await self._client.decode(batch, *dev)  # [n_steps, len(plan)]
@@ -670,6 +688,16 @@ class SlotsEngine:
                 slot.n_past += 1
                 self._accept(slot, int(ids[j, r]), None, now)
         self._t_phases["emit"] += trio.current_time() - now
+
+    async def _shift_kv(self) -> None:
+        """Make the KV moves ``Slot.begin`` chose (``--cache-reuse``), before any pass
+        reads or writes those positions."""
+        for slot in self._slots:
+            if slot.shifts and slot.task is not None:
+                moves, slot.shifts = slot.shifts, ()
+                await self._client.shift_kv(slot.id, moves)
+                log.info("slot %d: reused %d cached tokens by KV shifting (%d chunks)", slot.id,
+                         sum(m.n for m in moves), len(moves))
 
     async def _restore_checkpoints(self, plan: list[Work]) -> None:
         """Put back the checkpoint each slot continues from (``Slot.begin`` chose it)."""

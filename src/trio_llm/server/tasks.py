@@ -40,6 +40,7 @@ class TaskParams:
     #: each of its passes (llama-server's ``return_progress``)
     return_progress: bool = False
     timings_per_token: bool = False  # streaming: ``timings`` in every event, not only the last
+    n_cache_reuse: int = 0  # --cache-reuse: least chunk moved by KV shifting (engine/kvshift.py); 0: off
 
     def to_json(self) -> dict[str, object]:
         """llama-server's ``generation_settings`` / ``/slots`` ``params`` view."""
@@ -64,6 +65,7 @@ class TaskParams:
             "cache_prompt": self.cache_prompt,
             "id_slot": self.id_slot,
             "timings_per_token": self.timings_per_token,
+            "n_cache_reuse": self.n_cache_reuse,
         }
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch, check_batch
 from trio_llm.engine.devsample import DeviceChain, check_decode
+from trio_llm.engine.kvshift import Move, can_shift, k_ropes, shift_k
 from trio_llm.engine.memory import plan_memory, plan_recurrent, reusable_prefix, state_layout
 from trio_llm.engine.placement import cpu_moe_tensors
 from trio_llm.errors import (
@@ -32,7 +33,13 @@ from trio_llm.errors import (
 from trio_llm.graph import Output
 from trio_llm.model.config import ModelConfig
 from trio_llm.model.gguf import GGUFModel
-from trio_llm.model.kvtypes import DEFAULT_KV_TYPE, dequantize_rows, kv_type, quantize_rows
+from trio_llm.model.kvtypes import (
+    DEFAULT_KV_TYPE,
+    dequantize_rows,
+    kv_type,
+    quantize_rows,
+    rotation_blocks,
+)
 from trio_llm.models import build_graph
 from trio_llm.vulkan.device import Device, shared_device, vk_errors
 from trio_llm.vulkan.forward import (
@@ -170,6 +177,10 @@ class VulkanBackend:
                 f"buffer range ({limit >> 20} MiB): use fewer slots"
             )
         self._mem = plan_memory(self._ir, n_ctx=self.n_ctx, chunk=self._cap)
+        # KV shifting (--cache-reuse) ropes K rows on the host: each layer's K RoPE, its factors
+        self._k_ropes = k_ropes(self._ir)
+        self._k_factors = {n.out.id: np.asarray(model.tensor(n.inputs[1].name).dequantize(), np.float32)
+                           for n in self._k_ropes.values() if n is not None and len(n.inputs) > 1}
         # the delta rule's chunked prefill: its scratch, and its grid's most runs per step
         self._rs.n_seq = self.n_seq
         self._rs.work_sizes = chunk_scratch(self._ir, self._cap) if chunked_prefill(device.device_type) else {}
@@ -485,6 +496,33 @@ class VulkanBackend:
                 for i, (k, v) in enumerate(self._kv.read_rows(seq_id, n)):
                     data[il[i], 0] = dequantize_rows(k, lays[i].k_type, lays[i].kv_dim)
                     data[il[i], 1] = dequantize_rows(v, lays[i].v_type, lays[i].kv_dim)
+
+    @property
+    def can_shift(self) -> bool:
+        """KV shifting (``--cache-reuse``): every layer a full positional KV cache."""
+        return can_shift(self._mem, self._recurrent)
+
+    def shift_kv(self, seq_id: int, moves: Sequence[Move]) -> None:
+        """``engine/kvshift.py`` on the host: each move's rows read as stored, K decoded,
+        roped by the delta (through the cache's Hadamard rotation) and encoded again, V's
+        bytes written back as they are. One read and one write submit per move."""
+        self._check_open()
+        if self._level is not None:
+            raise BackendError(f"shift_kv while released (level {self._level.value}); restore first")
+        if not self.can_shift:
+            raise BackendError("this model's memory cannot shift (a sliding window or a recurrent state)")
+        kb, _ = rotation_blocks(*self.cache_types, self.config.head_dim)
+        with self._guard("shift KV cache"):
+            lays = self._kv.layers
+            for mv in moves:
+                rows = self._kv.read_rows(seq_id, mv.n, start=mv.src)
+                out = []
+                for m, lay, (k, v) in zip(self._mem, lays, rows, strict=True):
+                    rope = self._k_ropes[m.layer]
+                    kf = dequantize_rows(k, lay.k_type, lay.kv_dim)  # [n, kv_dim]
+                    kf = shift_k(kf, mv.dst - mv.src, rope, self._k_factors.get(rope.out.id) if rope else None, kb)
+                    out.append((quantize_rows(kf, lay.k_type).reshape(k.shape), v))
+                self._kv.write_rows(seq_id, out, start=mv.dst)
 
     def read_state(self, seq_id: int, raw: bool = False) -> np.ndarray:
         """The delta rule's matrices are kept [j][i] on the device (``delta_net.comp``):
