@@ -17,11 +17,12 @@ import trio
 from test_server_http import start  # noqa: F401  (the fixture: a real server on loopback)
 from trio_llm.engine.actor import BackendActor
 from trio_llm.engine.backend import Backend, SeqBatch
-from trio_llm.engine.kvshift import Move, k_ropes, reuse_chunks
+from trio_llm.engine.kvshift import Move, k_ropes, reuse_chunks, shift_k
 from trio_llm.engine.loader import open_backend
 from trio_llm.engine.reference import apply_rope, rope_angles
 from trio_llm.engine.sampling import SamplingParams
 from trio_llm.errors import BackendError
+from trio_llm.graph import Node, Tensor
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.kvtypes import hadamard, rotation_blocks, roundtrip
 from trio_llm.model.tokenizer import Tokenizer
@@ -192,3 +193,33 @@ async def test_the_flag_reaches_requests_through_http(start, model_path) -> None
     assert moved["generation_settings"]["n_cache_reuse"] == 8
     assert moved["timings"]["cache_n"] == 36 and off["timings"]["cache_n"] == 6
     assert bad.status_code == 400 and "n_cache_reuse" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("mode", "n_rot", "factors", "freq_scale", "kb"), [
+    ("normal", 0, False, 1.0, 0), ("neox", 0, True, 0.25, 64), ("neox", 16, False, 1.0, 0), ("normal", 32, True, 1.0, 64),
+])
+def test_shift_k_is_rope_at_the_sum_of_the_positions(mode: str, n_rot: int, factors: bool, freq_scale: float,
+                                                     kb: int) -> None:
+    """``shift_k(rope(x, p), d) == rope(x, p + d)`` through the forward's own rotation:
+    both RoPE layouts, partial RoPE, frequency factors (llama 3), linear scaling and the
+    quantized caches' Hadamard rotation (stored K rotated, the shift undoing it first)."""
+    hd, n_kv, n = 64, 2, 12
+    rng = np.random.default_rng(1)
+    nr = n_rot or hd
+    f = rng.uniform(1.0, 8.0, nr // 2).astype(np.float32) if factors else None
+    attrs_ = {"n_heads": n_kv, "head_dim": hd, "mode": mode, "theta": 1e4, "freq_scale": freq_scale}
+    if n_rot:
+        attrs_["n_rot"] = n_rot
+    x_t = Tensor(0, (1, n_kv * hd), "k", "value")
+    node = Node("rope", Tensor(1, (1, n_kv * hd), "k_rope", "value"), (x_t,), attrs_, 0)
+    cos, sin = rope_angles(nr, 1e4, 128, f, freq_scale)
+    x = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
+
+    def rope_at(pos: np.ndarray) -> np.ndarray:
+        y = x.copy()
+        y[..., :nr] = apply_rope(y[..., :nr], cos[pos], sin[pos], mode)
+        return hadamard(y, kb) if kb else y
+
+    p = np.arange(40, 40 + n)
+    got = shift_k(rope_at(p).reshape(n, -1), -33, node, f, kb)
+    np.testing.assert_allclose(got, rope_at(p - 33).reshape(n, -1), atol=2e-5)
