@@ -225,9 +225,10 @@ def moe_prefill(be, pp: int, replays: int = 10) -> dict:  # type: ignore[no-unty
     """GPU time of the prefill graph of ``pp`` tokens (one sequence from position 0)
     with the expert products grouped by expert and tiled (``moe_group`` +
     ``moe_matmul``, the default) and with one ``moe_matvec`` work group per (token,
-    expert) pair (``TRIO_LLM_MOE_MATMUL=0``), whole and the expert dispatches alone
-    (each followed by a barrier: they compute garbage, only their time counts). pp
-    tok/s from the whole graph's time, the backend's submit without Python."""
+    expert) pair (``TRIO_LLM_MOE_MATMUL=0``), and on a device with cooperative matrices
+    with ``moe_matmul_cm`` too (``TRIO_LLM_MOE_CM=1``), whole and the expert dispatches
+    alone (each followed by a barrier: they compute garbage, only their time counts).
+    pp tok/s from the whole graph's time, the backend's submit without Python."""
     import attrs
 
     from trio_llm.vulkan.graph import Barrier, Dispatch, Graph
@@ -244,6 +245,9 @@ def moe_prefill(be, pp: int, replays: int = 10) -> dict:  # type: ignore[no-unty
 
     parts = {"all_grouped": grouped, "all_matvec": per_pair, "experts_grouped": experts(grouped, MOE_GROUPED),
              "experts_matvec": experts(per_pair, ("moe_matvec",))}
+    if be._ops.coopmat and be._ops.subgroup in (32, 64):  # moe_matmul_cm (off by default: TRIO_LLM_MOE_CM=1)
+        cm = be.lowered(bucket, attrs.evolve(be._ops, moe_grouped=True, moe_cm=True))
+        parts |= {"all_grouped_cm": cm, "experts_grouped_cm": experts(cm, ("moe_group", "moe_matmul_cm"))}
     out: dict = {"tokens": pp, "bucket": bucket}
     device = be._device
     with device.lock:
@@ -264,6 +268,9 @@ def moe_prefill(be, pp: int, replays: int = 10) -> dict:  # type: ignore[no-unty
     out["pp_tps_grouped"] = pp / (out["all_grouped_ms"] / 1e3)
     out["pp_tps_matvec"] = pp / (out["all_matvec_ms"] / 1e3)
     out["experts_speedup"] = out["experts_matvec_ms"] / out["experts_grouped_ms"]
+    if "all_grouped_cm_ms" in out:
+        out["pp_tps_grouped_cm"] = pp / (out["all_grouped_cm_ms"] / 1e3)
+        out["experts_speedup_cm"] = out["experts_matvec_ms"] / out["experts_grouped_cm_ms"]
     return out
 
 

@@ -168,23 +168,75 @@ def _kernels(backend: VulkanBackend, bucket: int) -> set[str]:
 def test_prefill_groups_tokens_by_expert_and_equals_numpy(model_path, preset: str, quant: str) -> None:  # type: ignore[no-untyped-def]
     """A prefill chunk (45 tokens: not a multiple of the tiles) runs the grouped expert
     products, decode keeps moe_matvec, and both paths give numpy's logits (the grouped
-    ones also the per-pair path's), for the first chunk and a continuing one."""
+    ones also the per-pair path's), for the first chunk and a continuing one; so does
+    the cooperative-matrix form's lowering, emulated, within its f16 rounding."""
     model = load_gguf(model_path(preset, quant))
     tokens = np.random.default_rng(3).integers(1, model.config.n_vocab, 60).astype(np.int32)
     chunks = [SeqBatch(0, tokens[:45], 0), SeqBatch(0, tokens[45:], 45)]
     ref = NumpyBackend(model, n_ctx=64, n_seq=1)
-    grouped, per_pair = VulkanBackend(model, n_ctx=64, n_seq=1), VulkanBackend(model, n_ctx=64, n_seq=1)
+    grouped, per_pair, cm = (VulkanBackend(model, n_ctx=64, n_seq=1) for _ in range(3))
     per_pair._ops.moe_grouped = False
+    cm._ops.moe_cm_emulate = True  # moe_matmul_cm's f16 tiles, its products by plain lanes
     try:
         assert {"moe_group", "moe_matmul"} <= _kernels(grouped, 64) and "moe_matvec" not in _kernels(grouped, 64)
         assert "moe_matvec" in _kernels(grouped, 8) and "moe_matmul" not in _kernels(grouped, 8)
         assert "moe_matmul" not in _kernels(per_pair, 64)
+        assert "moe_matmul_cm" in _kernels(cm, 64) and "moe_matmul" not in _kernels(cm, 64)
         for chunk in chunks:
             want = ref.forward([chunk])
+            scale = float(np.abs(want).max())
             got = grouped.forward([chunk])
-            assert float(np.abs(got - want).max()) <= 2e-3 * float(np.abs(want).max())
-            np.testing.assert_allclose(got, per_pair.forward([chunk]), rtol=0, atol=1e-4 * float(np.abs(want).max()))
+            assert float(np.abs(got - want).max()) <= 2e-3 * scale
+            np.testing.assert_allclose(got, per_pair.forward([chunk]), rtol=0, atol=1e-4 * scale)
+            assert float(np.abs(cm.forward([chunk]) - want).max()) <= 5e-3 * scale
     finally:
+        cm.close()
         per_pair.close()
         grouped.close()
         ref.close()
+
+
+def _f16(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16).astype(np.float32)
+
+
+def _moe_cm_case(env: Env, qtype: str, ops: Ops, emulate: bool) -> None:
+    """moe_matmul_cm against numpy over f16-rounded weights and inputs (its tiles)."""
+    n_exp, rows, cols, n_tok, k, cap = 9, 70, 512, 45, 4, 64
+    raw, ref = make_weights(qtype, n_exp * rows, cols, seed=21)
+    ref = _f16(ref).reshape(n_exp, rows, cols)
+    ids, routes = _routing(n_tok, n_exp, k, seed=22)
+    rng = np.random.default_rng(23)
+    x1 = rng.standard_normal((n_tok, cols)).astype(np.float32)
+    x2 = rng.standard_normal((n_tok, k, cols)).astype(np.float32)
+    w, st = env.put(raw), env.step([0] * n_tok)
+    m = env.zeros(moe_map_words(n_exp, k, cap), np.uint32)
+    y1, y2 = env.zeros(n_tok * k * rows), env.zeros(n_tok * k * rows)
+    kw = dict(n_in=cols, n_rows=rows, y_stride=k * rows, k=k, n_expert=n_exp, cap=cap, emulate_cm=emulate)
+    d1 = ops.moe_matmul(qtype, w, env.put(x1), y1, st, m, x_stride=cols, x_pair=0, **kw)  # type: ignore[arg-type]
+    d2 = ops.moe_matmul(qtype, w, env.put(x2), y2, st, m, x_stride=k * cols, x_pair=cols, **kw)  # type: ignore[arg-type]
+    assert d1.kernel.name == "moe_matmul_cm"
+    env.run([ops.moe_group(env.put(routes), m, st, n_expert=n_exp, k=k, cap=cap), Barrier(), d1, d2])
+    want1 = np.einsum("tkoi,ti->tko", ref[ids], _f16(x1))
+    want2 = np.einsum("tkoi,tki->tko", ref[ids], _f16(x2))
+    for got, want in ((y1, want1), (y2, want2)):
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(env.get(got).reshape(n_tok, k, rows), want, atol=1e-4 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_K", "Q6_K"])
+def test_moe_matmul_cm_emulated_equals_numpy_over_f16_tiles(env: Env, qtype: str) -> None:
+    """The cooperative-matrix kernel's gather, tiles and stores, its products done by
+    plain lanes (lavapipe has no cooperative matrices)."""
+    _moe_cm_case(env, qtype, env.ops, emulate=True)
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q3_K", "IQ4_XS"])
+def test_moe_matmul_cm_equals_numpy_over_f16_tiles(env: Env, qtype: str) -> None:
+    """The cooperative-matrix kernel itself (off by default, TRIO_LLM_MOE_CM=1): runs
+    only where the device has them (the H200: bash bench/h200.sh verify)."""
+    import attrs
+
+    if not (env.device.coopmat and env.ops.subgroup in (32, 64)):
+        pytest.skip("the device has no 16x16x16 f16 cooperative matrices with subgroups of 32 or 64")
+    _moe_cm_case(env, qtype, attrs.evolve(env.ops, coopmat=True, moe_cm=True), emulate=False)

@@ -28,6 +28,7 @@ from trio_llm.vulkan.shaders import (
     coopmat_defines,
     kv_defines,
     matvec_defines,
+    moe_coopmat_defines,
     qtype_defines,
 )
 
@@ -168,6 +169,13 @@ class Ops:
     #: moe_matmul); TRIO_LLM_MOE_MATMUL=0 keeps moe_matvec per (token, expert) pair,
     #: the A/B of bench/decode.py's MoE prefill
     moe_grouped: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MOE_MATMUL", "1") != "0")
+    #: the cooperative-matrix form of moe_matmul where the device has them; off unless
+    #: TRIO_LLM_MOE_CM=1 until `bench/h200.sh verify` has passed it on real hardware
+    #: (lavapipe runs it only emulated)
+    moe_cm: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MOE_CM", "0") == "1")
+    #: tests only: moe_matmul's cooperative-matrix kernel with its products emulated
+    #: (CM_EMULATE) in every lowering, so lavapipe runs that path end to end
+    moe_cm_emulate: bool = False
     #: tests only: the cooperative-matrix path with its products emulated (CM_EMULATE),
     #: so a device without cooperative matrices runs all of that path's lowering
     prefill_cm_emulate: bool = False
@@ -536,17 +544,32 @@ class Ops:
 
     def moe_matmul(
         self, qtype: str, w: View, x: View, y: View, step: View, moe_map: View, *, n_in: int, n_rows: int,
-        x_stride: int, x_pair: int, y_stride: int, k: int, n_expert: int, cap: int,
+        x_stride: int, x_pair: int, y_stride: int, k: int, n_expert: int, cap: int, emulate_cm: bool = False,
     ) -> Dispatch:
         """``moe_matvec``'s products for a prefill chunk, tiled per expert over the
         pairs ``moe_group`` gave it (moe_matmul.comp): each expert's weight tile is read
         once per 32 of its tokens. Same arguments and result as ``moe_matvec``, with the
-        map in place of the routing."""
+        map in place of the routing. On cooperative matrices (moe_matmul_cm.comp, f16
+        tiles, f32 accumulators) where ``moe_cm_ok``; ``emulate_cm`` (tests) runs that
+        kernel with its products done by plain lanes."""
         assert n_in % 32 == 0 and x_stride % 4 == 0 and x_pair % 4 == 0
-        kern = self.kernels.get("moe_matmul", n_bindings=5, n_push=7, local_size=256, defines=qtype_defines(qtype))
+        if emulate_cm or self.moe_cm_emulate:
+            kern = self.kernels.get("moe_matmul_cm", n_bindings=5, n_push=7, local_size=256,
+                                    defines={**qtype_defines(qtype), "CM_EMULATE": 1})
+        elif self.moe_cm_ok():
+            kern = self.kernels.get("moe_matmul_cm", n_bindings=5, n_push=7, local_size=256,
+                                    defines=moe_coopmat_defines(qtype, self.subgroup))
+        else:
+            kern = self.kernels.get("moe_matmul", n_bindings=5, n_push=7, local_size=256,
+                                    defines=qtype_defines(qtype))
         push = (n_in, n_rows, x_stride, x_pair, y_stride, k, moe_tiles_off(k, cap))
         return Dispatch(kern, (w, x, y, step, moe_map), push,
                         (math.ceil(n_rows / MOE_BM), moe_max_tiles(n_expert, k, cap), 1))
+
+    def moe_cm_ok(self) -> bool:
+        """Whether ``moe_matmul`` takes its cooperative-matrix form: enabled
+        (``moe_cm``), the device has them (``coopmat``), subgroups of 32 or 64."""
+        return self.moe_cm and self.coopmat and self.subgroup in (32, 64)
 
     def moe_combine(
         self, x: View, routes: View, y: View, step: View, *, n: int, k: int, y_stride: int, cap: int,

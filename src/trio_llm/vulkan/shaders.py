@@ -149,7 +149,7 @@ def _tools() -> tuple[Path, Path, dict[str, str]]:
 
 
 #: shaders that need a compiler with cooperative matrices (glslangValidator, Vulkan 1.3)
-COOPMAT_SHADERS = ("matmul_cm", "attn_prefill_cm")
+COOPMAT_SHADERS = ("matmul_cm", "attn_prefill_cm", "moe_matmul_cm")
 
 
 def _compile_commands(name: str, defines: dict[str, object] | None, src: Path, out: str) -> tuple[list[list[str]], dict[str, str]]:
@@ -224,13 +224,20 @@ def coopmat_defines(qtype: str, subgroup: int) -> dict[str, object]:
     return {**qtype_defines(qtype), "CM_PER": max(1, 16 // (256 // subgroup))}
 
 
+def moe_coopmat_defines(qtype: str, subgroup: int) -> dict[str, object]:
+    """moe_matmul_cm.comp's variant: the weight type and its 16x16 blocks per subgroup
+    (8 blocks of a 64 x 32 tile over 256 / subgroup subgroups)."""
+    return {**qtype_defines(qtype), "CM_PER": max(1, 8 // (256 // subgroup))}
+
+
 def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for name in QUANT_SHADERS:
         for q in QTYPES:
             yield name, qtype_defines(q)
-    for q in QTYPES:  # the cooperative-matrix matmul, for subgroups of 32 and 64
+    for q in QTYPES:  # the cooperative-matrix matmuls, for subgroups of 32 and 64
         for sub in (32, 64):
             yield "matmul_cm", coopmat_defines(q, sub)
+            yield "moe_matmul_cm", moe_coopmat_defines(q, sub)
     for q in QTYPES:
         yield "matvec", {**qtype_defines(q), **ROPE_OUT}
         yield "matvec", {**qtype_defines(q), **GATE_UP}
