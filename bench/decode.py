@@ -237,7 +237,7 @@ def moe_prefill(be, pp: int, replays: int = 10) -> dict:  # type: ignore[no-unty
     bucket = 1 << max(0, (pp - 1).bit_length())
     if bucket > be._cap or bucket <= 8 or "moe_map" not in be._act.bufs:
         return {"skipped": f"pp {pp}: no grouped expert path in bucket {bucket} (largest {be._cap})"}
-    grouped = be.lowered(bucket, attrs.evolve(be._ops, moe_grouped=True))
+    grouped = be.lowered(bucket, attrs.evolve(be._ops, moe_grouped=True, moe_grouped_min=0))
     per_pair = be.lowered(bucket, attrs.evolve(be._ops, moe_grouped=False))
 
     def experts(part: list, names: tuple[str, ...]) -> list:  # type: ignore[type-arg]
@@ -246,7 +246,7 @@ def moe_prefill(be, pp: int, replays: int = 10) -> dict:  # type: ignore[no-unty
     parts = {"all_grouped": grouped, "all_matvec": per_pair, "experts_grouped": experts(grouped, MOE_GROUPED),
              "experts_matvec": experts(per_pair, ("moe_matvec",))}
     if be._ops.coopmat and be._ops.subgroup in (32, 64):  # moe_matmul_cm (off by default: TRIO_LLM_MOE_CM=1)
-        cm = be.lowered(bucket, attrs.evolve(be._ops, moe_grouped=True, moe_cm=True))
+        cm = be.lowered(bucket, attrs.evolve(be._ops, moe_grouped=True, moe_grouped_min=0, moe_cm=True))
         parts |= {"all_grouped_cm": cm, "experts_grouped_cm": experts(cm, ("moe_group", "moe_matmul_cm"))}
     out: dict = {"tokens": pp, "bucket": bucket}
     device = be._device
@@ -276,8 +276,8 @@ def moe_prefill(be, pp: int, replays: int = 10) -> dict:  # type: ignore[no-unty
 
 def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  # type: ignore[no-untyped-def]
                 residency_too: bool = False, breakdown_too: bool = False, n_cpu_moe: float = 0.0,
-                prefill_too: bool = False, moe_too: bool = False) -> dict:
-    n_ctx = max(pp, tg) + 8
+                prefill_too: bool = False, moe_too: bool = False, moe_sizes: tuple[int, ...] = ()) -> dict:
+    n_ctx = max(pp, tg, *moe_sizes) + 8
     if kind == "vulkan":
         from trio_llm.vulkan.backend import VulkanBackend
 
@@ -334,7 +334,7 @@ def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  
     mem = be.memory()
     breakdown = gpu_breakdown(be, model) if kind == "vulkan" and breakdown_too else None
     prefill = prefill_breakdown(be, pp) if kind == "vulkan" and prefill_too else None
-    moe = moe_prefill(be, pp) if kind == "vulkan" and moe_too else None
+    moe = ({n: moe_prefill(be, n) for n in moe_sizes or (pp,)} if kind == "vulkan" and moe_too else None)
     residency = measure_residency(be, repeats) if kind == "vulkan" and residency_too else None
     be.close()
     out = {
@@ -381,6 +381,9 @@ def main() -> int:
     ap.add_argument("--moe-prefill", action="store_true",
                     help="also time the pp graph with the expert products grouped by expert (the default) "
                          "against one matvec per (token, expert) pair, whole and the experts alone (Vulkan, MoE)")
+    ap.add_argument("--moe-prefill-sizes", default="",
+                    help="with --moe-prefill: the chunk sizes to time (e.g. 16,32,64,128,256,512; default --pp), "
+                         "the crossover Ops.moe_grouped_min is set from")
     args = ap.parse_args()
     path = args.model or common.model_file(args.preset, args.quant)
     model = load_gguf(path)
@@ -388,7 +391,8 @@ def main() -> int:
     rows = []
     for kind in args.backends.split(","):
         r = run_backend(kind.strip(), model, args.pp, args.tg, args.repeats, args.warmup, args.residency,
-                        args.breakdown, args.n_cpu_moe, args.prefill_breakdown, args.moe_prefill)
+                        args.breakdown, args.n_cpu_moe, args.prefill_breakdown, args.moe_prefill,
+                        tuple(int(n) for n in args.moe_prefill_sizes.split(",") if n))
         r["bytes_per_token"] = per_token
         r["hbm_share"] = common.stats([v * per_token / HBM_BYTES_PER_S for v in r["tg_tps"].values])
         rows.append(r)
@@ -408,8 +412,8 @@ def main() -> int:
             print(f"{r['backend']} breakdown: {r['breakdown']}")
         if "prefill_breakdown" in r:
             print(f"{r['backend']} prefill breakdown: {r['prefill_breakdown']}")
-        if "moe_prefill" in r:
-            print(f"{r['backend']} moe prefill: {r['moe_prefill']}")
+        for n, fig in (r.get("moe_prefill") or {}).items():
+            print(f"{r['backend']} moe prefill {n}: {fig}")
         for level, fig in (r.get("residency") or {}).items():
             if level in ("raw_copy", "phases"):
                 print(f"{r['backend']} {level}: {fig}")

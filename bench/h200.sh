@@ -145,7 +145,7 @@ for s in $STAGES; do case $s in
     if [ "${SMALL:-0}" = 1 ]; then MOE=tiny-qwen3moe; else MOE=qwen3-30b-a3b; fi
     stage make-moe 480 $PY -m trio_llm make-model --preset $MOE --quant Q4_K_M -o /tmp/m/$MOE-Q4_K_M.gguf -q
     stage decode-moe-q4km 300 $PY bench/decode.py --model /tmp/m/$MOE-Q4_K_M.gguf --backends vulkan --repeats 3 \
-      --moe-prefill
+      --moe-prefill --moe-prefill-sizes 16,32,64,128,256,512
     # the whole pp512 with one moe_matvec per (token, expert) pair instead of the grouped, tiled experts
     stage decode-moe-q4km-matvec 300 env TRIO_LLM_MOE_MATMUL=0 $PY bench/decode.py \
       --model /tmp/m/$MOE-Q4_K_M.gguf --backends vulkan --repeats 2 --tg 16
@@ -154,7 +154,7 @@ for s in $STAGES; do case $s in
       [ -f /tmp/m/$M35-Q4_K_M.gguf ] || stage make-moe35 480 $PY -m trio_llm make-model --preset $M35 \
         --quant Q4_K_M -o /tmp/m/$M35-Q4_K_M.gguf -q
       stage decode-moe35-pp 300 $PY bench/decode.py --model /tmp/m/$M35-Q4_K_M.gguf --backends vulkan \
-        --repeats 2 --tg 16 --moe-prefill
+        --repeats 2 --tg 16 --moe-prefill --moe-prefill-sizes 32,64,128,256,512
     fi ;;
   cpumoe)  # qwen35-35b-a3b Q4_K_M (21 GB) with --n-cpu-moe 0, 10, 10.5, 20: decode cost per host-resident layer
     if [ "${SMALL:-0}" = 1 ]; then MOE=tiny-qwen35moe; NS="0 1 1.5"; else MOE=qwen35-35b-a3b; NS="0 10 10.5 20"; fi

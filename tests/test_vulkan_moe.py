@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import attrs
 import numpy as np
 import pytest
 
@@ -160,8 +161,8 @@ def test_moe_matmul_equals_the_per_token_products(env: Env, qtype: str) -> None:
         np.testing.assert_allclose(env.get(got).reshape(n_tok, k, rows), want, atol=2e-5 * scale, rtol=0)
 
 
-def _kernels(backend: VulkanBackend, bucket: int) -> set[str]:
-    return {op.kernel.name for op in backend.lowered(bucket) if isinstance(op, Dispatch)}
+def _kernels(backend: VulkanBackend, bucket: int, ops: Ops | None = None) -> set[str]:
+    return {op.kernel.name for op in backend.lowered(bucket, ops) if isinstance(op, Dispatch)}
 
 
 @pytest.mark.parametrize(("preset", "quant"), [("tiny-qwen3moe", "Q4_K_M"), ("tiny-qwen35moe", "Q8_0")])
@@ -181,6 +182,9 @@ def test_prefill_groups_tokens_by_expert_and_equals_numpy(model_path, preset: st
         assert {"moe_group", "moe_matmul"} <= _kernels(grouped, 64) and "moe_matvec" not in _kernels(grouped, 64)
         assert "moe_matvec" in _kernels(grouped, 8) and "moe_matmul" not in _kernels(grouped, 8)
         assert "moe_matmul" not in _kernels(per_pair, 64)
+        # from 8 pairs per expert on average (16 experts, k 4: bucket 32), unless told otherwise
+        assert "moe_matmul" in _kernels(grouped, 32) and "moe_matmul" not in _kernels(grouped, 16)
+        assert "moe_matmul" not in _kernels(grouped, 64, attrs.evolve(grouped._ops, moe_grouped_min=17))
         assert "moe_matmul_cm" in _kernels(cm, 64) and "moe_matmul" not in _kernels(cm, 64)
         for chunk in chunks:
             want = ref.forward([chunk])
@@ -235,8 +239,6 @@ def test_moe_matmul_cm_emulated_equals_numpy_over_f16_tiles(env: Env, qtype: str
 def test_moe_matmul_cm_equals_numpy_over_f16_tiles(env: Env, qtype: str) -> None:
     """The cooperative-matrix kernel itself (off by default, TRIO_LLM_MOE_CM=1): runs
     only where the device has them (the H200: bash bench/h200.sh verify)."""
-    import attrs
-
     if not (env.device.coopmat and env.ops.subgroup in (32, 64)):
         pytest.skip("the device has no 16x16x16 f16 cooperative matrices with subgroups of 32 or 64")
     _moe_cm_case(env, qtype, attrs.evolve(env.ops, coopmat=True, moe_cm=True), emulate=False)

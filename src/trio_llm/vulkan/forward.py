@@ -602,7 +602,8 @@ class _Lowering:
     def op_moe_linear(self, node: Node) -> None:
         x, w, routes = node.inputs
         n_expert, n_rows, n_in = (int(d) for d in w.shape)
-        if not self.decode and self.ops.moe_grouped and "moe_map" in self.act.bufs:
+        if (not self.decode and self.ops.moe_grouped and "moe_map" in self.act.bufs
+                and self.bucket * node.attr("k") >= self.ops.moe_grouped_min * n_expert):
             self._moe_grouped(node, n_expert, n_rows, n_in)
             return
         d = self.ops.moe_matvec(self.weights.slots[w.name].qtype, self.weights.view(w.name), self.view(x),

@@ -169,6 +169,13 @@ class Ops:
     #: moe_matmul); TRIO_LLM_MOE_MATMUL=0 keeps moe_matvec per (token, expert) pair,
     #: the A/B of bench/decode.py's MoE prefill
     moe_grouped: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MOE_MATMUL", "1") != "0")
+    #: ... from a bucket whose pairs average at least this many per expert (bucket * k
+    #: >= this * n_expert): below it most of a 32-pair tile is padding, and a matvec per
+    #: pair reads little more than the tiles would. 8: qwen3-30b-a3b from 128 tokens,
+    #: qwen35-35b-a3b from 256, the tiny presets from 32. On lavapipe the crossover is
+    #: about 16 (docs/vulkan.md); on a GPU it is a guess until the H200's
+    #: bench/decode.py --moe-prefill-sizes gives it (TRIO_LLM_MOE_MIN sets it)
+    moe_grouped_min: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_MOE_MIN", "8")))
     #: the cooperative-matrix form of moe_matmul where the device has them; off unless
     #: TRIO_LLM_MOE_CM=1 until `bench/h200.sh verify` has passed it on real hardware
     #: (lavapipe runs it only emulated)
