@@ -62,6 +62,7 @@ from trio_llm.residency.ledger import (
     victims,
 )
 from trio_llm.residency.queue import Queue, Ticket
+from trio_llm.residency.queue import unlock as _unlock
 
 log = logging.getLogger(__name__)
 
@@ -124,15 +125,6 @@ def _now() -> float:
         return trio.current_time()
     except RuntimeError:
         return 0.0
-
-
-def _unlock(fd: int) -> None:
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return
-        except InterruptedError:
-            continue
 
 
 @attrs.frozen

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import attrs
 
+from trio_llm.residency.queue import set_mode, try_lock, unlock
+
 LEDGER_DIR = "ledger"
 LOCK_FILE = "lock"
 PROBE_FILE = "probe"
@@ -138,34 +140,6 @@ def member_name(pid: int, tag: str) -> str:
 # ---- the files -----------------------------------------------------------------------
 
 
-def _try_lock(fd: int, op: int) -> bool:
-    while True:
-        try:
-            fcntl.flock(fd, op | fcntl.LOCK_NB)
-            return True
-        except InterruptedError:
-            continue
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False
-            raise
-
-
-def _unlock(fd: int) -> None:
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return
-        except InterruptedError:
-            continue
-
-
-def _set_mode(fd: int, mode: int) -> None:
-    st = os.fstat(fd)
-    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
-        os.fchmod(fd, mode)
-
-
 class Busy(Exception):
     """``ledger/lock`` is held by another process at this instant: try at the next poll."""
 
@@ -206,7 +180,7 @@ class Ledger:
                     fds.append(os.open(name, os.O_RDWR | os.O_CREAT | _OPEN, mode, dir_fd=fd))
                     if not stat.S_ISREG(os.fstat(fds[-1]).st_mode):
                         raise OSError(errno.EINVAL, "not a regular file", str(path / name))
-                    _set_mode(fds[-1], mode)
+                    set_mode(fds[-1], mode)
             except BaseException:
                 for f in fds:
                     os.close(f)
@@ -227,23 +201,23 @@ class Ledger:
     @contextlib.contextmanager
     def locked(self, exclusive: bool) -> Iterator[None]:
         """The ledger's mutex, non-blocking: ``Busy`` if another process has it."""
-        if not _try_lock(self.lock_fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH):
+        if not try_lock(self.lock_fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH):
             raise Busy
         try:
             yield
         finally:
-            _unlock(self.lock_fd)
+            unlock(self.lock_fd)
 
     @contextlib.contextmanager
     def probing(self) -> Iterator[None]:
         """The probe's mutex, non-blocking: ``Busy`` if another co-resident probes or
         joins at this instant."""
-        if not _try_lock(self.probe_fd, fcntl.LOCK_EX):
+        if not try_lock(self.probe_fd, fcntl.LOCK_EX):
             raise Busy
         try:
             yield
         finally:
-            _unlock(self.probe_fd)
+            unlock(self.probe_fd)
 
     def _next_stamp(self) -> int:
         """Bump the use counter (under the exclusive lock)."""
@@ -279,7 +253,7 @@ class Ledger:
         except FileNotFoundError:
             return None
         try:
-            if not _try_lock(fd, fcntl.LOCK_SH):
+            if not try_lock(fd, fcntl.LOCK_SH):
                 return decode(pid, os.pread(fd, 256, 0)) if pid else None
             ours = os.fstat(fd)
             with contextlib.suppress(OSError):
@@ -299,9 +273,9 @@ class Ledger:
         tmp = f".{pid}-{self.tag}.member.tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, self.mode, dir_fd=self.dir_fd)
         try:
-            if not _try_lock(fd, fcntl.LOCK_EX):
+            if not try_lock(fd, fcntl.LOCK_EX):
                 raise Busy  # a reader is looking at it this instant
-            _set_mode(fd, self.mode)
+            set_mode(fd, self.mode)
             os.pwrite(fd, encode(rec.footprint, rec.budget, rec.pinned, rec.stamp), 0)
             os.rename(tmp, self._name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
         except BaseException:

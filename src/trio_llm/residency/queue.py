@@ -65,7 +65,12 @@ def is_head(mine: tuple[int, int], live: Iterable[tuple[int, int]]) -> bool:
 # ---- the files ---------------------------------------------------------------------
 
 
-def _try_lock(fd: int, op: int) -> bool:
+# the arena files' flock helpers, shared with ledger.py and arbiter.py
+
+
+def try_lock(fd: int, op: int) -> bool:
+    """One non-blocking flock: True if granted, False if somebody holds a conflicting
+    lock (EINTR retried)."""
     while True:
         try:
             fcntl.flock(fd, op | fcntl.LOCK_NB)
@@ -78,7 +83,16 @@ def _try_lock(fd: int, op: int) -> bool:
             raise
 
 
-def _set_mode(fd: int, mode: int) -> None:
+def unlock(fd: int) -> None:
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return
+        except InterruptedError:
+            continue
+
+
+def set_mode(fd: int, mode: int) -> None:
     """O_CREAT applies the umask: a file we own gets the policy's mode exactly."""
     st = os.fstat(fd)
     if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
@@ -136,8 +150,8 @@ class Queue:
         written before the ticket is visible."""
         fd = os.open(SEQ_FILE, os.O_RDWR | os.O_CREAT | _OPEN, self.mode, dir_fd=self.dir_fd)
         try:
-            _set_mode(fd, self.mode)
-            if not _try_lock(fd, fcntl.LOCK_EX):
+            set_mode(fd, self.mode)
+            if not try_lock(fd, fcntl.LOCK_EX):
                 return None
             text = os.pread(fd, 32, 0).strip()
             seq = (int(text) if text.isdigit() else 0) + 1
@@ -147,7 +161,7 @@ class Queue:
         pid = os.getpid() if pid is None else pid
         tmp = f".{pid}-{seq}.tmp"
         tfd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, self.mode, dir_fd=self.dir_fd)
-        if not _try_lock(tfd, fcntl.LOCK_EX):
+        if not try_lock(tfd, fcntl.LOCK_EX):
             # another waiter is looking at the temporary file at this instant (and
             # may remove it as dead): take another ticket next poll
             os.close(tfd)
@@ -155,7 +169,7 @@ class Queue:
                 os.unlink(tmp, dir_fd=self.dir_fd)
             return None
         try:
-            _set_mode(tfd, self.mode)
+            set_mode(tfd, self.mode)
             if note:
                 os.pwrite(tfd, note, 0)
             name = ticket_name(priority, seq, pid)
@@ -234,7 +248,7 @@ class Queue:
         except FileNotFoundError:
             return False
         try:
-            if not _try_lock(fd, fcntl.LOCK_SH):
+            if not try_lock(fd, fcntl.LOCK_SH):
                 return True
             ours = os.fstat(fd)
             with contextlib.suppress(OSError):
