@@ -172,8 +172,7 @@ def prefill_breakdown(be, pp: int, replays: int = 10) -> dict:  # type: ignore[n
     difference); the delta rule alone with its barriers, in the chunked form the graph
     uses and in the token-by-token recurrence it replaced (``delta_net.comp``, the
     decode form) for an A/B. Parts compute garbage; only their time matters."""
-    from trio_llm.vulkan.graph import Barrier, Dispatch, Graph
-    from trio_llm.vulkan.ops import fill_step
+    from trio_llm.vulkan.graph import Barrier, Dispatch
 
     bucket = 1 << max(0, (pp - 1).bit_length())
     if bucket > be._cap:
@@ -198,6 +197,18 @@ def prefill_breakdown(be, pp: int, replays: int = 10) -> dict:  # type: ignore[n
     # chunked: the graph's own choice (recurrent.chunked_prefill: GPUs yes, CPU drivers no)
     out: dict = {"tokens": pp, "bucket": bucket, "chunked": bool(work),
                  "delta_dispatches": sum(isinstance(d, Dispatch) and d.kernel.name in DELTA_KERNELS for d in ops)}
+    out |= _time_parts(be, pp, parts, replays)
+    out["delta_share"] = 1 - out["without_delta_ms"] / out["all_ms"]
+    return out
+
+
+def _time_parts(be, pp: int, parts: dict, replays: int) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    """Median GPU time (``<name>_ms``) of each dispatch list in ``parts``, recorded as a
+    graph and replayed over a step of ``pp`` tokens of one sequence from position 0."""
+    from trio_llm.vulkan.graph import Graph
+    from trio_llm.vulkan.ops import fill_step
+
+    out = {}
     device = be._device
     with device.lock:
         fill_step(be._act.step_words, np.zeros(pp, np.uint32), np.arange(pp, dtype=np.uint32),
@@ -214,7 +225,6 @@ def prefill_breakdown(be, pp: int, replays: int = 10) -> dict:  # type: ignore[n
             finally:
                 graph.close()
             out[name + "_ms"] = 1e3 * sorted(times)[len(times) // 2]
-    out["delta_share"] = 1 - out["without_delta_ms"] / out["all_ms"]
     return out
 
 
@@ -231,8 +241,7 @@ def moe_prefill(be, pp: int, replays: int = 10) -> dict:  # type: ignore[no-unty
     pp tok/s from the whole graph's time, the backend's submit without Python."""
     import attrs
 
-    from trio_llm.vulkan.graph import Barrier, Dispatch, Graph
-    from trio_llm.vulkan.ops import fill_step
+    from trio_llm.vulkan.graph import Barrier, Dispatch
 
     bucket = 1 << max(0, (pp - 1).bit_length())
     if bucket > be._cap or bucket <= 8 or "moe_map" not in be._act.bufs:
@@ -249,22 +258,7 @@ def moe_prefill(be, pp: int, replays: int = 10) -> dict:  # type: ignore[no-unty
         cm = be.lowered(bucket, attrs.evolve(be._ops, moe_grouped=True, moe_grouped_min=0, moe_cm=True))
         parts |= {"all_grouped_cm": cm, "experts_grouped_cm": experts(cm, ("moe_group", "moe_matmul_cm"))}
     out: dict = {"tokens": pp, "bucket": bucket}
-    device = be._device
-    with device.lock:
-        fill_step(be._act.step_words, np.zeros(pp, np.uint32), np.arange(pp, dtype=np.uint32),
-                  np.zeros(pp, np.uint32), np.array([pp - 1], np.uint32))
-        for name, part in parts.items():
-            graph = Graph.record(device, part)
-            try:
-                graph.run()
-                times = []
-                for _ in range(replays):
-                    t0 = common.now()
-                    graph.run()
-                    times.append(common.now() - t0)
-            finally:
-                graph.close()
-            out[name + "_ms"] = 1e3 * sorted(times)[len(times) // 2]
+    out |= _time_parts(be, pp, parts, replays)
     out["pp_tps_grouped"] = pp / (out["all_grouped_ms"] / 1e3)
     out["pp_tps_matvec"] = pp / (out["all_matvec_ms"] / 1e3)
     out["experts_speedup"] = out["experts_matvec_ms"] / out["experts_grouped_ms"]
