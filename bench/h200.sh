@@ -2,7 +2,7 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: verify (the Vulkan correctness tests on the H200), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
+# Stages: verify (the Vulkan correctness tests on the H200), tune (decode split, prefill cm), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill, the pp512 graph
 #   with grouped expert matmuls against per-pair matvecs; MOE35=1 adds qwen35-35b-a3b's),
@@ -14,6 +14,8 @@
 # e2emoe (qwen35-0.8b, qwen3-30b-a3b, qwen35-35b-a3b through HTTP beside llama-server; NO8B=1 skips the 8b),
 # e2e (bench/e2e.py: trio-llm serve beside llama-server Vulkan and CUDA through HTTP; needs
 #   .lcpp carried too: `bash ../shared/tools/llamacpp/prepare.sh` here first).
+# Carry ".cc" as well (the shader compiler's wheels) where a stage compiles variants beyond
+# compile-shaders' set (verify, prefill, attndepth); not beside .lcpp (64 MiB in all).
 # Unpacks the Vulkan loader (.gl/*.deb) and the Python wheels the image lacks (.whl),
 # makes the synthetic models, then runs the stages in order, each bounded by `timeout`.
 # Everything lands in $OUT/h200.tar.gz (re-packed after every stage, so a run cut
@@ -54,7 +56,7 @@ fi
 if [ -x .venv/bin/python ]; then PY=.venv/bin/python  # a local dry run
 else
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+    --target /tmp/site .whl/*.whl $(ls .cc/*.whl 2>/dev/null) || exit 1
   export PYTHONPATH=/tmp/site:$PWD/src
   PY=python3
 fi
@@ -118,6 +120,20 @@ for s in $STAGES; do case $s in
     done
     stage prefill-pp$PP1-1b 150 $PY bench/decode.py --model "$M1" --backends vulkan --pp $PP1 --tg 8 --repeats 2
     stage prefill-pp$PP2-1b 240 $PY bench/decode.py --model "$M1" --backends vulkan --pp $PP2 --tg 8 --repeats 2 ;;
+  tune)  # the choices to make from H200 figures (carry .cc: variants beyond compile-shaders' set):
+    # decode attention's split (min_chunk, work-group size, most splits) at the depths e2e decodes at,
+    # prefill attention scalar against cooperative matrices, and whole 8k prefills both ways
+    stage tune-attn-depth-1b 150 $PY bench/attn_depth.py --shape llama-1b --depths 128,640,8192,32768 \
+      --types f16 --min-chunk 128,256 --decode-wg 64,128 --repeats 10
+    stage tune-attn-depth-1b-most256 90 $PY bench/attn_depth.py --shape llama-1b --depths 640,8192,32768 \
+      --types f16 --min-chunk 128 --most 256 --repeats 10
+    stage tune-attn-depth-8b 120 $PY bench/attn_depth.py --shape llama-8b --depths 640,16384 --types f16 \
+      --min-chunk 128,256 --decode-wg 64,128 --repeats 10
+    stage tune-prefill-attn-1b 200 $PY bench/prefill.py --shape llama-1b --lengths 512,8192,32768 --types f16 \
+      --old-max 0 --rows-cm 0,32 --repeats 2
+    stage tune-pp8192-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 8192 --tg 8 --repeats 2
+    stage tune-pp8192-1b-cm 120 env TRIO_LLM_PREFILL_CM=1 $PY bench/decode.py --model "$M1" --backends vulkan \
+      --pp 8192 --tg 8 --repeats 2 ;;
   attndepth)  # decode attention at depth, op level: per-head attention vs attention_decode
     stage attn-depth-1b 240 $PY bench/attn_depth.py --shape llama-1b --depths 512,4096,32768,131072 \
       --types f16,q8_0,f32 --min-chunk 128,256,512

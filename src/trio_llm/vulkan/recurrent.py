@@ -41,16 +41,18 @@ def state_bytes(graph: Graph, n_seq: int) -> dict[int, int]:
 
 
 def chunked_prefill(device_type: str) -> bool:
-    """Whether prefill buckets run the delta rule's chunked form. It trades a token by
-    token chain (64 x 4 x d dependent multiply-adds per chunk) for matrix products over
-    d / 16 times the work groups, which pays where there are many cores to fill; a CPU
-    driver (lavapipe) has two to eight and does the chunked form's larger work more
-    slowly (tiny-qwen35, 200 tokens, lavapipe: 1.36 s against 0.34 s for the
-    recurrence). ``TRIO_LLM_DELTA_CHUNKED=1`` / ``0`` chooses by hand (tests, A/B)."""
+    """Whether prefill buckets run the delta rule's chunked form instead of the token by
+    token recurrence. Measured, it is not faster anywhere yet, so the recurrence is the
+    default on every device: on the H200 (pp512, ``bench/decode.py --prefill-breakdown``,
+    2026-12-01) qwen35-9b Q4_K_M's delta rule took 30.4 ms chunked against 19.9 ms as the
+    recurrence, qwen35-0.8b's 13.9 against 13.5 ms; on lavapipe (tiny-qwen35, 200 tokens)
+    1.36 s against 0.34 s. ``TRIO_LLM_DELTA_CHUNKED=1`` / ``0`` chooses by hand (tests,
+    A/B); ``device_type`` stays for a device where it pays."""
     env = os.environ.get("TRIO_LLM_DELTA_CHUNKED")
     if env in ("0", "1"):
         return env == "1"
-    return device_type != "cpu"
+    del device_type
+    return False
 
 
 def chunk_scratch(graph: Graph, cap: int) -> dict[str, int]:

@@ -122,9 +122,16 @@ def cache_key(name: str, defines: dict[str, object] | None = None) -> str:
 
 
 def _cmeel_prefix() -> Path:
+    """The cmeel wheels' install prefix: in this interpreter's site-packages, or in any
+    folder on ``sys.path`` (a ``pip install --target`` tree, as the H200 runs use)."""
+    import sys
     import sysconfig
 
-    return Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix"
+    default = Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix"
+    for root in [default.parent, *map(Path, filter(None, sys.path))]:
+        if (root / "cmeel.prefix" / "bin" / "glslangValidator").exists():
+            return root / "cmeel.prefix"
+    return default
 
 
 def glslang_validator() -> tuple[Path, dict[str, str]] | None:
