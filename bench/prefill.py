@@ -71,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
     if device.coopmat:
         for r in (int(x) for x in args.rows_cm.split(",")):
             kinds[f"prefill_cm_r{r}" if r else "prefill_cm"] = attrs.evolve(
-                base, coopmat=True, prefill_rows_cm=r).attention_prefill
-        kinds["prefill_cm_staged"] = attrs.evolve(base, coopmat=True, prefill_cm_stage=True).attention_prefill
+                base, coopmat=True, prefill_cm=True, prefill_rows_cm=r).attention_prefill
+        kinds["prefill_cm_staged"] = attrs.evolve(base, coopmat=True, prefill_cm=True,
+                                                  prefill_cm_stage=True).attention_prefill
     chosen = args.kernels.split(",") if args.kernels else []  # [] = every kernel in kinds
     rows = []
     rng = np.random.default_rng(0)
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
                 splits = [int(x) for x in args.splits.split(",") if int(x) > 1] if device.coopmat or emu else []
                 spart = alloc.create(4 * attention_part_floats(cap, n_head, hd, max(splits, default=1)),
                                      "compute", "device")
-                cm = attrs.evolve(base, coopmat=True, prefill_cm_emulate=emu, prefill_rows_cm=32 if emu else 0)
+                cm = attrs.evolve(base, coopmat=True, prefill_cm=True, prefill_cm_emulate=emu, prefill_rows_cm=32 if emu else 0)
                 for n in splits:  # the keys split over work groups, then the combine
                     def split_ops(q, kc, vc, o, step, n=n, cm=cm, spart=spart, **kw):  # type: ignore[no-untyped-def]
                         return [cm.attention_prefill(q, kc, vc, o, step, part=whole(spart), n_split=n, **kw),

@@ -255,7 +255,9 @@ def test_split_prefill_through_the_backend(env: Env, model_path) -> None:  # typ
             got.append(vk.forward([SeqBatch(0, prompt, 0)])[0])
         finally:
             vk.close()
-    np.testing.assert_allclose(got[0], got[1], atol=1e-4 * np.abs(got[1]).max(), rtol=0)
+    # f16 tiles summed in another order over 9000 keys and every layer: the H200 put
+    # them 3.5e-4 of the largest logit apart (both equal numpy within the op tests' bounds)
+    np.testing.assert_allclose(got[0], got[1], atol=1e-3 * np.abs(got[1]).max(), rtol=0)
 
 
 def test_emulated_split_prefill_through_the_backend(env: Env, model_path) -> None:  # type: ignore[no-untyped-def]

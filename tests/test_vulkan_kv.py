@@ -224,8 +224,8 @@ def test_prefill_attention_reads_every_type(env: Env, name: str) -> None:
 @pytest.mark.parametrize("hd", [64, 128, 256])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
 def test_decode_attention_head_dims_and_gqa(env: Env, hd: int, gqa: int) -> None:
-    """The default f16 cache, the default tile (decode_wg 128, min_chunk 256) and a
-    context of 700: positions past 256 split, 699 into three."""
+    """The default f16 cache, the default tile (decode_wg 128, min_chunk 128) and a
+    context of 700: positions past 128 split, 699 into six."""
     n_kv = 2
     _run_attention(env, env.ops, hd=hd, n_head=gqa * n_kv, n_kv=n_kv, pos=[0, 255, 256, 699, 400],
                    seq=[0, 0, 0, 0, 1], n_ctx=700, k_type="f16", v_type="f16",

@@ -76,7 +76,7 @@ def fill_step(
     words[h + 3 * STEP_CAP : h + 3 * STEP_CAP + len(out_rows)] = out_rows
 
 
-def decode_splits(n_ctx: int, min_chunk: int = 256, most: int = 64) -> int:
+def decode_splits(n_ctx: int, min_chunk: int = 128, most: int = 64) -> int:
     """The grid of ``attention_decode`` for a cache of ``n_ctx`` positions per
     sequence: enough work groups that a full sequence is cut into chunks of about
     ``min_chunk`` keys, at most ``most``. Fixed when the graph is recorded; each step
@@ -161,10 +161,11 @@ class Ops:
     prefill_cm_stage: bool = False
     #: most work groups sharing a query tile's keys (``prefill_splits``); 1: no split
     prefill_split_most: int = 4
-    #: the cooperative-matrix form of attention_prefill; off unless TRIO_LLM_PREFILL_CM=1
-    #: until `bench/h200.sh verify` has passed it on real hardware (it has only run
-    #: emulated, on lavapipe); the scalar tiled kernel serves meanwhile
-    prefill_cm: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_PREFILL_CM", "0") == "1")
+    #: the cooperative-matrix form of attention_prefill where the device has them (the
+    #: scalar tiled kernel elsewhere); TRIO_LLM_PREFILL_CM=0 turns it off. Passed
+    #: `bench/h200.sh verify` on the H200 (2026-12-01), where it took llama-1b's 8k
+    #: prefill through the backend from 1.59 s to 0.85 s
+    prefill_cm: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_PREFILL_CM", "1") != "0")
     #: prefill buckets' expert products grouped by expert and tiled (moe_group +
     #: moe_matmul); TRIO_LLM_MOE_MATMUL=0 keeps moe_matvec per (token, expert) pair,
     #: the A/B of bench/decode.py's MoE prefill
@@ -176,10 +177,10 @@ class Ops:
     #: about 16 (docs/vulkan.md); on a GPU it is a guess until the H200's
     #: bench/decode.py --moe-prefill-sizes gives it (TRIO_LLM_MOE_MIN sets it)
     moe_grouped_min: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_MOE_MIN", "8")))
-    #: the cooperative-matrix form of moe_matmul where the device has them; off unless
-    #: TRIO_LLM_MOE_CM=1 until `bench/h200.sh verify` has passed it on real hardware
-    #: (lavapipe runs it only emulated)
-    moe_cm: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MOE_CM", "0") == "1")
+    #: the cooperative-matrix form of moe_matmul where the device has them;
+    #: TRIO_LLM_MOE_CM=0 turns it off (passed `bench/h200.sh verify` on the H200,
+    #: 2026-12-01; lavapipe runs it only emulated)
+    moe_cm: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MOE_CM", "1") != "0")
     #: tests only: moe_matmul's cooperative-matrix kernel with its products emulated
     #: (CM_EMULATE) in every lowering, so lavapipe runs that path end to end
     moe_cm_emulate: bool = False
@@ -337,7 +338,7 @@ class Ops:
         that share the K/V loads among the query heads of the KV head, combined by the
         last to finish. ``part`` holds ``attention_part_floats(cap, n_head, head_dim,
         n_split)`` floats and ``counters`` ``attention_counters(cap, n_head, n_head_kv)``
-        zeroed uint32 (both reused by every layer). ``min_chunk`` (default twice the
+        zeroed uint32 (both reused by every layer). ``min_chunk`` (default one
         tile) is the fewest keys a split takes: a sequence that short is one work group
         that writes its output itself."""
         wg = self.decode_wg
@@ -346,7 +347,9 @@ class Ops:
         kt, vt = _kv(k_type), _kv(v_type)
         _check_head(kt, head_dim, "K")
         _check_head(vt, head_dim, "V")
-        chunk = 2 * wg if min_chunk is None else min_chunk
+        # one tile per split by default: on the H200 (bench/attn_depth.py, llama-8b at
+        # 640 keys) 1.16 ms per token for all layers against 1.79 ms with two tiles
+        chunk = wg if min_chunk is None else min_chunk
         assert chunk % wg == 0 and chunk > 0 and 1 <= n_split <= 256
         gw = heads_per_group(n_head, n_head_kv)
         assert part.size >= 4 * attention_part_floats(cap, n_head, head_dim, n_split)
