@@ -354,6 +354,52 @@ def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  
     return out
 
 
+def batched_decode(model, sizes: tuple[int, ...], steps: int, repeats: int, prompt: int = 64) -> dict:  # type: ignore[no-untyped-def]
+    """Decode with B sequences per step (continuous batching's shape, issue 14 part 5):
+    a Vulkan backend of max(sizes) sequences, each prefilled with ``prompt`` tokens, then
+    ``steps`` forwards of one token for each of the first B, greedy on the host; per B the
+    aggregate tok/s, ms per step and the replayed graph alone (GPU time). Where B columns
+    cost about one the matvecs read the weights once for all of them (the bandwidth-bound
+    case); a step that grows with B points at per-column work."""
+    from trio_llm.vulkan.backend import VulkanBackend
+
+    n_seq = max(sizes)
+    be = VulkanBackend(model, n_ctx=prompt + (repeats + 1) * steps + 8, n_seq=n_seq)
+    out: dict[int, dict] = {}  # type: ignore[type-arg]
+    try:
+        rng = np.random.default_rng(1)
+        for s in range(n_seq):
+            be.forward([SeqBatch(s, rng.integers(0, be.config.n_vocab, prompt).astype(np.int32), 0)])
+        pos = [prompt] * n_seq
+        toks = [1] * n_seq
+        for b in sizes:
+            step_t, replay_t = [], []
+            for r in range(repeats + 1):
+                t0 = common.now()
+                for _ in range(steps // (repeats + 1) or 1):
+                    logits = be.forward([SeqBatch(s, np.array([toks[s]], np.int32), pos[s]) for s in range(b)])
+                    for s in range(b):
+                        toks[s] = int(np.argmax(logits[s]))
+                        pos[s] += 1
+                n = steps // (repeats + 1) or 1
+                t_step = (common.now() - t0) / n
+                t0 = common.now()
+                for _ in range(n):
+                    be.replay(b)
+                t_rep = (common.now() - t0) / n
+                if r:  # the first round warms the bucket's graph
+                    step_t.append(t_step)
+                    replay_t.append(t_rep)
+            out[b] = {"tok_s": common.stats([b / t for t in step_t]),
+                      "ms_per_step": common.stats([1e3 * t for t in step_t]),
+                      "gpu_ms_per_step": common.stats([1e3 * t for t in replay_t])}
+            print(f"  batch {b}: {out[b]['tok_s'].median:,.0f} tok/s, {out[b]['ms_per_step'].median:.2f} ms/step, "
+                  f"graph alone {out[b]['gpu_ms_per_step'].median:.2f} ms", file=sys.stderr, flush=True)
+    finally:
+        be.close()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny")
@@ -378,6 +424,9 @@ def main() -> int:
     ap.add_argument("--moe-prefill-sizes", default="",
                     help="with --moe-prefill: the chunk sizes to time (e.g. 16,32,64,128,256,512; default --pp), "
                          "the crossover Ops.moe_grouped_min is set from")
+    ap.add_argument("--batch-sizes", default="",
+                    help="also time decode steps of B sequences for each B (e.g. 1,2,4,8: aggregate tok/s and the "
+                         "graph alone; Vulkan)")
     args = ap.parse_args()
     path = args.model or common.model_file(args.preset, args.quant)
     model = load_gguf(path)
@@ -388,6 +437,9 @@ def main() -> int:
                         args.breakdown, args.n_cpu_moe, args.prefill_breakdown, args.moe_prefill,
                         tuple(int(n) for n in args.moe_prefill_sizes.split(",") if n))
         r["bytes_per_token"] = per_token
+        sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b)
+        if sizes and kind.strip() == "vulkan":
+            r["batched"] = batched_decode(model, sizes, max(args.tg, 32), args.repeats)
         r["hbm_share"] = common.stats([v * per_token / HBM_BYTES_PER_S for v in r["tg_tps"].values])
         rows.append(r)
     label = path.name if args.model else f"{args.preset} {args.quant}"
@@ -406,6 +458,9 @@ def main() -> int:
             print(f"{r['backend']} breakdown: {r['breakdown']}")
         if "prefill_breakdown" in r:
             print(f"{r['backend']} prefill breakdown: {r['prefill_breakdown']}")
+        for b, fig in (r.get("batched") or {}).items():
+            print(f"{r['backend']} batch {b}: {fig['tok_s'].median:,.0f} tok/s aggregate, "
+                  f"{fig['ms_per_step'].median:.2f} ms/step, graph alone {fig['gpu_ms_per_step'].median:.2f} ms")
         for n, fig in (r.get("moe_prefill") or {}).items():
             print(f"{r['backend']} moe prefill {n}: {fig}")
         for level, fig in (r.get("residency") or {}).items():
@@ -416,7 +471,8 @@ def main() -> int:
                   f"restore {fig['restore_s'].median * 1e3:.1f} ms, first forward {fig['first_forward_s'].median * 1e3:.1f} ms, cold {fig['cold_bytes'] / 2**20:.1f} MiB "
                   f"of {fig['resident_bytes'] / 2**20:.1f} MiB")
     params = {"model": str(path), "preset": args.preset, "quant": args.quant, "pp": args.pp,
-              "tg": args.tg, "repeats": args.repeats, "warmup": args.warmup, "n_cpu_moe": args.n_cpu_moe}
+              "tg": args.tg, "repeats": args.repeats, "warmup": args.warmup, "n_cpu_moe": args.n_cpu_moe,
+              "batch_sizes": args.batch_sizes}
     name = f"decode-{path.stem}" if args.model else f"decode-{args.preset}-{args.quant}"
     out = common.write_result(name, params, rows)
     print(f"wrote {out.relative_to(common.ROOT)}")

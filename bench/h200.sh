@@ -132,8 +132,14 @@ for s in $STAGES; do case $s in
     stage tune-prefill-attn-1b 200 $PY bench/prefill.py --shape llama-1b --lengths 512,8192,32768 --types f16 \
       --old-max 0 --rows-cm 0,32 --repeats 2
     stage tune-pp8192-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 8192 --tg 8 --repeats 2
-    stage tune-pp8192-1b-cm 120 env TRIO_LLM_PREFILL_CM=1 $PY bench/decode.py --model "$M1" --backends vulkan \
-      --pp 8192 --tg 8 --repeats 2 ;;
+    stage tune-pp8192-1b-scalar 120 env TRIO_LLM_PREFILL_CM=0 $PY bench/decode.py --model "$M1" --backends vulkan \
+      --pp 8192 --tg 8 --repeats 2
+    # batched decode's scaling, backend level (issue 14 part 5): B = 1, 2, 4, 8 sequences per step
+    stage tune-batch-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 64 --tg 64 --repeats 2 \
+      --batch-sizes 1,2,4,8
+    wait8b
+    stage tune-batch-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 64 --tg 64 --repeats 2 \
+      --batch-sizes 1,2,4,8 ;;
   attndepth)  # decode attention at depth, op level: per-head attention vs attention_decode
     stage attn-depth-1b 240 $PY bench/attn_depth.py --shape llama-1b --depths 512,4096,32768,131072 \
       --types f16,q8_0,f32 --min-chunk 128,256,512
