@@ -225,8 +225,10 @@ for i in range(4):
     wait8b
     stage residency-1b 60 $PY bench/residency.py --model "$M1" --backend vulkan --repeats 5
     stage residency-8b 80 $PY bench/residency.py --model "$M8B" --backend vulkan --repeats 3 ;;
-  handoff)
-    stage handoff-1b-weights 90 $PY bench/handoff.py --model "$M1" --backend vulkan --handoffs 60 --sleep-mode weights ;;
+  handoff)  # issue 16's back-to-back alternation targets: llama-1b Q8_0 <= 49 ms, llama-8b Q4_K_M <= 138 ms
+    stage handoff-1b-weights 90 $PY bench/handoff.py --model "$M1" --backend vulkan --handoffs 60 --sleep-mode weights
+    wait8b
+    stage handoff-8b-weights 150 $PY bench/handoff.py --model "$M8B" --backend vulkan --handoffs 30 --sleep-mode weights ;;
   sample)  # the device sampling tests alone (also in verify)
     stage verify-sample 150 $PY -m pytest -q -p no:cacheprovider tests/test_devsample.py tests/test_server_decode.py ;;
   serverpath)  # issue 14: the backend's own decode beside /completion on the same file, per-token breakdown;
@@ -252,7 +254,7 @@ for i in range(4):
   server)
     stage server-1b 90 $PY bench/server.py --model $B1:Q8_0 --backend vulkan --clients 4 --repeats 2 ;;
   scen1b)  # SCEN1B="alternating" to run fewer
-    for sc in ${SCEN1B:-alternating three-way}; do
+    for sc in ${SCEN1B:-alternating three-way quantum}; do
       stage "scenario-$sc-1b" 120 $PY -m trio_llm scenario run "$sc" --full --backend vulkan \
         --model "$M1" --out "$RES/scenario-$sc-1b" -q
     done ;;
