@@ -313,6 +313,7 @@ class Run:
         self.servers_run.append(info)
         try:
             info["ready_s"] = s.wait_healthy(min(self.deadline, common.now() + self.args.start_timeout))
+            info["device_mib_ready"] = device_mib(s.proc.pid)
         except BaseException:
             info["exit"] = s.stop()
             raise
@@ -457,6 +458,9 @@ class Run:
                 result["starts"][-1]["exit"] = srv.stop()
                 srv = None
 
+        if a.mem_only:
+            self.memory_only(server, job, result)
+            return
         try:
             for n in lengths:
                 est = self.estimate(prev, n)
@@ -481,7 +485,8 @@ class Run:
                     break
                 text = text or r["prompt_kind"] == "text"  # once refused, the rest of the rows too
                 summary = summarize(r)
-                result["rows"][str(n)] = {**r, **summary, "estimated_s": est, "took_s": common.now() - t_row}
+                result["rows"][str(n)] = {**r, **summary, "estimated_s": est, "took_s": common.now() - t_row,
+                                          "device_mib": device_mib(srv.proc.pid)}
                 pp, tg = summary["prefill_tps"].median, summary["decode_tps"].median
                 overhead = max(0.0, summary["wall_s"].median - summary["prompt_ms"].median / 1e3
                                - summary["predicted_ms"].median / 1e3)
@@ -517,6 +522,41 @@ class Run:
         if "aggregate_tps" in c:
             print(f"e2e: {server} {label} {k} clients: aggregate {c['aggregate_tps'].median:,.0f} tok/s",
                   file=sys.stderr, flush=True)
+
+    def memory_only(self, server: str, job: dict[str, Any], result: dict[str, Any]) -> None:
+        """``--mem-only``: the server started at the context of the longest prompt, one
+        short request (``--mem-prompt`` tokens, 16 generated), then the device memory the
+        process holds (issue 13 item 5: trio-llm at -c 131072 with a q8_0 cache beside
+        llama-server with the same flags); no speed rows."""
+        a = self.args
+        label, model, lengths = job["label"], job["path"], job["prompts"]
+        ctx = max(lengths) + a.n_predict + a.ctx_margin
+        try:
+            srv, info = self.start(server, label, model, ctx, 1)
+        except ServerFailed as e:
+            self.skip(label, server, f"memory at {ctx}", str(e)[:2000])
+            return
+        result["starts"].append(info)
+        try:
+            with httpx.Client(base_url=srv.url) as c:
+                prompts: Prompts = job["prompt_maker"]
+                p: list[int] | str = prompts.text(a.mem_prompt) if a.text_prompts else prompts.ids(a.mem_prompt, 0)
+                try:
+                    r = complete(c, p, 16, self.request_timeout())
+                except httpx.HTTPStatusError as e:  # the Vulkan llama-server's invalid-UTF-8 500
+                    if e.response.status_code < 500:
+                        raise
+                    r = complete(c, prompts.text(a.mem_prompt), 16, self.request_timeout())
+            mib = device_mib(srv.proc.pid)
+            result["memory"] = {"ctx": ctx, "device_mib": mib, "ready_device_mib": info.get("device_mib_ready"),
+                                "answer": r}
+            print(f"e2e: {server} {label} -c {ctx}: {mib if mib is not None else '?'} MiB of device memory",
+                  file=sys.stderr, flush=True)
+        except (ServerFailed, httpx.HTTPError) as e:
+            result["error"] = f"{type(e).__name__}: {e}"[:2000]
+            self.skip(label, server, f"memory at {ctx}", result["error"])
+        finally:
+            result["starts"][-1]["exit"] = srv.stop()
 
     def wait_for(self, server: str, path: Path, limit: float = float("inf")) -> bool:
         """Wait (within the budget, at most ``limit`` s) for a file to appear: the CUDA
@@ -616,6 +656,25 @@ def gpu_info() -> str | None:
     return out.stdout.strip() or None
 
 
+def device_mib(pid: int) -> float | None:
+    """Device memory the process ``pid`` holds, in MiB, from ``nvidia-smi
+    --query-compute-apps`` (Vulkan and CUDA processes alike); None without nvidia-smi
+    (lavapipe) or when the process holds none."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.stdout.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0] == str(pid):
+            try:
+                return float(parts[1])
+            except ValueError:
+                return None
+    return None
+
+
 def lengths_arg(s: str) -> list[int]:
     try:
         v = [int(x) for x in s.split(",") if x.strip()]
@@ -647,6 +706,10 @@ def main() -> int:
     ap.add_argument("--backend", default="vulkan", help="trio-llm serve --backend (default vulkan)")
     ap.add_argument("--trio-arg", action="append", default=[], help="an extra flag for trio-llm serve (repeatable)")
     ap.add_argument("--llama-arg", action="append", default=[], help="an extra flag for llama-server (repeatable)")
+    ap.add_argument("--mem-only", action="store_true",
+                    help="no speed rows: each server at the longest prompt's context, one short request, then the "
+                         "device memory it holds (nvidia-smi)")
+    ap.add_argument("--mem-prompt", type=int, default=512, help="with --mem-only: the request's prompt tokens")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ttft-max", type=int, default=0,
                     help="the streamed request (time to first token) only for prompts up to this length (0: all); "
@@ -744,12 +807,20 @@ def main() -> int:
           f"pp/tg = prefill/decode tok/s from timings; ttft = first SSE event of one streamed request; "
           f"ratios are trio-llm / llama.cpp")
     rows, cols = table(figures, servers)
+    if args.mem_only:
+        rows = [{"model": label, **{f"{s} MiB": (per.get(s, {}).get("memory") or {}).get("device_mib") or ""
+                                    for s in servers},
+                 "ctx": next((m["ctx"] for m in (per.get(s, {}).get("memory") for s in servers) if m), "")}
+                for label, per in figures["models"].items()]
+        cols = ["model", "ctx", *[f"{s} MiB" for s in servers]]
+        print("device memory held after one short request (nvidia-smi per process)")
     common.print_table(rows, cols)
     for s in run.skipped:
         print(f"skipped: {s['server']} {s['model']} {s['what']}: {s['reason']}")
     out = common.write_result("e2e", params, figures)
     print(f"wrote {out}")
-    measured = any(per.get(s, {}).get("rows") for per in figures["models"].values() for s in servers)
+    measured = any(per.get(s, {}).get("rows") or per.get(s, {}).get("memory")
+                   for per in figures["models"].values() for s in servers)
     return 1 if interrupted or not measured else 0
 
 
