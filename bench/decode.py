@@ -162,6 +162,39 @@ def gpu_breakdown(be, model, replays: int = 20) -> dict:  # type: ignore[no-unty
     return out
 
 
+def pp_kernels(be, pp: int, replays: int = 10) -> dict:  # type: ignore[no-untyped-def]
+    """Where a prefill of ``pp`` tokens spends its GPU time (issue 13: prefill of 512 is a
+    third of llama.cpp CUDA's): the bucket's graph whole, without barriers, and for each
+    kernel its dispatches alone without barriers ("only_", throughput) and each followed
+    by a barrier ("serial_", its share of the chain), plus the FLOPs of the weight
+    matmuls per second. Parts compute garbage; only their time matters."""
+    from trio_llm.vulkan.graph import Barrier, Dispatch
+
+    bucket = 1 << max(0, (pp - 1).bit_length())
+    if bucket > be._cap:
+        return {"skipped": f"pp {pp} exceeds the largest bucket {be._cap}"}
+    ops = be.lowered(bucket)
+    dispatches = [op for op in ops if isinstance(op, Dispatch)]
+    parts = {"all": ops, "no_barriers": [op for op in ops if not isinstance(op, Barrier)]}
+    for name in sorted({d.kernel.name for d in dispatches}):
+        parts["only_" + name] = [d for d in dispatches if d.kernel.name == name]
+        parts["serial_" + name] = [x for d in parts["only_" + name] for x in (d, Barrier())]
+    out: dict = {"tokens": pp, "bucket": bucket, "dispatches": len(dispatches),
+                 "barriers": sum(isinstance(op, Barrier) for op in ops),
+                 "kernels": {n: sum(d.kernel.name == n for d in dispatches) for n in sorted({d.kernel.name
+                                                                                           for d in dispatches})}}
+    out |= _time_parts(be, pp, parts, replays)
+    cfg = be.config
+    # the dense projections' multiply-adds per token: q, k, v, o, gate, up, down (the
+    # output head is one matvec, for the last token only)
+    per_tok = cfg.n_layer * (cfg.n_embd * (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim
+                             + cfg.n_head * cfg.head_dim * cfg.n_embd + 3 * cfg.n_embd * cfg.n_ff)
+    mm = [k for k in ("matmul_cm", "matmul") if f"only_{k}_ms" in out]
+    if mm and not cfg.n_expert:
+        out["matmul_tflops"] = 2 * per_tok * pp / (out[f"only_{mm[0]}_ms"] / 1e3) / 1e12
+    return out
+
+
 DELTA_KERNELS = ("delta_net", "delta_prep", "delta_chunk")
 
 
@@ -270,7 +303,8 @@ def moe_prefill(be, pp: int, replays: int = 10) -> dict:  # type: ignore[no-unty
 
 def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  # type: ignore[no-untyped-def]
                 residency_too: bool = False, breakdown_too: bool = False, n_cpu_moe: float = 0.0,
-                prefill_too: bool = False, moe_too: bool = False, moe_sizes: tuple[int, ...] = ()) -> dict:
+                prefill_too: bool = False, moe_too: bool = False, moe_sizes: tuple[int, ...] = (),
+                pp_too: bool = False) -> dict:
     n_ctx = max(pp, tg, *moe_sizes) + 8
     if kind == "vulkan":
         from trio_llm.vulkan.backend import VulkanBackend
@@ -327,6 +361,7 @@ def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  
     info = be.device_info()
     mem = be.memory()
     breakdown = gpu_breakdown(be, model) if kind == "vulkan" and breakdown_too else None
+    ppk = pp_kernels(be, pp) if kind == "vulkan" and pp_too else None
     prefill = prefill_breakdown(be, pp) if kind == "vulkan" and prefill_too else None
     moe = ({n: moe_prefill(be, n) for n in moe_sizes or (pp,)} if kind == "vulkan" and moe_too else None)
     residency = measure_residency(be, repeats) if kind == "vulkan" and residency_too else None
@@ -344,6 +379,8 @@ def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  
         out["residency"] = residency
     if breakdown is not None:
         out["breakdown"] = breakdown
+    if ppk is not None:
+        out["pp_kernels"] = ppk
     if prefill is not None:
         out["prefill_breakdown"] = prefill
     if moe is not None:
@@ -424,6 +461,8 @@ def main() -> int:
     ap.add_argument("--moe-prefill-sizes", default="",
                     help="with --moe-prefill: the chunk sizes to time (e.g. 16,32,64,128,256,512; default --pp), "
                          "the crossover Ops.moe_grouped_min is set from")
+    ap.add_argument("--pp-breakdown", action="store_true",
+                    help="also time the pp graph's kernels (Vulkan): alone, serial, the matmuls' TFLOP/s")
     ap.add_argument("--batch-sizes", default="",
                     help="also time decode steps of B sequences for each B (e.g. 1,2,4,8: aggregate tok/s and the "
                          "graph alone; Vulkan)")
@@ -435,7 +474,7 @@ def main() -> int:
     for kind in args.backends.split(","):
         r = run_backend(kind.strip(), model, args.pp, args.tg, args.repeats, args.warmup, args.residency,
                         args.breakdown, args.n_cpu_moe, args.prefill_breakdown, args.moe_prefill,
-                        tuple(int(n) for n in args.moe_prefill_sizes.split(",") if n))
+                        tuple(int(n) for n in args.moe_prefill_sizes.split(",") if n), args.pp_breakdown)
         r["bytes_per_token"] = per_token
         sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b)
         if sizes and kind.strip() == "vulkan":
@@ -456,6 +495,8 @@ def main() -> int:
     for r in rows:
         if "breakdown" in r:
             print(f"{r['backend']} breakdown: {r['breakdown']}")
+        if "pp_kernels" in r:
+            print(f"{r['backend']} pp kernels: {r['pp_kernels']}")
         if "prefill_breakdown" in r:
             print(f"{r['backend']} prefill breakdown: {r['prefill_breakdown']}")
         for b, fig in (r.get("batched") or {}).items():

@@ -135,12 +135,15 @@ for s in $STAGES; do case $s in
     stage tune-pp8192-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 8192 --tg 8 --repeats 2
     stage tune-pp8192-1b-scalar 120 env TRIO_LLM_PREFILL_CM=0 $PY bench/decode.py --model "$M1" --backends vulkan \
       --pp 8192 --tg 8 --repeats 2
+    # where pp512 spends its time, per kernel (the matmuls' TFLOP/s), 1b and 8b
+    stage tune-ppk-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 512 --tg 8 --repeats 2 --pp-breakdown
     # batched decode's scaling, backend level (issue 14 part 5): B = 1, 2, 4, 8 sequences per step
     stage tune-batch-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 64 --tg 64 --repeats 2 \
       --batch-sizes 1,2,4,8
     wait8b
     stage tune-batch-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 64 --tg 64 --repeats 2 \
-      --batch-sizes 1,2,4,8 ;;
+      --batch-sizes 1,2,4,8
+    stage tune-ppk-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 512 --tg 8 --repeats 2 --pp-breakdown ;;
   attndepth)  # decode attention at depth, op level: per-head attention vs attention_decode
     stage attn-depth-1b 240 $PY bench/attn_depth.py --shape llama-1b --depths 512,4096,32768,131072 \
       --types f16,q8_0,f32 --min-chunk 128,256,512
