@@ -130,8 +130,8 @@ for s in $STAGES; do case $s in
       --types f16 --min-chunk 128 --most 256 --repeats 10
     stage tune-attn-depth-8b 120 $PY bench/attn_depth.py --shape llama-8b --depths 640,16384 --types f16 \
       --min-chunk 128,256 --decode-wg 64,128 --repeats 10
-    stage tune-prefill-attn-1b 200 $PY bench/prefill.py --shape llama-1b --lengths 512,8192,32768 --types f16 \
-      --old-max 0 --rows-cm 0,32 --repeats 2
+    stage tune-prefill-attn-1b 150 $PY bench/prefill.py --shape llama-1b --lengths 512,8192,32768 --types f16 \
+      --old-max 0 --repeats 1
     stage tune-pp8192-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 8192 --tg 8 --repeats 2
     stage tune-pp8192-1b-scalar 120 env TRIO_LLM_PREFILL_CM=0 $PY bench/decode.py --model "$M1" --backends vulkan \
       --pp 8192 --tg 8 --repeats 2
