@@ -2,7 +2,7 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: verify (the Vulkan correctness tests on the H200), tune (decode split, prefill cm), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
+# Stages: verify (the Vulkan correctness tests on the H200), tune (decode split, prefill cm, matmul_cm2), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill, the pp512 graph
 #   with grouped expert matmuls against per-pair matvecs; MOE35=1 adds qwen35-35b-a3b's),
@@ -123,7 +123,8 @@ for s in $STAGES; do case $s in
     stage prefill-pp$PP2-1b 240 $PY bench/decode.py --model "$M1" --backends vulkan --pp $PP2 --tg 8 --repeats 2 ;;
   tune)  # the choices to make from H200 figures (carry .cc: variants beyond compile-shaders' set):
     # decode attention's split (min_chunk, work-group size, most splits) at the depths e2e decodes at,
-    # prefill attention scalar against cooperative matrices, and whole 8k prefills both ways
+    # prefill attention scalar against cooperative matrices, and whole 8k prefills both ways;
+    # whole pp512s with the dense matmuls on matmul_cm and on matmul_cm2
     stage tune-attn-depth-1b 150 $PY bench/attn_depth.py --shape llama-1b --depths 128,640,8192,32768 \
       --types f16 --min-chunk 128,256 --decode-wg 64,128 --repeats 10
     stage tune-attn-depth-1b-most256 90 $PY bench/attn_depth.py --shape llama-1b --depths 640,8192,32768 \
@@ -143,7 +144,16 @@ for s in $STAGES; do case $s in
     wait8b
     stage tune-batch-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 64 --tg 64 --repeats 2 \
       --batch-sizes 1,2,4,8
-    stage tune-ppk-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 512 --tg 8 --repeats 2 --pp-breakdown ;;
+    stage tune-ppk-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 512 --tg 8 --repeats 2 --pp-breakdown
+    # the dense prefill matmuls: matmul_cm against matmul_cm2 (TRIO_LLM_MATMUL_CM2=1), whole pp512s, and
+    # cm2's per-kernel breakdown (its TFLOP/s against tune-ppk-*'s matmul_cm figure); verify first:
+    # test_vulkan_ops.py -k cm2 checks matmul_cm2 on the real cooperative matrices
+    for mq in "$M1:1b-q8" "$M8B:8b-q4km"; do
+      m=${mq%%:*}; tag=${mq##*:}
+      stage "tune-pp512-$tag-cm" 150 $PY bench/decode.py --model "$m" --backends vulkan --pp 512 --tg 8 --repeats 3
+      stage "tune-pp512-$tag-cm2" 150 env TRIO_LLM_MATMUL_CM2=1 $PY bench/decode.py --model "$m" --backends vulkan \
+        --pp 512 --tg 8 --repeats 3 --pp-breakdown
+    done ;;
   attndepth)  # decode attention at depth, op level: per-head attention vs attention_decode
     stage attn-depth-1b 240 $PY bench/attn_depth.py --shape llama-1b --depths 512,4096,32768,131072 \
       --types f16,q8_0,f32 --min-chunk 128,256,512

@@ -233,6 +233,111 @@ def test_matmul_on_cooperative_matrices(env: Env, qtype: str) -> None:
     np.testing.assert_allclose(got[:ntok], x @ ref.T, atol=5e-3 * scale, rtol=0)
 
 
+def _cm2_case(env: Env, ops: Ops, qtype: str, rows: int, cols: int, ntok: int, cap: int) -> None:
+    """matmul_cm2 through ``ops.matmul`` against numpy on f16-rounded weights and
+    activations: plain into a y with room for ``cap`` tokens (the rows past the live
+    tokens must stay untouched) and added into a residual."""
+    raw, ref = make_weights(qtype, rows, cols, seed=5)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((ntok, cols)).astype(np.float32)
+    resid = rng.standard_normal((ntok, rows)).astype(np.float32)
+    w, xv = env.put(raw), env.put(x, extra=(cap - ntok) * cols * 4)
+    y = env.put(np.full(cap * rows, 7.0, np.float32))
+    y2 = env.put(resid)
+    st = env.step(list(range(ntok)))
+    d = ops.matmul(qtype, w, xv, y, st, n_in=cols, n_rows=rows, x_stride=cols, y_stride=rows, cap=cap)
+    assert d.kernel.name == "matmul_cm2"
+    env.run([d, ops.matmul(qtype, w, xv, y2, st, n_in=cols, n_rows=rows, x_stride=cols, y_stride=rows, cap=cap,
+                           add=True)])
+    f16 = np.float16
+    want = x.astype(f16).astype(np.float64) @ ref.astype(f16).astype(np.float64).T
+    scale = np.abs(want).max()
+    got = env.get(y).reshape(cap, rows)
+    np.testing.assert_allclose(got[:ntok], want, atol=2e-5 * scale, rtol=0)
+    assert np.all(got[ntok:] == 7.0)
+    np.testing.assert_allclose(env.get(y2).reshape(ntok, rows), want + resid, atol=2e-5 * scale, rtol=0)
+    # and within f16's rounding of the exact product
+    np.testing.assert_allclose(got[:ntok], x @ ref.T, atol=5e-3 * scale, rtol=0)
+
+
+#: (weight type, n_in): Q8_0 also with an odd block count (rows starting two bytes off a
+#: word, five K-tiles)
+CM2_TYPES = [("Q8_0", 512), ("Q8_0", 160), ("Q4_K", 512), ("Q6_K", 512), ("F16", 256), ("Q4_0", 256),
+             ("IQ4_XS", 256)]
+
+
+#: the emulated cases: every tile and subgroup layout with two types; the other types
+#: (whose only part in the kernel is dequant8 and the row address) with subgroups of 32
+CM2_EMULATED = [(q, c, sub) for q, c in CM2_TYPES for sub in (32, 64) if sub == 32 or q in ("Q8_0", "Q4_K") and c == 512]
+
+
+@pytest.mark.parametrize("tile", shaders.CM2_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize(("qtype", "cols", "sub"), CM2_EMULATED)
+def test_matmul_cm2_emulated(env: Env, qtype: str, cols: int, sub: int, tile: tuple[int, int]) -> None:
+    """matmul_cm2.comp with CM_EMULATE (its products by plain lanes from the same f16
+    shared tiles, "subgroups" of 32 or 64 lanes), so lavapipe runs the tiling of each
+    tile and subgroup layout, the prefetch, the masks and both store modes: 200 rows and
+    150 live tokens of 192 are whole tiles in neither dimension, and the 150 span two or
+    three token tiles."""
+    ops = attrs.evolve(env.ops, matmul_cm2_emulate=sub, matmul_cm2_tile=tile)
+    _cm2_case(env, ops, qtype, rows=200, cols=cols, ntok=150, cap=192)
+
+
+def test_matmul_cm2_emulated_small_batch(env: Env) -> None:
+    """Fewer live tokens than a token tile, fewer rows than a row tile, one K-tile: the
+    tile ``cm2_tile`` chooses for such a product (64x64)."""
+    ops = attrs.evolve(env.ops, matmul_cm2_emulate=32)
+    _cm2_case(env, ops, "Q8_0", rows=40, cols=32, ntok=9, cap=16)
+
+
+def test_matmul_cm2_choice(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off by default, on with TRIO_LLM_MATMUL_CM2=1 (on a device with cooperative
+    matrices; matmul_cm otherwise); the tile by grid size, or forced by
+    TRIO_LLM_CM2_TILE, which refuses a tile it does not have."""
+    from trio_llm.errors import ConfigError
+    from trio_llm.vulkan.ops import cm2_tile
+
+    monkeypatch.delenv("TRIO_LLM_MATMUL_CM2", raising=False)
+    monkeypatch.delenv("TRIO_LLM_CM2_TILE", raising=False)
+    assert not Ops(env.ops.kernels).matmul_cm2
+    monkeypatch.setenv("TRIO_LLM_MATMUL_CM2", "1")
+    monkeypatch.setenv("TRIO_LLM_CM2_TILE", "128x64")
+    ops = Ops(env.ops.kernels)
+    assert ops.matmul_cm2 and ops.matmul_cm2_tile == (128, 64)
+    monkeypatch.setenv("TRIO_LLM_CM2_TILE", "96x64")
+    with pytest.raises(ConfigError, match="TRIO_LLM_CM2_TILE='96x64': expected one of 128x128, 128x64, 64x64"):
+        Ops(env.ops.kernels)
+    # llama-1b and llama-8b at 512 tokens: every product gets at least 256 work groups
+    # where a tile can give them, the largest tile that does
+    assert cm2_tile(2048, 512) == (64, 64)
+    assert cm2_tile(8192, 512) == (128, 128)
+    assert cm2_tile(4096, 512) == (128, 64)
+    assert cm2_tile(14336, 512) == (128, 128)
+    assert cm2_tile(512, 512) == (64, 64)  # too small for any: the smallest tile
+    assert cm2_tile(2048, 16) == (64, 64)
+    # without cooperative matrices the flag leaves the scalar kernel in place
+    if not env.device.coopmat:
+        cols, rows = 64, 16
+        w = env.put(np.zeros((rows, cols), np.float32))
+        xv, y, st = env.put(np.zeros((16, cols), np.float32)), env.zeros(16 * rows), env.step(list(range(9)))
+        d = attrs.evolve(env.ops, matmul_cm2=True).matmul("F32", w, xv, y, st, n_in=cols, n_rows=rows,
+                                                          x_stride=cols, y_stride=rows, cap=16)
+        assert d.kernel.name == "matmul"
+
+
+@pytest.mark.parametrize("tile", shaders.CM2_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize(("qtype", "cols"), CM2_TYPES)
+def test_matmul_cm2_on_cooperative_matrices(env: Env, qtype: str, cols: int, tile: tuple[int, int]) -> None:
+    """matmul_cm2.comp on real cooperative matrices (the device's subgroup size): the
+    same cases as the emulated test."""
+    if not env.device.coopmat:
+        pytest.skip(f"{env.device.name} reports no 16x16x16 f16 cooperative matrices (lavapipe has none)")
+    if env.ops.subgroup not in (32, 64):
+        pytest.skip(f"matmul_cm2 is built for subgroups of 32 or 64, not {env.ops.subgroup}")
+    ops = attrs.evolve(env.ops, coopmat=True, matmul_cm2=True, matmul_cm2_tile=tile)
+    _cm2_case(env, ops, qtype, rows=200, cols=cols, ntok=150, cap=192)
+
+
 def np_rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps) * w
 

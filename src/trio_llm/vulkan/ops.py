@@ -16,15 +16,19 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
+from trio_llm.errors import ConfigError
 from trio_llm.model.kvtypes import KVType, kv_type
 from trio_llm.vulkan.graph import Dispatch
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import View
 from trio_llm.vulkan.shaders import (
+    CM2_TILES,
     GATE_UP,
     QTYPES,
     ROPE_OUT,
     STEP_CAP,
+    cm2_defines,
+    cm2_layout,
     coopmat_defines,
     kv_defines,
     matvec_defines,
@@ -74,6 +78,37 @@ def fill_step(
     words[h + STEP_CAP : h + STEP_CAP + n] = pos
     words[h + 2 * STEP_CAP : h + 2 * STEP_CAP + n] = seq
     words[h + 3 * STEP_CAP : h + 3 * STEP_CAP + len(out_rows)] = out_rows
+
+
+#: matmul_cm2: the fewest work groups a tile must give to be chosen over the next
+#: smaller one, about two per SM of a 132-SM H200 (a guess until the H200 has timed the
+#: tiles; TRIO_LLM_CM2_TILE forces one)
+CM2_MIN_GROUPS = 256
+
+
+def cm2_tile(n_rows: int, cap: int, most: int = CM2_MIN_GROUPS) -> tuple[int, int]:
+    """matmul_cm2's tile of (rows, tokens) for an ``n_rows`` x ``cap`` product: the
+    largest of ``CM2_TILES`` that still gives ``most`` work groups (bigger tiles read
+    each weight and activation fewer times and feed more products per fragment, but a
+    grid smaller than the GPU leaves SMs idle), else the smallest. At 512 tokens:
+    llama-1b's 2048-row projections 64x64 (256 groups), its 8192-row FFN 128x128 (256);
+    llama-8b's 4096-row projections 128x64 (256), its 14336-row FFN 128x128 (448)."""
+    for bm, bn in CM2_TILES:
+        if math.ceil(n_rows / bm) * math.ceil(cap / bn) >= most:
+            return bm, bn
+    return CM2_TILES[-1]
+
+
+def cm2_tile_env() -> tuple[int, int] | None:
+    """``TRIO_LLM_CM2_TILE`` ("128x64"; empty: ``cm2_tile`` chooses), for timing the
+    tiles one by one on a GPU."""
+    v = os.environ.get("TRIO_LLM_CM2_TILE", "")
+    if not v:
+        return None
+    tiles = {f"{bm}x{bn}": (bm, bn) for bm, bn in CM2_TILES}
+    if v not in tiles:
+        raise ConfigError(f"TRIO_LLM_CM2_TILE={v!r}: expected one of {', '.join(tiles)}")
+    return tiles[v]
 
 
 def decode_splits(n_ctx: int, min_chunk: int = 128, most: int = 64) -> int:
@@ -181,6 +216,17 @@ class Ops:
     #: TRIO_LLM_MOE_CM=0 turns it off (passed `bench/h200.sh verify` on the H200,
     #: 2026-12-01; lavapipe runs it only emulated)
     moe_cm: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MOE_CM", "1") != "0")
+    #: the dense prefill matmuls on matmul_cm2.comp (larger tiles, 2x2..4x4 blocks per
+    #: subgroup, register prefetch) instead of matmul_cm.comp where the device has
+    #: cooperative matrices; TRIO_LLM_MATMUL_CM2=1 turns it on. Off until the H200 has
+    #: verified and timed it (`bash bench/h200.sh verify tune`): lavapipe checks it only
+    #: emulated
+    matmul_cm2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MATMUL_CM2", "0") == "1")
+    #: matmul_cm2's tile (rows, tokens) for every matmul; None: ``cm2_tile`` chooses
+    matmul_cm2_tile: tuple[int, int] | None = attrs.field(factory=cm2_tile_env)
+    #: tests only: matmul_cm2 with its products emulated (CM_EMULATE) for subgroups of
+    #: this size (32 or 64; 0: off), on any device
+    matmul_cm2_emulate: int = 0
     #: tests only: moe_matmul's cooperative-matrix kernel with its products emulated
     #: (CM_EMULATE) in every lowering, so lavapipe runs that path end to end
     moe_cm_emulate: bool = False
@@ -251,14 +297,23 @@ class Ops:
         count_sel: int = COUNT_TOKENS, add: bool = False,
     ) -> Dispatch:
         """The tiled form of ``matvec`` for many tokens (prefill); on cooperative
-        matrices (f16 tiles, f32 accumulators) where the device has them."""
+        matrices (f16 tiles, f32 accumulators) where the device has them: matmul_cm2
+        when enabled (``matmul_cm2``, subgroups of 32 or 64), else matmul_cm."""
         assert n_in % 32 == 0 and x_stride % 4 == 0
+        assert self.matmul_cm2_emulate in (0, 32, 64)
+        push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add))
+        sub = self.matmul_cm2_emulate or (self.subgroup if self.coopmat and self.matmul_cm2 else 0)
+        if sub in (32, 64):
+            bm, bn = self.matmul_cm2_tile or cm2_tile(n_rows, cap)
+            _, _, lanes = cm2_layout(bm, bn, sub)
+            k = self.kernels.get("matmul_cm2", n_bindings=4, n_push=7, local_size=lanes,
+                                 defines=cm2_defines(qtype, sub, bm, bn, emulate=bool(self.matmul_cm2_emulate)))
+            return Dispatch(k, (w, x, y, step), push, (math.ceil(n_rows / bm), math.ceil(cap / bn), 1))
         if self.coopmat:
             k = self.kernels.get("matmul_cm", n_bindings=4, n_push=7, local_size=256,
                                  defines=coopmat_defines(qtype, self.subgroup))
         else:
             k = self.kernels.get("matmul", n_bindings=4, n_push=7, local_size=256, defines=qtype_defines(qtype))
-        push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add))
         return Dispatch(k, (w, x, y, step), push, (math.ceil(n_rows / 64), math.ceil(cap / 64), 1))
 
     def get_rows(

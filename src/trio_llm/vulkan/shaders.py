@@ -156,7 +156,7 @@ def _tools() -> tuple[Path, Path, dict[str, str]]:
 
 
 #: shaders that need a compiler with cooperative matrices (glslangValidator, Vulkan 1.3)
-COOPMAT_SHADERS = ("matmul_cm", "attn_prefill_cm", "moe_matmul_cm")
+COOPMAT_SHADERS = ("matmul_cm", "matmul_cm2", "attn_prefill_cm", "moe_matmul_cm")
 
 
 def _compile_commands(name: str, defines: dict[str, object] | None, src: Path, out: str) -> tuple[list[list[str]], dict[str, str]]:
@@ -231,6 +231,35 @@ def coopmat_defines(qtype: str, subgroup: int) -> dict[str, object]:
     return {**qtype_defines(qtype), "CM_PER": max(1, 16 // (256 // subgroup))}
 
 
+#: matmul_cm2.comp's tiles of (rows, tokens), largest first (``ops.cm2_tile`` chooses)
+CM2_TILES = ((128, 128), (128, 64), (64, 64))
+
+
+def cm2_layout(bm: int, bn: int, subgroup: int) -> tuple[int, int, int]:
+    """(TM, TN, lanes) of matmul_cm2.comp's ``bm`` x ``bn`` tile for subgroups of
+    ``subgroup``: each subgroup owns TM x TN blocks of 16x16, from 2 x 2 up, doubled
+    (rows first) until the work group has at most 256 lanes. Subgroups of 32: 4x2,
+    2x2, 2x2 blocks (256, 256, 128 lanes); of 64: 4x4, 4x2, 2x2 (256 lanes each)."""
+    tm, tn = 2, 2
+    while (bm // (16 * tm)) * (bn // (16 * tn)) * subgroup > 256:
+        if tm <= tn and bm // (16 * tm) > 1:
+            tm *= 2
+        else:
+            tn *= 2
+    lanes = (bm // (16 * tm)) * (bn // (16 * tn)) * subgroup
+    # every lane loads whole groups of eight of each operand per K-tile of 32
+    assert bm % (16 * tm) == 0 and bn % (16 * tn) == 0 and (bm * 4) % lanes == 0 and (bn * 4) % lanes == 0
+    return tm, tn, lanes
+
+
+def cm2_defines(qtype: str, subgroup: int, bm: int, bn: int, emulate: bool = False) -> dict[str, object]:
+    """matmul_cm2.comp's variant: the weight type, the tile, the subgroup size its layout
+    is built for, and CM_EMULATE (tests: the products done by plain lanes)."""
+    tm, tn, _ = cm2_layout(bm, bn, subgroup)
+    return {**qtype_defines(qtype), "BM": bm, "BN": bn, "TM": tm, "TN": tn, "SG": subgroup,
+            **({"CM_EMULATE": 1} if emulate else {})}
+
+
 def moe_coopmat_defines(qtype: str, subgroup: int) -> dict[str, object]:
     """moe_matmul_cm.comp's variant: the weight type and its 16x16 blocks per subgroup
     (8 blocks of a 64 x 32 tile over 256 / subgroup subgroups)."""
@@ -245,6 +274,8 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
         for sub in (32, 64):
             yield "matmul_cm", coopmat_defines(q, sub)
             yield "moe_matmul_cm", moe_coopmat_defines(q, sub)
+            for bm, bn in CM2_TILES:
+                yield "matmul_cm2", cm2_defines(q, sub, bm, bn)
     for q in QTYPES:
         yield "matvec", {**qtype_defines(q), **ROPE_OUT}
         yield "matvec", {**qtype_defines(q), **GATE_UP}
