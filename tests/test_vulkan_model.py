@@ -119,6 +119,31 @@ def test_chunked_prefill_equals_reference(model_path) -> None:  # type: ignore[n
         ref.close()
 
 
+@pytest.mark.parametrize("sub", [32, 64])
+def test_prefill_on_matmul_cm2_emulated(model_path, sub: int) -> None:  # type: ignore[no-untyped-def]
+    """The prefill lowering with every dense product on matmul_cm2 (its products
+    emulated, lavapipe has no cooperative matrices; TRIO_LLM_MATMUL_CM2=1 on a GPU):
+    a mixed-type file (Q4_K_M: Q4_K and Q6_K), two sequences in one 17-token batch and a
+    40-token one, numpy's logits within the f16 rounding of weights and activations."""
+    from trio_llm.vulkan.graph import Dispatch
+
+    model = load_gguf(model_path("tiny-qwen3", "Q4_K_M"))
+    ref = NumpyBackend(model, n_ctx=64, n_seq=2, **F32_KV)
+    vk = VulkanBackend(model, n_ctx=64, n_seq=2, **F32_KV)
+    vk._ops.matmul_cm2_emulate = sub
+    try:
+        names = {op.kernel.name for op in vk.lowered(32) if isinstance(op, Dispatch)}
+        assert "matmul_cm2" in names and "matmul" not in names and "matmul_cm" not in names
+        for batch in ([SeqBatch(0, PROMPTS[0], 0), SeqBatch(1, PROMPTS[1], 0)],
+                      [SeqBatch(0, np.arange(3, 43, dtype=np.int32), 12)]):
+            want = ref.forward(batch)
+            got = vk.forward(batch)
+            assert float(np.abs(got - want).max()) <= 5e-3 * float(np.abs(want).max())
+    finally:
+        vk.close()
+        ref.close()
+
+
 @pytest.mark.parametrize("level", [Level.WEIGHTS, Level.ALL, Level.UNLOAD])
 def test_release_restore_cycles_give_identical_output(model_path, level: Level) -> None:  # type: ignore[no-untyped-def]
     model = load_gguf(model_path("tiny-qwen2", "Q6_K"))

@@ -235,29 +235,36 @@ def test_matmul_on_cooperative_matrices(env: Env, qtype: str) -> None:
 
 def _cm2_case(env: Env, ops: Ops, qtype: str, rows: int, cols: int, ntok: int, cap: int) -> None:
     """matmul_cm2 through ``ops.matmul`` against numpy on f16-rounded weights and
-    activations: plain into a y with room for ``cap`` tokens (the rows past the live
-    tokens must stay untouched) and added into a residual."""
+    activations, into columns [12, 12 + rows) of output rows of rows + 20 (a piece of a
+    larger matrix, ``y_off``): plain into a y with room for ``cap`` tokens (every other
+    value, the rows past the live tokens included, must stay untouched) and added into
+    a residual."""
     raw, ref = make_weights(qtype, rows, cols, seed=5)
     rng = np.random.default_rng(6)
     x = rng.standard_normal((ntok, cols)).astype(np.float32)
-    resid = rng.standard_normal((ntok, rows)).astype(np.float32)
+    ys, yo = rows + 20, 12
+    resid = rng.standard_normal((ntok, ys)).astype(np.float32)
     w, xv = env.put(raw), env.put(x, extra=(cap - ntok) * cols * 4)
-    y = env.put(np.full(cap * rows, 7.0, np.float32))
+    y = env.put(np.full(cap * ys, 7.0, np.float32))
     y2 = env.put(resid)
     st = env.step(list(range(ntok)))
-    d = ops.matmul(qtype, w, xv, y, st, n_in=cols, n_rows=rows, x_stride=cols, y_stride=rows, cap=cap)
+    args = {"n_in": cols, "n_rows": rows, "x_stride": cols, "y_stride": ys, "y_off": yo, "cap": cap}
+    d = ops.matmul(qtype, w, xv, y, st, **args)
     assert d.kernel.name == "matmul_cm2"
-    env.run([d, ops.matmul(qtype, w, xv, y2, st, n_in=cols, n_rows=rows, x_stride=cols, y_stride=rows, cap=cap,
-                           add=True)])
+    env.run([d, ops.matmul(qtype, w, xv, y2, st, **args, add=True)])
     f16 = np.float16
     want = x.astype(f16).astype(np.float64) @ ref.astype(f16).astype(np.float64).T
     scale = np.abs(want).max()
-    got = env.get(y).reshape(cap, rows)
-    np.testing.assert_allclose(got[:ntok], want, atol=2e-5 * scale, rtol=0)
-    assert np.all(got[ntok:] == 7.0)
-    np.testing.assert_allclose(env.get(y2).reshape(ntok, rows), want + resid, atol=2e-5 * scale, rtol=0)
+    got = env.get(y).reshape(cap, ys)
+    np.testing.assert_allclose(got[:ntok, yo : yo + rows], want, atol=2e-5 * scale, rtol=0)
+    outside = np.ones((cap, ys), bool)
+    outside[:ntok, yo : yo + rows] = False
+    assert np.all(got[outside] == 7.0)
+    got2 = env.get(y2).reshape(ntok, ys)
+    np.testing.assert_allclose(got2[:, yo : yo + rows], want + resid[:, yo : yo + rows], atol=2e-5 * scale, rtol=0)
+    assert np.array_equal(got2[:, :yo], resid[:, :yo]) and np.array_equal(got2[:, yo + rows :], resid[:, yo + rows :])
     # and within f16's rounding of the exact product
-    np.testing.assert_allclose(got[:ntok], x @ ref.T, atol=5e-3 * scale, rtol=0)
+    np.testing.assert_allclose(got[:ntok, yo : yo + rows], x @ ref.T, atol=5e-3 * scale, rtol=0)
 
 
 #: (weight type, n_in): Q8_0 also with an odd block count (rows starting two bytes off a
