@@ -41,6 +41,14 @@
 // bound weight view (row offsets row_a and row_b), each x value loaded serving both as
 // in the plain kernel, and it writes silu(gate_i) * up_i: the SwiGLU dispatch stage
 // goes away without adding loads.
+//
+// NORM_IN: the input is RMSNorm(x) * g (the norm before the q/k/v projections, the FFN
+// and the head), computed here instead of by rms_norm.comp: each subgroup already
+// loads every value of x[c] for its dot products, so it adds up x^2 on the way, scales
+// the values it loads by the norm weight g (one more binding), and multiplies each sum
+// by 1 / sqrt(mean(x^2) + eps) (rms_norm.comp's, llama.cpp's) in the epilogue. It
+// combines with every weight type and the ROPE_OUT and GATE_UP forms, one scale per
+// column; the rms_norm dispatch and its barrier go away (decode is a chain of them).
 #include "common.glsl"
 
 layout(binding = 0, std430) readonly buffer W16 { uint16_t w16[]; };
@@ -55,6 +63,19 @@ layout(binding = 4, std430) readonly buffer F { float factors[]; };
 #ifndef KV_TYPE
 #define KV_TYPE 0
 #endif
+#endif
+#if defined(NORM_IN)
+#if defined(ROPE_OUT)
+layout(binding = 5, std430) readonly buffer G { vec4 g4[]; };
+#else
+layout(binding = 4, std430) readonly buffer G { vec4 g4[]; };
+#endif
+// x^2 of the raw value v added to column c's sum, then v scaled by the norm weight
+#define NORM_X(c, v, gv) ss[c] += dot(v, v); v *= gv
+#define NORM_S(c) * inv[c]
+#else
+#define NORM_X(c, v, gv)
+#define NORM_S(c)
 #endif
 
 layout(push_constant) uniform Push {
@@ -76,6 +97,9 @@ layout(push_constant) uniform Push {
 #if defined(GATE_UP)
     uint row_a;     // first gate row in the bound view
     uint row_b;     // first up row in it
+#endif
+#if defined(NORM_IN)
+    float eps;      // the norm's epsilon
 #endif
 } pc;
 
@@ -134,6 +158,12 @@ void main() {
         [[unroll]] for (uint c = 0; c < MAXC * RS; c++) {
             acc[c] = 0.0;
         }
+#if defined(NORM_IN)
+        float ss[MAXC];  // this lane's part of sum(x^2), per column
+        [[unroll]] for (uint c = 0; c < MAXC; c++) {
+            ss[c] = 0.0;
+        }
+#endif
 #if !defined(GENERIC_LOOP) && (defined(QTYPE_Q4_K) || defined(QTYPE_Q5_K))
 #if defined(QTYPE_Q4_K)
         const uint STRIDE128 = 9u;  // 144-byte blocks are 9 uvec4
@@ -190,6 +220,14 @@ void main() {
             }
             // value index of the first low nibble: 256 blk + 64 cidx + 16 half_
             uint x0 = (blk * 256u + cidx * 64u + half_ * 16u) / 4u;
+#if defined(NORM_IN)
+            vec4 ga[4];
+            vec4 gh[4];
+            [[unroll]] for (uint i = 0; i < 4; i++) {
+                ga[i] = g4[x0 + i];
+                gh[i] = g4[x0 + 8u + i];
+            }
+#endif
             [[unroll]] for (uint c = 0; c < MAXC; c++) {
                 if (c < ncols) {
                     uint xb = (c * pc.x_stride) / 4u + x0;
@@ -199,6 +237,8 @@ void main() {
                     [[unroll]] for (uint i = 0; i < 4; i++) {
                         xa[i] = x4[xb + i];
                         xh[i] = x4[xb + 8u + i];  // 32 values further
+                        NORM_X(c, xa[i], ga[i]);
+                        NORM_X(c, xh[i], gh[i]);
                         sx0 += dot(xa[i], vec4(1.0));
                         sx1 += dot(xh[i], vec4(1.0));
                     }
@@ -237,10 +277,16 @@ void main() {
                 q[k][3] = bytes4(((qlb >> 4) & 0x0F0F0F0Fu) | (((qh >> 6) & 0x03030303u) << 4)) - 32.0;
             }
             uint x0 = (blk * 256u + h * 128u + l0) / 4u;
+#if defined(NORM_IN)
+            vec4 gv[4] = vec4[4](g4[x0], g4[x0 + 8u], g4[x0 + 16u], g4[x0 + 24u]);
+#endif
             [[unroll]] for (uint c = 0; c < MAXC; c++) {
                 if (c < ncols) {
                     uint xb = (c * pc.x_stride) / 4u + x0;
                     vec4 xv[4] = vec4[4](x4[xb], x4[xb + 8u], x4[xb + 16u], x4[xb + 24u]);
+                    [[unroll]] for (uint i = 0; i < 4; i++) {
+                        NORM_X(c, xv[i], gv[i]);
+                    }
                     [[unroll]] for (uint k = 0; k < RS; k++) {
                         acc[c * RS + k] += dot(scs[k], vec4(dot(q[k][0], xv[0]), dot(q[k][1], xv[1]),
                                                             dot(q[k][2], xv[2]), dot(q[k][3], xv[3])));
@@ -277,10 +323,16 @@ void main() {
                 }
             }
             uint x0 = (blk * 256u + h * 128u + l0) / 4u;
+#if defined(NORM_IN)
+            vec4 gv[4] = vec4[4](g4[x0], g4[x0 + 8u], g4[x0 + 16u], g4[x0 + 24u]);
+#endif
             [[unroll]] for (uint c = 0; c < MAXC; c++) {
                 if (c < ncols) {
                     uint xb = (c * pc.x_stride) / 4u + x0;
                     vec4 xv[4] = vec4[4](x4[xb], x4[xb + 8u], x4[xb + 16u], x4[xb + 24u]);
+                    [[unroll]] for (uint i = 0; i < 4; i++) {
+                        NORM_X(c, xv[i], gv[i]);
+                    }
                     [[unroll]] for (uint k = 0; k < RS; k++) {
                         acc[c * RS + k] += dot(scs[k], vec4(dot(q[k][0], xv[0]), dot(q[k][1], xv[1]),
                                                             dot(q[k][2], xv[2]), dot(q[k][3], xv[3])));
@@ -300,11 +352,17 @@ void main() {
                 wa[k] = vec4(w[0], w[1], w[2], w[3]);
                 wb[k] = vec4(w[4], w[5], w[6], w[7]);
             }
+#if defined(NORM_IN)
+            vec4 gn0 = g4[2u * g];
+            vec4 gn1 = g4[2u * g + 1u];
+#endif
             [[unroll]] for (uint c = 0; c < MAXC; c++) {
                 if (c < ncols) {
                     uint xi = (c * pc.x_stride) / 4u + 2u * g;
                     vec4 xa = x4[xi];
                     vec4 xb = x4[xi + 1u];
+                    NORM_X(c, xa, gn0);
+                    NORM_X(c, xb, gn1);
                     [[unroll]] for (uint k = 0; k < RS; k++) {
                         acc[c * RS + k] += dot(wa[k], xa) + dot(wb[k], xb);
                     }
@@ -312,11 +370,20 @@ void main() {
             }
         }
 #endif
+#if defined(NORM_IN)
+        float inv[MAXC];  // 1 / rms of each column, as rms_norm.comp computes it
+        [[unroll]] for (uint c = 0; c < MAXC; c++) {
+            inv[c] = 0.0;
+            if (c < ncols) {
+                inv[c] = inversesqrt(subgroupAdd(ss[c]) / float(pc.n_in) + pc.eps);
+            }
+        }
+#endif
 #if defined(GATE_UP)
         [[unroll]] for (uint c = 0; c < MAXC; c++) {
             if (c < ncols) {
-                float g = subgroupAdd(acc[c * RS]);
-                float u = subgroupAdd(acc[c * RS + 1u]);
+                float g = subgroupAdd(acc[c * RS]) NORM_S(c);
+                float u = subgroupAdd(acc[c * RS + 1u]) NORM_S(c);
                 if (subgroupElect()) {
                     y[c * pc.y_stride + row0] = g / (1.0 + exp(-g)) * u;
                 }
@@ -326,8 +393,8 @@ void main() {
         [[unroll]] for (uint c = 0; c < MAXC; c++) {
             if (c < ncols) {
                 [[unroll]] for (uint k = 0; k < RS; k += 2u) {
-                    float a = subgroupAdd(acc[c * RS + k]);
-                    float b = subgroupAdd(acc[c * RS + k + 1u]);
+                    float a = subgroupAdd(acc[c * RS + k]) NORM_S(c);
+                    float b = subgroupAdd(acc[c * RS + k + 1u]) NORM_S(c);
                     uint row = pc.y_off + row0 + k;  // even: the pair is (row, row + 1)
                     uint pos = STEP_POS(c);
                     if (pc.rope == 1u) {  // the same arithmetic as rope.comp
@@ -364,7 +431,7 @@ void main() {
         [[unroll]] for (uint c = 0; c < MAXC; c++) {
             if (c < ncols) {
                 [[unroll]] for (uint k = 0; k < RS; k++) {
-                    float s = subgroupAdd(acc[c * RS + k]);
+                    float s = subgroupAdd(acc[c * RS + k]) NORM_S(c);
                     if (subgroupElect() && row0 + k < pc.n_rows) {
                         uint o = c * pc.y_stride + pc.y_off + row0 + k;
                         y[o] = pc.mode == 1u ? y[o] + s : s;

@@ -16,7 +16,9 @@ Lowering has three parts, none of which knows an architecture:
 - pattern passes (``_fusions``) pick what today's decode kernels do in one dispatch:
   a q/k/v projection that rotates (adjacent-pair RoPE) and writes the KV cache in its
   epilogue (matvec ``ROPE_OUT``), gate + up + SwiGLU in one matvec (``GATE_UP``), and a
-  projection that adds into the residual stream (``add``).
+  projection that adds into the residual stream (``add``); and in decode buckets an
+  RMSNorm read only by projections done by their matvecs (``NORM_IN``,
+  ``TRIO_LLM_FUSE_NORM``).
 - emission walks the nodes in order; barriers are inserted only where a dispatch reads
   or writes what an earlier one since the last barrier wrote (or writes what one read),
   so independent projections (q, k, v; gate, up) share one.
@@ -232,6 +234,7 @@ class _Lowering:
     _v_out: dict[int, Node] = attrs.field(factory=dict)  # attention id -> the v linear writing the cache
     _gate_up: dict[int, tuple[Node, Node, tuple[View, int, int]]] = attrs.field(factory=dict)
     _add_into: dict[int, Node] = attrs.field(factory=dict)  # linear id -> the add it accumulates for
+    _norm_in: dict[int, Node] = attrs.field(factory=dict)  # linear id -> the rms_norm its matvec does
     _grouped: int = -1  # the routing whose grouping the moe map holds now
 
     @property
@@ -331,6 +334,51 @@ class _Lowering:
                         self._add_into[lin.out.id] = node
                         self._absorbed.add(node.out.id)
                         break
+        if self.decode and self.ops.fuse_norm:
+            self.find_norm_fusions()
+
+    def find_norm_fusions(self) -> None:
+        """An RMSNorm read only by projections goes into their matvecs (NORM_IN): each
+        normalizes the norm's input as it loads it, and the rms_norm dispatch (a stage
+        of the decode chain) is dropped. Only whole-row norms with an f32 weight, when
+        every reader is a linear (matvec, ROPE_OUT or GATE_UP, wherever it is lowered)
+        and nothing from the norm up to the last of those matvecs writes the buffer of
+        the norm's input, which they now read instead of the norm's output. A norm read
+        by anything else (MoE experts, the shared-expert gate, a residual add, an
+        embedding's result) stays a dispatch."""
+        index = {n.out.id: i for i, n in enumerate(self.graph.nodes)}
+        at: dict[int, int] = {}  # linear id -> the index of the node that lowers it
+        for rid, lin in (*self._rope_out.items(), *self._v_out.items()):
+            at[lin.out.id] = index[rid]
+        for gid, (lg, lu, _) in self._gate_up.items():
+            at[lg.out.id] = at[lu.out.id] = index[gid]
+        logits = self.graph.logits
+        for i, node in enumerate(self.graph.nodes):
+            if node.op != "rms_norm" or node.out is logits:
+                continue
+            x, w = node.inputs
+            readers = self._cons.get(node.out.id, [])
+            if (not readers or x.kind != "value" or node.attr("group") != x.width
+                    or self.weights.slots[w.name].qtype != "F32"
+                    or any(r.op != "linear" or r.inputs[0] is not node.out for r in readers)):
+                continue
+            last = max(at.get(r.out.id, index[r.out.id]) for r in readers)
+            written = {self.slot(n.out) for n in self.graph.nodes[i + 1 : last + 1]}
+            written |= {self.slot(self._add_into[r.out.id].out) for r in readers if r.out.id in self._add_into}
+            if self.slot(x) in written:
+                continue
+            for r in readers:
+                self._norm_in[r.out.id] = node
+            self._absorbed.add(node.out.id)
+
+    def matvec_in(self, lin: Node) -> tuple[Tensor, dict[str, object]]:
+        """What a linear's matvec reads: its input, or (NORM_IN) the input of the norm
+        it does itself, with the norm's weight and epsilon."""
+        norm = self._norm_in.get(lin.out.id)
+        if norm is None:
+            return lin.inputs[0], {}
+        x, w = norm.inputs
+        return x, {"norm": self.weights.view(w.name), "eps": norm.attr("eps")}
 
     def gate_up_view(self, gate: str, up: str) -> tuple[View, int, int] | None:
         """One view over both FFN matrices and the row where each starts in it, when a
@@ -387,7 +435,8 @@ class _Lowering:
         self.emit([d], [self.slot(x)], [self.slot(node.out)])
 
     def op_linear(self, node: Node) -> None:
-        x, w = node.inputs
+        x, nkw = self.matvec_in(node)
+        w = node.inputs[1]
         add_node = self._add_into.get(node.out.id)
         target = node.out if add_node is None else add_node.out
         sel, cap = self.rows(x)
@@ -399,7 +448,7 @@ class _Lowering:
             if cap <= MATVEC_MAX_COLS:
                 ds.append(self.ops.matvec(qtype, piece, self.view(x), y, self.st, n_in=n_in, n_rows=r1 - r0,
                                           x_stride=n_in, y_stride=n_out, y_off=r0, count_sel=sel,
-                                          add=add_node is not None, maxc=cap))
+                                          add=add_node is not None, maxc=cap, **nkw))  # type: ignore[arg-type]
             else:
                 ds.append(self.ops.matmul(qtype, piece, self.view(x), y, self.st, n_in=n_in, n_rows=r1 - r0,
                                           x_stride=n_in, y_stride=n_out, cap=cap, y_off=r0, count_sel=sel,
@@ -469,14 +518,16 @@ class _Lowering:
         cache = self._cache_target(node)
         lin = self._rope_out.get(node.out.id)
         if lin is not None:  # the projection rotates (and stores) itself: matvec ROPE_OUT
-            src, w = lin.inputs
+            src, nkw = self.matvec_in(lin)
+            w = lin.inputs[1]
             n_rows = int(w.shape[0])
             dst, key = (self.view(node.out), self.slot(node.out)) if cache is None else (cache[0], cache[1])
             d = self.ops.matvec_rope(self.weights.slots[w.name].qtype, self.weights.view(w.name), self.view(src),
                                      dst, self.st, factors, n_in=int(w.shape[1]), n_rows=n_rows,
                                      x_stride=src.width, y_stride=n_rows, head_dim=hd, rope=True, theta=theta,
                                      to_cache=cache is not None, n_ctx=cache[2].rows if cache else 0,
-                                     maxc=self.bucket, kv_type=cache[3] if cache else "f32")
+                                     maxc=self.bucket, kv_type=cache[3] if cache else "f32",
+                                     **nkw)  # type: ignore[arg-type]
             self.emit([d], [self.slot(src)], [key])
             return
         mode = ROPE_NORMAL if node.attr("mode") == "normal" else ROPE_NEOX
@@ -514,13 +565,14 @@ class _Lowering:
             self._store(k, kc, ("k", node.layer), m, nkv, hd, kt)
         lin = self._v_out.get(node.out.id)
         if lin is not None:  # the v projection writes the cache itself (matvec ROPE_OUT, no rotation)
-            src, w = lin.inputs
+            src, nkw = self.matvec_in(lin)
+            w = lin.inputs[1]
             n_rows = int(w.shape[0])
             d = self.ops.matvec_rope(self.weights.slots[w.name].qtype, self.weights.view(w.name), self.view(src),
                                      vc, self.st, self.act.view(next(iter(self.rope_buf.values()))),
                                      n_in=int(w.shape[1]), n_rows=n_rows, x_stride=src.width, y_stride=n_rows,
                                      head_dim=hd, rope=False, theta=10000.0, to_cache=True, n_ctx=m.rows,
-                                     maxc=self.bucket, kv_type=vt)
+                                     maxc=self.bucket, kv_type=vt, **nkw)  # type: ignore[arg-type]
             self.emit([d], [self.slot(src)], [("v", node.layer)])
         else:
             self._store(v, vc, ("v", node.layer), m, nkv, hd, vt)
@@ -579,10 +631,11 @@ class _Lowering:
         n = node.out.width
         if fused is not None:  # y = silu(gate . x) * (up . x) from one dispatch (matvec GATE_UP)
             lg, _, (view, row_a, row_b) = fused
-            x, w = lg.inputs
+            x, nkw = self.matvec_in(lg)
+            w = lg.inputs[1]
             d = self.ops.matvec_gate_up(self.weights.slots[w.name].qtype, view, self.view(x), self.view(node.out),
                                         self.st, n_in=int(w.shape[1]), n_rows=n, row_a=row_a, row_b=row_b,
-                                        x_stride=x.width, y_stride=n, maxc=cap)
+                                        x_stride=x.width, y_stride=n, maxc=cap, **nkw)  # type: ignore[arg-type]
             self.emit([d], [self.slot(x)], [self.slot(node.out)])
             return
         d = self.ops.glu(self.view(g), self.view(u), self.view(node.out), self.st, n=n, stride=n, cap=cap,

@@ -24,6 +24,7 @@ from trio_llm.vulkan.memory import View
 from trio_llm.vulkan.shaders import (
     CM2_TILES,
     GATE_UP,
+    NORM_IN,
     QTYPES,
     ROPE_OUT,
     STEP_CAP,
@@ -227,6 +228,10 @@ class Ops:
     #: tests only: matmul_cm2 with its products emulated (CM_EMULATE) for subgroups of
     #: this size (32 or 64; 0: off), on any device
     matmul_cm2_emulate: int = 0
+    #: decode buckets' RMSNorms folded into the matvecs that read them (matvec.comp's
+    #: NORM_IN; forward.py's ``find_norm_fusions``): two dispatch stages fewer per layer;
+    #: TRIO_LLM_FUSE_NORM=0 keeps the rms_norm dispatches (the A/B of bench/h200.sh tune)
+    fuse_norm: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_FUSE_NORM", "1") != "0")
     #: tests only: moe_matmul's cooperative-matrix kernel with its products emulated
     #: (CM_EMULATE) in every lowering, so lavapipe runs that path end to end
     moe_cm_emulate: bool = False
@@ -237,23 +242,26 @@ class Ops:
     def matvec(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
         x_stride: int, y_stride: int, y_off: int = 0, count_sel: int = COUNT_TOKENS,
-        add: bool = False, maxc: int = 8,
+        add: bool = False, maxc: int = 8, norm: View | None = None, eps: float = 0.0,
     ) -> Dispatch:
-        """y[c, y_off + r] (+)= W[r] . x[c] for the live columns c (at most ``maxc``)."""
+        """y[c, y_off + r] (+)= W[r] . x[c] for the live columns c (at most ``maxc``);
+        with ``norm`` (an f32 weight of ``n_in``) the product reads x[c]'s RMSNorm
+        times that weight instead of x[c] (``_norm_in``)."""
         assert n_in % 8 == 0 and x_stride % 4 == 0
         nr, rs = self.matvec_rows, self.matvec_rs
+        nd, nv, npush = _norm_in(norm, eps)
         k = self.kernels.get(
-            "matvec", n_bindings=4, n_push=7, local_size=nr * self.subgroup,
-            defines=matvec_defines(qtype), spec={1: maxc, 2: nr, 3: rs},
+            "matvec", n_bindings=4 + len(nv), n_push=7 + len(npush), local_size=nr * self.subgroup,
+            defines={**matvec_defines(qtype), **nd}, spec={1: maxc, 2: nr, 3: rs},
         )
-        push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add))
-        return Dispatch(k, (w, x, y, step), push, grid(math.ceil(n_rows / (nr * rs))))
+        push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add), *npush)
+        return Dispatch(k, (w, x, y, step, *nv), push, grid(math.ceil(n_rows / (nr * rs))))
 
     def matvec_rope(
         self, qtype: str, w: View, x: View, y: View, step: View, factors: View, *, n_in: int,
         n_rows: int, x_stride: int, y_stride: int, head_dim: int, rope: bool, theta: float,
         to_cache: bool = False, n_ctx: int = 0, y_off: int = 0, maxc: int = 8,
-        kv_type: str = "f32",
+        kv_type: str = "f32", norm: View | None = None, eps: float = 0.0,
     ) -> Dispatch:
         """``matvec`` of a q, k or v projection that finishes rope.comp's work itself:
         the output rows rotated in llama's adjacent pairs (``rope``) at each token's
@@ -268,28 +276,32 @@ class Ops:
             assert 32 % rs == 0 and n_rows % 32 == 0 and y_off % 32 == 0 and maxc <= 8
             _check_head(t, head_dim, "the")
             nr = 32 // rs
+        nd, nv, npush = _norm_in(norm, eps)
         k = self.kernels.get(
-            "matvec", n_bindings=5, n_push=13, local_size=nr * self.subgroup,
-            defines={**matvec_defines(qtype), **ROPE_OUT, **kv_defines(KV_TYPE=t)}, spec={1: maxc, 2: nr, 3: rs},
+            "matvec", n_bindings=5 + len(nv), n_push=13 + len(npush), local_size=nr * self.subgroup,
+            defines={**matvec_defines(qtype), **ROPE_OUT, **kv_defines(KV_TYPE=t), **nd},
+            spec={1: maxc, 2: nr, 3: rs},
         )
         push = (n_in, n_rows, x_stride, y_stride, y_off, COUNT_TOKENS, 0,
-                head_dim, int(rope), int(to_cache), n_ctx, n_rows, float(math.log2(theta)))
-        return Dispatch(k, (w, x, y, step, factors), push, grid(math.ceil(n_rows / (nr * rs))))
+                head_dim, int(rope), int(to_cache), n_ctx, n_rows, float(math.log2(theta)), *npush)
+        return Dispatch(k, (w, x, y, step, factors, *nv), push, grid(math.ceil(n_rows / (nr * rs))))
 
     def matvec_gate_up(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
         row_a: int, row_b: int, x_stride: int, y_stride: int, maxc: int = 8,
+        norm: View | None = None, eps: float = 0.0,
     ) -> Dispatch:
         """y[c, i] = silu(G[i] . x[c]) * (U[i] . x[c]) for i < ``n_rows``, where G's rows
         start at row ``row_a`` of ``w`` and U's at ``row_b`` (both in the one view)."""
         assert n_in % 8 == 0 and x_stride % 4 == 0
         nr = self.matvec_rows
+        nd, nv, npush = _norm_in(norm, eps)
         k = self.kernels.get(
-            "matvec", n_bindings=4, n_push=9, local_size=nr * self.subgroup,
-            defines={**matvec_defines(qtype), **GATE_UP}, spec={1: maxc, 2: nr, 3: 2},
+            "matvec", n_bindings=4 + len(nv), n_push=9 + len(npush), local_size=nr * self.subgroup,
+            defines={**matvec_defines(qtype), **GATE_UP, **nd}, spec={1: maxc, 2: nr, 3: 2},
         )
-        push = (n_in, n_rows, x_stride, y_stride, 0, COUNT_TOKENS, 0, row_a, row_b)
-        return Dispatch(k, (w, x, y, step), push, grid(math.ceil(n_rows / nr)))
+        push = (n_in, n_rows, x_stride, y_stride, 0, COUNT_TOKENS, 0, row_a, row_b, *npush)
+        return Dispatch(k, (w, x, y, step, *nv), push, grid(math.ceil(n_rows / nr)))
 
     def matmul(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
@@ -722,6 +734,15 @@ MOE_BM = 64
 MOE_BN = 32
 #: words before the permutation in the map (its first holds the live tile count)
 MOE_PERM_OFF = 4
+
+
+def _norm_in(norm: View | None, eps: float) -> tuple[dict[str, object], tuple[View, ...], tuple[float, ...]]:
+    """The NORM_IN part of a matvec variant: (defines, the extra binding, the extra push
+    word), all empty without a norm. y = (W . (g * x)) / sqrt(mean(x^2) + eps), which
+    is rms_norm.comp's x / sqrt(mean(x^2) + eps) * g then the product, up to rounding."""
+    if norm is None:
+        return {}, (), ()
+    return dict(NORM_IN), (norm,), (float(eps),)
 
 
 def moe_max_tiles(n_expert: int, k: int, cap: int) -> int:

@@ -44,6 +44,8 @@ QUANT_SHADERS = ("matvec", "matmul", "get_rows", "moe_matvec", "moe_matmul")
 ROPE_OUT = {"ROPE_OUT": 1}
 #: matvec of the FFN's gate and up at once, SwiGLU in the epilogue
 GATE_UP = {"GATE_UP": 1}
+#: matvec that RMS-normalizes its input itself (the rms_norm before it fused away)
+NORM_IN = {"NORM_IN": 1}
 #: shaders with a single variant (for f32 caches; the KV readers and writers have one
 #: per cache type, see all_variants)
 PLAIN_SHADERS = ("rms_norm", "rope", "attention", "attn_decode", "attn_prefill", "swiglu", "add", "scale", "hadamard", "argmax",
@@ -302,6 +304,13 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for code in KV_CODES[1:]:
         for q in QTYPES if code in (1, 3) else ("Q8_0",):
             yield "matvec", {**qtype_defines(q), **ROPE_OUT, **kv_defines(KV_TYPE=code)}
+    # the same with the input norm fused (TRIO_LLM_FUSE_NORM, on by default): plain,
+    # GATE_UP, and ROPE_OUT in place (f32) and into f16 and q8_0 caches
+    for q in QTYPES:
+        yield "matvec", {**qtype_defines(q), **NORM_IN}
+        yield "matvec", {**qtype_defines(q), **GATE_UP, **NORM_IN}
+        for code in (0, 1, 3):
+            yield "matvec", {**qtype_defines(q), **ROPE_OUT, **kv_defines(KV_TYPE=code), **NORM_IN}
     # the generic loop of the wide-loop types (TRIO_LLM_MATVEC_GENERIC=1), f16 caches
     for q in WIDE_MATVEC:
         g = matvec_defines(q, generic=True)
