@@ -141,7 +141,11 @@ def gpu_breakdown(be, model, replays: int = 20) -> dict:  # type: ignore[no-unty
         parts[f"only_matvec_rs{rs}"] = [d for d in alt if isinstance(d, Dispatch) and d.kernel.name == "matvec"]
         parts[f"no_barriers_rs{rs}"] = [d for d in alt if not isinstance(d, Barrier)]
         parts[f"all_rs{rs}"] = alt
-    out: dict = {"dispatches": len(dispatches), "barriers": sum(isinstance(op, Barrier) for op in ops)}
+    # the other side of TRIO_LLM_FUSE_NORM: the norms folded into their matvecs or not
+    other = be.lowered(1, attrs.evolve(be._ops, fuse_norm=not be._ops.fuse_norm))
+    parts["all_fuse_norm_" + ("off" if be._ops.fuse_norm else "on")] = other
+    out: dict = {"dispatches": len(dispatches), "barriers": sum(isinstance(op, Barrier) for op in ops),
+                 "fuse_norm": be._ops.fuse_norm, "barriers_other_fuse_norm": sum(isinstance(op, Barrier) for op in other)}
     device = be._device
     with device.lock:
         for name, part in parts.items():

@@ -2,7 +2,7 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: verify (the Vulkan correctness tests on the H200), tune (decode split, prefill cm, matmul_cm2), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
+# Stages: verify (the Vulkan correctness tests on the H200), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill, the pp512 graph
 #   with grouped expert matmuls against per-pair matvecs; MOE35=1 adds qwen35-35b-a3b's),
@@ -141,6 +141,10 @@ for s in $STAGES; do case $s in
     # batched decode's scaling, backend level (issue 14 part 5): B = 1, 2, 4, 8 sequences per step
     stage tune-batch-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 64 --tg 64 --repeats 2 \
       --batch-sizes 1,2,4,8
+    # the decode norms folded into their matvecs (NORM_IN) against the rms_norm dispatches
+    stage tune-decode-1b-nofusenorm 120 env TRIO_LLM_FUSE_NORM=0 $PY bench/decode.py --model "$M1" \
+      --backends vulkan --repeats 3
+    stage tune-decode-1b-fusenorm 120 $PY bench/decode.py --model "$M1" --backends vulkan --repeats 3 --breakdown
     wait8b
     stage tune-batch-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 64 --tg 64 --repeats 2 \
       --batch-sizes 1,2,4,8
@@ -153,7 +157,10 @@ for s in $STAGES; do case $s in
       stage "tune-pp512-$tag-cm" 150 $PY bench/decode.py --model "$m" --backends vulkan --pp 512 --tg 8 --repeats 3
       stage "tune-pp512-$tag-cm2" 150 env TRIO_LLM_MATMUL_CM2=1 $PY bench/decode.py --model "$m" --backends vulkan \
         --pp 512 --tg 8 --repeats 3 --pp-breakdown
-    done ;;
+    done
+    stage tune-decode-8b-nofusenorm 150 env TRIO_LLM_FUSE_NORM=0 $PY bench/decode.py --model "$M8B" \
+      --backends vulkan --repeats 3
+    stage tune-decode-8b-fusenorm 150 $PY bench/decode.py --model "$M8B" --backends vulkan --repeats 3 ;;
   attndepth)  # decode attention at depth, op level: per-head attention vs attention_decode
     stage attn-depth-1b 240 $PY bench/attn_depth.py --shape llama-1b --depths 512,4096,32768,131072 \
       --types f16,q8_0,f32 --min-chunk 128,256,512

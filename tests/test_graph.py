@@ -154,7 +154,9 @@ def _kinds(ops) -> list[str]:  # type: ignore[no-untyped-def]
     """Each dispatch as its kernel (matvec by variant), barriers as '|'."""
     from trio_llm.vulkan.graph import Barrier, Copy
 
-    variants = {7: "matvec", 13: "matvec_rope", 9: "gate_up"}
+    # one push word more: the NORM_IN form (the norm's epsilon)
+    variants = {7: "matvec", 13: "matvec_rope", 9: "gate_up", 8: "matvec+norm", 14: "matvec_rope+norm",
+                10: "gate_up+norm"}
     out = []
     for op in ops:
         if isinstance(op, Barrier):
@@ -169,22 +171,30 @@ def _kinds(ops) -> list[str]:  # type: ignore[no-untyped-def]
 
 @pytest.mark.vulkan
 def test_the_lowering_fuses_what_the_decode_kernels_do(model_path) -> None:  # type: ignore[no-untyped-def]
-    """llama decode: q/k/v rotate and store the cache in their projections, gate+up+SwiGLU
-    is one matvec, the output projections add into the residual, attention is the split
-    (flash-decoding) kernel; 7 barriers a layer.
+    """llama decode: q/k/v normalize their input, rotate and store the cache in their
+    projections, gate+up+SwiGLU is one matvec that normalizes its input too, the output
+    projections add into the residual, attention is the split (flash-decoding) kernel;
+    5 barriers a layer (7 with TRIO_LLM_FUSE_NORM=0: the two norms on their own).
     Prefill (a bucket past 8 tokens) runs each op on its own."""
+    import attrs
+
     from trio_llm.vulkan.backend import VulkanBackend
 
     be = VulkanBackend(load_gguf(model_path("tiny", "Q8_0")), n_ctx=64, n_seq=1)
     try:
-        decode = _kinds(be.lowered(1))
-        layer = ["rms_norm", "|", "matvec_rope", "matvec_rope", "matvec_rope", "|", "attn_decode", "|",
-                 "matvec", "|", "rms_norm", "|", "gate_up", "|", "matvec", "|"]
-        assert decode[:2] == ["get_rows", "|"]
-        body = decode[2 : 2 + 2 * len(layer)]
-        assert [k for k in body if k != "matvec_rope"] == [k for k in layer * 2 if k != "matvec_rope"]
-        assert body.count("matvec_rope") == 6
-        assert decode[2 + 2 * len(layer):] == ["get_rows", "|", "rms_norm", "|", "matvec", "|", "copy"]
+        for fuse in (True, False):
+            decode = _kinds(be.lowered(1, attrs.evolve(be._ops, fuse_norm=fuse)))
+            if fuse:
+                qkv, ffn, head = "matvec_rope+norm", ["gate_up+norm"], ["matvec+norm"]
+            else:
+                qkv, ffn, head = "matvec_rope", ["rms_norm", "|", "gate_up"], ["rms_norm", "|", "matvec"]
+            layer = [*([] if fuse else ["rms_norm", "|"]), qkv, qkv, qkv, "|", "attn_decode", "|",
+                     "matvec", "|", *ffn, "|", "matvec", "|"]
+            assert decode[:2] == ["get_rows", "|"]
+            body = decode[2 : 2 + 2 * len(layer)]
+            assert [k for k in body if k != qkv] == [k for k in layer * 2 if k != qkv]
+            assert body.count(qkv) == 6
+            assert decode[2 + 2 * len(layer):] == ["get_rows", "|", *head, "|", "copy"]
         prefill = _kinds(be.lowered(64))
         # (the head runs on the one output row: a matvec)
         assert prefill.count("matmul") == 2 * 7 and "swiglu" in prefill and prefill.count("rope") == 2 * 3
@@ -194,6 +204,6 @@ def test_the_lowering_fuses_what_the_decode_kernels_do(model_path) -> None:  # t
     try:
         decode = _kinds(be.lowered(1))
         # neox RoPE after QK-norm stays a rope dispatch; v still goes straight to the cache
-        assert decode.count("matvec_rope") == 2 and decode.count("rope") == 2 * 2
+        assert decode.count("matvec_rope+norm") == 2 and decode.count("rope") == 2 * 2
     finally:
         be.close()

@@ -15,6 +15,7 @@ from test_vulkan_ops import QTYPES, Env, make_weights, np_rms_norm, np_rope
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.reference import NumpyBackend
 from trio_llm.model.gguf import load_gguf
+from trio_llm.model.kvtypes import dequantize_rows, kv_type
 from trio_llm.vulkan.backend import VulkanBackend
 from trio_llm.vulkan.device import shared_device
 from trio_llm.vulkan.graph import Barrier, Dispatch
@@ -89,9 +90,6 @@ def test_gate_up_normalizes_its_input(env: Env, qtype: str) -> None:
 def test_rope_out_normalizes_its_input(env: Env, qtype: str, kv: str) -> None:
     """ROPE_OUT with NORM_IN: the rotated projection of the normed input, in place and
     into the cache (f16 and q8_0 caches compared after their own rounding)."""
-    from trio_llm.model.kvtypes import dequantize_rows, kv_type
-
-    rng = np.random.default_rng(27)
     ntok, heads, hd, cols, n_ctx, n_seq, eps = 4, 2, 32, 512, 40, 2, 1e-5
     rows = heads * hd
     raw, ref = make_weights(qtype, rows, cols, seed=28)
