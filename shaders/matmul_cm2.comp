@@ -90,15 +90,16 @@ void fetch(uint kb, uint lk, uint a_row[A_LD], bool a_live[A_LD], uint b_at[B_LD
         dequant8(a_row[i], (kb + lk) >> 3, w);
         f16vec4 lo = f16vec4(float16_t(w[0]), float16_t(w[1]), float16_t(w[2]), float16_t(w[3]));
         f16vec4 hi = f16vec4(float16_t(w[4]), float16_t(w[5]), float16_t(w[6]), float16_t(w[7]));
-        apre[2u * i] = a_live[i] ? lo : f16vec4(0.0);
-        apre[2u * i + 1u] = a_live[i] ? hi : f16vec4(0.0);
+        // selects, not ?: (glslang makes a branch of a ternary over conversions)
+        apre[2u * i] = mix(f16vec4(0.0), lo, bvec4(a_live[i]));
+        apre[2u * i + 1u] = mix(f16vec4(0.0), hi, bvec4(a_live[i]));
     }
     [[unroll]] for (uint i = 0; i < B_LD; i++) {
         uint xi = b_at[i] + (kb >> 2);
         vec4 xa = x4[xi];
         vec4 xb = x4[xi + 1u];
-        bpre[2u * i] = b_live[i] ? f16vec4(xa) : f16vec4(0.0);
-        bpre[2u * i + 1u] = b_live[i] ? f16vec4(xb) : f16vec4(0.0);
+        bpre[2u * i] = mix(f16vec4(0.0), f16vec4(xa), bvec4(b_live[i]));
+        bpre[2u * i + 1u] = mix(f16vec4(0.0), f16vec4(xb), bvec4(b_live[i]));
     }
 }
 
