@@ -2,7 +2,7 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: verify (the Vulkan correctness tests on the H200), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
+# Stages: verify (the Vulkan correctness tests on the H200), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill, the pp512 graph
 #   with grouped expert matmuls against per-pair matvecs; MOE35=1 adds qwen35-35b-a3b's),
@@ -92,6 +92,20 @@ stage() { # name timeout command...
   say "stage $name rc=$?"; tail -n 25 "$RES/$name.log" >> "$OUT/summary.txt"; pack
 }
 wait8b() { [ -n "$M8" ] && wait $M8 2>/dev/null; M8B=/tmp/m/$B8-Q4_K_M.gguf; }
+# the dense prefill matmuls, matmul_cm against matmul_cm2 (TRIO_LLM_MATMUL_CM2=1): whole pp512s of
+# llama-1b Q8_0 and llama-8b Q4_K_M, and cm2's per-kernel breakdown (its TFLOP/s against tune-ppk-*'s
+# matmul_cm figure). Stages tune and cm2; verify first (test_vulkan_ops.py -k cm2 on the real
+# cooperative matrices)
+cm2_pp512() {
+  wait8b
+  local mq m tag
+  for mq in "$M1:1b-q8" "$M8B:8b-q4km"; do
+    m=${mq%%:*}; tag=${mq##*:}
+    stage "tune-pp512-$tag-cm" 150 $PY bench/decode.py --model "$m" --backends vulkan --pp 512 --tg 8 --repeats 3
+    stage "tune-pp512-$tag-cm2" 150 env TRIO_LLM_MATMUL_CM2=1 $PY bench/decode.py --model "$m" --backends vulkan \
+      --pp 512 --tg 8 --repeats 3 --pp-breakdown
+  done
+}
 
 for s in $STAGES; do case $s in
   verify)  # the model equivalence (Vulkan = numpy within 1e-4) on the float32 scalar matmul;
@@ -149,18 +163,15 @@ for s in $STAGES; do case $s in
     stage tune-batch-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 64 --tg 64 --repeats 2 \
       --batch-sizes 1,2,4,8
     stage tune-ppk-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 512 --tg 8 --repeats 2 --pp-breakdown
-    # the dense prefill matmuls: matmul_cm against matmul_cm2 (TRIO_LLM_MATMUL_CM2=1), whole pp512s, and
-    # cm2's per-kernel breakdown (its TFLOP/s against tune-ppk-*'s matmul_cm figure); verify first:
-    # test_vulkan_ops.py -k cm2 checks matmul_cm2 on the real cooperative matrices
-    for mq in "$M1:1b-q8" "$M8B:8b-q4km"; do
-      m=${mq%%:*}; tag=${mq##*:}
-      stage "tune-pp512-$tag-cm" 150 $PY bench/decode.py --model "$m" --backends vulkan --pp 512 --tg 8 --repeats 3
-      stage "tune-pp512-$tag-cm2" 150 env TRIO_LLM_MATMUL_CM2=1 $PY bench/decode.py --model "$m" --backends vulkan \
-        --pp 512 --tg 8 --repeats 3 --pp-breakdown
-    done
+    cm2_pp512
     stage tune-decode-8b-nofusenorm 150 env TRIO_LLM_FUSE_NORM=0 $PY bench/decode.py --model "$M8B" \
       --backends vulkan --repeats 3
     stage tune-decode-8b-fusenorm 150 $PY bench/decode.py --model "$M8B" --backends vulkan --repeats 3 ;;
+  cm2)  # matmul_cm2 alone (issue 13 item 3; carry .cc: the emulated test variants): its tests on the real
+    # cooperative matrices and emulated, the prefill lowering on it, then tune's pp512 A/B
+    stage verify-cm2 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_ops.py \
+      tests/test_vulkan_model.py -k cm2
+    cm2_pp512 ;;
   attndepth)  # decode attention at depth, op level: per-head attention vs attention_decode
     stage attn-depth-1b 240 $PY bench/attn_depth.py --shape llama-1b --depths 512,4096,32768,131072 \
       --types f16,q8_0,f32 --min-chunk 128,256,512
