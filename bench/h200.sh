@@ -171,7 +171,16 @@ for s in $STAGES; do case $s in
     # cooperative matrices and emulated, the prefill lowering on it, then tune's pp512 A/B
     stage verify-cm2 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_ops.py \
       tests/test_vulkan_model.py -k cm2
-    cm2_pp512 ;;
+    cm2_pp512
+    # each tile forced on every product (TRIO_LLM_CM2_TILE; ops.cm2_tile's choice is the run above), to set
+    # ops.CM2_MIN_GROUPS
+    for mq in "$M1:1b-q8" "$M8B:8b-q4km"; do
+      m=${mq%%:*}; tag=${mq##*:}
+      for t in 128x128 128x64 64x64; do
+        stage "cm2-pp512-$tag-$t" 120 env TRIO_LLM_MATMUL_CM2=1 TRIO_LLM_CM2_TILE=$t $PY bench/decode.py \
+          --model "$m" --backends vulkan --pp 512 --tg 8 --repeats 2
+      done
+    done ;;
   attndepth)  # decode attention at depth, op level: per-head attention vs attention_decode
     stage attn-depth-1b 240 $PY bench/attn_depth.py --shape llama-1b --depths 512,4096,32768,131072 \
       --types f16,q8_0,f32 --min-chunk 128,256,512
