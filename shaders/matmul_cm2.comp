@@ -12,15 +12,17 @@
 //   * register prefetch: right after a K-tile is in shared memory, each lane issues the
 //     loads of the next K-tile (weights dequantized by quant.glsl's dequant8, any type;
 //     activations), converted to f16 in registers while the products of this tile run;
-//     after a barrier they replace the tile. The prefetch has no branch (the last step
-//     re-reads its own tile, rows and tokens past the end read a clamped address and
-//     are zeroed by a select), so the compiler may interleave it with the products;
+//     after a barrier they replace the tile. The prefetch has no branch of its own
+//     (the last step re-reads its own tile, rows and tokens past the end read a clamped
+//     address and are zeroed by a select; only dequant8's K-quant scale decode
+//     branches), so the compiler may interleave it with the products;
 //   * the f32 accumulators go out block by block through the subgroup's own 16x16
 //     slice of shared memory (column-major: 16 lanes store 16 consecutive rows of one
 //     token, 64 contiguous bytes), masked by n_rows and the live token count, plain or
 //     added into y (mode 1), as matmul_cm.
 // One shared-memory buffer per operand (28 KiB at most, under lavapipe's 32 KiB and
-// the H200's 48 KiB) with two barriers per K-tile; the loads are hidden by the prefetch.
+// the H200's 48 KiB) with two barriers per K-tile, the prefetch meant to hide the loads
+// (not yet timed on a GPU).
 //
 // SG (define) is the subgroup size the layout is built for: the device's, 32 or 64.
 // The work group has NT = SGM * SGN * SG lanes, the host's local size (cm2_layout).
