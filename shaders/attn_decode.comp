@@ -24,9 +24,8 @@
 // the work group into key groups of head_dim / 4 lanes, a lane owning four output
 // dimensions of every head (V rows loaded once), as attention.comp does.
 //
-// The partials and the counters are `coherent`, written before a memoryBarrierBuffer
-// and a work-group barrier, and the count is taken after them: the last work group
-// sees every other one's partial. It resets the counter to 0 for the next dispatch.
+// The count and the last split's combine are decode_combine.glsl's (shared with
+// attn_decode2.comp, the coalesced form).
 #include "common.glsl"
 
 #ifndef K_TYPE
@@ -69,6 +68,7 @@ layout(constant_id = 1) const uint GW = 4;  // query heads per work group
 
 #include "reduce.glsl"
 #include "kv.glsl"
+#include "decode_combine.glsl"
 
 #define KVR_T K_TYPE
 #define KVR_W(i) uint(kc16[i])
@@ -96,9 +96,6 @@ shared float run_m[GW];
 shared float run_l[GW];
 shared float run_c[GW];    // the tile's rescale of the earlier accumulation
 shared vec4 red[WG];       // key groups' partial outputs
-shared bool is_last;
-const uint MAX_SPLIT = 256;
-shared float split_w[MAX_SPLIT];  // the combine's per-split weights exp(m_s - M)
 
 // the row of position p: p itself unless the cache is a ring that has wrapped (no
 // division on the common path)
@@ -279,45 +276,5 @@ void main() {
         part[mb] = run_m[tid];
         part[mb + 1u] = run_l[tid];
     }
-    memoryBarrierBuffer();
-    barrier();
-    uint ci = t * groups + hgrp;
-    if (tid == 0u) {
-        is_last = atomicAdd(counter[ci], 1u) == n_live - 1u;
-    }
-    barrier();
-    if (!is_last) {
-        return;
-    }
-    memoryBarrierBuffer();
-    // per head: the lanes take the splits for M and L (each split's weight computed
-    // once, into shared memory), then the output dimensions
-    for (uint g = 0; g < GW; g++) {
-        uint h = h0 + g;
-        uint mb = pc.ml_off + (t * pc.n_head + h) * pc.n_split * 2u;
-        float mx = -1.0e30;
-        for (uint s = tid; s < n_live; s += WG) {
-            mx = max(mx, part[mb + 2u * s]);
-        }
-        float M = wg_max(mx);
-        float lsum = 0.0;
-        for (uint s = tid; s < n_live; s += WG) {
-            float w = exp(part[mb + 2u * s] - M);
-            split_w[s] = w;
-            lsum += part[mb + 2u * s + 1u] * w;
-        }
-        float L = wg_sum(lsum);  // its barriers also publish split_w
-        uint pb = (t * pc.n_head + h) * pstride;
-        for (uint d = tid; d < hd; d += WG) {
-            float acc_d = 0.0;
-            for (uint s = 0; s < n_live; s++) {
-                acc_d += part[pb + s * hd + d] * split_w[s];
-            }
-            o[t * pc.o_stride + h * hd + d] = acc_d / L;
-        }
-        barrier();  // split_w is rewritten for the next head
-    }
-    if (tid == 0u) {
-        counter[ci] = 0u;
-    }
+    decode_combine(t, hgrp, h0, n_live);
 }

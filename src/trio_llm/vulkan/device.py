@@ -60,6 +60,9 @@ def _check(vk: Any, result: int) -> None:
         raise raw.exception_codes.get(result, vk.VkError)()
 
 
+#: VkSubgroupFeatureFlagBits
+SUBGROUP_ARITHMETIC, SUBGROUP_SHUFFLE, SUBGROUP_CLUSTERED = 0x4, 0x10, 0x40
+
 _TYPE_RANK = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}  # discrete, integrated, virtual, cpu, other
 _TYPE_NAME = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
 
@@ -73,6 +76,12 @@ class DeviceLimits:
     max_workgroup_count: tuple[int, int, int]
     subgroup_size: int
     imported_host_alignment: int  # 0 when VK_EXT_external_memory_host is absent
+    #: VkSubgroupFeatureFlags the device reports for compute (SUBGROUP_* below): what a
+    #: kernel may use beyond the basic and arithmetic operations every kernel needs
+    subgroup_ops: int = 0
+
+    def has_subgroup(self, flag: int) -> bool:
+        return self.subgroup_ops & flag == flag
 
 
 @attrs.define(eq=False)
@@ -151,6 +160,7 @@ class Device:
             "max_storage_buffer_range": self.limits.max_storage_buffer_range,
             "max_allocation_size": self.limits.max_allocation_size,
             "subgroup_size": self.limits.subgroup_size,
+            "subgroup_ops": self.limits.subgroup_ops,
             "max_shared_memory": self.limits.max_shared_memory,
             "external_memory_host": self.limits.imported_host_alignment > 0,
             "memory_heaps": [size for size, _ in self.memory_heaps],
@@ -504,6 +514,8 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
             imported_host_alignment=(
                 int(host_props.minImportedHostPointerAlignment) if has_host_import else 0
             ),
+            subgroup_ops=(int(sub.supportedOperations)
+                          if int(sub.supportedStages) & vk.VK_SHADER_STAGE_COMPUTE_BIT else 0),
         ),
         extensions=extensions,
         memory_types=memory_types,

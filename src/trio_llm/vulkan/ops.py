@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as T
 
 from trio_llm.errors import ConfigError
 from trio_llm.model.kvtypes import KVType, kv_type
+from trio_llm.vulkan.device import SUBGROUP_SHUFFLE
 from trio_llm.vulkan.graph import Dispatch
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import View
@@ -127,6 +128,25 @@ def heads_per_group(n_head: int, n_head_kv: int, most: int = 8) -> int:
     return max(d for d in range(1, min(g, most) + 1) if g % d == 0)
 
 
+def decode2_lanes(head_dim: int, subgroup: int) -> int:
+    """Lanes that read one K / V row together in attn_decode2.comp: the largest power of
+    two up to the subgroup size that divides head_dim / 8 (each lane takes pieces of 8
+    values), so head_dim / 8 lanes (a 16-byte piece each in f16) wherever the subgroup
+    is that wide: 8, 16 and 32 lanes for head dims 64, 128 and 256 on 32-lane subgroups."""
+    pieces = head_dim // 8
+    lanes = 1
+    while lanes * 2 <= subgroup and pieces % (lanes * 2) == 0:
+        lanes *= 2
+    return lanes
+
+
+def decode2_shared(wg: int, gw: int, lanes: int, head_dim: int, subgroup: int) -> int:
+    """Bytes of shared memory attn_decode2.comp declares (its arrays, in order, then
+    decode_combine.glsl's and reduce.glsl's)."""
+    red_rows = min(gw, subgroup // lanes) * (wg // subgroup)
+    return 4 * 2 * gw * (wg // lanes) + 4 * 2 * gw + 16 * red_rows * head_dim // 4 + 4 * 256 + 4 + 4 * 64
+
+
 def prefill_rows(head_dim: int, coopmat: bool = False) -> int:
     """Query rows (tokens x heads) of one ``attention_prefill`` work group by default."""
     return (64 if head_dim <= 128 else 32) if coopmat else (32 if head_dim <= 128 else 16)
@@ -232,6 +252,16 @@ class Ops:
     #: NORM_IN; forward.py's ``find_norm_fusions``): two dispatch stages fewer per layer;
     #: TRIO_LLM_FUSE_NORM=0 keeps the rms_norm dispatches (the A/B of bench/h200.sh tune)
     fuse_norm: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_FUSE_NORM", "1") != "0")
+    #: ``attention_decode`` in its coalesced form (attn_decode2.comp: the lanes of a row
+    #: group split each K / V row, several rows in flight per lane) where ``decode2_ok``;
+    #: TRIO_LLM_ATTN_DECODE2=1 turns it on. Off by default until bench/h200.sh tune has
+    #: timed it against attn_decode.comp and verify has run its tests on a GPU
+    decode_attn2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_ATTN_DECODE2", "0") == "1")
+    #: attn_decode2: K (and V) rows in flight per lane
+    decode2_rows: int = 4
+    #: attn_decode2: lanes per row (a power of two dividing head_dim / 8, at most the
+    #: subgroup); 0: ``decode2_lanes``' choice
+    decode2_lanes: int = 0
     #: tests only: moe_matmul's cooperative-matrix kernel with its products emulated
     #: (CM_EMULATE) in every lowering, so lavapipe runs that path end to end
     moe_cm_emulate: bool = False
@@ -407,7 +437,11 @@ class Ops:
         n_split)`` floats and ``counters`` ``attention_counters(cap, n_head, n_head_kv)``
         zeroed uint32 (both reused by every layer). ``min_chunk`` (default one
         tile) is the fewest keys a split takes: a sequence that short is one work group
-        that writes its output itself."""
+        that writes its output itself.
+
+        With ``decode_attn2`` (TRIO_LLM_ATTN_DECODE2=1) and where ``decode2_ok`` holds
+        it runs attn_decode2.comp, the coalesced form, with the same buffers and the
+        same results to f32 rounding; attn_decode.comp otherwise."""
         wg = self.decode_wg
         assert head_dim <= 4 * wg and head_dim <= 256 and head_dim % 4 == 0 and n_head % n_head_kv == 0
         assert wg % self.subgroup == 0
@@ -421,14 +455,34 @@ class Ops:
         gw = heads_per_group(n_head, n_head_kv)
         assert part.size >= 4 * attention_part_floats(cap, n_head, head_dim, n_split)
         assert counters.size >= 4 * attention_counters(cap, n_head, n_head_kv)
-        k = self.kernels.get("attn_decode", n_bindings=7, n_push=12, local_size=wg,
-                             defines=kv_defines(K_TYPE=kt, V_TYPE=vt), spec={1: gw})
+        defines = kv_defines(K_TYPE=kt, V_TYPE=vt)
+        if self.decode_attn2 and self.decode2_ok(n_head, n_head_kv, head_dim):
+            lanes = self.decode2_lanes or decode2_lanes(head_dim, self.subgroup)
+            k = self.kernels.get("attn_decode2", n_bindings=7, n_push=12, local_size=wg, defines=defines,
+                                 spec={1: gw, 2: lanes, 3: head_dim // (8 * lanes), 4: self.decode2_rows,
+                                       5: self.subgroup})
+        else:
+            k = self.kernels.get("attn_decode", n_bindings=7, n_push=12, local_size=wg, defines=defines,
+                                 spec={1: gw})
         s = 1.0 / math.sqrt(head_dim) if scale is None else scale
         ml_off = cap * n_head * n_split * head_dim
         push = (n_head, n_head_kv, head_dim, n_ctx, n_head_kv * head_dim, q_stride, o_stride, float(s),
                 n_swa, n_split, chunk, ml_off)
         return Dispatch(k, (q, k_cache, v_cache, o, part, counters, step), push,
                         (n_split, n_head // gw, cap))
+
+    def decode2_ok(self, n_head: int, n_head_kv: int, head_dim: int) -> bool:
+        """Whether ``attention_decode`` can take its coalesced form here: the device
+        reports subgroup shuffles for compute (the row groups' butterflies), head_dim a
+        multiple of 8 up to 256, lanes per row within the subgroup and dividing it, and
+        the shared memory (the device's reported limits)."""
+        lim = self.kernels.device.limits
+        lanes = self.decode2_lanes or decode2_lanes(head_dim, self.subgroup)
+        gw = heads_per_group(n_head, n_head_kv)
+        return (lim.has_subgroup(SUBGROUP_SHUFFLE) and head_dim % 8 == 0 and head_dim <= 256
+                and lanes & (lanes - 1) == 0 and self.subgroup % lanes == 0 and (head_dim // 8) % lanes == 0
+                and self.decode_wg % self.subgroup == 0 and self.decode2_rows >= 1
+                and decode2_shared(self.decode_wg, gw, lanes, head_dim, self.subgroup) <= lim.max_shared_memory)
 
     def prefill_ok(self, head_dim: int) -> bool:
         """Whether ``attention_prefill`` runs here for ``head_dim``: a multiple of 16 up
