@@ -1,12 +1,14 @@
 """Decode attention at depth, op level: the chain of one attention dispatch per layer
 (each followed by a barrier, as in the forward pass) over a KV cache of ``depth``
 positions, for today's per-head ``attention`` kernel and the split ``attention_decode``
-(flash-decoding), per KV cache type. This is the part of a decode step that grows
+(flash-decoding) in its two forms (``--kernels``: attn_decode.comp, and attn_decode2.comp
+whose row groups read the cache coalesced, ``Ops.decode_attn2``), per KV cache type. This is the part of a decode step that grows
 with the context (issue 13: llama-1b decodes at 23 tok/s at 32k, llama.cpp at 470);
 the rest of the step is the depth-independent graph that ``bench/decode.py`` times.
 
     .venv/bin/python bench/attn_depth.py --shape llama-1b --depths 1024,8192,32768,131072
     .venv/bin/python bench/attn_depth.py --shape llama-8b --types f16,q8_0 --min-chunk 128,256,512
+    .venv/bin/python bench/attn_depth.py --shape llama-1b --kernels decode,decode2 --decode2-rows 2,4,8
 
 Prints ms per token for the whole chain (all layers), the KV bytes it reads per
 second, and the ratio of the two kernels; writes ``bench/results/attn-depth-*.json``.
@@ -52,6 +54,11 @@ def run(args: argparse.Namespace) -> int:
     alloc = Allocator(device)
     kernels = KernelCache(device)
     sg = device.limits.subgroup_size
+    kernel_set = set(args.kernels.split(","))
+    if not kernel_set <= {"attention", "decode", "decode2"}:
+        print(f"attn_depth: unknown kernels in --kernels {args.kernels} (attention, decode, decode2)", file=sys.stderr)
+        return 2
+    rows_list = [int(r) for r in args.decode2_rows.split(",")]
     rows = []
     try:
         for tname in args.types.split(","):
@@ -81,12 +88,15 @@ def run(args: argparse.Namespace) -> int:
                       "k_type": t.name, "v_type": t.name}
                 variants: dict[str, list[Op]] = {}
                 ops = Ops(kernels, subgroup=sg)
-                variants["attention"] = [x for i in range(n_layer) for x in (
-                    ops.attention(whole(q), whole(bufs[2 * i]), whole(bufs[2 * i + 1]), whole(o), whole(step), **kw),
-                    Barrier())]
+                if "attention" in kernel_set:
+                    variants["attention"] = [x for i in range(n_layer) for x in (
+                        ops.attention(whole(q), whole(bufs[2 * i]), whole(bufs[2 * i + 1]), whole(o), whole(step),
+                                      **kw),
+                        Barrier())]
                 extra = []
+                forms = [(k, r) for k in ("decode", "decode2") if k in kernel_set
+                         for r in (rows_list if k == "decode2" else [0])]
                 for wg in (int(w) for w in args.decode_wg.split(",")):
-                    dops = Ops(kernels, subgroup=sg, decode_wg=wg)
                     for mc in (int(c) for c in args.min_chunk.split(",")):
                         mc = max(wg, mc // wg * wg)
                         n_split = decode_splits(n_ctx, min_chunk=mc, most=args.most)
@@ -95,11 +105,18 @@ def run(args: argparse.Namespace) -> int:
                         with device.one_shot("zero counters") as cmd:
                             device.vk.vkCmdFillBuffer(cmd, cnt.handle, 0, cnt.size, 0)
                         extra += [part, cnt]
-                        variants[f"decode wg{wg} chunk{mc} split{n_split}"] = [x for i in range(n_layer) for x in (
-                            dops.attention_decode(whole(q), whole(bufs[2 * i]), whole(bufs[2 * i + 1]), whole(o),
-                                                  whole(part), whole(cnt), whole(step), n_split=n_split,
-                                                  min_chunk=mc, **kw),
-                            Barrier())]
+                        for form, r in forms:
+                            dops = Ops(kernels, subgroup=sg, decode_wg=wg, decode_attn2=form == "decode2",
+                                       decode2_rows=max(1, r))
+                            if form == "decode2" and not dops.decode2_ok(n_head, n_kv, hd):
+                                print(f"skip decode2 wg{wg}: attn_decode2 cannot run here", file=sys.stderr)
+                                continue
+                            name = f"{form} wg{wg} chunk{mc} split{n_split}" + (f" r{r}" if r else "")
+                            variants[name] = [x for i in range(n_layer) for x in (
+                                dops.attention_decode(whole(q), whole(bufs[2 * i]), whole(bufs[2 * i + 1]), whole(o),
+                                                      whole(part), whole(cnt), whole(step), n_split=n_split,
+                                                      min_chunk=mc, **kw),
+                                Barrier())]
                 kv_bytes = 2 * n_layer * depth * rb
                 base_ms = None
                 for name, chain in variants.items():
@@ -135,6 +152,10 @@ def main() -> int:
     ap.add_argument("--decode-wg", default="128", help="attention_decode work-group sizes to try")
     ap.add_argument("--min-chunk", default="256", help="attention_decode min_chunk values to try")
     ap.add_argument("--most", type=int, default=64, help="most splits (decode_splits' cap)")
+    ap.add_argument("--kernels", default="attention,decode",
+                    help="which to time, the first the baseline: attention (per head), decode (attn_decode.comp), "
+                         "decode2 (attn_decode2.comp, the coalesced form)")
+    ap.add_argument("--decode2-rows", default="4", help="attn_decode2's rows in flight per lane to try")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     return run(ap.parse_args())

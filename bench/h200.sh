@@ -114,6 +114,9 @@ for s in $STAGES; do case $s in
     # until this has passed it: its tests turn it on themselves
     stage verify 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_ops.py tests/test_vulkan_kv.py \
       tests/test_vulkan_attn_prefill.py
+    # attn_decode2 (TRIO_LLM_ATTN_DECODE2, off by default): 16- and 32-lane row groups and the split combine's
+    # memory ordering, which lavapipe (8-lane subgroups, no real concurrency) cannot show
+    stage verify-decode2 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_decode2.py
     stage verify-model 200 env TRIO_LLM_COOPMAT=0 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_model.py
     # the MoE kernels, the prefill path's device-side grouping (shared atomics, scan) and grouped expert matmuls
     # (scalar dense matmuls, as verify-model: the model-level checks hold Vulkan to numpy at f32 tolerances)
@@ -145,6 +148,11 @@ for s in $STAGES; do case $s in
       --types f16 --min-chunk 128 --most 256 --repeats 10
     stage tune-attn-depth-8b 120 $PY bench/attn_depth.py --shape llama-8b --depths 640,16384 --types f16 \
       --min-chunk 128,256 --decode-wg 64,128 --repeats 10
+    # attention_decode's coalesced form (attn_decode2.comp) beside attn_decode.comp, 2/4/8 rows in flight per lane
+    stage tune-attn-decode2-1b 150 $PY bench/attn_depth.py --shape llama-1b --depths 128,640,8192,32768 \
+      --types f16,q8_0 --kernels decode,decode2 --decode2-rows 2,4,8 --min-chunk 128 --repeats 10
+    stage tune-attn-decode2-8b 120 $PY bench/attn_depth.py --shape llama-8b --depths 640,16384 --types f16,q8_0 \
+      --kernels decode,decode2 --decode2-rows 2,4,8 --min-chunk 128 --repeats 10
     stage tune-prefill-attn-1b 150 $PY bench/prefill.py --shape llama-1b --lengths 512,8192,32768 --types f16 \
       --old-max 0 --repeats 1
     stage tune-pp8192-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 8192 --tg 8 --repeats 2

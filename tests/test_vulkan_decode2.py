@@ -165,3 +165,31 @@ def test_decode2_selection(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
                                **kw).kernel.name == "attn_decode"
     assert on.attention_decode(v, v, v, v, v, v, v, head_dim=64, q_stride=128, o_stride=128,
                                **kw).kernel.name == "attn_decode2"
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-gemma3"])
+def test_decode2_through_the_backend(model_path, monkeypatch: pytest.MonkeyPatch, preset: str) -> None:  # type: ignore[no-untyped-def]
+    """With TRIO_LLM_ATTN_DECODE2=1 the backend's decode steps (two sequences per step,
+    64 greedy tokens; tiny-gemma3's sliding layers on rings of 24 rows, chunks of 8)
+    follow numpy's greedy path and logits, as test_vulkan_model.py's checks of the
+    default kernel do."""
+    from test_vulkan_model import F32_KV, N_CTX, N_GREEDY, PROMPTS, greedy_batched
+    from trio_llm.engine.reference import NumpyBackend
+    from trio_llm.model.gguf import load_gguf
+    from trio_llm.vulkan.backend import VulkanBackend
+
+    monkeypatch.setenv("TRIO_LLM_ATTN_DECODE2", "1")
+    model = load_gguf(model_path(preset, "Q8_0"))
+    ref = NumpyBackend(model, n_ctx=N_CTX, n_seq=2, max_chunk=8, **F32_KV)
+    vk = VulkanBackend(model, n_ctx=N_CTX, n_seq=2, max_chunk=8, **F32_KV)
+    try:
+        assert vk._ops.decode_attn2
+        got_first, got = greedy_batched(vk, PROMPTS, N_GREEDY)
+        assert any(key[0] == "attn_decode2" for key in vk._ops.kernels._kernels)  # it ran
+        want_first, want = greedy_batched(ref, PROMPTS, N_GREEDY)
+        scale = float(np.abs(want_first).max())
+        assert float(np.abs(got_first - want_first).max()) <= 1e-4 * scale
+        assert got == want
+    finally:
+        vk.close()
+        ref.close()

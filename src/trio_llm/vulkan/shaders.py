@@ -48,7 +48,7 @@ GATE_UP = {"GATE_UP": 1}
 NORM_IN = {"NORM_IN": 1}
 #: shaders with a single variant (for f32 caches; the KV readers and writers have one
 #: per cache type, see all_variants)
-PLAIN_SHADERS = ("rms_norm", "rope", "attention", "attn_decode", "attn_prefill", "swiglu", "add", "scale", "hadamard", "argmax",
+PLAIN_SHADERS = ("rms_norm", "rope", "attention", "attn_decode", "attn_decode2", "attn_prefill", "swiglu", "add", "scale", "hadamard", "argmax",
                  "sample", "transpose", "attn_combine",
                  "moe_topk", "moe_group", "moe_combine", "take", "l2_norm", "gate_rows", "rope_partial", "delta_net",
                  "delta_prep", "delta_chunk")
@@ -293,10 +293,10 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     # Q8_0 weights. Other combinations compile on first use.
     for code in KV_CODES[1:]:
         yield "rope", kv_defines(KV_TYPE=code)
-        for name in ("attention", "attn_decode", "attn_prefill"):
+        for name in ("attention", "attn_decode", "attn_decode2", "attn_prefill"):
             yield name, kv_defines(K_TYPE=code, V_TYPE=code)
     for k, v in ((3, 1), (1, 4)):
-        for name in ("attention", "attn_decode", "attn_prefill"):
+        for name in ("attention", "attn_decode", "attn_decode2", "attn_prefill"):
             yield name, kv_defines(K_TYPE=k, V_TYPE=v)
     for code in (0, 1, 3):  # prefill attention on cooperative matrices (f32, f16, q8_0), and staged
         yield "attn_prefill_cm", kv_defines(K_TYPE=code, V_TYPE=code)
