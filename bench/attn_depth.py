@@ -8,7 +8,7 @@ the rest of the step is the depth-independent graph that ``bench/decode.py`` tim
 
     .venv/bin/python bench/attn_depth.py --shape llama-1b --depths 1024,8192,32768,131072
     .venv/bin/python bench/attn_depth.py --shape llama-8b --types f16,q8_0 --min-chunk 128,256,512
-    .venv/bin/python bench/attn_depth.py --shape llama-1b --kernels decode,decode2 --decode2-rows 2,4,8
+    .venv/bin/python bench/attn_depth.py --shape llama-1b --kernels decode,decode2 --decode2-rows 2,4,8 --decode2-lanes 0,4
 
 Prints ms per token for the whole chain (all layers), the KV bytes it reads per
 second, and the ratio of the two kernels; writes ``bench/results/attn-depth-*.json``.
@@ -34,6 +34,7 @@ from trio_llm.vulkan.ops import (
     Ops,
     attention_counters,
     attention_part_floats,
+    decode2_lanes,
     decode_splits,
     fill_step,
 )
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"attn_depth: unknown kernels in --kernels {args.kernels} (attention, decode, decode2)", file=sys.stderr)
         return 2
     rows_list = [int(r) for r in args.decode2_rows.split(",")]
+    lanes_list = [int(x) for x in args.decode2_lanes.split(",")]
     rows = []
     try:
         for tname in args.types.split(","):
@@ -94,24 +96,26 @@ def run(args: argparse.Namespace) -> int:
                                       **kw),
                         Barrier())]
                 extra = []
-                forms = [(k, r) for k in ("decode", "decode2") if k in kernel_set
-                         for r in (rows_list if k == "decode2" else [0])]
+                forms = [(k, r, la) for k in ("decode", "decode2") if k in kernel_set
+                         for r in (rows_list if k == "decode2" else [0])
+                         for la in (lanes_list if k == "decode2" else [0])]
                 for wg in (int(w) for w in args.decode_wg.split(",")):
-                    for mc in (int(c) for c in args.min_chunk.split(",")):
-                        mc = max(wg, mc // wg * wg)
+                    # min_chunk is a multiple of the work group (two values may round to one)
+                    for mc in sorted({max(wg, int(c) // wg * wg) for c in args.min_chunk.split(",")}):
                         n_split = decode_splits(n_ctx, min_chunk=mc, most=args.most)
                         part = alloc.create(4 * attention_part_floats(ntok, n_head, hd, n_split), "compute", "device")
                         cnt = alloc.create(4 * attention_counters(ntok, n_head, n_kv), "compute", "device")
                         with device.one_shot("zero counters") as cmd:
                             device.vk.vkCmdFillBuffer(cmd, cnt.handle, 0, cnt.size, 0)
                         extra += [part, cnt]
-                        for form, r in forms:
+                        for form, r, la in forms:
                             dops = Ops(kernels, subgroup=sg, decode_wg=wg, decode_attn2=form == "decode2",
-                                       decode2_rows=max(1, r))
+                                       decode2_rows=max(1, r), decode2_lanes=la)
                             if form == "decode2" and not dops.decode2_ok(n_head, n_kv, hd):
-                                print(f"skip decode2 wg{wg}: attn_decode2 cannot run here", file=sys.stderr)
+                                print(f"skip decode2 wg{wg} lanes{la}: attn_decode2 cannot run here", file=sys.stderr)
                                 continue
-                            name = f"{form} wg{wg} chunk{mc} split{n_split}" + (f" r{r}" if r else "")
+                            lanes = la or decode2_lanes(hd, sg)
+                            name = f"{form} wg{wg} chunk{mc} split{n_split}" + (f" r{r} l{lanes}" if r else "")
                             variants[name] = [x for i in range(n_layer) for x in (
                                 dops.attention_decode(whole(q), whole(bufs[2 * i]), whole(bufs[2 * i + 1]), whole(o),
                                                       whole(part), whole(cnt), whole(step), n_split=n_split,
@@ -156,6 +160,8 @@ def main() -> int:
                     help="which to time, the first the baseline: attention (per head), decode (attn_decode.comp), "
                          "decode2 (attn_decode2.comp, the coalesced form)")
     ap.add_argument("--decode2-rows", default="4", help="attn_decode2's rows in flight per lane to try")
+    ap.add_argument("--decode2-lanes", default="0",
+                    help="attn_decode2's lanes per K/V row to try (0: decode2_lanes' choice, head_dim / 8)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     return run(ap.parse_args())

@@ -149,8 +149,13 @@ for s in $STAGES; do case $s in
     stage tune-attn-depth-8b 120 $PY bench/attn_depth.py --shape llama-8b --depths 640,16384 --types f16 \
       --min-chunk 128,256 --decode-wg 64,128 --repeats 10
     # attention_decode's coalesced form (attn_decode2.comp) beside attn_decode.comp, 2/4/8 rows in flight per lane
+    # (1b: also 64-lane groups and 64-key chunks, for the 128-key latency)
     stage tune-attn-decode2-1b 150 $PY bench/attn_depth.py --shape llama-1b --depths 128,640,8192,32768 \
-      --types f16,q8_0 --kernels decode,decode2 --decode2-rows 2,4,8 --min-chunk 128 --repeats 10
+      --types f16,q8_0 --kernels decode,decode2 --decode2-rows 2,4,8 --decode-wg 64,128 --min-chunk 64,128 \
+      --repeats 10
+    # ... and 4 lanes per row for the 1b's head_dim 64 (two 16-byte pieces per lane: less of the softmax repeated per lane)
+    stage tune-attn-decode2-1b-lanes4 90 $PY bench/attn_depth.py --shape llama-1b --depths 128,640,8192,32768 \
+      --types f16 --kernels decode,decode2 --decode2-rows 2,4 --decode2-lanes 4,8 --min-chunk 128 --repeats 10
     stage tune-attn-decode2-8b 120 $PY bench/attn_depth.py --shape llama-8b --depths 640,16384 --types f16,q8_0 \
       --kernels decode,decode2 --decode2-rows 2,4,8 --min-chunk 128 --repeats 10
     stage tune-prefill-attn-1b 150 $PY bench/prefill.py --shape llama-1b --lengths 512,8192,32768 --types f16 \
