@@ -284,7 +284,7 @@ def test_bad_shapes_are_refused(env: Env) -> None:
     with pytest.raises(ValueError, match="unsupported KV cache type 'q4_k'"):
         env.ops.attention(v, v, v, v, v, n_head=2, n_head_kv=1, head_dim=64, n_ctx=4, q_stride=128,
                           o_stride=128, cap=1, v_type="q4_k")
-    assert decode_splits(100) == 1 and decode_splits(32768) == 64 and decode_splits(1000) == 4
+    assert decode_splits(100) == 1 and decode_splits(32768) == 64 and decode_splits(1000) == 8
 
 
 def test_kv_cache_rows_and_release_carry_raw_bytes(env: Env) -> None:
