@@ -113,7 +113,7 @@ for s in $STAGES; do case $s in
     # the cooperative-matrix prefill attention is off by default (TRIO_LLM_PREFILL_CM=1 turns it on)
     # until this has passed it: its tests turn it on themselves
     stage verify 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_ops.py tests/test_vulkan_kv.py \
-      tests/test_vulkan_attn_prefill.py
+      tests/test_vulkan_attn_prefill.py tests/test_vulkan_norm_fusion.py
     # attn_decode2 (TRIO_LLM_ATTN_DECODE2, off by default): 16- and 32-lane row groups and the split combine's
     # memory ordering, which lavapipe (8-lane subgroups, no real concurrency) cannot show
     stage verify-decode2 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_decode2.py
@@ -171,7 +171,8 @@ for s in $STAGES; do case $s in
     # the decode norms folded into their matvecs (NORM_IN) against the rms_norm dispatches
     stage tune-decode-1b-nofusenorm 120 env TRIO_LLM_FUSE_NORM=0 $PY bench/decode.py --model "$M1" \
       --backends vulkan --repeats 3
-    stage tune-decode-1b-fusenorm 120 $PY bench/decode.py --model "$M1" --backends vulkan --repeats 3 --breakdown
+    stage tune-decode-1b-fusenorm 120 env TRIO_LLM_FUSE_NORM=1 $PY bench/decode.py --model "$M1" --backends vulkan \
+      --repeats 3 --breakdown
     wait8b
     stage tune-batch-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 64 --tg 64 --repeats 2 \
       --batch-sizes 1,2,4,8
@@ -179,7 +180,8 @@ for s in $STAGES; do case $s in
     cm2_pp512
     stage tune-decode-8b-nofusenorm 150 env TRIO_LLM_FUSE_NORM=0 $PY bench/decode.py --model "$M8B" \
       --backends vulkan --repeats 3
-    stage tune-decode-8b-fusenorm 150 $PY bench/decode.py --model "$M8B" --backends vulkan --repeats 3 ;;
+    stage tune-decode-8b-fusenorm 150 env TRIO_LLM_FUSE_NORM=1 $PY bench/decode.py --model "$M8B" --backends vulkan \
+      --repeats 3 ;;
   cm2)  # matmul_cm2 alone (issue 13 item 3; carry .cc: the emulated test variants): its tests on the real
     # cooperative matrices and emulated, the prefill lowering on it, then tune's pp512 A/B
     stage verify-cm2 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_ops.py \

@@ -249,9 +249,12 @@ class Ops:
     #: this size (32 or 64; 0: off), on any device
     matmul_cm2_emulate: int = 0
     #: decode buckets' RMSNorms folded into the matvecs that read them (matvec.comp's
-    #: NORM_IN; forward.py's ``find_norm_fusions``): two dispatch stages fewer per layer;
-    #: TRIO_LLM_FUSE_NORM=0 keeps the rms_norm dispatches (the A/B of bench/h200.sh tune)
-    fuse_norm: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_FUSE_NORM", "1") != "0")
+    #: NORM_IN; forward.py's ``find_norm_fusions``): two dispatch stages fewer per layer,
+    #: but one load of the norm weight beside each x load. Off unless
+    #: TRIO_LLM_FUSE_NORM=1 until the H200 A/B (bench/h200.sh tune) shows it pays: the
+    #: earlier form of this fusion (X_NORM, which also summed x^2 in a pass of its own)
+    #: made llama-8b Q4_K_M decode 14 % slower there (bench/results/h200-fusion/)
+    fuse_norm: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_FUSE_NORM", "0") == "1")
     #: ``attention_decode`` in its coalesced form (attn_decode2.comp: the lanes of a row
     #: group split each K / V row, several rows in flight per lane) where ``decode2_ok``;
     #: TRIO_LLM_ATTN_DECODE2=1 turns it on. Off by default until bench/h200.sh tune has

@@ -304,7 +304,7 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for code in KV_CODES[1:]:
         for q in QTYPES if code in (1, 3) else ("Q8_0",):
             yield "matvec", {**qtype_defines(q), **ROPE_OUT, **kv_defines(KV_TYPE=code)}
-    # the same with the input norm fused (TRIO_LLM_FUSE_NORM, on by default): plain,
+    # the same with the input norm fused (TRIO_LLM_FUSE_NORM=1, for the H200 A/B): plain,
     # GATE_UP, and ROPE_OUT in place (f32) and into f16 and q8_0 caches
     for q in QTYPES:
         yield "matvec", {**qtype_defines(q), **NORM_IN}
