@@ -123,7 +123,7 @@ def test_decode2_odd_head_dims_and_mixed_types(env: Env) -> None:
     and K f16 with V q4_0 (llama-server takes -ctk and -ctv apart)."""
     assert decode2_lanes(96, 32) == 4 and decode2_lanes(80, 32) == 2 and decode2_lanes(256, 32) == 32
     _both(env, hd=96, n_head=6, n_kv=2, pos=[5, 300], seq=[0, 1], n_ctx=310, k_type="f16", v_type="f16", seed=60)
-    _both(env, hd=80, n_head=2, n_kv=1, pos=[5, 300], seq=[0, 0], n_ctx=310, k_type="bf16", v_type="f32", seed=61)
+    _both(env, hd=80, n_head=2, n_kv=1, pos=[5, 300], seq=[0, 0], n_ctx=310, k_type="bf16", v_type="bf16", seed=61)
     _both(env, hd=64, n_head=16, n_kv=1, pos=[3, 300], seq=[0, 0], n_ctx=310, k_type="q8_0", v_type="f16",
           min_chunk=128, seed=62)
     _both(env, hd=128, n_head=4, n_kv=2, pos=[3, 300], seq=[0, 0], n_ctx=310, k_type="f16", v_type="q4_0",
