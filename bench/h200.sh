@@ -107,11 +107,50 @@ cm2_pp512() {
   done
 }
 
+run_tunedec() {
+  # attention_decode's coalesced form (attn_decode2.comp) beside attn_decode.comp, 2/4/8 rows in flight per lane
+  # (1b: also 64-lane groups and 64-key chunks, for the 128-key latency)
+  stage tune-attn-decode2-1b 150 $PY bench/attn_depth.py --shape llama-1b --depths 128,640,8192,32768 \
+    --types f16,q8_0 --kernels decode,decode2 --decode2-rows 2,4,8 --decode-wg 64,128 --min-chunk 64,128 \
+    --repeats 10
+  # ... and 4 lanes per row for the 1b's head_dim 64 (two 16-byte pieces per lane: less of the softmax repeated per lane)
+  stage tune-attn-decode2-1b-lanes4 90 $PY bench/attn_depth.py --shape llama-1b --depths 128,640,8192,32768 \
+    --types f16 --kernels decode,decode2 --decode2-rows 2,4 --decode2-lanes 4,8 --min-chunk 128 --repeats 10
+  stage tune-attn-decode2-8b 120 $PY bench/attn_depth.py --shape llama-8b --depths 640,16384 --types f16,q8_0 \
+    --kernels decode,decode2 --decode2-rows 2,4,8 --min-chunk 128 --repeats 10
+  # the decode norms folded into their matvecs (NORM_IN) against the rms_norm dispatches
+  stage tune-decode-1b-nofusenorm 120 env TRIO_LLM_FUSE_NORM=0 $PY bench/decode.py --model "$M1" \
+    --backends vulkan --repeats 3
+  stage tune-decode-1b-fusenorm 120 env TRIO_LLM_FUSE_NORM=1 $PY bench/decode.py --model "$M1" --backends vulkan \
+    --repeats 3 --breakdown
+  # batched decode's scaling, backend level (issue 14 part 5): B = 1, 2, 4, 8 sequences per step
+  stage tune-batch-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 64 --tg 64 --repeats 2 \
+    --batch-sizes 1,2,4,8
+  wait8b
+  stage tune-decode-8b-nofusenorm 150 env TRIO_LLM_FUSE_NORM=0 $PY bench/decode.py --model "$M8B" \
+    --backends vulkan --repeats 3
+  stage tune-decode-8b-fusenorm 150 env TRIO_LLM_FUSE_NORM=1 $PY bench/decode.py --model "$M8B" --backends vulkan \
+    --repeats 3
+  stage tune-batch-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 64 --tg 64 --repeats 2 \
+    --batch-sizes 1,2,4,8
+}
+run_tunepp() {
+  # prefill attention op level: scalar tiled, coopmat (its tiles, staged, key splits), 512 / 8k / 32k
+  stage tune-prefill-attn-1b 150 $PY bench/prefill.py --shape llama-1b --lengths 512,8192,32768 --types f16 \
+    --old-max 0 --repeats 1
+  stage tune-pp8192-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 8192 --tg 8 --repeats 2
+  stage tune-pp8192-1b-scalar 120 env TRIO_LLM_PREFILL_CM=0 $PY bench/decode.py --model "$M1" --backends vulkan \
+    --pp 8192 --tg 8 --repeats 2
+  # where pp512 spends its time, per kernel (the matmuls' TFLOP/s), then the dense matmuls on matmul_cm2
+  stage tune-ppk-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 512 --tg 8 --repeats 2 --pp-breakdown
+  wait8b
+  stage tune-ppk-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 512 --tg 8 --repeats 2 --pp-breakdown
+  cm2_pp512
+}
+
 for s in $STAGES; do case $s in
   verify)  # the model equivalence (Vulkan = numpy within 1e-4) on the float32 scalar matmul;
     # the cooperative-matrix matmul (f16 tiles) is checked op by op in test_vulkan_ops.py
-    # the cooperative-matrix prefill attention is off by default (TRIO_LLM_PREFILL_CM=1 turns it on)
-    # until this has passed it: its tests turn it on themselves
     stage verify 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_ops.py tests/test_vulkan_kv.py \
       tests/test_vulkan_attn_prefill.py tests/test_vulkan_norm_fusion.py
     # attn_decode2 (TRIO_LLM_ATTN_DECODE2, off by default): 16- and 32-lane row groups and the split combine's
@@ -138,50 +177,12 @@ for s in $STAGES; do case $s in
     done
     stage prefill-pp$PP1-1b 150 $PY bench/decode.py --model "$M1" --backends vulkan --pp $PP1 --tg 8 --repeats 2
     stage prefill-pp$PP2-1b 240 $PY bench/decode.py --model "$M1" --backends vulkan --pp $PP2 --tg 8 --repeats 2 ;;
-  tune)  # the choices to make from H200 figures (carry .cc: variants beyond compile-shaders' set):
-    # decode attention's split (min_chunk, work-group size, most splits) at the depths e2e decodes at,
-    # prefill attention scalar against cooperative matrices, and whole 8k prefills both ways;
-    # whole pp512s with the dense matmuls on matmul_cm and on matmul_cm2
-    stage tune-attn-depth-1b 150 $PY bench/attn_depth.py --shape llama-1b --depths 128,640,8192,32768 \
-      --types f16 --min-chunk 128,256 --decode-wg 64,128 --repeats 10
-    stage tune-attn-depth-1b-most256 90 $PY bench/attn_depth.py --shape llama-1b --depths 640,8192,32768 \
-      --types f16 --min-chunk 128 --most 256 --repeats 10
-    stage tune-attn-depth-8b 120 $PY bench/attn_depth.py --shape llama-8b --depths 640,16384 --types f16 \
-      --min-chunk 128,256 --decode-wg 64,128 --repeats 10
-    # attention_decode's coalesced form (attn_decode2.comp) beside attn_decode.comp, 2/4/8 rows in flight per lane
-    # (1b: also 64-lane groups and 64-key chunks, for the 128-key latency)
-    stage tune-attn-decode2-1b 150 $PY bench/attn_depth.py --shape llama-1b --depths 128,640,8192,32768 \
-      --types f16,q8_0 --kernels decode,decode2 --decode2-rows 2,4,8 --decode-wg 64,128 --min-chunk 64,128 \
-      --repeats 10
-    # ... and 4 lanes per row for the 1b's head_dim 64 (two 16-byte pieces per lane: less of the softmax repeated per lane)
-    stage tune-attn-decode2-1b-lanes4 90 $PY bench/attn_depth.py --shape llama-1b --depths 128,640,8192,32768 \
-      --types f16 --kernels decode,decode2 --decode2-rows 2,4 --decode2-lanes 4,8 --min-chunk 128 --repeats 10
-    stage tune-attn-decode2-8b 120 $PY bench/attn_depth.py --shape llama-8b --depths 640,16384 --types f16,q8_0 \
-      --kernels decode,decode2 --decode2-rows 2,4,8 --min-chunk 128 --repeats 10
-    stage tune-prefill-attn-1b 150 $PY bench/prefill.py --shape llama-1b --lengths 512,8192,32768 --types f16 \
-      --old-max 0 --repeats 1
-    stage tune-pp8192-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 8192 --tg 8 --repeats 2
-    stage tune-pp8192-1b-scalar 120 env TRIO_LLM_PREFILL_CM=0 $PY bench/decode.py --model "$M1" --backends vulkan \
-      --pp 8192 --tg 8 --repeats 2
-    # where pp512 spends its time, per kernel (the matmuls' TFLOP/s), 1b and 8b
-    stage tune-ppk-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 512 --tg 8 --repeats 2 --pp-breakdown
-    # batched decode's scaling, backend level (issue 14 part 5): B = 1, 2, 4, 8 sequences per step
-    stage tune-batch-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 64 --tg 64 --repeats 2 \
-      --batch-sizes 1,2,4,8
-    # the decode norms folded into their matvecs (NORM_IN) against the rms_norm dispatches
-    stage tune-decode-1b-nofusenorm 120 env TRIO_LLM_FUSE_NORM=0 $PY bench/decode.py --model "$M1" \
-      --backends vulkan --repeats 3
-    stage tune-decode-1b-fusenorm 120 env TRIO_LLM_FUSE_NORM=1 $PY bench/decode.py --model "$M1" --backends vulkan \
-      --repeats 3 --breakdown
-    wait8b
-    stage tune-batch-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 64 --tg 64 --repeats 2 \
-      --batch-sizes 1,2,4,8
-    stage tune-ppk-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 512 --tg 8 --repeats 2 --pp-breakdown
-    cm2_pp512
-    stage tune-decode-8b-nofusenorm 150 env TRIO_LLM_FUSE_NORM=0 $PY bench/decode.py --model "$M8B" \
-      --backends vulkan --repeats 3
-    stage tune-decode-8b-fusenorm 150 env TRIO_LLM_FUSE_NORM=1 $PY bench/decode.py --model "$M8B" --backends vulkan \
-      --repeats 3 ;;
+  tune)  # both halves below, tunedec then tunepp (more than one 10-minute call: split them there)
+    run_tunedec; run_tunepp ;;
+  tunedec)  # decode's choices (carry .cc): attn_decode2 against attn_decode, NORM_IN, batched steps
+    run_tunedec ;;
+  tunepp)  # prefill's choices (carry .cc): coopmat attention op level, 8k both ways, pp512 per kernel, matmul_cm2
+    run_tunepp ;;
   cm2)  # matmul_cm2 alone (issue 13 item 3; carry .cc: the emulated test variants): its tests on the real
     # cooperative matrices and emulated, the prefill lowering on it, then tune's pp512 A/B
     stage verify-cm2 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_ops.py \
