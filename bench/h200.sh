@@ -305,20 +305,20 @@ for i in range(4):
     stage coresident-1b 90 $PY bench/handoff.py --model "$M1" --backend vulkan --handoffs 60 --sleep-mode weights \
       --arena-budget auto
     for sc in coresident pinned fork-joins; do
-      stage "scenario-$sc-tiny" 120 $PY -m trio_llm scenario run "$sc" --full --backend vulkan \
+      stage "scenario-$sc-tiny" 120 $PY -m trio_llm scenario run "$sc" --full --backend vulkan --reference replay \
         --out "$RES/scenario-$sc-tiny" -q
     done ;;
   server)
     stage server-1b 90 $PY bench/server.py --model $B1:Q8_0 --backend vulkan --clients 4 --repeats 2 ;;
   scen1b)  # SCEN1B="alternating" to run fewer
     for sc in ${SCEN1B:-alternating three-way quantum}; do
-      stage "scenario-$sc-1b" 120 $PY -m trio_llm scenario run "$sc" --full --backend vulkan \
+      stage "scenario-$sc-1b" 120 $PY -m trio_llm scenario run "$sc" --full --backend vulkan --reference replay \
         --model "$M1" --out "$RES/scenario-$sc-1b" -q
     done ;;
   scen8b)
     wait8b
     for sc in alternating three-way; do
-      stage "scenario-$sc-8b" 120 $PY -m trio_llm scenario run "$sc" --length "${L8:-12}" --backend vulkan \
+      stage "scenario-$sc-8b" 120 $PY -m trio_llm scenario run "$sc" --length "${L8:-12}" --backend vulkan --reference replay \
         --model "$M8B" --out "$RES/scenario-$sc-8b" -q
     done ;;
   e2e)  # end to end through HTTP (bench/e2e.py), one record; trio-llm first, while CUDA builds

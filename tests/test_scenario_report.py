@@ -244,3 +244,26 @@ def test_stay_resident_and_the_fork_lane(tmp_path: Path) -> None:
     again = rec.from_json(json.loads((tmp_path / "report.json").read_text()))
     assert again.expect.stay_resident == record.expect.stay_resident
     assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
+def test_replayed_references_are_matched_by_request() -> None:
+    """``--reference replay``: each answer against the replay of that very request, not
+    against another request of the same prompt (their prompt-cache histories differ)."""
+    r = alternating_record()
+    r.references = [rec.Reference(q.model_key, q.endpoint, q.prompt, q.n_predict, q.content, request_id=q.id)
+                    for q in r.requests]
+    check = _check(report.analyse(r), "answers equal")
+    assert check.passed and "each against its replay" in check.detail
+    # a second request of prompt p1 whose replay differs: flagged, although another
+    # request of the same prompt (and so a distinct-prompt reference) would match it
+    same_prompt = [q for q in r.requests if q.prompt == "p1"]
+    assert len(same_prompt) >= 2
+    victim = same_prompt[-1]
+    r.references = [attrs.evolve(x, content="xyz") if x.request_id == victim.id else x for x in r.references]
+    check = _check(report.analyse(r), "answers equal")
+    assert not check.passed and check.requests == (victim.id,)
+    assert f"#{victim.id}" in check.detail
+    # a request with no replay (the twin did not get to it) is a failure, not a skip
+    r.references = [x for x in r.references if x.request_id != victim.id]
+    check = _check(report.analyse(r), "answers equal")
+    assert not check.passed and "no reference answer" in check.detail

@@ -47,6 +47,21 @@ async def test_shipped_scenario_short(path: Path, tmp_path: Path, scenario_model
                 os.kill(pid, 0)
 
 
+async def test_replayed_references(tmp_path: Path, scenario_models: Path) -> None:
+    """``--reference replay`` for real: every answered request of every scenario server
+    is asked again, in its server's order, of a plain twin, and matched by request."""
+    scenario = fmt.load(ROOT / "scenarios" / "pinned.toml")
+    options = Options(out=tmp_path, backend="numpy", model_dir=scenario_models, verbose=False, reference="replay")
+    record = await run_scenario(scenario, options)
+    summary = report.write(record, tmp_path)
+    assert summary.passed, summary.text + "\n" + "\n".join(record.notes)
+    answered = sorted(r.id for r in record.requests if r.outcome == "ok")
+    assert answered and sorted(x.request_id for x in record.references) == answered  # type: ignore[type-var]
+    twins = {s["name"] for s in record.servers if s.get("reference")}
+    assert twins == {f"reference-{r.server}" for r in record.requests if r.outcome == "ok"}
+    assert record.scenario["reference"] == "replay"
+
+
 def test_interrupt_stops_every_server(tmp_path: Path, scenario_models: Path) -> None:
     """Ctrl-C in the middle of a run: exit 130, a partial report, no server left."""
     cmd = [sys.executable, "-m", "trio_llm", "scenario", "run", "frozen-holder",

@@ -119,6 +119,9 @@ class Reference:
     content: str | None
     error: str | None = None
     ignore_eos: bool = False
+    #: the scenario request this answers (``--reference replay``); None: any request
+    #: of the same key (``distinct``)
+    request_id: int | None = None
 
     def key(self) -> tuple[str, str, str, int, bool]:
         return (self.model_key, self.endpoint, self.prompt, self.n_predict, self.ignore_eos)

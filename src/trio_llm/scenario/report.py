@@ -272,12 +272,13 @@ def analyse(record: Record) -> Analysis:
     ))
 
     if expect.answers_match_reference:
-        refs = {x.key(): x for x in record.references}
+        refs = {x.key(): x for x in record.references if x.request_id is None}
+        by_id = {x.request_id: x for x in record.references if x.request_id is not None}
         bad, ids, compared = [], [], 0
         for r in requests:
             if r.outcome != "ok":
                 continue
-            ref = refs.get(r.reference_key())
+            ref = by_id.get(r.id) if by_id else refs.get(r.reference_key())
             if ref is None or ref.content is None:
                 bad.append(f"#{r.id}: no reference answer ({ref.error if ref else 'not asked'})")
             elif ref.content != r.content:
@@ -287,7 +288,8 @@ def analyse(record: Record) -> Analysis:
                 compared += 1
         checks.append(Check(
             "answers equal the reference run's", not bad and compared > 0,
-            _few(bad) or f"{compared} answers equal, {len(refs)} distinct prompts", tuple(ids),
+            _few(bad) or (f"{compared} answers equal, each against its replay" if by_id
+                          else f"{compared} answers equal, {len(refs)} distinct prompts"), tuple(ids),
         ))
 
     if expect.min_handoffs is not None:
@@ -595,11 +597,14 @@ def markdown(record: Record, analysis: Analysis, png: str | None = "timeline.png
             lines.append(f"| {e.t:.2f} s | {e.server} | {what.replace('|', '/')} |")
     if record.references:
         answered = sum(ref.content is not None for ref in record.references)
-        lines += [
-            "",
-            f"Reference run: {answered}/{len(record.references)} distinct prompts answered by a "
-            "plain server (no arena, one slot) on the same model after the scenario.",
-        ]
+        if any(ref.request_id is not None for ref in record.references):
+            what = (f"Reference run (replay): {answered}/{len(record.references)} requests answered again, each "
+                    "server's in the order they were sent, by a plain twin of it (no arena, one slot) after the "
+                    "scenario.")
+        else:
+            what = (f"Reference run: {answered}/{len(record.references)} distinct prompts answered by a "
+                    "plain server (no arena, one slot) on the same model after the scenario.")
+        lines += ["", what]
     if record.notes:
         lines += ["", "## Runner notes", ""] + [f"- {n.splitlines()[0]}" for n in record.notes]
     if png:

@@ -60,6 +60,14 @@ class Options:
     model_dir: Path | None = None  # where synthetic models are kept between runs
     model: str | None = None  # PRESET:QUANT or a GGUF path for every server (H200 runs)
     verbose: bool = True
+    #: how the reference answers are made: "distinct" asks one plain server per model each
+    #: distinct prompt once (sorted, so shared prefixes follow each other); "replay" gives
+    #: each scenario server a plain twin that is sent that server's answered requests in
+    #: the order they were sent, so its prompt cache, and so every prefill's batch shape,
+    #: is the run's. On a CPU (numpy, lavapipe) both give the same answers; on a GPU a
+    #: different prefix split changes the rounding and can flip a near-tie (llama-server
+    #: documents the same of cache_prompt), so GPU runs compare with "replay"
+    reference: str = "distinct"
 
 
 class _Bound(Exception):
@@ -510,6 +518,59 @@ class Runner:
     # --- reference answers ------------------------------------------------------------
 
     async def references(self, deadline_s: float) -> None:
+        """The reference answers, as ``Options.reference`` says."""
+        if self.options.reference == "replay":
+            await self.replay_references(deadline_s)
+        else:
+            await self.distinct_references(deadline_s)
+
+    async def replay_references(self, deadline_s: float) -> None:
+        """Each scenario server's answered requests, in the order they were sent, to a
+        plain twin of it (no arena, no sleep): references by request id."""
+        by_server: dict[str, list[rec.RequestRecord]] = {}
+        for r in sorted(self.record.requests, key=lambda r: r.sent):
+            if r.outcome == "ok":
+                by_server.setdefault(r.server, []).append(r)
+        for name, reqs in by_server.items():
+            base = self._servers[name]
+            spec = base.spec
+            ref = ServerSlot(
+                spec=attrs.evolve(spec, name=f"reference-{spec.name}", arena=False,
+                                  sleep_idle_seconds=None, np=1, args=without_arena_flags(spec.args)),
+                model_path=base.model_path, backend=base.backend, arena=self._arena,
+                log_path=base.log_path.with_name(f"reference-{spec.name}.log"),
+            )
+            self._servers[ref.spec.name] = ref
+            self.record.servers.append({**_server_info(ref), "reference": True})
+            with trio.move_on_after(deadline_s):
+                await self.start_server(ref, self.scenario.startup_timeout_s)
+                for r in reqs:
+                    await self._ask_reference(ref, r.model_key, r.endpoint, r.prompt, r.n_predict, r.ignore_eos,
+                                              request_id=r.id)
+            await self.stop_server(ref, "final", self.scenario.stop_timeout_s, hang_up=True)
+
+    async def _ask_reference(self, ref: ServerSlot, model_key: str, endpoint: str, prompt: str, n_predict: int,
+                             ignore_eos: bool, request_id: int | None = None) -> None:
+        probe = rec.RequestRecord(
+            id=-1, step="reference", round=0, server=ref.spec.name,
+            model_key=model_key, arena=False, endpoint=endpoint, prompt=prompt,
+            n_predict=n_predict, stream=False, expect_ok=True, expect_content=None,
+            sent=self.now(), ignore_eos=ignore_eos,
+        )
+        try:
+            await ask_plain(ref.http, ref.url, probe)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
+            probe.outcome, probe.error = "error", repr(exc)
+        self.record.references.append(
+            rec.Reference(
+                model_key, endpoint, prompt, n_predict,
+                probe.content if probe.outcome == "ok" else None,
+                None if probe.outcome == "ok" else (probe.error or probe.outcome),
+                ignore_eos, request_id,
+            )
+        )
+
+    async def distinct_references(self, deadline_s: float) -> None:
         """Ask a plain server (no arena, no sleep) each distinct prompt once, per model."""
         wanted: dict[str, dict[tuple[str, str, str, int, bool], None]] = {}
         for r in self.record.requests:
@@ -531,24 +592,7 @@ class Runner:
                 # sorted, so prompts sharing a prefix follow each other and the
                 # single slot's prompt cache does the work it can
                 for _, endpoint, prompt, n_predict, ignore_eos in sorted(prompts, key=lambda k: k[2]):
-                    probe = rec.RequestRecord(
-                        id=-1, step="reference", round=0, server=ref.spec.name,
-                        model_key=model_key, arena=False, endpoint=endpoint, prompt=prompt,
-                        n_predict=n_predict, stream=False, expect_ok=True, expect_content=None,
-                        sent=self.now(), ignore_eos=ignore_eos,
-                    )
-                    try:
-                        await ask_plain(ref.http, ref.url, probe)
-                    except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
-                        probe.outcome, probe.error = "error", repr(exc)
-                    self.record.references.append(
-                        rec.Reference(
-                            model_key, endpoint, prompt, n_predict,
-                            probe.content if probe.outcome == "ok" else None,
-                            None if probe.outcome == "ok" else (probe.error or probe.outcome),
-                            ignore_eos,
-                        )
-                    )
+                    await self._ask_reference(ref, model_key, endpoint, prompt, n_predict, ignore_eos)
             await self.stop_server(ref, "final", self.scenario.stop_timeout_s, hang_up=True)
 
 
@@ -592,6 +636,7 @@ def new_record(scenario: Scenario, options: Options) -> rec.Record:
             "backend": options.backend or scenario.backend, "seed": scenario.seed,
             "timeout_s": timeout,
             "poll_interval_s": scenario.poll_interval_s,
+            "reference": options.reference,
         },
         expect=scenario.expect,
         started_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -745,6 +790,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", choices=fmt.BACKENDS, help="override the scenario's backend")
     run.add_argument("--model-dir", type=Path, help="where synthetic models are made and kept")
     run.add_argument("--model", help="run every server on this model: PRESET:QUANT or a .gguf file")
+    run.add_argument("--reference", choices=("distinct", "replay"), default="distinct",
+                     help="reference answers: each distinct prompt once per model (default), or each server's "
+                          "requests replayed in order on a plain twin (the same prompt-cache history: GPU runs)")
     run.add_argument("-q", "--quiet", action="store_true", help="only the summary")
     check = sub.add_parser("check", help="validate scenario files")
     check.add_argument("files", nargs="+")
@@ -779,7 +827,7 @@ def main(argv: Sequence[str]) -> int:
         out = args.out or Path("out") / "scenarios" / scenario.name
         options = Options(
             out=out, full=args.full, length=args.length, backend=args.backend,
-            model_dir=args.model_dir, model=args.model, verbose=not args.quiet,
+            model_dir=args.model_dir, model=args.model, verbose=not args.quiet, reference=args.reference,
         )
         record = new_record(scenario, options)
         try:
