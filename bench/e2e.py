@@ -348,7 +348,7 @@ class Run:
             r = max(1.0, n / last["n"])
             pp_s, tg_s = r**0.35 / last["pp"], r**0.6 / last["tg"]
         per = n * pp_s + self.args.n_predict * tg_s + last["overhead_s"]
-        return per * (self.args.repeats + 1 + self.streamed(n))
+        return per * (self.args.repeats + self.args.warmups + self.streamed(n))
 
     def streamed(self, n: int) -> bool:
         """Whether row n gets its streamed request (time to first token)."""
@@ -372,8 +372,8 @@ class Run:
                     text = True
                     return fn(c, prompts.text(n), a.n_predict, self.request_timeout())
 
-            warm = ask(0, complete)
-            out["warmup"] = warm
+            if a.warmups:  # --warmups 0: a 128k row is minutes per request
+                out["warmup"] = ask(0, complete)
             reps: list[dict[str, Any]] = []
             out["repeats"] = reps
             try:
@@ -711,6 +711,8 @@ def main() -> int:
                          "device memory it holds (nvidia-smi)")
     ap.add_argument("--mem-prompt", type=int, default=512, help="with --mem-only: the request's prompt tokens")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmups", type=int, choices=(0, 1), default=1,
+                    help="a warm-up request per row before the repeats (0: none, for rows of minutes)")
     ap.add_argument("--ttft-max", type=int, default=0,
                     help="the streamed request (time to first token) only for prompts up to this length (0: all); "
                          "for long prompts it is about prompt_ms and costs a whole request more")
@@ -803,7 +805,8 @@ def main() -> int:
     params = {**vars(args), "servers": servers, "jobs": [{k: v for k, v in j.items() if k != "prompt_maker"}
                                                          for j in jobs],
               "gpu": gpu_info(), "log_dir": str(run.log_dir)}
-    print(f"n_predict {args.n_predict}, median of {args.repeats} (one warm-up), cache_prompt off, -np 1; "
+    print(f"n_predict {args.n_predict}, median of {args.repeats} ({'one warm-up' if args.warmups else 'no warm-up'}), "
+          f"cache_prompt off, -np 1; "
           f"pp/tg = prefill/decode tok/s from timings; ttft = first SSE event of one streamed request; "
           f"ratios are trio-llm / llama.cpp")
     rows, cols = table(figures, servers)

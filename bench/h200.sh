@@ -12,7 +12,8 @@
 # residency, handoff,
 # server, serverpath (bench/serverpath.py, issue 14), sample (its device-sampling tests), scen1b, scen8b, coresident,
 # e2emoe (qwen35-0.8b, qwen3-30b-a3b, qwen35-35b-a3b through HTTP beside llama-server; NO8B=1 skips the 8b),
-# mem128k (device memory at -c 131072, q8_0 cache, beside llama-server CUDA; .lcpp too),
+# mem128k (device memory at -c 131072, q8_0 cache, beside llama-server CUDA; .lcpp too), serve128k (one
+# 130,880-token prompt on each model, trio-llm and llama-server CUDA, with the memory after it),
 # e2e (bench/e2e.py: trio-llm serve beside llama-server Vulkan and CUDA through HTTP; needs
 #   .lcpp carried too: `bash ../shared/tools/llamacpp/prepare.sh` here first).
 # Carry ".cc" as well (the shader compiler's wheels) where a stage compiles variants beyond
@@ -32,7 +33,7 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 # on the 16 cores), at nice 19 so that our own server, measured meanwhile, keeps its CPU.
 # Its own session (setsid), so that the end of this script can stop it by its group id.
 LCPP=/tmp/lcpp; CUDA_BUILD=0
-case " $STAGES " in *" e2e "*|*" e2emoe "*|*" mem128k "*)
+case " $STAGES " in *" e2e "*|*" e2emoe "*|*" mem128k "*|*" serve128k "*)
   if [ -f .lcpp/h200.sh ] && [ -f .lcpp/src.tgz ] && [ "${E2E_CUDA:-1}" = 1 ]; then
     mkdir -p $LCPP; rm -f $LCPP/cuda.done $LCPP/cuda.pid; CUDA_BUILD=1
     setsid bash -c 'echo $$ > /tmp/lcpp/cuda.pid; nice -n 19 bash .lcpp/h200.sh cuda; echo $? > /tmp/lcpp/cuda.done' \
@@ -353,6 +354,19 @@ for i in range(4):
     stage mem128k 420 $PY bench/e2e.py --backend vulkan --mem-only -m "$M8B" --prompts 130880 -m "$M1" \
       --prompts 130880 "${Q8[@]}" --llama-cuda $LCPP/cuda/bin/llama-server --wait-for $LCPP/cuda.done \
       --log-dir "$RES/mem128k-logs" --note "-c 131072, q8_0 K and V"
+    stop_build ;;
+  serve128k)  # issue 13's "128k prompts served": one 130,880-token prompt (+128 generated) at -c 131072 with a q8_0
+    # K/V cache, llama-1b Q8_0 then llama-8b Q4_K_M, trio-llm beside llama-server CUDA, no warm-up, no stream;
+    # each row also records the device memory the server then holds (about 7 minutes in all)
+    [ -f .lcpp/h200.sh ] || { say "serve128k: no .lcpp/ carried"; continue; }
+    wait8b
+    Q8=(--trio-arg=-ctk --trio-arg=q8_0 --trio-arg=-ctv --trio-arg=q8_0
+        --llama-arg=-ctk --llama-arg=q8_0 --llama-arg=-ctv --llama-arg=q8_0)
+    left=$(( ${E2E_END:-565} - $(elapsed) ))
+    stage serve128k $((left + 15)) $PY bench/e2e.py --backend vulkan -m "$M1" --prompts 130880 -m "$M8B" \
+      --prompts 130880 "${Q8[@]}" --repeats 1 --warmups 0 --ttft-max 1 --llama-cuda $LCPP/cuda/bin/llama-server \
+      --wait-for $LCPP/cuda.done --budget-s "$left" --reserve-s 15 --log-dir "$RES/serve128k-logs" \
+      --note "-c 131072, q8_0 K and V, one request per row"
     stop_build ;;
   e2emoe)  # the hybrid and MoE models end to end through HTTP beside llama-server CUDA (and Vulkan)
     [ -f .lcpp/h200.sh ] || { say "e2emoe: no .lcpp/ carried"; continue; }
