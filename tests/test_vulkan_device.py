@@ -106,6 +106,14 @@ def test_compile_shaders_command(shader_tree: Path, capsys: pytest.CaptureFixtur
     n = len(list(shaders.all_variants()))
     assert f"{n} shader variants ready" in capsys.readouterr().out
     assert len(list(shaders.cache_dir().glob("*.spv"))) == n
+    # --prune: a stale variant (an older source's key) and a test's extra one go, the set stays
+    stale = shaders.cache_dir() / "add-00000000000000000000.spv"
+    stale.write_bytes(b"old")
+    extra = shaders.spirv("swiglu", {"GELU": 1, "UNUSED": 7})
+    assert extra and len(list(shaders.cache_dir().glob("*.spv"))) == n + 2
+    assert shaders.main(["--prune"]) == 0
+    assert f"{n} shader variants ready in {shaders.cache_dir()} (2 others deleted)" in capsys.readouterr().out
+    assert not stale.exists() and len(list(shaders.cache_dir().glob("*.spv"))) == n
     (shader_tree / "add.comp").write_text("#version 450\nbroken\n")
     assert shaders.main(["-q"]) == 1
 

@@ -322,6 +322,9 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="trio-llm compile-shaders", description=__doc__.splitlines()[0])
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+    parser.add_argument("--prune", action="store_true",
+                        help="then delete every other compiled variant in the cache (stale sources, tests' "
+                             "variants): what bench/h200-prepare.sh carries to a device stays this set")
     args = parser.parse_args(argv)
     # the compiler is a subprocess per variant: compile as many at once as there are CPUs
     from concurrent.futures import ThreadPoolExecutor
@@ -334,6 +337,15 @@ def main(argv: list[str]) -> int:
     except ShaderCompileError as exc:
         print(f"trio-llm compile-shaders: {exc}")
         return 1
+    pruned = 0
+    if args.prune:
+        # the cache is content-keyed, so every edit of a shader leaves its old SPIR-V behind
+        keep = {f"{name}-{cache_key(name, defines)}.spv" for name, defines in variants}
+        for path in cache_dir().glob("*.spv"):
+            if path.name not in keep:
+                path.unlink(missing_ok=True)
+                pruned += 1
     if not args.quiet:
-        print(f"{len(variants)} shader variants ready in {cache_dir()}")
+        print(f"{len(variants)} shader variants ready in {cache_dir()}"
+              + (f" ({pruned} others deleted)" if args.prune else ""))
     return 0
