@@ -526,75 +526,64 @@ class Runner:
 
     async def replay_references(self, deadline_s: float) -> None:
         """Each scenario server's answered requests, in the order they were sent, to a
-        plain twin of it (no arena, no sleep): references by request id."""
+        plain twin of it: references by request id."""
         by_server: dict[str, list[rec.RequestRecord]] = {}
         for r in sorted(self.record.requests, key=lambda r: r.sent):
             if r.outcome == "ok":
                 by_server.setdefault(r.server, []).append(r)
         for name, reqs in by_server.items():
-            base = self._servers[name]
-            spec = base.spec
-            ref = ServerSlot(
-                spec=attrs.evolve(spec, name=f"reference-{spec.name}", arena=False,
-                                  sleep_idle_seconds=None, np=1, args=without_arena_flags(spec.args)),
-                model_path=base.model_path, backend=base.backend, arena=self._arena,
-                log_path=base.log_path.with_name(f"reference-{spec.name}.log"),
-            )
-            self._servers[ref.spec.name] = ref
-            self.record.servers.append({**_server_info(ref), "reference": True})
-            with trio.move_on_after(deadline_s):
-                await self.start_server(ref, self.scenario.startup_timeout_s)
-                for r in reqs:
-                    await self._ask_reference(ref, r.model_key, r.endpoint, r.prompt, r.n_predict, r.ignore_eos,
-                                              request_id=r.id)
-            await self.stop_server(ref, "final", self.scenario.stop_timeout_s, hang_up=True)
-
-    async def _ask_reference(self, ref: ServerSlot, model_key: str, endpoint: str, prompt: str, n_predict: int,
-                             ignore_eos: bool, request_id: int | None = None) -> None:
-        probe = rec.RequestRecord(
-            id=-1, step="reference", round=0, server=ref.spec.name,
-            model_key=model_key, arena=False, endpoint=endpoint, prompt=prompt,
-            n_predict=n_predict, stream=False, expect_ok=True, expect_content=None,
-            sent=self.now(), ignore_eos=ignore_eos,
-        )
-        try:
-            await ask_plain(ref.http, ref.url, probe)
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
-            probe.outcome, probe.error = "error", repr(exc)
-        self.record.references.append(
-            rec.Reference(
-                model_key, endpoint, prompt, n_predict,
-                probe.content if probe.outcome == "ok" else None,
-                None if probe.outcome == "ok" else (probe.error or probe.outcome),
-                ignore_eos, request_id,
-            )
-        )
+            asks = [(r.model_key, r.endpoint, r.prompt, r.n_predict, r.ignore_eos, r.id) for r in reqs]
+            await self._ask_twin(self._servers[name], asks, deadline_s)
 
     async def distinct_references(self, deadline_s: float) -> None:
-        """Ask a plain server (no arena, no sleep) each distinct prompt once, per model."""
+        """Each distinct prompt once, per model, to a plain twin of one of its servers."""
         wanted: dict[str, dict[tuple[str, str, str, int, bool], None]] = {}
         for r in self.record.requests:
             if r.outcome == "ok":
                 wanted.setdefault(r.model_key, {})[r.reference_key()] = None
         for model_key, prompts in wanted.items():
             base = next(s for s in list(self._servers.values()) if s.spec.model_key == model_key)
-            spec = base.spec
-            ref = ServerSlot(
-                spec=attrs.evolve(spec, name=f"reference-{spec.name}", arena=False,
-                                  sleep_idle_seconds=None, np=1, args=without_arena_flags(spec.args)),
-                model_path=base.model_path, backend=base.backend, arena=self._arena,
-                log_path=base.log_path.with_name(f"reference-{spec.name}.log"),
-            )
-            self._servers[ref.spec.name] = ref
-            self.record.servers.append({**_server_info(ref), "reference": True})
-            with trio.move_on_after(deadline_s):
-                await self.start_server(ref, self.scenario.startup_timeout_s)
-                # sorted, so prompts sharing a prefix follow each other and the
-                # single slot's prompt cache does the work it can
-                for _, endpoint, prompt, n_predict, ignore_eos in sorted(prompts, key=lambda k: k[2]):
-                    await self._ask_reference(ref, model_key, endpoint, prompt, n_predict, ignore_eos)
-            await self.stop_server(ref, "final", self.scenario.stop_timeout_s, hang_up=True)
+            # sorted, so prompts sharing a prefix follow each other and the single
+            # slot's prompt cache does the work it can
+            asks = [(*key, None) for key in sorted(prompts, key=lambda k: k[2])]
+            await self._ask_twin(base, asks, deadline_s)
 
+    async def _ask_twin(self, base: ServerSlot, asks: Sequence[tuple[str, str, str, int, bool, int | None]],
+                        deadline_s: float) -> None:
+        """Start a plain twin of ``base`` (no arena, no sleep, one slot), ask it each
+        (model key, endpoint, prompt, n_predict, ignore_eos, request id) in order, one at
+        a time, into ``record.references``, and stop it."""
+        spec = base.spec
+        ref = ServerSlot(
+            spec=attrs.evolve(spec, name=f"reference-{spec.name}", arena=False,
+                              sleep_idle_seconds=None, np=1, args=without_arena_flags(spec.args)),
+            model_path=base.model_path, backend=base.backend, arena=self._arena,
+            log_path=base.log_path.with_name(f"reference-{spec.name}.log"),
+        )
+        self._servers[ref.spec.name] = ref
+        self.record.servers.append({**_server_info(ref), "reference": True})
+        with trio.move_on_after(deadline_s):
+            await self.start_server(ref, self.scenario.startup_timeout_s)
+            for model_key, endpoint, prompt, n_predict, ignore_eos, request_id in asks:
+                probe = rec.RequestRecord(
+                    id=-1, step="reference", round=0, server=ref.spec.name,
+                    model_key=model_key, arena=False, endpoint=endpoint, prompt=prompt,
+                    n_predict=n_predict, stream=False, expect_ok=True, expect_content=None,
+                    sent=self.now(), ignore_eos=ignore_eos,
+                )
+                try:
+                    await ask_plain(ref.http, ref.url, probe)
+                except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
+                    probe.outcome, probe.error = "error", repr(exc)
+                self.record.references.append(
+                    rec.Reference(
+                        model_key, endpoint, prompt, n_predict,
+                        probe.content if probe.outcome == "ok" else None,
+                        None if probe.outcome == "ok" else (probe.error or probe.outcome),
+                        ignore_eos, request_id,
+                    )
+                )
+        await self.stop_server(ref, "final", self.scenario.stop_timeout_s, hang_up=True)
 
 def random_arrivals(step: Step, seed: int, name: str, rnd: int, length: int) -> list[tuple[float, str]]:
     """The (offset, server) schedule of a ``random`` step: exponential gaps of mean
