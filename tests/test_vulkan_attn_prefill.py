@@ -15,22 +15,17 @@ skipped where there are none (lavapipe); ``bash bench/h200.sh verify`` runs it."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import attrs
 import numpy as np
 import pytest
 
 from test_vulkan_kv import _typed_cache
-from test_vulkan_ops import Env
+from test_vulkan_ops import Env, open_env
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.kvtypes import KV_TYPES
 from trio_llm.vulkan.backend import VulkanBackend
-from trio_llm.vulkan.device import shared_device
 from trio_llm.vulkan.graph import Barrier, Op
-from trio_llm.vulkan.kernels import KernelCache
-from trio_llm.vulkan.memory import Allocator
 from trio_llm.vulkan.ops import Ops, attention_part_floats, prefill_tile
 
 pytestmark = pytest.mark.vulkan
@@ -38,14 +33,7 @@ pytestmark = pytest.mark.vulkan
 TYPES = list(KV_TYPES)
 
 
-@pytest.fixture(scope="module")
-def env() -> Iterator[Env]:
-    device = shared_device()
-    alloc = Allocator(device)
-    kernels = KernelCache(device)
-    yield Env(device, alloc, Ops(kernels, subgroup=device.limits.subgroup_size))
-    kernels.close()
-    alloc.free_all()
+env = pytest.fixture(scope="module", name="env")(open_env)
 
 
 @pytest.fixture(params=["scalar", "coopmat", "coopmat-staged"])

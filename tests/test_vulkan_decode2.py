@@ -8,17 +8,13 @@ subgroups would not choose by themselves."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
 from test_vulkan_kv import TYPES, _typed_cache, np_attention
-from test_vulkan_ops import Env
-from trio_llm.vulkan.device import SUBGROUP_SHUFFLE, shared_device
+from test_vulkan_ops import Env, open_env
+from trio_llm.vulkan.device import SUBGROUP_SHUFFLE
 from trio_llm.vulkan.graph import Barrier
-from trio_llm.vulkan.kernels import KernelCache
-from trio_llm.vulkan.memory import Allocator
 from trio_llm.vulkan.ops import (
     Ops,
     attention_counters,
@@ -31,14 +27,7 @@ from trio_llm.vulkan.ops import (
 pytestmark = pytest.mark.vulkan
 
 
-@pytest.fixture(scope="module")
-def env() -> Iterator[Env]:
-    device = shared_device()
-    alloc = Allocator(device)
-    kernels = KernelCache(device)
-    yield Env(device, alloc, Ops(kernels, subgroup=device.limits.subgroup_size))
-    kernels.close()
-    alloc.free_all()
+env = pytest.fixture(scope="module", name="env")(open_env)
 
 
 def _ops(env: Env, *, new: bool, wg: int = 128, lanes: int = 0, rows: int = 4) -> Ops:

@@ -6,31 +6,19 @@ partial RoPE, the sigmoid gates."""
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from test_vulkan_ops import Env
+from test_vulkan_ops import Env, open_env
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.reference import NumpyBackend, Step, apply_rope, rope_angles, sigmoid
 from trio_llm.graph import Graph
-from trio_llm.vulkan.device import shared_device
-from trio_llm.vulkan.kernels import KernelCache
-from trio_llm.vulkan.memory import Allocator
-from trio_llm.vulkan.ops import Ops
 
 pytestmark = pytest.mark.vulkan
 
 
-@pytest.fixture(scope="module")
-def env() -> Iterator[Env]:
-    device = shared_device()
-    alloc = Allocator(device)
-    kernels = KernelCache(device)
-    yield Env(device, alloc, Ops(kernels, subgroup=device.limits.subgroup_size))
-    kernels.close()
-    alloc.free_all()
+env = pytest.fixture(scope="module", name="env")(open_env)
 
 
 #: a step of two runs: sequence 2 continues at position 5, sequence 0 starts afresh;

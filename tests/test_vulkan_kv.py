@@ -7,19 +7,15 @@ head dims 64/128/256, lengths that are not multiples of the tile, several splits
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
-from test_vulkan_ops import Env, make_weights, np_rope
+from test_vulkan_ops import Env, make_weights, np_rope, open_env
 from trio_llm.errors import BackendError
 from trio_llm.model.kvtypes import KV_TYPES, dequantize_rows, kv_type, quantize_rows, roundtrip
-from trio_llm.vulkan.device import shared_device
 from trio_llm.vulkan.graph import Barrier, Copy
-from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.kvcache import KVCache
-from trio_llm.vulkan.memory import Allocator, View, allocate_and_copy
+from trio_llm.vulkan.memory import View, allocate_and_copy
 from trio_llm.vulkan.ops import (
     ROPE_NEOX,
     ROPE_NONE,
@@ -36,14 +32,7 @@ pytestmark = pytest.mark.vulkan
 TYPES = list(KV_TYPES)
 
 
-@pytest.fixture(scope="module")
-def env() -> Iterator[Env]:
-    device = shared_device()
-    alloc = Allocator(device)
-    kernels = KernelCache(device)
-    yield Env(device, alloc, Ops(kernels, subgroup=device.limits.subgroup_size))
-    kernels.close()
-    alloc.free_all()
+env = pytest.fixture(scope="module", name="env")(open_env)
 
 
 def _cache_rows(env: Env, view: View, n_rows: int, row_bytes: int) -> np.ndarray:

@@ -6,22 +6,17 @@ combine, and the prefill lowering against the numpy backend."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import attrs
 import numpy as np
 import pytest
 
-from test_vulkan_ops import QTYPES, Env, make_weights
+from test_vulkan_ops import QTYPES, Env, make_weights, open_env
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.reference import NumpyBackend, _moe_op
 from trio_llm.graph import Graph
 from trio_llm.model.gguf import load_gguf
 from trio_llm.vulkan.backend import VulkanBackend
-from trio_llm.vulkan.device import shared_device
 from trio_llm.vulkan.graph import Barrier, Dispatch
-from trio_llm.vulkan.kernels import KernelCache
-from trio_llm.vulkan.memory import Allocator
 from trio_llm.vulkan.ops import (
     MOE_BN,
     MOE_PERM_OFF,
@@ -34,14 +29,7 @@ from trio_llm.vulkan.ops import (
 pytestmark = pytest.mark.vulkan
 
 
-@pytest.fixture(scope="module")
-def env() -> Iterator[Env]:
-    device = shared_device()
-    alloc = Allocator(device)
-    kernels = KernelCache(device)
-    yield Env(device, alloc, Ops(kernels, subgroup=device.limits.subgroup_size))
-    kernels.close()
-    alloc.free_all()
+env = pytest.fixture(scope="module", name="env")(open_env)
 
 
 def _topk_node(n_expert: int, k: int, norm: bool, scale: float):  # type: ignore[no-untyped-def]

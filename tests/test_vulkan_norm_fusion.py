@@ -6,34 +6,22 @@ the fusion equals numpy and the unfused lowering, with two barriers fewer per la
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
-from test_vulkan_ops import QTYPES, Env, make_weights, np_rms_norm, np_rope
+from test_vulkan_ops import QTYPES, Env, make_weights, np_rms_norm, np_rope, open_env
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.reference import NumpyBackend
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.kvtypes import dequantize_rows, kv_type
 from trio_llm.vulkan.backend import VulkanBackend
-from trio_llm.vulkan.device import shared_device
 from trio_llm.vulkan.graph import Barrier, Dispatch
-from trio_llm.vulkan.kernels import KernelCache
-from trio_llm.vulkan.memory import Allocator
 from trio_llm.vulkan.ops import ROPE_NORMAL, Ops
 
 pytestmark = pytest.mark.vulkan
 
 
-@pytest.fixture(scope="module")
-def env() -> Iterator[Env]:
-    device = shared_device()
-    alloc = Allocator(device)
-    kernels = KernelCache(device)
-    yield Env(device, alloc, Ops(kernels, subgroup=device.limits.subgroup_size))
-    kernels.close()
-    alloc.free_all()
+env = pytest.fixture(scope="module", name="env")(open_env)
 
 
 def _inputs(ncol: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -82,14 +82,18 @@ class Env:
             graph.close()
 
 
-@pytest.fixture(scope="module")
-def env() -> Iterator[Env]:
+def open_env() -> Iterator[Env]:
+    """The shared device with an allocator and the kernels, for one test module (every
+    Vulkan op test module takes its ``env`` fixture from this)."""
     device = shared_device()
     alloc = Allocator(device)
     kernels = KernelCache(device)
     yield Env(device, alloc, Ops(kernels, subgroup=device.limits.subgroup_size))
     kernels.close()
     alloc.free_all()
+
+
+env = pytest.fixture(scope="module", name="env")(open_env)
 
 
 def make_weights(qtype: str, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
