@@ -405,7 +405,8 @@ def batched_decode(model, sizes: tuple[int, ...], steps: int, repeats: int, prom
     from trio_llm.vulkan.backend import VulkanBackend
 
     n_seq = max(sizes)
-    be = VulkanBackend(model, n_ctx=prompt + (repeats + 1) * steps + 8, n_seq=n_seq)
+    # sequence 0 steps in every size's rounds: its depth grows by about ``steps`` per size
+    be = VulkanBackend(model, n_ctx=prompt + len(sizes) * steps + 8, n_seq=n_seq)
     out: dict[int, dict] = {}  # type: ignore[type-arg]
     try:
         rng = np.random.default_rng(1)

@@ -93,7 +93,7 @@ stage() { # name timeout command...
   say "stage $name rc=$?"; tail -n 25 "$RES/$name.log" >> "$OUT/summary.txt"; pack
 }
 wait8b() { [ -n "$M8" ] && wait $M8 2>/dev/null; M8B=/tmp/m/$B8-Q4_K_M.gguf; }
-# the dense prefill matmuls, matmul_cm against matmul_cm2 (TRIO_LLM_MATMUL_CM2=1): whole pp512s of
+# the dense prefill matmuls, matmul_cm (TRIO_LLM_MATMUL_CM2=0) against matmul_cm2 (the default): whole pp512s of
 # llama-1b Q8_0 and llama-8b Q4_K_M, and cm2's per-kernel breakdown (its TFLOP/s against tune-ppk-*'s
 # matmul_cm figure). Stages tune and cm2; verify first (test_vulkan_ops.py -k cm2 on the real
 # cooperative matrices)
@@ -102,7 +102,8 @@ cm2_pp512() {
   local mq m tag
   for mq in "$M1:1b-q8" "$M8B:8b-q4km"; do
     m=${mq%%:*}; tag=${mq##*:}
-    stage "tune-pp512-$tag-cm" 150 $PY bench/decode.py --model "$m" --backends vulkan --pp 512 --tg 8 --repeats 3
+    stage "tune-pp512-$tag-cm" 150 env TRIO_LLM_MATMUL_CM2=0 $PY bench/decode.py --model "$m" --backends vulkan \
+      --pp 512 --tg 8 --repeats 3
     stage "tune-pp512-$tag-cm2" 150 env TRIO_LLM_MATMUL_CM2=1 $PY bench/decode.py --model "$m" --backends vulkan \
       --pp 512 --tg 8 --repeats 3 --pp-breakdown
   done
@@ -155,7 +156,7 @@ for s in $STAGES; do case $s in
     # the cooperative-matrix matmul (f16 tiles) is checked op by op in test_vulkan_ops.py
     stage verify 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_ops.py tests/test_vulkan_kv.py \
       tests/test_vulkan_attn_prefill.py tests/test_vulkan_norm_fusion.py
-    # attn_decode2 (TRIO_LLM_ATTN_DECODE2, off by default): 16- and 32-lane row groups and the split combine's
+    # attn_decode2 (the default; TRIO_LLM_ATTN_DECODE2=0 keeps attn_decode): 16- and 32-lane row groups and the split combine's
     # memory ordering, which lavapipe (8-lane subgroups, no real concurrency) cannot show
     stage verify-decode2 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_decode2.py
     stage verify-model 200 env TRIO_LLM_COOPMAT=0 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_model.py

@@ -135,10 +135,12 @@ def test_decode2_deep_many_splits(env: Env) -> None:
 
 
 def test_decode2_selection(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off by default, on with TRIO_LLM_ATTN_DECODE2=1; where it cannot run (a head_dim
+    """On by default, off with TRIO_LLM_ATTN_DECODE2=0; where it cannot run (a head_dim
     that is not a multiple of 8, lanes wider than the subgroup) the current kernel does."""
     k = env.ops.kernels
     monkeypatch.delenv("TRIO_LLM_ATTN_DECODE2", raising=False)
+    assert Ops(k).decode_attn2
+    monkeypatch.setenv("TRIO_LLM_ATTN_DECODE2", "0")
     assert not Ops(k).decode_attn2
     monkeypatch.setenv("TRIO_LLM_ATTN_DECODE2", "1")
     assert Ops(k).decode_attn2
@@ -158,7 +160,9 @@ def test_decode2_selection(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-gemma3"])
 def test_decode2_through_the_backend(model_path, monkeypatch: pytest.MonkeyPatch, preset: str) -> None:  # type: ignore[no-untyped-def]
-    """With TRIO_LLM_ATTN_DECODE2=1 the backend's decode steps (two sequences per step,
+    """With TRIO_LLM_ATTN_DECODE2=0 (attn_decode.comp: the default's fallback where
+    ``decode2_ok`` fails; test_vulkan_model.py's checks run the default, attn_decode2)
+    the backend's decode steps (two sequences per step,
     64 greedy tokens; tiny-gemma3's sliding layers on rings of 24 rows, chunks of 8)
     follow numpy's greedy path and logits, as test_vulkan_model.py's checks of the
     default kernel do."""
@@ -167,14 +171,15 @@ def test_decode2_through_the_backend(model_path, monkeypatch: pytest.MonkeyPatch
     from trio_llm.model.gguf import load_gguf
     from trio_llm.vulkan.backend import VulkanBackend
 
-    monkeypatch.setenv("TRIO_LLM_ATTN_DECODE2", "1")
+    monkeypatch.setenv("TRIO_LLM_ATTN_DECODE2", "0")
     model = load_gguf(model_path(preset, "Q8_0"))
     ref = NumpyBackend(model, n_ctx=N_CTX, n_seq=2, max_chunk=8, **F32_KV)
     vk = VulkanBackend(model, n_ctx=N_CTX, n_seq=2, max_chunk=8, **F32_KV)
     try:
-        assert vk._ops.decode_attn2
+        assert not vk._ops.decode_attn2
         got_first, got = greedy_batched(vk, PROMPTS, N_GREEDY)
-        assert any(key[0] == "attn_decode2" for key in vk._ops.kernels._kernels)  # it ran
+        names = {key[0] for key in vk._ops.kernels._kernels}
+        assert "attn_decode" in names and "attn_decode2" not in names  # the old kernel ran
         want_first, want = greedy_batched(ref, PROMPTS, N_GREEDY)
         scale = float(np.abs(want_first).max())
         assert float(np.abs(got_first - want_first).max()) <= 1e-4 * scale

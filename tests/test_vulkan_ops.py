@@ -302,7 +302,7 @@ def test_matmul_cm2_emulated_small_batch(env: Env) -> None:
 
 
 def test_matmul_cm2_choice(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off by default, on with TRIO_LLM_MATMUL_CM2=1 (on a device with cooperative
+    """On by default, off with TRIO_LLM_MATMUL_CM2=0 (on a device with cooperative
     matrices; matmul_cm otherwise); the tile by grid size, or forced by
     TRIO_LLM_CM2_TILE, which refuses a tile it does not have."""
     from trio_llm.errors import ConfigError
@@ -310,6 +310,8 @@ def test_matmul_cm2_choice(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.delenv("TRIO_LLM_MATMUL_CM2", raising=False)
     monkeypatch.delenv("TRIO_LLM_CM2_TILE", raising=False)
+    assert Ops(env.ops.kernels).matmul_cm2
+    monkeypatch.setenv("TRIO_LLM_MATMUL_CM2", "0")
     assert not Ops(env.ops.kernels).matmul_cm2
     monkeypatch.setenv("TRIO_LLM_MATMUL_CM2", "1")
     monkeypatch.setenv("TRIO_LLM_CM2_TILE", "128x64")

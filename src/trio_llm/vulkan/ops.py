@@ -239,10 +239,11 @@ class Ops:
     moe_cm: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MOE_CM", "1") != "0")
     #: the dense prefill matmuls on matmul_cm2.comp (larger tiles, 2x2..4x4 blocks per
     #: subgroup, register prefetch) instead of matmul_cm.comp where the device has
-    #: cooperative matrices; TRIO_LLM_MATMUL_CM2=1 turns it on. Off until the H200 has
-    #: verified and timed it (`bash bench/h200.sh verify tune`): lavapipe checks it only
-    #: emulated
-    matmul_cm2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MATMUL_CM2", "0") == "1")
+    #: cooperative matrices; TRIO_LLM_MATMUL_CM2=0 keeps matmul_cm. On by default since
+    #: the H200 run of 2026-12-01 evening (bench/results/h200-session6/): its tests pass
+    #: there on the real cooperative matrices, and a whole pp512 of llama-1b Q8_0 went
+    #: from 15,311 to 30,677 tok/s, llama-8b Q4_K_M from 2,118 to 3,982
+    matmul_cm2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MATMUL_CM2", "1") != "0")
     #: matmul_cm2's tile (rows, tokens) for every matmul; None: ``cm2_tile`` chooses
     matmul_cm2_tile: tuple[int, int] | None = attrs.field(factory=cm2_tile_env)
     #: tests only: matmul_cm2 with its products emulated (CM_EMULATE) for subgroups of
@@ -257,9 +258,11 @@ class Ops:
     fuse_norm: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_FUSE_NORM", "0") == "1")
     #: ``attention_decode`` in its coalesced form (attn_decode2.comp: the lanes of a row
     #: group split each K / V row, several rows in flight per lane) where ``decode2_ok``;
-    #: TRIO_LLM_ATTN_DECODE2=1 turns it on. Off by default until bench/h200.sh tune has
-    #: timed it against attn_decode.comp and verify has run its tests on a GPU
-    decode_attn2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_ATTN_DECODE2", "0") == "1")
+    #: TRIO_LLM_ATTN_DECODE2=0 keeps attn_decode.comp. On by default since the H200 run of
+    #: 2026-12-01 evening (its tests pass there; bench/attn_depth.py, all layers, ms per
+    #: token): llama-1b f16 at 32k 1.47 -> 0.86, at 128 keys 0.27 -> 0.14; llama-8b f16 at
+    #: 16k 2.70 -> 1.99 (1.70 with 2 rows), q8_0 3.03 -> 1.81
+    decode_attn2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_ATTN_DECODE2", "1") != "0")
     #: attn_decode2: K (and V) rows in flight per lane
     decode2_rows: int = 4
     #: attn_decode2: lanes per row (a power of two dividing head_dim / 8, at most the
