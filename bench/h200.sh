@@ -267,6 +267,12 @@ for s in $STAGES; do case $s in
       stage "decode-1b-$q-generic" 100 env TRIO_LLM_MATVEC_GENERIC=1 $PY bench/decode.py \
         --model "$(model $B1 $q)" --backends vulkan --repeats 2
     done ;;
+  batch)  # batched decode's scaling alone (tunedec's last stages): B = 1, 2, 4, 8 sequences per step
+    stage tune-batch-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 64 --tg 64 --repeats 2 \
+      --batch-sizes 1,2,4,8
+    wait8b
+    stage tune-batch-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 64 --tg 64 --repeats 2 \
+      --batch-sizes 1,2,4,8 ;;
   decode1b)  # llama-1b Q4_K_M only
     stage decode-1b-q4km 100 $PY bench/decode.py --model "$(model $B1 Q4_K_M)" --backends vulkan --repeats 3 ;;
   vkmem)
