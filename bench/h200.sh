@@ -240,7 +240,8 @@ for s in $STAGES; do case $s in
     fi ;;
   cpumoe)  # qwen35-35b-a3b Q4_K_M (21 GB) with --n-cpu-moe 0, 10, 10.5, 20: decode cost per host-resident layer
     if [ "${SMALL:-0}" = 1 ]; then MOE=tiny-qwen35moe; NS="0 1 1.5"; else MOE=qwen35-35b-a3b; NS="0 10 10.5 20"; fi
-    stage make-moe35 480 $PY -m trio_llm make-model --preset $MOE --quant Q4_K_M -o /tmp/m/$MOE-Q4_K_M.gguf -q
+    [ -f /tmp/m/$MOE-Q4_K_M.gguf ] || stage make-moe35 480 $PY -m trio_llm make-model --preset $MOE --quant Q4_K_M \
+      -o /tmp/m/$MOE-Q4_K_M.gguf -q
     for n in $NS; do
       stage "decode-moe35-ncmoe$n" 240 $PY bench/decode.py --model /tmp/m/$MOE-Q4_K_M.gguf --backends vulkan \
         --repeats 2 --n-cpu-moe $n
@@ -385,7 +386,8 @@ for i in range(4):
     [ $CUDA_BUILD = 1 ] && LL+=(--llama-cuda $LCPP/cuda/bin/llama-server --wait-for $LCPP/cuda.done)
     MA=()
     for mp in $MS; do
-      stage "make-$mp" 300 $PY -m trio_llm make-model --preset $mp --quant Q4_K_M -o /tmp/m/$mp-Q4_K_M.gguf -q
+      [ -f /tmp/m/$mp-Q4_K_M.gguf ] || stage "make-$mp" 300 $PY -m trio_llm make-model --preset $mp --quant Q4_K_M \
+        -o /tmp/m/$mp-Q4_K_M.gguf -q  # (cpumoe, run before, makes qwen35-35b-a3b's)
       MA+=(--model /tmp/m/$mp-Q4_K_M.gguf --prompts "${E2E_MOE_P:-512,4096}" --clients 0)
     done
     left=$(( ${E2E_END:-565} - $(elapsed) ))
