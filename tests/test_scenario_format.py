@@ -191,3 +191,17 @@ def test_model_override_applies_to_every_server(tmp_path):
     file = tmp_path / "m.gguf"
     assert with_model(scenario.servers[0], str(file)).model == file.resolve()
     assert with_model(scenario.servers[0], None) == scenario.servers[0]
+
+
+def test_full_n_predict_defaults_to_n_predict() -> None:
+    """A step's ``full_n_predict`` is its n_predict for ``--full`` runs; unset, the same
+    as n_predict. quantum.toml's stream is longer in the full run, so that it outlasts the
+    full run's 20 waiters on a fast GPU (the H200's 3,000-token stream ended after 7)."""
+    s = fmt.load(Path(__file__).resolve().parents[1] / "scenarios" / "quantum.toml")
+    stream = s.phases[0].steps[0]
+    waiter = s.phases[1].steps[0]
+    assert (stream.n_predict, stream.full_n_predict) == (3000, 14000)
+    assert (waiter.n_predict, waiter.full_n_predict) == (8, 8)
+    assert s.servers[0].ctx > 14000 + 16
+    with pytest.raises(ScenarioError, match="full_n_predict"):
+        fmt.loads(GOOD.replace('  stream = true\n', '  full_n_predict = 0\n  stream = true\n', 1), "bad.toml")

@@ -101,6 +101,10 @@ class Step:
     # request / random
     prompt: str = ""
     n_predict: int = 16
+    #: n_predict of a `--full` run (default: n_predict): a holder's stream that must
+    #: outlast the full run's waiters on any device, where the short run's would end
+    #: after a few of them on a fast GPU
+    full_n_predict: int | None = None
     stream: bool = False
     ignore_eos: bool = False  # generate exactly n_predict tokens (a holder kept busy)
     endpoint: str = "completion"
@@ -491,6 +495,7 @@ def _read_step(t: _Table, servers: tuple[str, ...]) -> Step:
                 "prompt",
             )
         kw["n_predict"] = t.int_("n_predict", 16, minimum=1)
+        kw["full_n_predict"] = t.int_("full_n_predict", kw["n_predict"], minimum=1)
         kw["stream"] = t.bool_("stream", False)
         kw["ignore_eos"] = t.bool_("ignore_eos", False)
         kw["endpoint"] = t.str_("endpoint", "completion", choices=ENDPOINTS)

@@ -296,7 +296,7 @@ class Runner:
             arena=server.spec.arena,
             endpoint=step.endpoint,
             prompt=prompt,
-            n_predict=step.n_predict,
+            n_predict=step.full_n_predict if self.options.full and step.full_n_predict else step.n_predict,
             stream=step.stream,
             expect_ok=step.expect_ok,
             expect_content=step.expect_content,
