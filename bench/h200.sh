@@ -9,7 +9,7 @@
 # cpumoe (qwen35-35b-a3b Q4_K_M at --n-cpu-moe 0, 10, 10.5, 20),
 # hybrid (the delta-net kernel tests, then qwen35-0.8b Q8_0/Q4_K_M and qwen35-9b Q4_K_M prefill and decode,
 #   the delta rule's share of pp512 and its chunked form against the recurrence),
-# residency, handoff,
+# residency, handoff, coldmem (issue 12: hybrid models' device memory after POST /sleep?level=all, driver counter too),
 # server, serverpath (bench/serverpath.py, issue 14), sample (its device-sampling tests), scen1b, scen8b, coresident,
 # e2emoe (qwen35-0.8b, qwen3-30b-a3b, qwen35-35b-a3b through HTTP beside llama-server; NO8B=1 skips the 8b),
 # mem128k (device memory at -c 131072, q8_0 cache, beside llama-server CUDA; .lcpp too), serve128k (one
@@ -296,6 +296,12 @@ for i in range(4):
     stage handoff-1b-weights 90 $PY bench/handoff.py --model "$M1" --backend vulkan --handoffs 60 --sleep-mode weights
     wait8b
     stage handoff-8b-weights 150 $PY bench/handoff.py --model "$M8B" --backend vulkan --handoffs 30 --sleep-mode weights ;;
+  coldmem)  # issue 12: hybrid (and MoE) models resident and after POST /sleep?level=all through trio-llm serve,
+    # the backend's bytes and the driver's per-process counter, the same answer and cache_n > 0 after the wake
+    CM=("$(model qwen35-0.8b Q4_K_M)" "$(model qwen35-9b Q4_K_M)" "$M1")
+    [ -f /tmp/m/qwen35-35b-a3b-Q4_K_M.gguf ] && CM+=(/tmp/m/qwen35-35b-a3b-Q4_K_M.gguf)
+    MA=(); for m in "${CM[@]}"; do MA+=(--model "$m"); done
+    stage coldmem 240 $PY bench/coldmem.py "${MA[@]}" --backend vulkan --log-dir "$RES/coldmem-logs" ;;
   sample)  # the device sampling tests alone (also in verify)
     stage verify-sample 150 $PY -m pytest -q -p no:cacheprovider tests/test_devsample.py tests/test_server_decode.py ;;
   serverpath)  # issue 14: the backend's own decode beside /completion on the same file, per-token breakdown;
