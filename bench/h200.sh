@@ -372,7 +372,8 @@ for i in range(4):
     stop_build ;;
   serve128k)  # issue 13's "128k prompts served": one 130,880-token prompt (+128 generated) at -c 131072 with a q8_0
     # K/V cache, llama-1b Q8_0 then llama-8b Q4_K_M, trio-llm beside llama-server CUDA, no warm-up, no stream;
-    # each row also records the device memory the server then holds (about 7 minutes in all)
+    # each row also records the device memory the server then holds (about 7 minutes in all: trio-llm's rows took
+    # 391 s on 2026-12-01, so E2E_ARGS=--no-trio gives llama-server CUDA's rows a call of their own)
     [ -f .lcpp/h200.sh ] || { say "serve128k: no .lcpp/ carried"; continue; }
     wait8b
     Q8=(--trio-arg=-ctk --trio-arg=q8_0 --trio-arg=-ctv --trio-arg=q8_0
@@ -380,7 +381,7 @@ for i in range(4):
     left=$(( ${E2E_END:-565} - $(elapsed) ))
     stage serve128k $((left + 15)) $PY bench/e2e.py --backend vulkan -m "$M1" --prompts 130880 -m "$M8B" \
       --prompts 130880 "${Q8[@]}" --repeats 1 --warmups 0 --ttft-max 1 --llama-cuda $LCPP/cuda/bin/llama-server \
-      --wait-for $LCPP/cuda.done --budget-s "$left" --reserve-s 15 --log-dir "$RES/serve128k-logs" \
+      --wait-for $LCPP/cuda.done --budget-s "$left" --reserve-s 15 --log-dir "$RES/serve128k-logs" ${E2E_ARGS:-} \
       --note "-c 131072, q8_0 K and V, one request per row"
     stop_build ;;
   e2emoe)  # the hybrid and MoE models end to end through HTTP beside llama-server CUDA (and Vulkan)
