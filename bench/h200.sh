@@ -130,7 +130,7 @@ run_tunedec() {
     --batch-sizes 1,2,4,8
   wait8b
   stage tune-decode-8b-nofusenorm 150 env TRIO_LLM_FUSE_NORM=0 $PY bench/decode.py --model "$M8B" \
-    --backends vulkan --repeats 3
+    --backends vulkan --repeats 3 --breakdown
   stage tune-decode-8b-fusenorm 150 env TRIO_LLM_FUSE_NORM=1 $PY bench/decode.py --model "$M8B" --backends vulkan \
     --repeats 3
   stage tune-batch-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 64 --tg 64 --repeats 2 \
