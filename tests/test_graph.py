@@ -173,7 +173,8 @@ def _kinds(ops) -> list[str]:  # type: ignore[no-untyped-def]
 def test_the_lowering_fuses_what_the_decode_kernels_do(model_path) -> None:  # type: ignore[no-untyped-def]
     """llama decode: q/k/v normalize their input, rotate and store the cache in their
     projections, gate+up+SwiGLU is one matvec that normalizes its input too, the output
-    projections add into the residual, attention is the split (flash-decoding) kernel;
+    projections add into the residual, attention is the split (flash-decoding) kernel
+    (attn_decode2, the default, where the device can run it);
     5 barriers a layer (7 with TRIO_LLM_FUSE_NORM=0: the two norms on their own).
     Prefill (a bucket past 8 tokens) runs each op on its own."""
     import attrs
@@ -182,13 +183,17 @@ def test_the_lowering_fuses_what_the_decode_kernels_do(model_path) -> None:  # t
 
     be = VulkanBackend(load_gguf(model_path("tiny", "Q8_0")), n_ctx=64, n_seq=1)
     try:
+        cfg = be.config
+        # attn_decode2 (the default) where the device can run it, attn_decode otherwise
+        attn = ("attn_decode2" if be._ops.decode_attn2 and be._ops.decode2_ok(cfg.n_head, cfg.n_head_kv, cfg.head_dim)
+                else "attn_decode")
         for fuse in (True, False):
             decode = _kinds(be.lowered(1, attrs.evolve(be._ops, fuse_norm=fuse)))
             if fuse:
                 qkv, ffn, head = "matvec_rope+norm", ["gate_up+norm"], ["matvec+norm"]
             else:
                 qkv, ffn, head = "matvec_rope", ["rms_norm", "|", "gate_up"], ["rms_norm", "|", "matvec"]
-            layer = [*([] if fuse else ["rms_norm", "|"]), qkv, qkv, qkv, "|", "attn_decode", "|",
+            layer = [*([] if fuse else ["rms_norm", "|"]), qkv, qkv, qkv, "|", attn, "|",
                      "matvec", "|", *ffn, "|", "matvec", "|"]
             assert decode[:2] == ["get_rows", "|"]
             body = decode[2 : 2 + 2 * len(layer)]
