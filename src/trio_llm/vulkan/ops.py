@@ -171,6 +171,19 @@ def prefill_cm_shared(head_dim: int, subgroup: int, rows: int) -> int:
             + 4 * max(256 * nsg, 16 * rows) + 8 * rows + 12 * rows)
 
 
+def prefill_cm2_shared(head_dim: int, rows: int, keys: int) -> int:
+    """Bytes of shared memory attn_prefill_cm2.comp declares (its arrays, in order: the
+    K and V tiles in f16, the subgroups' S slices in f32 and P slices in f16, then the
+    tokens' positions, sequences and flags, counted for one head per work group, the
+    most tokens): 45,824 for head_dim 64 with 64 rows and 64 keys, 32,512 for 128 with
+    32 keys, 48,896 for 256 with 32 keys."""
+    return 2 * 2 * keys * (head_dim + 8) + 4 * rows * (keys + 4) + 2 * rows * (keys + 8) + 12 * rows
+
+
+#: keys per tile attn_prefill_cm2.comp takes, the most first (``Ops.prefill_cm2_plan``)
+PREFILL_CM2_KEYS = (64, 32, 16)
+
+
 def attention_part_floats(cap: int, n_head: int, head_dim: int, n_split: int) -> int:
     """float32 values of the partials buffer ``attention_decode`` needs for ``cap``
     tokens: per (token, head, split) head_dim outputs plus the running max and sum."""
@@ -274,6 +287,19 @@ class Ops:
     #: tests only: the cooperative-matrix path with its products emulated (CM_EMULATE),
     #: so a device without cooperative matrices runs all of that path's lowering
     prefill_cm_emulate: bool = False
+    #: attn_prefill_cm2.comp (each subgroup owns 16 query rows and does its own S, softmax
+    #: and P V: two work-group barriers per key tile instead of four, 64 keys per tile
+    #: for head_dim 64) in place of attn_prefill_cm.comp where ``prefill_cm2_plan``
+    #: allows it; TRIO_LLM_PREFILL_CM2=1 turns it on (independently of ``prefill_cm``).
+    #: Off by default until the H200 times it against attn_prefill_cm (bench/h200.sh
+    #: tunepp's tune-*-cm2 stages): lavapipe only runs it emulated
+    prefill_cm2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_PREFILL_CM2", "0") == "1")
+    #: its keys per tile (16, 32 or 64); 0: the most of ``PREFILL_CM2_KEYS`` whose shared
+    #: memory fits the device's reported limit
+    prefill_cm2_keys: int = 0
+    #: tests only: attn_prefill_cm2 with its products emulated (CM_EMULATE) for subgroups
+    #: of this size (32 or 64; 0: off) on any device, taking precedence over the rest
+    prefill_cm2_emulate: int = 0
 
     def matvec(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
@@ -512,6 +538,31 @@ class Ops:
                 and prefill_cm_shared(head_dim, sub, self.prefill_rows_cm or prefill_rows(head_dim, True))
                 <= self.kernels.device.limits.max_shared_memory)
 
+    def prefill_cm2_plan(self, n_head: int, n_head_kv: int, head_dim: int, rows: int = 0) -> tuple[int, int] | None:
+        """(subgroup size, keys per tile) of attn_prefill_cm2.comp for ``rows`` query rows
+        per work group (0: ``prefill_rows_cm`` or ``prefill_rows``' choice), or None
+        where it does not run: not enabled (``prefill_cm2`` on a device with cooperative
+        matrices and subgroups of 32 or 64, or ``prefill_cm2_emulate``), a head group
+        that is not a power of two, head_dim not a multiple of 16 or above 256, rows
+        other than 16, 32 or 64 (16 per subgroup), or no key tile whose shared memory
+        (``prefill_cm2_shared``) fits the device's reported limit."""
+        emu = self.prefill_cm2_emulate
+        hw = emu in (32, 64) or (self.prefill_cm2 and self.coopmat and self.subgroup in (32, 64))
+        g = heads_per_group(n_head, n_head_kv)
+        rows = rows or self.prefill_rows_cm or prefill_rows(head_dim, True)
+        if not hw or g & (g - 1) or head_dim % 16 or head_dim > 256 or rows not in (16, 32, 64):
+            return None
+        limit = self.kernels.device.limits.max_shared_memory
+        fits = [b for b in PREFILL_CM2_KEYS if prefill_cm2_shared(head_dim, rows, b) <= limit]
+        keys = self.prefill_cm2_keys or (fits[0] if fits else 0)
+        if keys not in fits:
+            return None
+        return (emu or self.subgroup), keys
+
+    def prefill_cm2_ok(self, n_head: int, n_head_kv: int, head_dim: int) -> bool:
+        """Whether ``attention_prefill`` takes attn_prefill_cm2.comp (``prefill_cm2_plan``)."""
+        return self.prefill_cm2_plan(n_head, n_head_kv, head_dim) is not None
+
     def attention_prefill(
         self, q: View, k_cache: View, v_cache: View, o: View, step: View, *, n_head: int,
         n_head_kv: int, head_dim: int, n_ctx: int, q_stride: int, o_stride: int, cap: int,
@@ -527,7 +578,10 @@ class Ops:
         (attn_prefill_cm.comp: f16 Q, K, P and V, f32 scores and sums) where
         ``prefill_cm_ok``. ``emulate_cm`` = (heads, tokens) is for tests: the
         cooperative-matrix kernel with its two products done by plain lanes (CM_EMULATE),
-        on that tile, so that a device without them checks the rest of it.
+        on that tile, so that a device without them checks the rest of it (with
+        ``prefill_cm2_emulate`` set: attn_prefill_cm2.comp's emulated form on it).
+        attn_prefill_cm2.comp takes the place of attn_prefill_cm.comp where
+        ``prefill_cm2_plan`` allows (same arguments, grid, partials and results).
 
         ``n_split`` > 1 (``prefill_splits``) splits
         each query tile's keys over that many work groups (at least ``min_tiles`` tiles
@@ -538,16 +592,34 @@ class Ops:
         kt, vt = _kv(k_type), _kv(v_type)
         _check_head(kt, head_dim, "K")
         _check_head(vt, head_dim, "V")
+        s = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        push = (n_head, n_head_kv, head_dim, n_ctx, n_head_kv * head_dim, q_stride, o_stride, float(s), n_swa)
+        ml_off = cap * n_head * n_split * head_dim
+        assert n_split == 1 or (part is not None
+                                and part.size >= 4 * attention_part_floats(cap, n_head, head_dim, n_split))
+        if emulate_cm is None or self.prefill_cm2_emulate:
+            plan = self.prefill_cm2_plan(n_head, n_head_kv, head_dim,
+                                         rows=emulate_cm[0] * emulate_cm[1] if emulate_cm else 0)
+            assert plan is not None or emulate_cm is None, "attn_prefill_cm2 cannot take this emulated tile"
+            if plan is not None:
+                sub, keys = plan
+                if emulate_cm is not None:
+                    g, bq = emulate_cm
+                    assert (n_head // n_head_kv) % g == 0
+                else:
+                    g, bq = prefill_tile(n_head, n_head_kv, head_dim, coopmat=True, rows=self.prefill_rows_cm)
+                k = self.kernels.get("attn_prefill_cm2", n_bindings=6, n_push=12, local_size=g * bq // 16 * sub,
+                                     defines={**kv_defines(K_TYPE=kt, V_TYPE=vt),
+                                              **({"CM_EMULATE": 1} if self.prefill_cm2_emulate else {})},
+                                     spec={1: g, 2: bq, 3: head_dim, 4: sub, 5: keys})
+                return Dispatch(k, (q, k_cache, v_cache, o, step, o if part is None else part),
+                                (*push, n_split, min_tiles, ml_off), (math.ceil(cap / bq), n_head // g, n_split))
         cm = self.prefill_cm_ok(n_head, n_head_kv, head_dim)
         g, bq = prefill_tile(n_head, n_head_kv, head_dim, coopmat=cm,
                              rows=self.prefill_rows_cm if cm else self.prefill_rows)
-        s = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        push = (n_head, n_head_kv, head_dim, n_ctx, n_head_kv * head_dim, q_stride, o_stride, float(s), n_swa)
         if cm and self.prefill_cm_emulate and emulate_cm is None:
             emulate_cm = (g, bq)
         if emulate_cm is not None or cm:
-            assert n_split == 1 or (part is not None
-                                    and part.size >= 4 * attention_part_floats(cap, n_head, head_dim, n_split))
             if emulate_cm is not None:
                 g, bq = emulate_cm
                 assert (g * bq) % 16 == 0 and 128 % (g * bq) == 0 and (n_head // n_head_kv) % g == 0
@@ -559,14 +631,10 @@ class Ops:
             k = self.kernels.get("attn_prefill_cm", n_bindings=6, n_push=12, local_size=128,
                                  defines={**kv_defines(K_TYPE=kt, V_TYPE=vt), **defines},
                                  spec={1: g, 2: bq, 3: head_dim, 4: sub})
-            ml_off = cap * n_head * n_split * head_dim
             return Dispatch(k, (q, k_cache, v_cache, o, step, o if part is None else part),
                             (*push, n_split, min_tiles, ml_off), (math.ceil(cap / bq), n_head // g, n_split))
-        assert n_split == 1 or (part is not None
-                                and part.size >= 4 * attention_part_floats(cap, n_head, head_dim, n_split))
         k = self.kernels.get("attn_prefill", n_bindings=6, n_push=12, local_size=128,
                              defines=kv_defines(K_TYPE=kt, V_TYPE=vt), spec={1: g, 2: bq, 3: head_dim})
-        ml_off = cap * n_head * n_split * head_dim
         return Dispatch(k, (q, k_cache, v_cache, o, step, o if part is None else part),
                         (*push, n_split, min_tiles, ml_off), (math.ceil(cap / bq), n_head // g, n_split))
 

@@ -158,7 +158,7 @@ def _tools() -> tuple[Path, Path, dict[str, str]]:
 
 
 #: shaders that need a compiler with cooperative matrices (glslangValidator, Vulkan 1.3)
-COOPMAT_SHADERS = ("matmul_cm", "matmul_cm2", "attn_prefill_cm", "moe_matmul_cm")
+COOPMAT_SHADERS = ("matmul_cm", "matmul_cm2", "attn_prefill_cm", "attn_prefill_cm2", "moe_matmul_cm")
 
 
 def _compile_commands(name: str, defines: dict[str, object] | None, src: Path, out: str) -> tuple[list[list[str]], dict[str, str]]:
@@ -301,6 +301,9 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for code in (0, 1, 3):  # prefill attention on cooperative matrices (f32, f16, q8_0), and staged
         yield "attn_prefill_cm", kv_defines(K_TYPE=code, V_TYPE=code)
         yield "attn_prefill_cm", {**kv_defines(K_TYPE=code, V_TYPE=code), "CM_STAGE": 1}
+        # its subgroup-owns-its-rows form (TRIO_LLM_PREFILL_CM2=1; head dims, subgroup and
+        # keys per tile are specialization constants, so these serve 64, 128 and 256)
+        yield "attn_prefill_cm2", kv_defines(K_TYPE=code, V_TYPE=code)
     for code in KV_CODES[1:]:
         for q in QTYPES if code in (1, 3) else ("Q8_0",):
             yield "matvec", {**qtype_defines(q), **ROPE_OUT, **kv_defines(KV_TYPE=code)}
