@@ -2,7 +2,7 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: verify (the Vulkan correctness tests on the H200), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
+# Stages: verify (the Vulkan correctness tests on the H200), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), prefillcm2 (attn_prefill_cm2's tests, op level and pp8192 A/B), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill, the pp512 graph
 #   with grouped expert matmuls against per-pair matvecs; MOE35=1 adds qwen35-35b-a3b's),
@@ -136,6 +136,21 @@ run_tunedec() {
   stage tune-batch-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 64 --tg 64 --repeats 2 \
     --batch-sizes 1,2,4,8
 }
+run_prefillcm2() {
+  # attn_prefill_cm2 (each subgroup owns its 16 query rows, 2 work-group barriers per key tile; off by default,
+  # TRIO_LLM_PREFILL_CM2=1): its tests on the real cooperative matrices first (the ops fixture's coopmat2 rows),
+  # then beside attn_prefill_cm op level at 512 / 8k (its keys per tile, its splits), then a whole pp8192 both ways
+  stage verify-prefill-cm2 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_attn_prefill.py -k coopmat2
+  stage tune-prefill-cm2-1b 120 $PY bench/prefill.py --shape llama-1b --lengths 512,8192 --types f16 --repeats 1 \
+    --kernels prefill_cm,prefill_cm2,prefill_cm2_k32,prefill_cm_split2,prefill_cm2_split2,prefill_cm_split4,prefill_cm2_split4
+  # llama-8b (head_dim 128): 32 keys per tile on 64-row tiles, 64 keys on 32-row tiles (prefill_cm2_r32)
+  stage tune-prefill-cm2-8b 150 $PY bench/prefill.py --shape llama-8b --lengths 512,8192 --types f16 --repeats 1 \
+    --rows-cm 0,32 --kernels prefill_cm,prefill_cm2,prefill_cm2_r32,prefill_cm2_k16,prefill_cm_split2,prefill_cm2_split2
+  stage tune-pp8192-1b-cm 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 8192 --tg 8 --repeats 2
+  stage tune-pp8192-1b-cm2 120 env TRIO_LLM_PREFILL_CM2=1 $PY bench/decode.py --model "$M1" --backends vulkan \
+    --pp 8192 --tg 8 --repeats 2
+}
+
 run_tunepp() {
   # prefill attention op level: scalar tiled, coopmat (its tiles, staged, key splits), 512 / 8k / 32k
   # (512 and 8k only: at 32k the scalar rows alone ran past 200 s in session 5)
@@ -144,6 +159,10 @@ run_tunepp() {
   stage tune-pp8192-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 8192 --tg 8 --repeats 2
   stage tune-pp8192-1b-scalar 120 env TRIO_LLM_PREFILL_CM=0 $PY bench/decode.py --model "$M1" --backends vulkan \
     --pp 8192 --tg 8 --repeats 2
+  stage tune-pp8192-1b-cm2 120 env TRIO_LLM_PREFILL_CM2=1 $PY bench/decode.py --model "$M1" --backends vulkan \
+    --pp 8192 --tg 8 --repeats 2
+  stage tune-prefill-cm2-1b 120 $PY bench/prefill.py --shape llama-1b --lengths 512,8192 --types f16 --repeats 1 \
+    --kernels prefill_cm,prefill_cm2,prefill_cm2_k32,prefill_cm_split2,prefill_cm2_split2,prefill_cm_split4,prefill_cm2_split4
   # where pp512 spends its time, per kernel (the matmuls' TFLOP/s), then the dense matmuls on matmul_cm2
   stage tune-ppk-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 512 --tg 8 --repeats 2 --pp-breakdown
   wait8b
@@ -186,6 +205,8 @@ for s in $STAGES; do case $s in
     run_tunedec ;;
   tunepp)  # prefill's choices (carry .cc): coopmat attention op level, 8k both ways, pp512 per kernel, matmul_cm2
     run_tunepp ;;
+  prefillcm2)  # attn_prefill_cm2 alone (carry .cc): its tests on the GPU, op level beside attn_prefill_cm, pp8192 A/B
+    run_prefillcm2 ;;
   cm2)  # matmul_cm2 alone (issue 13 item 3; carry .cc: the emulated test variants): its tests on the real
     # cooperative matrices and emulated, the prefill lowering on it, then tune's pp512 A/B
     stage verify-cm2 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_ops.py \

@@ -4,7 +4,8 @@ attending to all the positions before it) through one attention dispatch per lay
 each followed by a barrier, for the per-(head, token) ``attention`` kernel and the tiled
 ``attention_prefill`` (scalar, and on cooperative matrices where the device has them:
 its tile sizes, its staged form, its keys split over 2 or 4 work groups plus the
-combine; ``prefill`` / ``prefill_cm`` is what the forward pass runs up to 8k of
+combine; ``prefill_cm2*``: attn_prefill_cm2.comp, each subgroup owning its rows, with its
+keys per tile and split the same way; ``prefill`` / ``prefill_cm`` is what the forward pass runs up to 8k of
 context, split in 2 at 16k and in 4 from 32k, which only the coopmat kernel's
 ``_split2`` / ``_split4`` rows here time).
 This is the part of a prefill that grows with the square of the prompt (issue 13:
@@ -16,6 +17,7 @@ through the backend).
     .venv/bin/python bench/prefill.py --shape llama-8b --types f16,q8_0 --old-max 8192
     .venv/bin/python bench/prefill.py --rows 16,32 --rows-cm 32,64   # tile sizes side by side
     .venv/bin/python bench/prefill.py --lengths 8192,32768 --tail 64  # 64 new tokens after a cached prefix
+    .venv/bin/python bench/prefill.py --lengths 512,8192 --kernels prefill_cm,prefill_cm2,prefill_cm2_k32
 
 Prints seconds per prompt for the attention of all layers and tokens per second of it,
 and the speed-up over ``attention``; writes ``bench/results/prefill-attn-*.json``. The
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     device = shared_device()
     alloc = Allocator(device)
     kernels = KernelCache(device)
-    base = Ops(kernels, subgroup=device.limits.subgroup_size)
+    base = Ops(kernels, subgroup=device.limits.subgroup_size, prefill_cm2=False)  # each kind sets its own
     kinds = {"attention": base.attention}
     for r in (int(x) for x in args.rows.split(",")):
         kinds[f"prefill_r{r}" if r else "prefill"] = attrs.evolve(base, prefill_rows=r).attention_prefill
@@ -74,6 +76,26 @@ def run(args: argparse.Namespace) -> int:
                 base, coopmat=True, prefill_cm=True, prefill_rows_cm=r).attention_prefill
         kinds["prefill_cm_staged"] = attrs.evolve(base, coopmat=True, prefill_cm=True,
                                                   prefill_cm_stage=True).attention_prefill
+    # attn_prefill_cm2 (each subgroup owns its 16 rows; TRIO_LLM_PREFILL_CM2=1): the keys
+    # per tile it picks, and each other that fits (a kind it cannot run is left out, not
+    # run on attn_prefill_cm under its name); --emulate: its products emulated, a dry run
+    emu = args.emulate and not device.coopmat
+    if device.coopmat or emu:
+        cm2 = attrs.evolve(base, coopmat=True, prefill_cm2=True, prefill_cm2_emulate=32 if emu else 0,
+                           prefill_rows_cm=32 if emu else 0)
+        plan = cm2.prefill_cm2_plan(n_head, n_kv, hd)
+        if plan is not None:
+            kinds["prefill_cm2"] = cm2.attention_prefill
+            for keys in (64, 32, 16):
+                k2 = attrs.evolve(cm2, prefill_cm2_keys=keys)
+                if keys != plan[1] and k2.prefill_cm2_ok(n_head, n_kv, hd):
+                    kinds[f"prefill_cm2_k{keys}"] = k2.attention_prefill
+            for r in (int(x) for x in args.rows_cm.split(",")):  # other row tiles, their keys per tile
+                r2 = attrs.evolve(cm2, prefill_rows_cm=r)
+                if r and r2.prefill_cm2_ok(n_head, n_kv, hd):
+                    kinds[f"prefill_cm2_r{r}"] = r2.attention_prefill
+        else:
+            print(f"no prefill_cm2 kinds: attn_prefill_cm2 does not run head_dim {hd} here", file=sys.stderr)
     chosen = args.kernels.split(",") if args.kernels else []  # [] = every kernel in kinds
     rows = []
     rng = np.random.default_rng(0)
@@ -123,7 +145,6 @@ def run(args: argparse.Namespace) -> int:
                     device.vk.vkCmdFillBuffer(cmd, cnt.handle, 0, cnt.size, 0)
                 kinds["decode"] = functools.partial(base.attention_decode, part=whole(part), counters=whole(cnt),
                                                     n_split=n_split)
-                emu = args.emulate and not device.coopmat  # the products emulated: a dry run of this code
                 splits = [int(x) for x in args.splits.split(",") if int(x) > 1] if device.coopmat or emu else []
                 spart = alloc.create(4 * attention_part_floats(cap, n_head, hd, max(splits, default=1)),
                                      "compute", "device")
@@ -136,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
                                                      head_dim=kw["head_dim"], n_split=n, o_stride=kw["o_stride"],
                                                      cap=kw["cap"])]
                     kinds[f"prefill_cm_split{n}"] = split_ops
+                    if "prefill_cm2" in kinds:
+                        kinds[f"prefill_cm2_split{n}"] = functools.partial(split_ops, cm=cm2)
                 base_s = None
                 for name in chosen or list(kinds):
                     if name not in kinds:
@@ -180,13 +203,13 @@ def main() -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
     ap.add_argument("--types", default="f16")
     ap.add_argument("--lengths", default="512,8192,32768")
-    ap.add_argument("--kernels", default="", help="attention,prefill,prefill_cm,... (default: all of them)")
+    ap.add_argument("--kernels", default="", help="attention,prefill,prefill_cm,prefill_cm2,... (default: all of them)")
     ap.add_argument("--rows", default="0", help="query rows per work group of the scalar kernel to try (0: default)")
     ap.add_argument("--rows-cm", default="0", help="the same for the coopmat kernel (16, 32, 64; 0: default)")
     ap.add_argument("--old-max", type=int, default=8192, help="longest prompt the old attention kernel runs")
     ap.add_argument("--splits", default="2,4", help="key splits of the coopmat kernel to try (with the combine)")
     ap.add_argument("--emulate", action="store_true",
-                    help="without cooperative matrices: the split kinds on the emulated kernel (a dry run, not a figure)")
+                    help="without cooperative matrices: the split and cm2 kinds on the emulated kernels (a dry run, not a figure)")
     ap.add_argument("--tail", type=int, default=0,
                     help="only the last N tokens of each prompt (a reused prefix), with attention_decode too")
     ap.add_argument("--layers", type=int, default=0, help="layers actually run (times scaled to all); 0: all")

@@ -123,10 +123,12 @@ shared bool tdone[BQ];
 #define SG_ID (gl_LocalInvocationID.x / SG)
 #define SG_LANE (gl_LocalInvocationID.x % SG)
 #define SG_SYNC() barrier()
+#define UNROLL  // (lavapipe compiles the emulated form faster with its loops rolled)
 #else
 #define SG_ID gl_SubgroupID
 #define SG_LANE gl_SubgroupInvocationID
 #define SG_SYNC() subgroupMemoryBarrierShared(); subgroupBarrier()
+#define UNROLL [[unroll]]
 #endif
 
 uint ring_row(uint p) {
@@ -250,7 +252,7 @@ void main() {
         uint kb0 = lomin + min(ntl, gl_WorkGroupID.z * per) * BC;
         uint kb1 = min(pmax + 1u, lomin + min(ntl, (gl_WorkGroupID.z + 1u) * per) * BC);
         // the first tile's K and V in registers (then each tile loads the next one's)
-        [[unroll]] for (uint n = 0; n < NLD; n++) {
+        UNROLL for (uint n = 0; n < NLD; n++) {
             uint i = tid + WG * n;
             uint c = i / (HD / 4u);
             uint d = 4u * (i % (HD / 4u));
@@ -271,7 +273,7 @@ void main() {
             // their loads in flight during this tile's products and softmax
             uint k1 = k0 + BC;
             uint kn1 = k1 < kb1 ? min(BC, kb1 - k1) : 0u;
-            [[unroll]] for (uint n = 0; n < NLD; n++) {
+            UNROLL for (uint n = 0; n < NLD; n++) {
                 uint i = tid + WG * n;
                 uint c = i / (HD / 4u);
                 uint d = 4u * (i % (HD / 4u));
@@ -326,24 +328,24 @@ void main() {
             float sv[KPL];
             bool vis[KPL];
             float mx = MASKED;
-            [[unroll]] for (uint i = 0; i < KPL; i++) {
+            UNROLL for (uint i = 0; i < KPL; i++) {
                 uint kk = part * KPL + i;
                 uint kp = k0 + kk;
                 vis[i] = row_in && (full || (kk < kn && kp <= p && kp >= lo));
                 sv[i] = vis[i] ? ss[row * SS + kk] : MASKED;
                 mx = max(mx, sv[i]);
             }
-            [[unroll]] for (uint off = 1u; off < LPR; off <<= 1) {
+            UNROLL for (uint off = 1u; off < LPR; off <<= 1) {
                 mx = max(mx, subgroupShuffleXor(mx, off));
             }
             float m_new = max(m_run, mx);
             float sum = 0.0;
-            [[unroll]] for (uint i = 0; i < KPL; i++) {
+            UNROLL for (uint i = 0; i < KPL; i++) {
                 float w = vis[i] ? exp(sv[i] - m_new) : 0.0;
                 ps[row * PS + part * KPL + i] = float16_t(w);
                 sum += w;
             }
-            [[unroll]] for (uint off = 1u; off < LPR; off <<= 1) {
+            UNROLL for (uint off = 1u; off < LPR; off <<= 1) {
                 sum += subgroupShuffleXor(sum, off);
             }
             float corr = exp(m_run - m_new);
@@ -420,7 +422,7 @@ void main() {
     coopMatLoad(lm, ss, r0 * SS, 16u, gl_CooperativeMatrixLayoutRowMajor);
 #endif
     SG_SYNC();
-    [[unroll]] for (uint j = 0; j < NQ; j++) {
+    UNROLL for (uint j = 0; j < NQ; j++) {
 #ifdef CM_EMULATE
         for (uint e = 0; e < EPL; e++) {
             ss[r0 * SS + lane + SG * e] = oacc[j * EPL + e] / lv[e];
@@ -430,7 +432,7 @@ void main() {
         coopMatStore(oc[j], ss, r0 * SS, 16u, gl_CooperativeMatrixLayoutRowMajor);
 #endif
         SG_SYNC();
-        [[unroll]] for (uint e = 0; e < EPL; e++) {
+        UNROLL for (uint e = 0; e < EPL; e++) {
             uint idx = lane + SG * e;
             uint r = r0 + idx / 16u;
             uint tko = r / G;

@@ -11,7 +11,11 @@ float64 reference) and ``coopmat`` / ``coopmat-staged`` (attn_prefill_cm.comp on
 cooperative matrices, the output in accumulators or staged per block: q,
 K, V and the softmax weights in f16, so it is held to numpy over f16-rounded q, K and
 V within 2e-3), which needs a device with 16x16x16 f16 cooperative matrices and is
-skipped where there are none (lavapipe); ``bash bench/h200.sh verify`` runs it."""
+skipped where there are none (lavapipe); ``bash bench/h200.sh verify`` runs it. So is
+``coopmat2`` (attn_prefill_cm2.comp, each subgroup owning 16 query rows, opt-in with
+TRIO_LLM_PREFILL_CM2=1). Both coopmat kernels also run here in their emulated forms
+(CM_EMULATE: the products by plain lanes, everything else as on a GPU), the second one
+for emulated subgroups of 32 and 64 lanes and 16, 32 and 64 keys per tile."""
 
 from __future__ import annotations
 
@@ -26,7 +30,13 @@ from trio_llm.model.gguf import load_gguf
 from trio_llm.model.kvtypes import KV_TYPES
 from trio_llm.vulkan.backend import VulkanBackend
 from trio_llm.vulkan.graph import Barrier, Op
-from trio_llm.vulkan.ops import Ops, attention_part_floats, prefill_tile
+from trio_llm.vulkan.ops import (
+    PREFILL_CM2_KEYS,
+    Ops,
+    attention_part_floats,
+    prefill_cm2_shared,
+    prefill_tile,
+)
 
 pytestmark = pytest.mark.vulkan
 
@@ -36,13 +46,14 @@ TYPES = list(KV_TYPES)
 env = pytest.fixture(scope="module", name="env")(open_env)
 
 
-@pytest.fixture(params=["scalar", "coopmat", "coopmat-staged"])
+@pytest.fixture(params=["scalar", "coopmat", "coopmat-staged", "coopmat2"])
 def ops(request: pytest.FixtureRequest, env: Env) -> Ops:
     if request.param == "scalar":
         return env.ops
     if not env.device.coopmat:
         pytest.skip(f"{env.device.name} reports no 16x16x16 f16 cooperative matrices (lavapipe has none)")
-    return attrs.evolve(env.ops, coopmat=True, prefill_cm=True, prefill_cm_stage=request.param == "coopmat-staged")
+    return attrs.evolve(env.ops, coopmat=True, prefill_cm=True, prefill_cm_stage=request.param == "coopmat-staged",
+                        prefill_cm2=request.param == "coopmat2")
 
 
 def np_attention(q, k, v, pos, seq, n_head_kv, n_swa, scale):  # type: ignore[no-untyped-def]
@@ -96,9 +107,11 @@ def check(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int]
     if n_split > 1:
         run += [Barrier(), ops.attention_combine(part, o, st, n_head=n_head, head_dim=hd, n_split=n_split,
                                                  o_stride=n_head * hd, cap=cap)]
+    cm2 = ops.prefill_cm2_emulate > 0 or ops.prefill_cm2_ok(n_head, n_kv, hd)
+    assert (run[0].kernel.name == "attn_prefill_cm2") == cm2  # type: ignore[attr-defined]
     env.run(run)
     got = env.get(o).reshape(q.shape)
-    if emulate or (ops.coopmat and ops.prefill_cm_ok(n_head, n_kv, hd)):
+    if emulate or cm2 or (ops.coopmat and ops.prefill_cm_ok(n_head, n_kv, hd)):
         f16 = np.float16
         want = np_attention((q * np.float32(s)).astype(f16), kh.astype(f16), vh.astype(f16), pos, seq, n_kv,
                             n_swa, 1.0)
@@ -270,6 +283,112 @@ def test_emulated_split_prefill_through_the_backend(env: Env, model_path) -> Non
     np.testing.assert_allclose(got[0], got[1], atol=1e-3 * scale, rtol=0)
     np.testing.assert_allclose(got[0], got[2], atol=3e-3 * scale, rtol=0)
     assert np.abs(got[0] - got[2]).max() > 0  # the emulated kernel ran (f16), not the scalar one
+
+
+def cm2_ops(env: Env, sub: int, keys: int = 0) -> Ops:
+    """attn_prefill_cm2.comp emulated for subgroups of ``sub`` lanes (``keys`` per tile,
+    0: the most that fit the device's shared memory)."""
+    return attrs.evolve(env.ops, prefill_cm2_emulate=sub, prefill_cm2_keys=keys)
+
+
+#: (head_dim, GQA ratio, emulated subgroup): every head dim and every ratio with both
+#: subgroup sizes, not every product (the suite's time on two cores; head_dim 256 with
+#: GQA 4 is in test_cm2_emulated_sequences_and_windows)
+CM2_SHAPES = [(64, 1, 32), (64, 4, 64), (64, 8, 32), (128, 1, 64), (128, 4, 32), (128, 8, 64), (256, 8, 64)]
+
+
+@pytest.mark.parametrize(("hd", "gqa", "sub"), CM2_SHAPES)
+def test_cm2_emulated_head_dims_and_gqa(env: Env, hd: int, gqa: int, sub: int) -> None:
+    """attn_prefill_cm2.comp emulated on its default 64-row tile (32 for head_dim 256;
+    on lavapipe's 32 KiB of shared memory 32 keys per tile, 16 for head_dim 256): GQA
+    1/4/8 (a head group of 1, 4 and 8 of the 16 rows of each subgroup), tokens from 0
+    (diagonal tiles, where some subgroups' rows see none of a tile's keys and skip
+    it), after a prefix of 70 (whole visible tiles first), a 2-token sequence; no
+    count a multiple of the tile."""
+    n_kv = 1 if hd == 256 else 2
+    ops = cm2_ops(env, sub)
+    g, bq = prefill_tile(gqa * n_kv, n_kv, hd, coopmat=True)
+    assert ops.prefill_cm2_plan(gqa * n_kv, n_kv, hd) is not None
+    pos, seq = batch((0, 0, 2 * bq + 3), (1, 70, bq + 5), (2, 7, 2))
+    check(env, ops, hd=hd, n_head=gqa * n_kv, n_kv=n_kv, pos=pos, seq=seq, n_ctx=160, seed=hd + gqa,
+          emulate=(g, bq))
+
+
+@pytest.mark.parametrize("tile", [(4, 4, 16, 32), (2, 16, 32, 64), (8, 4, 64, 32), (1, 16, 64, 64),
+                                  (4, 16, 16, 64)])
+def test_cm2_emulated_keys_and_rows(env: Env, tile: tuple[int, int, int, int]) -> None:
+    """Each key tile size (16, 32, 64: 64 is the H200's for head_dim 64) on tiles of 16,
+    32 and 64 rows (1, 2 and 4 subgroups) of 32- and 64-lane subgroups, with a prefix
+    and a second sequence."""
+    g, bq, keys, sub = tile
+    pos, seq = batch((0, 37, 41), (1, 0, 9), (2, 130, 3))
+    check(env, cm2_ops(env, sub, keys), hd=64, n_head=8, n_kv=8 // g, pos=pos, seq=seq, n_ctx=160,
+          seed=keys + g, emulate=(g, bq))
+
+
+@pytest.mark.parametrize(("name", "sub"), [("f32", 32), ("f16", 64), ("q8_0", 32), ("q4_1", 64), ("q5_0", 32)])
+def test_cm2_emulated_types_and_windows(env: Env, name: str, sub: int) -> None:
+    """Its K and V tile loads in a float, a half and scaled types (with a minimum,
+    with a fifth bit), a prefix, two sequences, a window over a ring with gemma3's
+    scale, and K and V of different types."""
+    ops = cm2_ops(env, sub)
+    pos, seq = batch((0, 37, 41), (1, 0, 9))
+    check(env, ops, hd=64, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=96, k_type=name, seed=TYPES.index(name),
+          emulate=(2, 32))
+    pos, seq = batch((0, 200, 30), (1, 0, 45))
+    check(env, ops, hd=64, n_head=4, n_kv=1, pos=pos, seq=seq, n_ctx=70, n_swa=40, k_type=name,
+          v_type="f16" if name == "q8_0" else None, scale=1.0 / np.sqrt(160.0), seed=4, emulate=(4, 16))
+
+
+@pytest.mark.parametrize("sub", [32, 64])
+def test_cm2_emulated_sequences_and_windows(env: Env, sub: int) -> None:
+    """Five short sequences out of position order in one tile (a pass each), a cap
+    larger than the batch; windows over a ring at head_dim 128 and 256 (q8_0), one
+    wider than the positions (the causal mask)."""
+    ops = cm2_ops(env, sub)
+    pos, seq = batch((2, 5, 3), (0, 0, 7), (4, 50, 11), (1, 33, 1), (3, 90, 6))
+    check(env, ops, hd=64, n_head=8, n_kv=2, pos=pos, seq=seq, n_ctx=100, seed=3, cap=64, emulate=(4, 16))
+    pos, seq = batch((0, 200, 30), (1, 0, 45))
+    check(env, ops, hd=128, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=70, n_swa=40, seed=5, emulate=(2, 32))
+    check(env, ops, hd=256, n_head=4, n_kv=1, pos=pos, seq=seq, n_ctx=70, n_swa=40, k_type="q8_0",
+          scale=1.0 / np.sqrt(160.0), seed=6, emulate=(4, 16))
+    pos, seq = batch((0, 0, 40))
+    check(env, ops, hd=64, n_head=2, n_kv=1, pos=pos, seq=seq, n_ctx=64, n_swa=512, seed=7, emulate=(2, 32))
+
+
+@pytest.mark.parametrize(("n_split", "sub"), [(2, 32), (3, 64), (5, 32)])
+def test_cm2_emulated_split(env: Env, n_split: int, sub: int) -> None:
+    """Keys split over work groups and added up by attn_combine: a long prefix, a short
+    sequence (splits with no keys at all) and a window over a ring, 64 keys per tile
+    (head_dim 64, 32 rows) and 32 (head_dim 128, 64 rows)."""
+    pos, seq = batch((0, 150, 37), (1, 0, 5), (2, 60, 20))
+    check(env, cm2_ops(env, sub, 64), hd=64, n_head=8, n_kv=2, pos=pos, seq=seq, n_ctx=200, seed=n_split,
+          emulate=(4, 8), n_split=n_split)
+    pos, seq = batch((0, 200, 30), (1, 0, 45))
+    check(env, cm2_ops(env, sub), hd=128, n_head=8, n_kv=2, pos=pos, seq=seq, n_ctx=70, n_swa=40, seed=n_split,
+          emulate=(4, 16), n_split=n_split)
+
+
+def test_cm2_plan(env: Env) -> None:
+    """Where attn_prefill_cm2 runs: off unless enabled (``prefill_cm2`` on a device
+    with cooperative matrices, or emulated), power-of-two head groups, head dims that
+    are multiples of 16 up to 256, rows of 16 / 32 / 64, and the keys per tile the
+    device's shared memory holds (the budget of ``prefill_cm2_shared``; the H200
+    reports 48 KiB: 64 keys for head_dim 64, 32 for 128 and 256)."""
+    assert env.ops.prefill_cm2_plan(8, 2, 64) is None  # the default: off
+    assert attrs.evolve(env.ops, prefill_cm2=True).prefill_cm2_ok(8, 2, 64) == env.device.coopmat
+    ops = cm2_ops(env, 64)
+    limit = env.device.limits.max_shared_memory
+    for hd in (64, 128, 256):
+        for rows in (16, 32, 64):
+            plan = ops.prefill_cm2_plan(8, 2, hd, rows=rows)
+            fit = [k for k in PREFILL_CM2_KEYS if prefill_cm2_shared(hd, rows, k) <= limit]
+            assert plan == ((64, fit[0]) if fit else None)
+    assert ops.prefill_cm2_plan(6, 2, 64) is None and ops.prefill_cm2_plan(8, 2, 80) is not None
+    assert ops.prefill_cm2_plan(8, 2, 272) is None and ops.prefill_cm2_plan(8, 2, 64, rows=128) is None
+    assert [max((k for k in PREFILL_CM2_KEYS if prefill_cm2_shared(hd, 64, k) <= 49152), default=0)
+            for hd in (64, 128, 256)] == [64, 32, 32]
+    assert attrs.evolve(ops, prefill_cm2_keys=64).prefill_cm2_plan(8, 2, 256) is None
 
 
 def test_bad_shapes_are_refused(env: Env) -> None:

@@ -144,6 +144,35 @@ def test_prefill_on_matmul_cm2_emulated(model_path, sub: int) -> None:  # type: 
         ref.close()
 
 
+@pytest.mark.parametrize(("sub", "rows"), [(32, 0), (64, 32)])
+def test_prefill_on_attn_prefill_cm2_emulated(model_path, sub: int, rows: int) -> None:  # type: ignore[no-untyped-def]
+    """The prefill lowering with its attention on attn_prefill_cm2 (each subgroup owning
+    16 query rows; its products emulated, lavapipe has no cooperative matrices;
+    TRIO_LLM_PREFILL_CM2=1 on a GPU), on 64-row tiles of 32 keys and 32-row tiles of 64
+    keys: two sequences in one 17-token batch, a 40-token one after a cached prefix of 12
+    (the tiles' key ranges start past 0) and the decode step after it, numpy's logits
+    within the f16 rounding of q, K, V and the softmax weights."""
+    from trio_llm.vulkan.graph import Dispatch
+
+    model = load_gguf(model_path("tiny", "Q8_0"))
+    ref = NumpyBackend(model, n_ctx=64, n_seq=2, **F32_KV)
+    vk = VulkanBackend(model, n_ctx=64, n_seq=2, **F32_KV)
+    vk._ops.prefill_cm2_emulate = sub
+    vk._ops.prefill_rows_cm = rows
+    try:
+        names = {op.kernel.name for op in vk.lowered(32) if isinstance(op, Dispatch)}
+        assert "attn_prefill_cm2" in names and "attn_prefill" not in names and "attn_prefill_cm" not in names
+        for batch in ([SeqBatch(0, PROMPTS[0], 0), SeqBatch(1, PROMPTS[1], 0)],
+                      [SeqBatch(0, np.arange(3, 43, dtype=np.int32), 12)],
+                      [SeqBatch(0, np.array([7], np.int32), 52)]):
+            want = ref.forward(batch)
+            got = vk.forward(batch)
+            assert float(np.abs(got - want).max()) <= 5e-3 * float(np.abs(want).max())
+    finally:
+        vk.close()
+        ref.close()
+
+
 @pytest.mark.parametrize("level", [Level.WEIGHTS, Level.ALL, Level.UNLOAD])
 def test_release_restore_cycles_give_identical_output(model_path, level: Level) -> None:  # type: ignore[no-untyped-def]
     model = load_gguf(model_path("tiny-qwen2", "Q6_K"))

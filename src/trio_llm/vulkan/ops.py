@@ -175,8 +175,9 @@ def prefill_cm2_shared(head_dim: int, rows: int, keys: int) -> int:
     """Bytes of shared memory attn_prefill_cm2.comp declares (its arrays, in order: the
     K and V tiles in f16, the subgroups' S slices in f32 and P slices in f16, then the
     tokens' positions, sequences and flags, counted for one head per work group, the
-    most tokens): 45,824 for head_dim 64 with 64 rows and 64 keys, 32,512 for 128 with
-    32 keys, 48,896 for 256 with 32 keys."""
+    most tokens): with 64 rows 45,824 for head_dim 64 and 64 keys, 32,512 for 128 and 32
+    keys (62,208 with 64), 48,896 for 256 and 32 keys; with 32 rows 48,512 for 128 and 64
+    keys, 41,344 for 256 and 32."""
     return 2 * 2 * keys * (head_dim + 8) + 4 * rows * (keys + 4) + 2 * rows * (keys + 8) + 12 * rows
 
 
