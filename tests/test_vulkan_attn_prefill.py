@@ -266,23 +266,28 @@ def test_emulated_split_prefill_through_the_backend(env: Env, model_path) -> Non
     (``prefill_cm_emulate``, 32-row tiles) and on the scalar kernel: 600 tokens at n_ctx
     16384 (two splits of the record, both used) equal the unsplit emulated kernel's
     logits and the split scalar kernel's, within the f16 rounding of q, K, V and P (a
-    split rounds its weights against its own running max)."""
+    split rounds its weights against its own running max); the same split on
+    attn_prefill_cm2 emulated (``prefill_cm2_emulate``, 32-row tiles of 64 keys)."""
     model = load_gguf(model_path("tiny", "F16"))
     cfg = model.config
     prompt = np.random.default_rng(1).integers(0, cfg.n_vocab, 600).astype(np.int32)
     got = []
-    for emulate, most in ((True, 4), (True, 1), (False, 4)):
+    for emulate, most, cm2 in ((True, 4, 0), (True, 1, 0), (False, 4, 0), (False, 4, 32)):
         vk = VulkanBackend(model, n_ctx=16384, n_seq=1, cache_type_k="f32", cache_type_v="f32")
         try:
-            vk._ops = attrs.evolve(vk._ops, prefill_split_most=most, prefill_cm_emulate=emulate, prefill_rows_cm=32)
+            vk._ops = attrs.evolve(vk._ops, prefill_split_most=most, prefill_cm_emulate=emulate, prefill_rows_cm=32,
+                                   prefill_cm2_emulate=cm2)
             assert vk._ops.prefill_splits(16384, cfg.n_head, cfg.n_head_kv, cfg.head_dim) == (2 if most == 4 else 1)
+            assert vk._ops.prefill_cm2_plan(cfg.n_head, cfg.n_head_kv, cfg.head_dim) == ((32, 64) if cm2 else None)
             got.append(vk.forward([SeqBatch(0, prompt, 0)])[0])
         finally:
             vk.close()
     scale = np.abs(got[2]).max()
     np.testing.assert_allclose(got[0], got[1], atol=1e-3 * scale, rtol=0)
     np.testing.assert_allclose(got[0], got[2], atol=3e-3 * scale, rtol=0)
+    np.testing.assert_allclose(got[3], got[2], atol=3e-3 * scale, rtol=0)
     assert np.abs(got[0] - got[2]).max() > 0  # the emulated kernel ran (f16), not the scalar one
+    assert np.abs(got[3] - got[2]).max() > 0 and np.abs(got[3] - got[0]).max() > 0
 
 
 def cm2_ops(env: Env, sub: int, keys: int = 0) -> Ops:
