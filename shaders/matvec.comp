@@ -1,4 +1,9 @@
 #version 450
+#if defined(X_Q8) && defined(INT_DOT)
+// OpSDot on 4x8-bit packed words (SPV_KHR_integer_dot_product) through spirv
+// intrinsics: the glslang of the cmeel wheel (13.1) predates GL_EXT_integer_dot_product
+#extension GL_EXT_spirv_intrinsics : require
+#endif
 // Matrix-vector products for decode: y[c][row] (+)= W[row] . x[c] for up to MAXC
 // columns (tokens) at once, so a batch of a few sequences reads each weight once.
 // One subgroup per RS rows, NR subgroups per work group, reduced with subgroupAdd
@@ -49,11 +54,47 @@
 // by 1 / sqrt(mean(x^2) + eps) (rms_norm.comp's, llama.cpp's) in the epilogue. It
 // combines with every weight type and the ROPE_OUT and GATE_UP forms, one scale per
 // column; the rms_norm dispatch and its barrier go away (decode is a chain of them).
+//
+// X_Q8: x arrives as q8_1 blocks (quantize_q8.comp: 32 int8 values per block with
+// its scale d, one quantize per step and input instead of f32 x), for Q8_0, Q4_K,
+// Q5_K and Q6_K weights, in the plain, GATE_UP and ROPE_OUT forms (not NORM_IN: the
+// norm would have to come before the quantization). Each lane keeps its loop's task
+// and weight loads, but multiplies the packed weight bytes with the packed int8
+// activations four at a time (dotPacked4x8EXT where the device has integer dot
+// products, INT_DOT; plain int math otherwise) and scales each int sum by the weight
+// block's and the activation block's scales: a column costs a quarter of the x bytes
+// and a quarter of the multiply instructions of the f32 form. The K-quants' min (and
+// Q6_K's -32) terms need the sum of the activations over a lane's 16 (4) values, a
+// dot with 0x01010101 as llama.cpp's vec_dot_q4_K_q8_1 does (the block sum s covers
+// 32, more than a lane's share). x_stride counts values between columns, as for f32.
 #include "common.glsl"
 
 layout(binding = 0, std430) readonly buffer W16 { uint16_t w16[]; };
 layout(binding = 0, std430) readonly buffer W128 { uvec4 w128[]; };
+#if defined(X_Q8)
+#if defined(NORM_IN)
+#error "X_Q8 reads quantized activations: the norm cannot be applied to them"
+#endif
+#if !defined(QTYPE_Q8_0) && !defined(QTYPE_Q4_K) && !defined(QTYPE_Q5_K) && !defined(QTYPE_Q6_K)
+#error "X_Q8 has loops for Q8_0, Q4_K, Q5_K and Q6_K only"
+#endif
+#if defined(GENERIC_LOOP)
+#error "X_Q8 has no generic loop"
+#endif
+layout(binding = 1, std430) readonly buffer XQ { uvec4 xq4[]; };  // int8 values, 16 per uvec4
+layout(binding = 1, std430) readonly buffer XQ1 { uint xq1[]; };
+#if defined(ROPE_OUT)
+layout(binding = 5, std430) readonly buffer XD { vec2 xd[]; };   // (d, s) per block of 32
+#else
+layout(binding = 4, std430) readonly buffer XD { vec2 xd[]; };
+#endif
+#define WQ uint
+#define WBYTES(w) (w)
+#else
 layout(binding = 1, std430) readonly buffer X { vec4 x4[]; };
+#define WQ vec4
+#define WBYTES(w) bytes4(w)
+#endif
 layout(binding = 2, std430) buffer Y { float y[]; };
 DECLARE_STEP(3)
 #if defined(ROPE_OUT)
@@ -129,6 +170,25 @@ uint pair16(uint i) {
     return uint(w16[i]) | (uint(w16[i + 1u]) << 16);
 }
 
+#if defined(X_Q8)
+#if defined(INT_DOT)
+// capabilities DotProduct (6019) and DotProductInput4x8BitPacked (6018), OpSDot (4450)
+spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4450)
+int sdot4x8(int a, int b, spirv_literal int fmt);
+#endif
+// the dot product of two words of four signed bytes each
+int idot4(uint a, uint b) {
+#if defined(INT_DOT)
+    return sdot4x8(int(a), int(b), 0);  // 0: PackedVectorFormat4x8Bit
+#else
+    ivec4 va = ivec4(int(a) << 24, int(a) << 16, int(a) << 8, int(a)) >> 24;
+    ivec4 vb = ivec4(int(b) << 24, int(b) << 16, int(b) << 8, int(b)) >> 24;
+    return va.x * vb.x + va.y * vb.y + va.z * vb.z + va.w * vb.w;
+#endif
+}
+const uint ONES = 0x01010101u;
+#endif
+
 void main() {
     uint ncols = min(STEP_COUNT(pc.count_sel), MAXC);
     uint lane = gl_SubgroupInvocationID;
@@ -178,8 +238,8 @@ void main() {
             uint j = t & 7u;
             uint cidx = j >> 1;     // 64-value chunk
             uint half_ = j & 1u;    // which 16 bytes of the chunk's 32
-            vec4 lo[RS][4];
-            vec4 hi[RS][4];
+            WQ lo[RS][4];
+            WQ hi[RS][4];
             vec4 dsm[RS];  // d*scale and dmin*min of the low and the high sub-block
             [[unroll]] for (uint k = 0; k < RS; k++) {
                 uint b128 = (rows[k] * nb + blk) * STRIDE128;
@@ -210,11 +270,11 @@ void main() {
                 dsm[k] = sm * dm.xyxy;
                 [[unroll]] for (uint i = 0; i < 4; i++) {
 #if defined(QTYPE_Q5_K)
-                    lo[k][i] = bytes4((qs[i] & 0x0F0F0F0Fu) | (((qh[i] >> (2u * cidx)) & 0x01010101u) << 4));
-                    hi[k][i] = bytes4(((qs[i] >> 4) & 0x0F0F0F0Fu) | (((qh[i] >> (2u * cidx + 1u)) & 0x01010101u) << 4));
+                    lo[k][i] = WBYTES((qs[i] & 0x0F0F0F0Fu) | (((qh[i] >> (2u * cidx)) & 0x01010101u) << 4));
+                    hi[k][i] = WBYTES(((qs[i] >> 4) & 0x0F0F0F0Fu) | (((qh[i] >> (2u * cidx + 1u)) & 0x01010101u) << 4));
 #else
-                    lo[k][i] = bytes4(qs[i] & 0x0F0F0F0Fu);
-                    hi[k][i] = bytes4((qs[i] >> 4) & 0x0F0F0F0Fu);
+                    lo[k][i] = WBYTES(qs[i] & 0x0F0F0F0Fu);
+                    hi[k][i] = WBYTES((qs[i] >> 4) & 0x0F0F0F0Fu);
 #endif
                 }
             }
@@ -228,6 +288,32 @@ void main() {
                 gh[i] = g4[x0 + 8u + i];
             }
 #endif
+#if defined(X_Q8)
+            [[unroll]] for (uint c = 0; c < MAXC; c++) {
+                if (c < ncols) {
+                    uint v0 = c * pc.x_stride + 4u * x0;  // the first value's index in xq
+                    uvec4 qa = xq4[v0 / 16u];
+                    uvec4 qh8 = xq4[v0 / 16u + 2u];  // 32 values further: the next block
+                    float da = xd[v0 / 32u].x;
+                    float dh = xd[v0 / 32u + 1u].x;
+                    int sa = 0, sh8 = 0;
+                    [[unroll]] for (uint i = 0; i < 4; i++) {
+                        sa += idot4(qa[i], ONES);
+                        sh8 += idot4(qh8[i], ONES);
+                    }
+                    float sx0 = da * float(sa), sx1 = dh * float(sh8);
+                    [[unroll]] for (uint k = 0; k < RS; k++) {
+                        int qx0 = 0, qx1 = 0;
+                        [[unroll]] for (uint i = 0; i < 4; i++) {
+                            qx0 += idot4(lo[k][i], qa[i]);
+                            qx1 += idot4(hi[k][i], qh8[i]);
+                        }
+                        acc[c * RS + k] += dsm[k].x * (da * float(qx0)) - dsm[k].y * sx0
+                            + dsm[k].z * (dh * float(qx1)) - dsm[k].w * sx1;
+                    }
+                }
+            }
+#else
             [[unroll]] for (uint c = 0; c < MAXC; c++) {
                 if (c < ncols) {
                     uint xb = (c * pc.x_stride) / 4u + x0;
@@ -252,6 +338,7 @@ void main() {
                     }
                 }
             }
+#endif
         }
 #elif !defined(GENERIC_LOOP) && defined(QTYPE_Q6_K)
         uint nb = pc.n_in / 256u;
@@ -261,7 +348,7 @@ void main() {
             uint h = j >> 3;           // which 128-value half
             uint l0 = (j & 7u) * 4u;   // 4 positions l0..l0+3 of the half's 32
             uint ssh = (l0 >> 4) * 8u;  // scale byte (l0 / 16) within each 16-bit word
-            vec4 q[RS][4];
+            WQ q[RS][4];
             vec4 scs[RS];
             [[unroll]] for (uint k = 0; k < RS; k++) {
                 uint b = (rows[k] * nb + blk) * BLOCK16;
@@ -271,12 +358,38 @@ void main() {
                 uint sb = b + 96u + 4u * h;  // scales[8h ..]
                 ivec4 sc = ivec4(uvec4(w16[sb], w16[sb + 1u], w16[sb + 2u], w16[sb + 3u]) << (24u - ssh)) >> 24;
                 scs[k] = whalf(b + 104u) * vec4(sc);
-                q[k][0] = bytes4((qla & 0x0F0F0F0Fu) | ((qh & 0x03030303u) << 4)) - 32.0;
-                q[k][1] = bytes4((qlb & 0x0F0F0F0Fu) | (((qh >> 2) & 0x03030303u) << 4)) - 32.0;
-                q[k][2] = bytes4(((qla >> 4) & 0x0F0F0F0Fu) | (((qh >> 4) & 0x03030303u) << 4)) - 32.0;
-                q[k][3] = bytes4(((qlb >> 4) & 0x0F0F0F0Fu) | (((qh >> 6) & 0x03030303u) << 4)) - 32.0;
+#if defined(X_Q8)
+                // the unsigned 6-bit values; the -32 comes in as -32 * sum(x) below
+#define Q6OFF
+#else
+#define Q6OFF - 32.0
+#endif
+                q[k][0] = WBYTES((qla & 0x0F0F0F0Fu) | ((qh & 0x03030303u) << 4)) Q6OFF;
+                q[k][1] = WBYTES((qlb & 0x0F0F0F0Fu) | (((qh >> 2) & 0x03030303u) << 4)) Q6OFF;
+                q[k][2] = WBYTES(((qla >> 4) & 0x0F0F0F0Fu) | (((qh >> 4) & 0x03030303u) << 4)) Q6OFF;
+                q[k][3] = WBYTES(((qlb >> 4) & 0x0F0F0F0Fu) | (((qh >> 6) & 0x03030303u) << 4)) Q6OFF;
             }
             uint x0 = (blk * 256u + h * 128u + l0) / 4u;
+#if defined(X_Q8)
+            [[unroll]] for (uint c = 0; c < MAXC; c++) {
+                if (c < ncols) {
+                    uint v0 = c * pc.x_stride + 4u * x0;  // values v0 + 32 i .. + 3: one block each
+                    uint xw[4];
+                    vec4 dx;
+                    ivec4 sx;
+                    [[unroll]] for (uint i = 0; i < 4; i++) {
+                        xw[i] = xq1[v0 / 4u + 8u * i];
+                        dx[i] = xd[v0 / 32u + i].x;
+                        sx[i] = 32 * idot4(xw[i], ONES);
+                    }
+                    [[unroll]] for (uint k = 0; k < RS; k++) {
+                        ivec4 qx = ivec4(idot4(q[k][0], xw[0]), idot4(q[k][1], xw[1]),
+                                         idot4(q[k][2], xw[2]), idot4(q[k][3], xw[3])) - sx;
+                        acc[c * RS + k] += dot(scs[k], dx * vec4(qx));
+                    }
+                }
+            }
+#else
 #if defined(NORM_IN)
             vec4 gv[4] = vec4[4](g4[x0], g4[x0 + 8u], g4[x0 + 16u], g4[x0 + 24u]);
 #endif
@@ -293,6 +406,7 @@ void main() {
                     }
                 }
             }
+#endif
         }
 #elif !defined(GENERIC_LOOP) && defined(QTYPE_Q3_K)
         uint nb = pc.n_in / 256u;
@@ -336,6 +450,33 @@ void main() {
                     [[unroll]] for (uint k = 0; k < RS; k++) {
                         acc[c * RS + k] += dot(scs[k], vec4(dot(q[k][0], xv[0]), dot(q[k][1], xv[1]),
                                                             dot(q[k][2], xv[2]), dot(q[k][3], xv[3])));
+                    }
+                }
+            }
+        }
+#elif defined(X_Q8) && defined(QTYPE_Q8_0)
+        // the generic loop's tasks (eight values of a 34-byte block per lane), with the
+        // weight bytes kept packed: two words from four 16-bit loads
+        uint nb = pc.n_in / 32u;
+        for (uint g = lane; g < nb * 4u; g += sg) {
+            uint w0[RS];
+            uint w1[RS];
+            float dw[RS];
+            [[unroll]] for (uint k = 0; k < RS; k++) {
+                uint b = (rows[k] * nb + (g >> 2)) * BLOCK16;
+                uint o = b + 1u + 4u * (g & 3u);
+                w0[k] = pair16(o);
+                w1[k] = pair16(o + 2u);
+                dw[k] = whalf(b);
+            }
+            [[unroll]] for (uint c = 0; c < MAXC; c++) {
+                if (c < ncols) {
+                    uint v0 = c * pc.x_stride + 8u * g;
+                    uint xa = xq1[v0 / 4u];
+                    uint xb = xq1[v0 / 4u + 1u];
+                    float dx = xd[v0 / 32u].x;
+                    [[unroll]] for (uint k = 0; k < RS; k++) {
+                        acc[c * RS + k] += dw[k] * dx * float(idot4(w0[k], xa) + idot4(w1[k], xb));
                     }
                 }
             }

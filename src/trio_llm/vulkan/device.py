@@ -107,6 +107,9 @@ class Device:
     #: 16x16x16 f16 x f16 -> f32 cooperative matrices at subgroup scope, enabled
     #: (VK_KHR_cooperative_matrix): prefill matmuls use matmul_cm.comp
     coopmat: bool = False
+    #: shaderIntegerDotProduct reported and enabled (VK_KHR_shader_integer_dot_product):
+    #: matvec.comp's X_Q8 form multiplies with dotPacked4x8EXT, else with plain int math
+    int_dot: bool = False
     _fns: dict[str, Any] = attrs.field(factory=dict)
     _closed: bool = False
     # the queue, the fence and the command pool need external synchronization; a
@@ -424,7 +427,16 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
         fcm = vk.ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*")
         fcm.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR
         f12.pNext = fcm
+    # 4x8-bit integer dot products (dotPacked4x8EXT: matvec.comp's X_Q8 form), core in
+    # Vulkan 1.3 and an extension before; used where the device reports the feature
+    want_idot = "VK_KHR_shader_integer_dot_product" in extensions
+    if want_idot:
+        fid = vk.ffi.new("VkPhysicalDeviceShaderIntegerDotProductFeatures*")
+        fid.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_FEATURES
+        fid.pNext = f12.pNext
+        f12.pNext = fid
     vk.lib.vkGetPhysicalDeviceFeatures2(physical, feats)
+    int_dot = want_idot and bool(fid.shaderIntegerDotProduct)
     coopmat = (want_cm and bool(fcm.cooperativeMatrix) and bool(f12.shaderFloat16)
                and bool(f12.vulkanMemoryModel) and _has_f16_coopmat(vk, instance, physical))
     if not f11.storageBuffer16BitAccess:
@@ -446,6 +458,12 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
         want_cmf.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR
         want_cmf.cooperativeMatrix = 1
         want12.pNext = want_cmf
+    if int_dot:
+        want_id = vk.ffi.new("VkPhysicalDeviceShaderIntegerDotProductFeatures*")
+        want_id.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_FEATURES
+        want_id.shaderIntegerDotProduct = 1
+        want_id.pNext = want12.pNext
+        want12.pNext = want_id
     want = vk.ffi.new("VkPhysicalDeviceFeatures2*")
     want.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2
     want.pNext = want11
@@ -461,6 +479,8 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
     enable: list[str] = [e for e in ("VK_EXT_external_memory_host", "VK_EXT_memory_budget") if e in extensions]
     if coopmat:
         enable.append("VK_KHR_cooperative_matrix")
+    if int_dot:
+        enable.append("VK_KHR_shader_integer_dot_product")
     queue_info = vk.VkDeviceQueueCreateInfo(
         queueFamilyIndex=family, queueCount=1, pQueuePriorities=[1.0]
     )
@@ -523,6 +543,7 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
         command_pool=pool,
         fence=fence,
         coopmat=coopmat,
+        int_dot=int_dot,
     )
     log.info(
         "vulkan device: %s (%s, Vulkan %s), storage range %d MiB, subgroup %d, cooperative matrices %s",
@@ -533,4 +554,5 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
         device.limits.subgroup_size,
         "on" if coopmat else "off",
     )
+    log.info("vulkan device: integer dot products %s", "on" if int_dot else "off")
     return device

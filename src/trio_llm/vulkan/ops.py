@@ -26,6 +26,7 @@ from trio_llm.vulkan.shaders import (
     CM2_TILES,
     GATE_UP,
     NORM_IN,
+    Q8_MATVEC,
     QTYPES,
     ROPE_OUT,
     STEP_CAP,
@@ -301,30 +302,68 @@ class Ops:
     #: tests only: attn_prefill_cm2 with its products emulated (CM_EMULATE) for subgroups
     #: of this size (32 or 64; 0: off) on any device, taking precedence over the rest
     prefill_cm2_emulate: int = 0
+    #: decode buckets' matvecs of ``Q8_MATVEC`` weights on int8 activations (llama.cpp's
+    #: q8_1 "MMVQ": quantize_q8.comp once per input, matvec.comp's X_Q8 form), for
+    #: buckets of at least ``matvec_q8_min`` columns (the quantize is a dispatch stage
+    #: of its own, which a one-column step likely cannot afford). Off unless
+    #: TRIO_LLM_MATVEC_Q8=1 until the H200 A/B (bench/h200.sh mvq8) shows it pays
+    matvec_q8: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MATVEC_Q8", "0") == "1")
+    matvec_q8_min: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_MATVEC_Q8_MIN", "2")))
+    #: X_Q8 multiplies with dotPacked4x8EXT (INT_DOT) where the device reports integer
+    #: dot products (None: ask the device); False: the plain int math (tests)
+    int_dot: bool | None = None
+
+    def q8_ok(self, qtype: str, bucket: int) -> bool:
+        """Whether a decode bucket's product of ``qtype`` weights reads int8 activations."""
+        return self.matvec_q8 and qtype in Q8_MATVEC and self.matvec_q8_min <= bucket <= 8
+
+    def _q8_in(self, xd: View | None, norm: View | None) -> tuple[dict[str, object], tuple[View, ...]]:
+        """The X_Q8 part of a matvec variant: (defines, the scales' binding), empty for
+        f32 activations."""
+        if xd is None:
+            return {}, ()
+        assert norm is None, "X_Q8 takes the activations already normalized and quantized"
+        dot = self.kernels.device.int_dot if self.int_dot is None else self.int_dot
+        return {"X_Q8": 1, **({"INT_DOT": 1} if dot else {})}, (xd,)
+
+    def quantize_q8(
+        self, x: View, q: View, ds: View, step: View, *, n_in: int, x_stride: int, cap: int,
+        count_sel: int = COUNT_TOKENS,
+    ) -> Dispatch:
+        """The live columns of x [cap, n_in] (f32, ``x_stride`` floats apart) as q8_1
+        blocks (quantize_q8.comp): int8 values into ``q`` (``n_in`` bytes per column),
+        (d, s) per block of 32 into ``ds``."""
+        assert n_in % 32 == 0 and x_stride % 4 == 0
+        wg = self.elem_wg
+        k = self.kernels.get("quantize_q8", n_bindings=4, n_push=4, local_size=wg)
+        return Dispatch(k, (x, q, ds, step), (n_in, x_stride, count_sel, cap), grid(math.ceil(cap * n_in // 32 / wg)))
 
     def matvec(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
         x_stride: int, y_stride: int, y_off: int = 0, count_sel: int = COUNT_TOKENS,
         add: bool = False, maxc: int = 8, norm: View | None = None, eps: float = 0.0,
+        xd: View | None = None,
     ) -> Dispatch:
         """y[c, y_off + r] (+)= W[r] . x[c] for the live columns c (at most ``maxc``);
         with ``norm`` (an f32 weight of ``n_in``) the product reads x[c]'s RMSNorm
-        times that weight instead of x[c] (``_norm_in``)."""
+        times that weight instead of x[c] (``_norm_in``); with ``xd`` x is
+        ``quantize_q8``'s int8 values and ``xd`` their scales (X_Q8)."""
         assert n_in % 8 == 0 and x_stride % 4 == 0
         nr, rs = self.matvec_rows, self.matvec_rs
         nd, nv, npush = _norm_in(norm, eps)
+        qd, qv = self._q8_in(xd, norm)
         k = self.kernels.get(
-            "matvec", n_bindings=4 + len(nv), n_push=7 + len(npush), local_size=nr * self.subgroup,
-            defines={**matvec_defines(qtype), **nd}, spec={1: maxc, 2: nr, 3: rs},
+            "matvec", n_bindings=4 + len(nv) + len(qv), n_push=7 + len(npush), local_size=nr * self.subgroup,
+            defines={**matvec_defines(qtype), **nd, **qd}, spec={1: maxc, 2: nr, 3: rs},
         )
         push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add), *npush)
-        return Dispatch(k, (w, x, y, step, *nv), push, grid(math.ceil(n_rows / (nr * rs))))
+        return Dispatch(k, (w, x, y, step, *nv, *qv), push, grid(math.ceil(n_rows / (nr * rs))))
 
     def matvec_rope(
         self, qtype: str, w: View, x: View, y: View, step: View, factors: View, *, n_in: int,
         n_rows: int, x_stride: int, y_stride: int, head_dim: int, rope: bool, theta: float,
         to_cache: bool = False, n_ctx: int = 0, y_off: int = 0, maxc: int = 8,
-        kv_type: str = "f32", norm: View | None = None, eps: float = 0.0,
+        kv_type: str = "f32", norm: View | None = None, eps: float = 0.0, xd: View | None = None,
     ) -> Dispatch:
         """``matvec`` of a q, k or v projection that finishes rope.comp's work itself:
         the output rows rotated in llama's adjacent pairs (``rope``) at each token's
@@ -340,31 +379,33 @@ class Ops:
             _check_head(t, head_dim, "the")
             nr = 32 // rs
         nd, nv, npush = _norm_in(norm, eps)
+        qd, qv = self._q8_in(xd, norm)
         k = self.kernels.get(
-            "matvec", n_bindings=5 + len(nv), n_push=13 + len(npush), local_size=nr * self.subgroup,
-            defines={**matvec_defines(qtype), **ROPE_OUT, **kv_defines(KV_TYPE=t), **nd},
+            "matvec", n_bindings=5 + len(nv) + len(qv), n_push=13 + len(npush), local_size=nr * self.subgroup,
+            defines={**matvec_defines(qtype), **ROPE_OUT, **kv_defines(KV_TYPE=t), **nd, **qd},
             spec={1: maxc, 2: nr, 3: rs},
         )
         push = (n_in, n_rows, x_stride, y_stride, y_off, COUNT_TOKENS, 0,
                 head_dim, int(rope), int(to_cache), n_ctx, n_rows, float(math.log2(theta)), *npush)
-        return Dispatch(k, (w, x, y, step, factors, *nv), push, grid(math.ceil(n_rows / (nr * rs))))
+        return Dispatch(k, (w, x, y, step, factors, *nv, *qv), push, grid(math.ceil(n_rows / (nr * rs))))
 
     def matvec_gate_up(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
         row_a: int, row_b: int, x_stride: int, y_stride: int, maxc: int = 8,
-        norm: View | None = None, eps: float = 0.0,
+        norm: View | None = None, eps: float = 0.0, xd: View | None = None,
     ) -> Dispatch:
         """y[c, i] = silu(G[i] . x[c]) * (U[i] . x[c]) for i < ``n_rows``, where G's rows
         start at row ``row_a`` of ``w`` and U's at ``row_b`` (both in the one view)."""
         assert n_in % 8 == 0 and x_stride % 4 == 0
         nr = self.matvec_rows
         nd, nv, npush = _norm_in(norm, eps)
+        qd, qv = self._q8_in(xd, norm)
         k = self.kernels.get(
-            "matvec", n_bindings=4 + len(nv), n_push=9 + len(npush), local_size=nr * self.subgroup,
-            defines={**matvec_defines(qtype), **GATE_UP, **nd}, spec={1: maxc, 2: nr, 3: 2},
+            "matvec", n_bindings=4 + len(nv) + len(qv), n_push=9 + len(npush), local_size=nr * self.subgroup,
+            defines={**matvec_defines(qtype), **GATE_UP, **nd, **qd}, spec={1: maxc, 2: nr, 3: 2},
         )
         push = (n_in, n_rows, x_stride, y_stride, 0, COUNT_TOKENS, 0, row_a, row_b, *npush)
-        return Dispatch(k, (w, x, y, step, *nv), push, grid(math.ceil(n_rows / nr)))
+        return Dispatch(k, (w, x, y, step, *nv, *qv), push, grid(math.ceil(n_rows / nr)))
 
     def matmul(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,

@@ -51,7 +51,7 @@ NORM_IN = {"NORM_IN": 1}
 PLAIN_SHADERS = ("rms_norm", "rope", "attention", "attn_decode", "attn_decode2", "attn_prefill", "swiglu", "add", "scale", "hadamard", "argmax",
                  "sample", "transpose", "attn_combine",
                  "moe_topk", "moe_group", "moe_combine", "take", "l2_norm", "gate_rows", "rope_partial", "delta_net",
-                 "delta_prep", "delta_chunk")
+                 "delta_prep", "delta_chunk", "quantize_q8")
 #: KV cache type codes (model/kvtypes.py KVType.code) the cache readers and writers take
 KV_CODES = range(8)
 
@@ -203,6 +203,8 @@ def qtype_defines(qtype: str) -> dict[str, object]:
     return {f"QTYPE_{qtype}": 1}
 
 
+#: weight types whose decode matvec has an X_Q8 form (int8 activations, matvec.comp)
+Q8_MATVEC = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
 #: weight types with a wide-load decode loop of their own in matvec.comp
 WIDE_MATVEC = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")
 #: ``TRIO_LLM_MATVEC_GENERIC=1``: those types take the generic eight-values-per-lane
@@ -314,6 +316,15 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
         yield "matvec", {**qtype_defines(q), **GATE_UP, **NORM_IN}
         for code in (0, 1, 3):
             yield "matvec", {**qtype_defines(q), **ROPE_OUT, **kv_defines(KV_TYPE=code), **NORM_IN}
+    # int8 activations (TRIO_LLM_MATVEC_Q8=1): plain, GATE_UP, and ROPE_OUT in place and
+    # into f16 and q8_0 caches, with integer dot products and with the plain int math
+    for q in Q8_MATVEC:
+        for dot in ({"INT_DOT": 1}, {}):
+            x8 = {**qtype_defines(q), "X_Q8": 1, **dot}
+            yield "matvec", x8
+            yield "matvec", {**x8, **GATE_UP}
+            for code in (0, 1, 3):
+                yield "matvec", {**x8, **ROPE_OUT, **kv_defines(KV_TYPE=code)}
     # the generic loop of the wide-loop types (TRIO_LLM_MATVEC_GENERIC=1), f16 caches
     for q in WIDE_MATVEC:
         g = matvec_defines(q, generic=True)
