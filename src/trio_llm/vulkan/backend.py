@@ -49,6 +49,7 @@ from trio_llm.vulkan.forward import (
     build_ops,
     moe_map_bytes,
     plan_buffers,
+    q8_scratch,
     rope_consts,
 )
 from trio_llm.vulkan.graph import Graph, Op
@@ -215,6 +216,7 @@ class VulkanBackend:
         extra = extra_buffers() if self._output == "logits" else {}
         if moe_bytes := moe_map_bytes(self._ir, self._cap):  # the prefill buckets' expert grouping
             extra["moe_map"] = (moe_bytes, "compute", "device")
+        extra.update(q8_scratch(self._ir, self._weights, self._ops))  # TRIO_LLM_MATVEC_Q8=1's int8 activations
         self._act = Activations(self._alloc, self._plan, self._width, self._cap, out_cap, consts, extra=extra)
         self._sampler = DeviceSampler(device, self._ops, self._act, self.lowered)
         # several steps per submit run past a stop the host finds afterwards: only where

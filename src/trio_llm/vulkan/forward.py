@@ -52,6 +52,7 @@ from trio_llm.vulkan.ops import (
     row_bytes,
 )
 from trio_llm.vulkan.recurrent import RecurrentState
+from trio_llm.vulkan.shaders import Q8_MATVEC
 from trio_llm.vulkan.weights import WeightStore
 
 MATVEC_MAX_COLS = 8
@@ -68,6 +69,22 @@ def moe_map_bytes(graph: Graph, cap: int) -> int:
         return 0
     return max((4 * moe_map_words(int(n.inputs[1].shape[0]), n.attr("k"), cap)
                 for n in graph.nodes if n.op == "moe_linear"), default=0)
+
+
+def q8_scratch(graph: Graph, weights: WeightStore, ops: Ops) -> dict[str, tuple[int, str, str]]:
+    """The buffers of the decode buckets' int8 activations (``Ops.matvec_q8``), for
+    ``Activations.extra``: the int8 values ("q8x") and the (d, s) of each block of 32
+    ("q8d") of ``MATVEC_MAX_COLS`` columns of the longest input a matvec of a
+    ``Q8_MATVEC`` type reads; none when the option is off or no product qualifies.
+    Every input is quantized into the same pair (``_Lowering.q8_input``)."""
+    if not ops.matvec_q8 or ops.matvec_q8_min > MATVEC_MAX_COLS:
+        return {}
+    n = max((int(node.inputs[1].shape[1]) for node in graph.nodes
+             if node.op == "linear" and weights.slots[node.inputs[1].name].qtype in Q8_MATVEC), default=0)
+    if not n:
+        return {}
+    return {"q8x": (MATVEC_MAX_COLS * n, "compute", "device"),
+            "q8d": (MATVEC_MAX_COLS * n // 32 * 8, "compute", "device")}
 
 
 @attrs.frozen
@@ -236,6 +253,7 @@ class _Lowering:
     _add_into: dict[int, Node] = attrs.field(factory=dict)  # linear id -> the add it accumulates for
     _norm_in: dict[int, Node] = attrs.field(factory=dict)  # linear id -> the rms_norm its matvec does
     _grouped: int = -1  # the routing whose grouping the moe map holds now
+    _q8_holds: int = -1  # the value whose int8 form the q8 scratch holds now
 
     @property
     def decode(self) -> bool:
@@ -373,12 +391,41 @@ class _Lowering:
 
     def matvec_in(self, lin: Node) -> tuple[Tensor, dict[str, object]]:
         """What a linear's matvec reads: its input, or (NORM_IN) the input of the norm
-        it does itself, with the norm's weight and epsilon."""
+        it does itself, with the norm's weight and epsilon; or (``Ops.matvec_q8``) the
+        q8 scratch with that input's int8 form, quantized there first if it is not
+        (the scales' view then comes as ``xd``)."""
         norm = self._norm_in.get(lin.out.id)
         if norm is None:
-            return lin.inputs[0], {}
+            x = lin.inputs[0]
+            sel, cap = self.rows(x)
+            w = lin.inputs[1]
+            if ("q8x" in self.act.bufs and self.ops.q8_ok(self.weights.slots[w.name].qtype, cap)
+                    and x.width == int(w.shape[1])):
+                self.q8_input(x)
+                return x, {"xd": self.act.view("q8d")}
+            return x, {}
         x, w = norm.inputs
         return x, {"norm": self.weights.view(w.name), "eps": norm.attr("eps")}
+
+    def q8_input(self, x: Tensor) -> None:
+        """quantize_q8 of value ``x`` into the q8 scratch, unless it holds x already (q,
+        k and v, or gate and up, read one quantization): its own dispatch stage, after
+        x is written and after the last matvec that read the scratch's former value."""
+        if self._q8_holds == x.id:
+            return
+        sel, cap = self.rows(x)
+        d = self.ops.quantize_q8(self.view(x), self.act.view("q8x"), self.act.view("q8d"), self.st,
+                                 n_in=x.width, x_stride=x.width, cap=cap, count_sel=sel)
+        self.emit([d], [self.slot(x)], ["q8"])
+        self._q8_holds = x.id
+
+    def matvec_reads(self, x: Tensor, nkw: dict[str, object]) -> list[object]:
+        """The hazard keys a matvec reading ``x`` as ``matvec_in`` gave it touches."""
+        return ["q8"] if "xd" in nkw else [self.slot(x)]
+
+    def matvec_x(self, x: Tensor, nkw: dict[str, object]) -> View:
+        """The view bound as a matvec's x: the value, or its int8 form."""
+        return self.act.view("q8x") if "xd" in nkw else self.view(x)
 
     def gate_up_view(self, gate: str, up: str) -> tuple[View, int, int] | None:
         """One view over both FFN matrices and the row where each starts in it, when a
@@ -446,14 +493,14 @@ class _Lowering:
         ds: list[Op] = []
         for piece, r0, r1 in self.weights.pieces(w.name):
             if cap <= MATVEC_MAX_COLS:
-                ds.append(self.ops.matvec(qtype, piece, self.view(x), y, self.st, n_in=n_in, n_rows=r1 - r0,
-                                          x_stride=n_in, y_stride=n_out, y_off=r0, count_sel=sel,
+                ds.append(self.ops.matvec(qtype, piece, self.matvec_x(x, nkw), y, self.st, n_in=n_in,
+                                          n_rows=r1 - r0, x_stride=n_in, y_stride=n_out, y_off=r0, count_sel=sel,
                                           add=add_node is not None, maxc=cap, **nkw))  # type: ignore[arg-type]
             else:
                 ds.append(self.ops.matmul(qtype, piece, self.view(x), y, self.st, n_in=n_in, n_rows=r1 - r0,
                                           x_stride=n_in, y_stride=n_out, cap=cap, y_off=r0, count_sel=sel,
                                           add=add_node is not None))
-        reads = [self.slot(x)] + ([self.slot(target)] if add_node is not None else [])
+        reads = self.matvec_reads(x, nkw) + ([self.slot(target)] if add_node is not None else [])
         self.emit(ds, reads, [self.slot(target)])
 
     def op_add(self, node: Node) -> None:
@@ -522,13 +569,13 @@ class _Lowering:
             w = lin.inputs[1]
             n_rows = int(w.shape[0])
             dst, key = (self.view(node.out), self.slot(node.out)) if cache is None else (cache[0], cache[1])
-            d = self.ops.matvec_rope(self.weights.slots[w.name].qtype, self.weights.view(w.name), self.view(src),
-                                     dst, self.st, factors, n_in=int(w.shape[1]), n_rows=n_rows,
+            d = self.ops.matvec_rope(self.weights.slots[w.name].qtype, self.weights.view(w.name),
+                                     self.matvec_x(src, nkw), dst, self.st, factors, n_in=int(w.shape[1]), n_rows=n_rows,
                                      x_stride=src.width, y_stride=n_rows, head_dim=hd, rope=True, theta=theta,
                                      to_cache=cache is not None, n_ctx=cache[2].rows if cache else 0,
                                      maxc=self.bucket, kv_type=cache[3] if cache else "f32",
                                      **nkw)  # type: ignore[arg-type]
-            self.emit([d], [self.slot(src)], [key])
+            self.emit([d], self.matvec_reads(src, nkw), [key])
             return
         mode = ROPE_NORMAL if node.attr("mode") == "normal" else ROPE_NEOX
         if cache is None:
@@ -568,12 +615,12 @@ class _Lowering:
             src, nkw = self.matvec_in(lin)
             w = lin.inputs[1]
             n_rows = int(w.shape[0])
-            d = self.ops.matvec_rope(self.weights.slots[w.name].qtype, self.weights.view(w.name), self.view(src),
-                                     vc, self.st, self.act.view(next(iter(self.rope_buf.values()))),
+            d = self.ops.matvec_rope(self.weights.slots[w.name].qtype, self.weights.view(w.name),
+                                     self.matvec_x(src, nkw), vc, self.st, self.act.view(next(iter(self.rope_buf.values()))),
                                      n_in=int(w.shape[1]), n_rows=n_rows, x_stride=src.width, y_stride=n_rows,
                                      head_dim=hd, rope=False, theta=10000.0, to_cache=True, n_ctx=m.rows,
                                      maxc=self.bucket, kv_type=vt, **nkw)  # type: ignore[arg-type]
-            self.emit([d], [self.slot(src)], [("v", node.layer)])
+            self.emit([d], self.matvec_reads(src, nkw), [("v", node.layer)])
         else:
             self._store(v, vc, ("v", node.layer), m, nkv, hd, vt)
         common = dict(n_head=nh, n_head_kv=nkv, head_dim=hd, n_ctx=m.rows, q_stride=q.width,
@@ -633,10 +680,10 @@ class _Lowering:
             lg, _, (view, row_a, row_b) = fused
             x, nkw = self.matvec_in(lg)
             w = lg.inputs[1]
-            d = self.ops.matvec_gate_up(self.weights.slots[w.name].qtype, view, self.view(x), self.view(node.out),
-                                        self.st, n_in=int(w.shape[1]), n_rows=n, row_a=row_a, row_b=row_b,
+            d = self.ops.matvec_gate_up(self.weights.slots[w.name].qtype, view, self.matvec_x(x, nkw),
+                                        self.view(node.out), self.st, n_in=int(w.shape[1]), n_rows=n, row_a=row_a, row_b=row_b,
                                         x_stride=x.width, y_stride=n, maxc=cap, **nkw)  # type: ignore[arg-type]
-            self.emit([d], [self.slot(x)], [self.slot(node.out)])
+            self.emit([d], self.matvec_reads(x, nkw), [self.slot(node.out)])
             return
         d = self.ops.glu(self.view(g), self.view(u), self.view(node.out), self.st, n=n, stride=n, cap=cap,
                          act=node.attr("act"), count_sel=sel)
