@@ -11,6 +11,7 @@
 #   the delta rule's share of pp512 and its chunked form against the recurrence),
 # batch (batched decode B = 1, 2, 4, 8 alone), residency, handoff, coldmem (issue 12: hybrid models' device memory after POST /sleep?level=all, driver counter too),
 # server, serverpath (bench/serverpath.py, issue 14), sample (its device-sampling tests), scen1b, scen8b, coresident,
+# mvq8 (decode matvecs on int8 activations: their tests, then tune-batch-1b/8b with TRIO_LLM_MATVEC_Q8=0 and 1),
 # e2emoe (qwen35-0.8b, qwen3-30b-a3b, qwen35-35b-a3b through HTTP beside llama-server; NO8B=1 skips the 8b),
 # mem128k (device memory at -c 131072, q8_0 cache, beside llama-server CUDA; .lcpp too), serve128k (one
 # 130,880-token prompt on each model, trio-llm and llama-server CUDA, with the memory after it),
@@ -298,6 +299,20 @@ for s in $STAGES; do case $s in
     wait8b
     stage tune-batch-8b 150 $PY bench/decode.py --model "$M8B" --backends vulkan --pp 64 --tg 64 --repeats 2 \
       --batch-sizes 1,2,4,8 ;;
+  mvq8)  # decode matvecs on int8 activations (TRIO_LLM_MATVEC_Q8=1, off by default): their tests on the GPU
+    # (its integer dot products and the plain int fallback) and device sampling / the slots loop with it on,
+    # then the batch stage's B = 1, 2, 4, 8 beside the default (one-column steps keep f32: TRIO_LLM_MATVEC_Q8_MIN=2)
+    stage verify-mvq8 200 env TRIO_LLM_MATVEC_Q8=1 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_mvq8.py \
+      tests/test_devsample.py tests/test_server_decode.py
+    for q8 in 0 1; do
+      stage "tune-batch-1b-mvq8-$q8" 120 env TRIO_LLM_MATVEC_Q8=$q8 $PY bench/decode.py --model "$M1" --backends vulkan \
+        --pp 64 --tg 64 --repeats 2 --batch-sizes 1,2,4,8
+    done
+    wait8b
+    for q8 in 0 1; do
+      stage "tune-batch-8b-mvq8-$q8" 150 env TRIO_LLM_MATVEC_Q8=$q8 $PY bench/decode.py --model "$M8B" --backends vulkan \
+        --pp 64 --tg 64 --repeats 2 --batch-sizes 1,2,4,8
+    done ;;
   decode1b)  # llama-1b Q4_K_M only
     stage decode-1b-q4km 100 $PY bench/decode.py --model "$(model $B1 Q4_K_M)" --backends vulkan --repeats 3 ;;
   vkmem)
