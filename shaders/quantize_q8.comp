@@ -13,19 +13,33 @@
 //      order, four to a little-endian word, so a lane reads 16 of them as one uvec4
 //   ds (binding 2): column c's blocks at vec2 [c * n_in / 32 ..]: (d, s) per block
 // One invocation per block: eight vec4 loads, two uvec4 stores and one vec2.
+//
+// NORM_IN: the input is RMSNorm(x) * g (an rms_norm read only by products on int8
+// activations, its dispatch dropped): a work group per column adds up x^2 over the
+// row (rms_norm.comp's reduction), then quantizes x * (1 / sqrt(mean(x^2) + eps)) * g
+// block by block, so the quantize costs no stage of its own there.
 #include "common.glsl"
 
 layout(binding = 0, std430) readonly buffer X { vec4 x4[]; };
 layout(binding = 1, std430) writeonly buffer Q { uvec4 q4[]; };
 layout(binding = 2, std430) writeonly buffer D { vec2 ds[]; };
 DECLARE_STEP(3)
+#if defined(NORM_IN)
+layout(binding = 4, std430) readonly buffer G { vec4 g4[]; };  // the norm's weight
+#endif
 
 layout(push_constant) uniform Push {
     uint n_in;      // values per column (a multiple of 32)
     uint x_stride;  // floats between columns of x (a multiple of 4)
     uint count_sel; // which step count says how many columns are live
     uint cap;       // the most columns (the graph's bucket)
+#if defined(NORM_IN)
+    float eps;      // the norm's epsilon
+#endif
 } pc;
+#if defined(NORM_IN)
+#include "reduce.glsl"
+#endif
 
 // roundf: half-way cases away from zero, exactly (x - trunc(x) is exact here)
 float round_away(float v) {
@@ -38,20 +52,15 @@ uint pack4(vec4 q) {
     return uint(i.x | (i.y << 8) | (i.z << 16) | (i.w << 24));
 }
 
-void main() {
-    uint nb = pc.n_in / 32u;
-    uint id = FLAT_GROUP * WG + gl_LocalInvocationID.x;
-    uint c = id / nb;
-    uint b = id % nb;
-    uint ncols = min(STEP_COUNT(pc.count_sel), pc.cap);
-    if (c >= ncols) {
-        return;
-    }
+void quantize_block(uint c, uint b, float scale) {
     uint xb = (c * pc.x_stride + b * 32u) / 4u;
     vec4 v[8];
     float amax = 0.0;
     [[unroll]] for (uint i = 0; i < 8u; i++) {
         v[i] = x4[xb + i];
+#if defined(NORM_IN)
+        v[i] = v[i] * scale * g4[b * 8u + i];  // rms_norm.comp's x * scale * w
+#endif
         vec4 a = abs(v[i]);
         amax = max(amax, max(max(a.x, a.y), max(a.z, a.w)));
     }
@@ -67,8 +76,37 @@ void main() {
         sum += q.x + q.y + q.z + q.w;
         w[i] = pack4(q);
     }
+    uint nb = pc.n_in / 32u;
     uint qb = (c * pc.n_in + b * 32u) / 16u;
     q4[qb] = uvec4(w[0], w[1], w[2], w[3]);
     q4[qb + 1u] = uvec4(w[4], w[5], w[6], w[7]);
     ds[c * nb + b] = vec2(d, d * sum);
+}
+
+void main() {
+    uint nb = pc.n_in / 32u;
+    uint ncols = min(STEP_COUNT(pc.count_sel), pc.cap);
+#if defined(NORM_IN)
+    // a work group per column: sum(x^2) over the row first (rms_norm.comp's), then its blocks
+    uint c = FLAT_GROUP;
+    if (c >= ncols) {
+        return;
+    }
+    uint xb = c * pc.x_stride / 4u;
+    float ss = 0.0;
+    for (uint i = gl_LocalInvocationID.x; i < pc.n_in / 4u; i += WG) {
+        vec4 v = x4[xb + i];
+        ss += dot(v, v);
+    }
+    float scale = inversesqrt(wg_sum(ss) / float(pc.n_in) + pc.eps);
+    for (uint b = gl_LocalInvocationID.x; b < nb; b += WG) {
+        quantize_block(c, b, scale);
+    }
+#else
+    uint id = FLAT_GROUP * WG + gl_LocalInvocationID.x;
+    uint c = id / nb;
+    if (c < ncols) {
+        quantize_block(c, id % nb, 1.0);
+    }
+#endif
 }

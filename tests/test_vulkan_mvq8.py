@@ -83,6 +83,32 @@ def test_quantize_matches_numpy_bit_for_bit(env: Env) -> None:
     assert (got[live:] == 9.0).all()
 
 
+def test_quantize_with_the_norm(env: Env) -> None:
+    """NORM_IN: the q8_1 blocks of RMSNorm(x) * g (rms_norm.comp's x * (1 / sqrt(mean(x^2)
+    + eps)) * g), a work group per column, for rows shorter and longer than 1024 (64 and
+    256 lanes): the scales within the rounding of the norm, an int8 value off by one
+    only where that rounding crosses a half."""
+    rng = np.random.default_rng(5)
+    for n, cap, live in ((512, 4, 3), (2048, 2, 2)):
+        x = (rng.standard_normal((cap, n)) * 3).astype(np.float32)
+        g = rng.uniform(0.5, 1.5, n).astype(np.float32)
+        xv, gv = env.put(x), env.put(g)
+        q = env.put(np.full(cap * n // 4, 0x5A5A5A5A, np.uint32))
+        ds = env.put(np.full(cap * n // 32 * 2, 9.0, np.float32))
+        st = env.step([0] * live)
+        env.run([env.ops.quantize_q8(xv, q, ds, st, n_in=n, x_stride=n, cap=cap, norm=gv, eps=1e-5)])
+        xd = x[:live].astype(np.float64)
+        y = (xd / np.sqrt((xd * xd).mean(axis=1, keepdims=True) + 1e-5) * g).astype(np.float32)
+        wq, wd, _ = np_q8_1(y)
+        got_q = env.get(q, np.int8).reshape(cap, n)
+        got = env.get(ds).reshape(cap, n // 32, 2)
+        np.testing.assert_allclose(got[:live, :, 0], wd, rtol=2e-6, atol=0)
+        off = got_q[:live].astype(int) - wq
+        assert np.abs(off).max() <= 1 and (off != 0).mean() < 1e-2, (off != 0).mean()
+        assert (env.get(q, np.uint32).reshape(cap, -1)[live:] == 0x5A5A5A5A).all()
+        assert (got[live:] == 9.0).all()
+
+
 def np_product_q8(wq: np.ndarray, d: np.ndarray, ref: np.ndarray) -> np.ndarray:
     """W . x with x the dequantized int8 activations, in f64: [ncol, rows]."""
     x = wq.astype(np.float64).reshape(wq.shape[0], -1, 32) * d[..., None].astype(np.float64)
@@ -163,14 +189,16 @@ def test_matvec_q8_gate_up_and_rope(env: Env, qtype: str) -> None:
         np.testing.assert_allclose(k[seq[t], pos[t]], want[t], atol=tol, rtol=0)
 
 
-def q8_counts(vk: VulkanBackend, bucket: int) -> tuple[int, int, int]:
-    """(quantize dispatches, matvecs on int8 activations, matvecs on f32) of a bucket."""
+def q8_counts(vk: VulkanBackend, bucket: int) -> tuple[int, int, int, int, int]:
+    """(quantize dispatches, of them with the norm, matvecs on int8 activations, matvecs
+    on f32, rms_norm dispatches) of a bucket."""
     ops = [op for op in vk.lowered(bucket) if isinstance(op, Dispatch)]
     q8d = vk._act.bufs.get("q8d")
-    quant = sum(op.kernel.name == "quantize_q8" for op in ops)
+    quant = [op for op in ops if op.kernel.name == "quantize_q8"]
     mv = [op for op in ops if op.kernel.name == "matvec"]
     on = sum(any(v.buffer is q8d for v in op.views) for op in mv)
-    return quant, on, len(mv) - on
+    return (len(quant), sum(len(op.views) == 5 for op in quant), on, len(mv) - on,
+            sum(op.kernel.name == "rms_norm" for op in ops))
 
 
 def forced_greedy(vk: VulkanBackend, ref: NumpyBackend, prompts: list[np.ndarray], n: int) -> tuple[float, int]:
@@ -220,11 +248,13 @@ def test_greedy_decode_on_int8_activations_follows_numpy(model_path, monkeypatch
     try:
         assert vk._ops.matvec_q8 and vk._ops.matvec_q8_min == 2
         n_layer = sum(n.op == "attention" for n in vk._ir.nodes)
-        # per layer one quantize for q/k/v, one each for o, gate/up and down, and the
-        # head's; every matvec on int8 (Q4_K_M mixes Q4_K and Q6_K)
-        quant_n, on, off = q8_counts(vk, 4)
-        assert (quant_n, off) == (4 * n_layer + 1, 0) and on >= 6 * n_layer + 1, (quant_n, on, off)
-        assert q8_counts(vk, 1)[:2] == (0, 0)
+        # per layer one quantize for q/k/v and one for gate/up, each doing the norm before
+        # them, one each for o and down, and the head's (with the output norm); every
+        # matvec on int8 (Q4_K_M mixes Q4_K and Q6_K), no rms_norm dispatch left
+        quant_n, normed, on, off, norms = q8_counts(vk, 4)
+        assert (quant_n, normed, off, norms) == (4 * n_layer + 1, 2 * n_layer + 1, 0, 0), (quant_n, normed, off, norms)
+        assert on >= 6 * n_layer + 1, on
+        assert q8_counts(vk, 1) == (0, 0, 0, q8_counts(vk, 1)[3], 2 * n_layer + 1)
         for prompts in (PROMPTS, [*PROMPTS, PROMPTS[0][:7], PROMPTS[1][:3]]):
             worst, checked = forced_greedy(vk, ref, prompts, 12)
             assert 1e-3 < worst <= BOUND, worst  # int8 moves them, within the bound

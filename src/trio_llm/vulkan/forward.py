@@ -18,7 +18,9 @@ Lowering has three parts, none of which knows an architecture:
   epilogue (matvec ``ROPE_OUT``), gate + up + SwiGLU in one matvec (``GATE_UP``), and a
   projection that adds into the residual stream (``add``); and in decode buckets an
   RMSNorm read only by projections done by their matvecs (``NORM_IN``,
-  ``TRIO_LLM_FUSE_NORM``).
+  ``TRIO_LLM_FUSE_NORM``); with ``TRIO_LLM_MATVEC_Q8=1`` the matvecs of decode buckets
+  read int8 activations (``quantize_q8`` once per input, the norm before them in it:
+  ``find_q8_norms``, ``q8_input``).
 - emission walks the nodes in order; barriers are inserted only where a dispatch reads
   or writes what an earlier one since the last barrier wrote (or writes what one read),
   so independent projections (q, k, v; gate, up) share one.
@@ -252,6 +254,7 @@ class _Lowering:
     _gate_up: dict[int, tuple[Node, Node, tuple[View, int, int]]] = attrs.field(factory=dict)
     _add_into: dict[int, Node] = attrs.field(factory=dict)  # linear id -> the add it accumulates for
     _norm_in: dict[int, Node] = attrs.field(factory=dict)  # linear id -> the rms_norm its matvec does
+    _norm_q8: dict[int, Node] = attrs.field(factory=dict)  # linear id -> the rms_norm its quantize does
     _grouped: int = -1  # the routing whose grouping the moe map holds now
     _q8_holds: int = -1  # the value whose int8 form the q8 scratch holds now
 
@@ -354,6 +357,8 @@ class _Lowering:
                         break
         if self.decode and self.ops.fuse_norm:
             self.find_norm_fusions()
+        if "q8x" in self.act.bufs:
+            self.find_q8_norms()
 
     def find_norm_fusions(self) -> None:
         """An RMSNorm read only by projections goes into their matvecs (NORM_IN): each
@@ -364,6 +369,15 @@ class _Lowering:
         the norm's input, which they now read instead of the norm's output. A norm read
         by anything else (MoE experts, the shared-expert gate, a residual add, an
         embedding's result) stays a dispatch."""
+        for node, readers in self.foldable_norms():
+            for r in readers:
+                self._norm_in[r.out.id] = node
+            self._absorbed.add(node.out.id)
+
+    def foldable_norms(self) -> list[tuple[Node, list[Node]]]:
+        """The whole-row RMSNorms (f32 weight, not yet folded) read only by linears,
+        whose input's buffer nothing writes from the norm up to the last of them (where
+        it is lowered: ROPE_OUT at its rope, GATE_UP at its glu), with those readers."""
         index = {n.out.id: i for i, n in enumerate(self.graph.nodes)}
         at: dict[int, int] = {}  # linear id -> the index of the node that lowers it
         for rid, lin in (*self._rope_out.items(), *self._v_out.items()):
@@ -371,8 +385,9 @@ class _Lowering:
         for gid, (lg, lu, _) in self._gate_up.items():
             at[lg.out.id] = at[lu.out.id] = index[gid]
         logits = self.graph.logits
+        out: list[tuple[Node, list[Node]]] = []
         for i, node in enumerate(self.graph.nodes):
-            if node.op != "rms_norm" or node.out is logits:
+            if node.op != "rms_norm" or node.out is logits or node.out.id in self._absorbed:
                 continue
             x, w = node.inputs
             readers = self._cons.get(node.out.id, [])
@@ -385,39 +400,63 @@ class _Lowering:
             written |= {self.slot(self._add_into[r.out.id].out) for r in readers if r.out.id in self._add_into}
             if self.slot(x) in written:
                 continue
-            for r in readers:
-                self._norm_in[r.out.id] = node
-            self._absorbed.add(node.out.id)
+            out.append((node, readers))
+        return out
+
+    def find_q8_norms(self) -> None:
+        """An RMSNorm read only by products on int8 activations goes into their
+        quantize (quantize_q8.comp's NORM_IN): the norm's dispatch is dropped and the
+        quantize of its output takes its stage, so those products cost no stage more
+        than on f32 (``foldable_norms``' conditions, NORM_IN's)."""
+        for node, readers in self.foldable_norms():
+            if all(self.q8_reads(r) for r in readers):
+                for r in readers:
+                    self._norm_q8[r.out.id] = node
+                self._absorbed.add(node.out.id)
+
+    def q8_reads(self, lin: Node) -> bool:
+        """Whether a linear's matvec reads int8 activations (``Ops.matvec_q8``)."""
+        w = lin.inputs[1]
+        _, cap = self.rows(lin.inputs[0])
+        return ("q8x" in self.act.bufs and self.ops.q8_ok(self.weights.slots[w.name].qtype, cap)
+                and lin.inputs[0].width == int(w.shape[1]))
 
     def matvec_in(self, lin: Node) -> tuple[Tensor, dict[str, object]]:
         """What a linear's matvec reads: its input, or (NORM_IN) the input of the norm
         it does itself, with the norm's weight and epsilon; or (``Ops.matvec_q8``) the
         q8 scratch with that input's int8 form, quantized there first if it is not
         (the scales' view then comes as ``xd``)."""
+        qnorm = self._norm_q8.get(lin.out.id)
+        if qnorm is not None:  # the norm done by the quantize (quantize_q8 NORM_IN)
+            self.q8_input(qnorm.inputs[0], qnorm)
+            return qnorm.inputs[0], {"xd": self.act.view("q8d")}
         norm = self._norm_in.get(lin.out.id)
         if norm is None:
             x = lin.inputs[0]
-            sel, cap = self.rows(x)
-            w = lin.inputs[1]
-            if ("q8x" in self.act.bufs and self.ops.q8_ok(self.weights.slots[w.name].qtype, cap)
-                    and x.width == int(w.shape[1])):
+            if self.q8_reads(lin):
                 self.q8_input(x)
                 return x, {"xd": self.act.view("q8d")}
             return x, {}
         x, w = norm.inputs
         return x, {"norm": self.weights.view(w.name), "eps": norm.attr("eps")}
 
-    def q8_input(self, x: Tensor) -> None:
-        """quantize_q8 of value ``x`` into the q8 scratch, unless it holds x already (q,
-        k and v, or gate and up, read one quantization): its own dispatch stage, after
-        x is written and after the last matvec that read the scratch's former value."""
-        if self._q8_holds == x.id:
+    def q8_input(self, x: Tensor, norm: Node | None = None) -> None:
+        """quantize_q8 of value ``x`` (with ``norm``: of that RMSNorm of x) into the q8
+        scratch, unless it holds that already (q, k and v, or gate and up, read one
+        quantization): a dispatch stage after x is written and after the last matvec
+        that read the scratch's former value."""
+        key = x.id if norm is None else norm.out.id
+        if self._q8_holds == key:
             return
         sel, cap = self.rows(x)
+        nkw: dict[str, object] = {}
+        if norm is not None:
+            nkw = {"norm": self.weights.view(norm.inputs[1].name), "eps": norm.attr("eps")}
         d = self.ops.quantize_q8(self.view(x), self.act.view("q8x"), self.act.view("q8d"), self.st,
-                                 n_in=x.width, x_stride=x.width, cap=cap, count_sel=sel)
+                                 n_in=x.width, x_stride=x.width, cap=cap, count_sel=sel,
+                                 **nkw)  # type: ignore[arg-type]
         self.emit([d], [self.slot(x)], ["q8"])
-        self._q8_holds = x.id
+        self._q8_holds = key
 
     def matvec_reads(self, x: Tensor, nkw: dict[str, object]) -> list[object]:
         """The hazard keys a matvec reading ``x`` as ``matvec_in`` gave it touches."""

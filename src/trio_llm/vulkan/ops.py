@@ -328,15 +328,21 @@ class Ops:
 
     def quantize_q8(
         self, x: View, q: View, ds: View, step: View, *, n_in: int, x_stride: int, cap: int,
-        count_sel: int = COUNT_TOKENS,
+        count_sel: int = COUNT_TOKENS, norm: View | None = None, eps: float = 0.0,
     ) -> Dispatch:
         """The live columns of x [cap, n_in] (f32, ``x_stride`` floats apart) as q8_1
         blocks (quantize_q8.comp): int8 values into ``q`` (``n_in`` bytes per column),
-        (d, s) per block of 32 into ``ds``."""
+        (d, s) per block of 32 into ``ds``; with ``norm`` (an f32 weight of ``n_in``)
+        those of RMSNorm(x) * norm, a work group per column (rms_norm's widths)."""
         assert n_in % 32 == 0 and x_stride % 4 == 0
-        wg = self.elem_wg
-        k = self.kernels.get("quantize_q8", n_bindings=4, n_push=4, local_size=wg)
-        return Dispatch(k, (x, q, ds, step), (n_in, x_stride, count_sel, cap), grid(math.ceil(cap * n_in // 32 / wg)))
+        if norm is None:
+            wg = self.elem_wg
+            k = self.kernels.get("quantize_q8", n_bindings=4, n_push=4, local_size=wg)
+            return Dispatch(k, (x, q, ds, step), (n_in, x_stride, count_sel, cap),
+                            grid(math.ceil(cap * n_in // 32 / wg)))
+        wg = self.norm_wg if n_in < 1024 else 4 * self.norm_wg
+        k = self.kernels.get("quantize_q8", n_bindings=5, n_push=5, local_size=wg, defines=dict(NORM_IN))
+        return Dispatch(k, (x, q, ds, step, norm), (n_in, x_stride, count_sel, cap, float(eps)), grid(cap))
 
     def matvec(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,

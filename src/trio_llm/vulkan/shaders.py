@@ -318,6 +318,7 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
             yield "matvec", {**qtype_defines(q), **ROPE_OUT, **kv_defines(KV_TYPE=code), **NORM_IN}
     # int8 activations (TRIO_LLM_MATVEC_Q8=1): plain, GATE_UP, and ROPE_OUT in place and
     # into f16 and q8_0 caches, with integer dot products and with the plain int math
+    yield "quantize_q8", dict(NORM_IN)  # the norm before those products, in the quantize
     for q in Q8_MATVEC:
         for dot in ({"INT_DOT": 1}, {}):
             x8 = {**qtype_defines(q), "X_Q8": 1, **dot}
