@@ -262,3 +262,24 @@ def test_greedy_decode_on_int8_activations_follows_numpy(model_path, monkeypatch
     finally:
         vk.close()
         ref.close()
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen2", "tiny-gemma3", "tiny-qwen3moe", "tiny-qwen35"])
+def test_other_architectures_on_int8_activations(model_path, monkeypatch: pytest.MonkeyPatch,
+                                                 preset: str) -> None:  # type: ignore[no-untyped-def]
+    """The lowering with TRIO_LLM_MATVEC_Q8=1 where the graph differs from llama's: QK-norm
+    (qwen3: its per-head norms stay dispatches), q/k/v biases (qwen2), gemma3's extra
+    norms read by residual adds and its windows, the MoE FFN (its experts keep f32), the
+    gated delta-net layers (qwen35); numpy's logits within ``BOUND`` for a few steps of 2
+    sequences, some products on int8 in each."""
+    monkeypatch.setenv("TRIO_LLM_MATVEC_Q8", "1")
+    model = load_gguf(model_path(preset, "Q4_K_M"))
+    ref = NumpyBackend(model, n_ctx=N_CTX, n_seq=2, **F32_KV)
+    vk = VulkanBackend(model, n_ctx=N_CTX, n_seq=2, **F32_KV)
+    try:
+        assert q8_counts(vk, 2)[2] > 0
+        worst, _ = forced_greedy(vk, ref, PROMPTS, 4)
+        assert 1e-3 < worst <= BOUND, worst
+    finally:
+        vk.close()
+        ref.close()
