@@ -387,7 +387,7 @@ for i in range(4):
     fi
     K1=${E2E_K1:-0}; K8=${E2E_K8:-0}  # e.g. E2E_K1=8 E2E_K8=4: concurrent clients, -np K
     if [ "${SMALL:-0}" = 1 ]; then P1=64,256; P8=64,256; export GGML_VK_VISIBLE_DEVICES=0  # lavapipe
-    else P1=512,8192,32768; P8=512,16384; fi
+    else P1=128,512,8192,32768; P8=128,512,16384; fi  # 128: issue 14's time to first token of a 128-token prompt
     wait8b  # its making (all cores) would disturb our server's figures; the build runs at nice 19
     left=$(( ${E2E_END:-565} - $(elapsed) ))  # seconds of the 10-minute device call left for it
     if [ $left -lt 60 ]; then say "e2e: only $left s left, not started"; stop_build; continue; fi
