@@ -4,8 +4,14 @@ A variant is a ``.comp`` file plus ``-D`` defines. Its cache key hashes the sour
 every file it includes (recursively), the defines and the compiler flags, so editing
 an include rebuilds exactly the variants that use it and nothing is ever stale. The
 cache lives in ``shaders/build/`` when that is writable (a checkout) and in the user
-cache directory otherwise (an installed package). Writes go through a temporary file
-and ``os.replace`` so two processes compiling the same variant never see half a file.
+cache directory otherwise. Writes go through a temporary file and ``os.replace`` so
+two processes compiling the same variant never see half a file.
+
+A wheel (``pip install .``, not editable) carries the sources and the SPIR-V that
+``shaders/build/`` held when it was built as ``trio_llm/_shaders/`` (setup.py's
+``build_py``). That shipped set is read-only: a lookup reads it when its key matches
+(the keys hash sources and flags, so SPIR-V built from the same sources hits), and
+any other variant is compiled into the user cache, never into site-packages.
 
 ``trio-llm compile-shaders`` builds every variant the backend can ask for, which the
 Makefile's install step runs so the first model load does not wait on the compiler.
@@ -66,24 +72,41 @@ _FLAGS_CM = (_PREAMBLE, "glslangValidator", "-V", "--target-env", "vulkan1.3", "
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
+_HERE = Path(__file__).resolve()
+#: the repository's shaders/, for a module at ``<repo>/src/trio_llm/vulkan/`` (a checkout,
+#: an editable install, ``PYTHONPATH=src``); the ``src`` test keeps an installed module
+#: (``<prefix>/trio_llm/vulkan/``) from taking a stray ``shaders/`` beside its prefix
+_REPO_SHADERS = _HERE.parents[3] / "shaders" if _HERE.parents[2].name == "src" else None
+#: the copy a wheel carries: the sources, and in ``build/`` the SPIR-V shipped with them
+PACKAGED_SHADERS = _HERE.parents[1] / "_shaders"
+
+
 def shader_dir() -> Path:
+    """``TRIO_LLM_SHADER_DIR``, else the repository's ``shaders/``, else the wheel's copy."""
     env = os.environ.get("TRIO_LLM_SHADER_DIR")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[3] / "shaders"
+    if _REPO_SHADERS is not None and _REPO_SHADERS.is_dir():
+        return _REPO_SHADERS
+    return PACKAGED_SHADERS
 
 
 def cache_dir() -> Path:
+    """Where compiled variants are written: ``TRIO_LLM_SHADER_CACHE``, else
+    ``<shader_dir>/build`` when writable, else the user cache. An installed package's
+    ``build/`` is never written (pip's record of the package would not know the files;
+    ``spirv`` reads the shipped ones from there all the same)."""
     env = os.environ.get("TRIO_LLM_SHADER_CACHE")
     if env:
         return Path(env)
-    local = shader_dir() / "build"
-    try:
-        local.mkdir(parents=True, exist_ok=True)
-        if os.access(local, os.W_OK):
-            return local
-    except OSError:
-        pass
+    if shader_dir() != PACKAGED_SHADERS:
+        local = shader_dir() / "build"
+        try:
+            local.mkdir(parents=True, exist_ok=True)
+            if os.access(local, os.W_OK):
+                return local
+        except OSError:
+            pass
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("trio-llm")) / "spirv"
@@ -175,10 +198,13 @@ def _compile_commands(name: str, defines: dict[str, object] | None, src: Path, o
 
 
 def spirv(name: str, defines: dict[str, object] | None = None) -> bytes:
-    """The SPIR-V of one variant, compiled now if the cache lacks it."""
-    out = cache_dir() / f"{name}-{cache_key(name, defines)}.spv"
-    if out.exists():
-        return out.read_bytes()
+    """The SPIR-V of one variant: from the writable cache, else from the set a wheel
+    ships (read-only), else compiled now into the writable cache."""
+    file = f"{name}-{cache_key(name, defines)}.spv"
+    out = cache_dir() / file
+    for found in (out, PACKAGED_SHADERS / "build" / file):
+        if found.exists():
+            return found.read_bytes()
     src = shader_dir() / f"{name}.comp"
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".spv.tmp")
