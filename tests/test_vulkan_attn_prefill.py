@@ -23,7 +23,7 @@ import attrs
 import numpy as np
 import pytest
 
-from test_vulkan_kv import _typed_cache
+from test_vulkan_kv import attention_inputs
 from test_vulkan_ops import Env, open_env
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.model.gguf import load_gguf
@@ -88,13 +88,9 @@ def check(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int]
           seed: int = 0, cap: int | None = None, emulate: tuple[int, int] | None = None,
           n_split: int = 1) -> None:
     v_type = k_type if v_type is None else v_type
-    rng = np.random.default_rng(seed)
     ntok, n_seq = len(pos), max(seq) + 1
-    q = rng.standard_normal((ntok, n_head, hd)).astype(np.float32)
-    kx = rng.standard_normal((n_seq, n_ctx, n_kv, hd)).astype(np.float32)
-    vx = (rng.standard_normal((n_seq, n_ctx, n_kv, hd)) * 2).astype(np.float32)
-    kc, kh = _typed_cache(env, kx, k_type)
-    vc, vh = _typed_cache(env, vx, v_type)
+    q, kc, kh, vc, vh = attention_inputs(env, ntok=ntok, n_seq=n_seq, n_ctx=n_ctx, n_head=n_head, n_kv=n_kv,
+                                         hd=hd, k_type=k_type, v_type=v_type, seed=seed)
     qv, o = env.put(q), env.put(np.full(q.size, np.nan, np.float32))
     st = env.step([0] * ntok, pos, seq)
     s = 1.0 / np.sqrt(hd) if scale is None else scale

@@ -161,17 +161,27 @@ def _typed_cache(env: Env, x: np.ndarray, name: str) -> tuple[View, np.ndarray]:
     return env.put(raw), held
 
 
-def _run_attention(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int],
-                   seq: list[int], n_ctx: int, k_type: str, v_type: str, n_swa: int = 0,
-                   decode: bool = True, n_split: int = 8, min_chunk: int | None = None,
-                   seed: int = 0) -> None:
+def attention_inputs(env: Env, *, ntok: int, n_seq: int, n_ctx: int, n_head: int, n_kv: int, hd: int,
+                     k_type: str, v_type: str, seed: int) -> tuple[np.ndarray, View, np.ndarray, View, np.ndarray]:
+    """Random queries [ntok, n_head, hd] and K / V caches [n_seq, n_ctx, n_kv, hd] (V
+    twice as wide), the caches uploaded in their types: (q, K view, K held, V view, V
+    held), the same draws for the same seed in every attention test."""
     rng = np.random.default_rng(seed)
-    ntok, n_seq = len(pos), max(seq) + 1
     q = rng.standard_normal((ntok, n_head, hd)).astype(np.float32)
     kx = rng.standard_normal((n_seq, n_ctx, n_kv, hd)).astype(np.float32)
     vx = (rng.standard_normal((n_seq, n_ctx, n_kv, hd)) * 2).astype(np.float32)
     kc, kh = _typed_cache(env, kx, k_type)
     vc, vh = _typed_cache(env, vx, v_type)
+    return q, kc, kh, vc, vh
+
+
+def _run_attention(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int],
+                   seq: list[int], n_ctx: int, k_type: str, v_type: str, n_swa: int = 0,
+                   decode: bool = True, n_split: int = 8, min_chunk: int | None = None,
+                   seed: int = 0) -> None:
+    ntok, n_seq = len(pos), max(seq) + 1
+    q, kc, kh, vc, vh = attention_inputs(env, ntok=ntok, n_seq=n_seq, n_ctx=n_ctx, n_head=n_head, n_kv=n_kv,
+                                         hd=hd, k_type=k_type, v_type=v_type, seed=seed)
     qv, o = env.put(q), env.zeros(q.size)
     st = env.step([0] * ntok, pos, seq)
     cap = 8

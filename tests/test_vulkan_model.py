@@ -64,6 +64,15 @@ def greedy_batched(backend: VulkanBackend | NumpyBackend, prompts: list[np.ndarr
     return first, outs
 
 
+
+def assert_follows_numpy(vk: VulkanBackend, ref: NumpyBackend, n: int = N_GREEDY, tol: float = 1e-4) -> None:
+    """``greedy_batched`` on both backends: the first logits within ``tol`` of numpy's
+    (relative to the largest) and the same greedy tokens."""
+    got_first, got = greedy_batched(vk, PROMPTS, n)
+    want_first, want = greedy_batched(ref, PROMPTS, n)
+    assert float(np.abs(got_first - want_first).max()) <= tol * float(np.abs(want_first).max())
+    assert got == want
+
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("preset", PRESETS)
 def test_logits_and_greedy_match_reference(model_path, preset: str, quant: str) -> None:  # type: ignore[no-untyped-def]
@@ -119,26 +128,35 @@ def test_chunked_prefill_equals_reference(model_path) -> None:  # type: ignore[n
         ref.close()
 
 
+
+def _prefill_within_f16(vk: VulkanBackend, ref: NumpyBackend, kernel: str, not_run: tuple[str, ...],
+                        more: list[list[SeqBatch]]) -> None:
+    """The 32-token bucket's graph runs ``kernel`` and none of ``not_run``; two
+    sequences in one 17-token batch, a 40-token one after a cached prefix of 12, then
+    ``more`` batches: numpy's logits within the f16 rounding (5e-3 of the largest)."""
+    from trio_llm.vulkan.graph import Dispatch
+
+    names = {op.kernel.name for op in vk.lowered(32) if isinstance(op, Dispatch)}
+    assert kernel in names and not names & set(not_run), names
+    for batch in ([SeqBatch(0, PROMPTS[0], 0), SeqBatch(1, PROMPTS[1], 0)],
+                  [SeqBatch(0, np.arange(3, 43, dtype=np.int32), 12)], *more):
+        want = ref.forward(batch)
+        got = vk.forward(batch)
+        assert float(np.abs(got - want).max()) <= 5e-3 * float(np.abs(want).max())
+
 @pytest.mark.parametrize("sub", [32, 64])
 def test_prefill_on_matmul_cm2_emulated(model_path, sub: int) -> None:  # type: ignore[no-untyped-def]
     """The prefill lowering with every dense product on matmul_cm2 (its products
     emulated, lavapipe has no cooperative matrices; TRIO_LLM_MATMUL_CM2=1 on a GPU):
     a mixed-type file (Q4_K_M: Q4_K and Q6_K), two sequences in one 17-token batch and a
     40-token one, numpy's logits within the f16 rounding of weights and activations."""
-    from trio_llm.vulkan.graph import Dispatch
 
     model = load_gguf(model_path("tiny-qwen3", "Q4_K_M"))
     ref = NumpyBackend(model, n_ctx=64, n_seq=2, **F32_KV)
     vk = VulkanBackend(model, n_ctx=64, n_seq=2, **F32_KV)
     vk._ops.matmul_cm2_emulate = sub
     try:
-        names = {op.kernel.name for op in vk.lowered(32) if isinstance(op, Dispatch)}
-        assert "matmul_cm2" in names and "matmul" not in names and "matmul_cm" not in names
-        for batch in ([SeqBatch(0, PROMPTS[0], 0), SeqBatch(1, PROMPTS[1], 0)],
-                      [SeqBatch(0, np.arange(3, 43, dtype=np.int32), 12)]):
-            want = ref.forward(batch)
-            got = vk.forward(batch)
-            assert float(np.abs(got - want).max()) <= 5e-3 * float(np.abs(want).max())
+        _prefill_within_f16(vk, ref, "matmul_cm2", ("matmul", "matmul_cm"), [])
     finally:
         vk.close()
         ref.close()
@@ -152,7 +170,6 @@ def test_prefill_on_attn_prefill_cm2_emulated(model_path, sub: int, rows: int) -
     keys: two sequences in one 17-token batch, a 40-token one after a cached prefix of 12
     (the tiles' key ranges start past 0) and the decode step after it, numpy's logits
     within the f16 rounding of q, K, V and the softmax weights."""
-    from trio_llm.vulkan.graph import Dispatch
 
     model = load_gguf(model_path("tiny", "Q8_0"))
     ref = NumpyBackend(model, n_ctx=64, n_seq=2, **F32_KV)
@@ -160,14 +177,8 @@ def test_prefill_on_attn_prefill_cm2_emulated(model_path, sub: int, rows: int) -
     vk._ops.prefill_cm2_emulate = sub
     vk._ops.prefill_rows_cm = rows
     try:
-        names = {op.kernel.name for op in vk.lowered(32) if isinstance(op, Dispatch)}
-        assert "attn_prefill_cm2" in names and "attn_prefill" not in names and "attn_prefill_cm" not in names
-        for batch in ([SeqBatch(0, PROMPTS[0], 0), SeqBatch(1, PROMPTS[1], 0)],
-                      [SeqBatch(0, np.arange(3, 43, dtype=np.int32), 12)],
-                      [SeqBatch(0, np.array([7], np.int32), 52)]):
-            want = ref.forward(batch)
-            got = vk.forward(batch)
-            assert float(np.abs(got - want).max()) <= 5e-3 * float(np.abs(want).max())
+        _prefill_within_f16(vk, ref, "attn_prefill_cm2", ("attn_prefill", "attn_prefill_cm"),
+                            [[SeqBatch(0, np.array([7], np.int32), 52)]])
     finally:
         vk.close()
         ref.close()
@@ -415,11 +426,7 @@ def test_gemma3_ring_caches_match_reference(model_path, quant: str) -> None:  # 
     vk = VulkanBackend(model, n_ctx=N_CTX, n_seq=2, max_chunk=8, **F32_KV)
     try:
         assert [m.rows for m in ref.layers] == [m.rows for m in vk._mem] == [24] * 5 + [N_CTX]
-        got_first, got = greedy_batched(vk, PROMPTS, N_GREEDY)
-        want_first, want = greedy_batched(ref, PROMPTS, N_GREEDY)
-        scale = float(np.abs(want_first).max())
-        assert float(np.abs(got_first - want_first).max()) <= 1e-4 * scale
-        assert got == want
+        assert_follows_numpy(vk, ref)
     finally:
         vk.close()
         ref.close()
