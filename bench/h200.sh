@@ -2,7 +2,7 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: verify (the Vulkan correctness tests on the H200), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), prefillcm2 (attn_prefill_cm2's tests, op level and pp8192 A/B), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
+# Stages: verify (the Vulkan correctness tests on the H200), tune7 (the late 2026-12-01 defaults' tests and choices), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), prefillcm2 (attn_prefill_cm2's tests, op level and pp8192 A/B), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill, the pp512 graph
 #   with grouped expert matmuls against per-pair matvecs; MOE35=1 adds qwen35-35b-a3b's),
@@ -209,6 +209,28 @@ for s in $STAGES; do case $s in
     run_tunedec ;;
   tunepp)  # prefill's choices (carry .cc): coopmat attention op level, 8k both ways, pp512 per kernel, matmul_cm2
     run_tunepp ;;
+  tune7)  # the defaults of 2026-12-01 late (carry .cc): decode matvecs on int8 activations from 2 columns and
+    # attn_prefill_cm2 at its preferred keys per tile, their tests on the GPU (the model-level ones on the scalar
+    # matmuls, as verify-model), then prefill attention op level at 8k / 32k (its keys, a split), whole pp8192 and
+    # pp32768 on llama-1b, and matmul_cm2's fewest work groups (cm2_tile) 256 against 128 on pp512 of both models
+    stage verify7 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_mvq8.py tests/test_vulkan_attn_prefill.py \
+      tests/test_devsample.py tests/test_server_decode.py
+    stage verify7-model 200 env TRIO_LLM_COOPMAT=0 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_model.py
+    stage tune7-prefill-1b 150 $PY bench/prefill.py --shape llama-1b --lengths 8192,32768 --types f16,q8_0 --repeats 1 \
+      --kernels prefill_cm,prefill_cm2,prefill_cm2_k16,prefill_cm2_k64,prefill_cm2_split2
+    stage tune7-prefill-8b 150 $PY bench/prefill.py --shape llama-8b --lengths 8192 --types f16,q8_0 --repeats 1 \
+      --kernels prefill_cm,prefill_cm2,prefill_cm2_k32,prefill_cm2_split2
+    stage tune7-prefill-g3 120 $PY bench/prefill.py --shape gemma3-4b --lengths 8192 --types f16 --repeats 1 \
+      --kernels prefill_cm,prefill_cm2,prefill_cm2_k32
+    stage tune7-pp8192-1b 120 $PY bench/decode.py --model "$M1" --backends vulkan --pp 8192 --tg 8 --repeats 2
+    stage tune7-pp32k-1b 150 $PY bench/decode.py --model "$M1" --backends vulkan --pp 32768 --tg 8 --repeats 1
+    wait8b
+    for mg in 256 128; do
+      stage "tune7-pp512-1b-mg$mg" 90 env TRIO_LLM_CM2_MIN_GROUPS=$mg $PY bench/decode.py --model "$M1" --backends vulkan \
+        --pp 512 --tg 8 --repeats 2
+      stage "tune7-pp512-8b-mg$mg" 120 env TRIO_LLM_CM2_MIN_GROUPS=$mg $PY bench/decode.py --model "$M8B" --backends vulkan \
+        --pp 512 --tg 8 --repeats 2
+    done ;;
   prefillcm2)  # attn_prefill_cm2 alone (carry .cc): its tests on the GPU, op level beside attn_prefill_cm, pp8192 A/B
     run_prefillcm2 ;;
   cm2)  # matmul_cm2 alone (issue 13 item 3; carry .cc: the emulated test variants): its tests on the real

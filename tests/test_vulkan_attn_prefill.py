@@ -34,6 +34,7 @@ from trio_llm.vulkan.ops import (
     PREFILL_CM2_KEYS,
     Ops,
     attention_part_floats,
+    prefill_cm2_prefer,
     prefill_cm2_shared,
     prefill_tile,
 )
@@ -272,7 +273,7 @@ def test_emulated_split_prefill_through_the_backend(env: Env, model_path) -> Non
         vk = VulkanBackend(model, n_ctx=16384, n_seq=1, cache_type_k="f32", cache_type_v="f32")
         try:
             vk._ops = attrs.evolve(vk._ops, prefill_split_most=most, prefill_cm_emulate=emulate, prefill_rows_cm=32,
-                                   prefill_cm2_emulate=cm2)
+                                   prefill_cm2_emulate=cm2, prefill_cm2_keys=64)
             assert vk._ops.prefill_splits(16384, cfg.n_head, cfg.n_head_kv, cfg.head_dim) == (2 if most == 4 else 1)
             assert vk._ops.prefill_cm2_plan(cfg.n_head, cfg.n_head_kv, cfg.head_dim) == ((32, 64) if cm2 else None)
             got.append(vk.forward([SeqBatch(0, prompt, 0)])[0])
@@ -288,7 +289,8 @@ def test_emulated_split_prefill_through_the_backend(env: Env, model_path) -> Non
 
 def cm2_ops(env: Env, sub: int, keys: int = 0) -> Ops:
     """attn_prefill_cm2.comp emulated for subgroups of ``sub`` lanes (``keys`` per tile,
-    0: the most that fit the device's shared memory)."""
+    0: ``prefill_cm2_prefer``'s where they fit the device's shared memory, else the most
+    that do)."""
     return attrs.evolve(env.ops, prefill_cm2_emulate=sub, prefill_cm2_keys=keys)
 
 
@@ -301,7 +303,7 @@ CM2_SHAPES = [(64, 1, 32), (64, 4, 64), (64, 8, 32), (128, 1, 64), (128, 4, 32),
 @pytest.mark.parametrize(("hd", "gqa", "sub"), CM2_SHAPES)
 def test_cm2_emulated_head_dims_and_gqa(env: Env, hd: int, gqa: int, sub: int) -> None:
     """attn_prefill_cm2.comp emulated on its default 64-row tile (32 for head_dim 256;
-    on lavapipe's 32 KiB of shared memory 32 keys per tile, 16 for head_dim 256): GQA
+    its default keys per tile: 32 for head_dim 64, 16 above): GQA
     1/4/8 (a head group of 1, 4 and 8 of the 16 rows of each subgroup), tokens from 0
     (diagonal tiles, where some subgroups' rows see none of a tile's keys and skip
     it), after a prefix of 70 (whole visible tiles first), a 2-token sequence; no
@@ -376,15 +378,20 @@ def test_cm2_plan(env: Env) -> None:
     are multiples of 16 up to 256, rows of 16 / 32 / 64, and the keys per tile the
     device's shared memory holds (the budget of ``prefill_cm2_shared``; the H200
     reports 48 KiB: 64 keys for head_dim 64, 32 for 128 and 256)."""
-    assert env.ops.prefill_cm2_plan(8, 2, 64) is None  # the default: off
-    assert attrs.evolve(env.ops, prefill_cm2=True).prefill_cm2_ok(8, 2, 64) == env.device.coopmat
+    assert attrs.evolve(env.ops, coopmat=False).prefill_cm2_plan(8, 2, 64) is None  # no cooperative matrices
+    on = attrs.evolve(env.ops, coopmat=env.device.coopmat, prefill_cm2=True)
+    assert on.prefill_cm2_ok(8, 2, 64) == env.device.coopmat
+    assert not attrs.evolve(on, prefill_cm2=False).prefill_cm2_ok(8, 2, 64)  # TRIO_LLM_PREFILL_CM2=0
+    assert Ops(env.ops.kernels, subgroup=env.ops.subgroup).prefill_cm2  # on by default
     ops = cm2_ops(env, 64)
     limit = env.device.limits.max_shared_memory
     for hd in (64, 128, 256):
         for rows in (16, 32, 64):
             plan = ops.prefill_cm2_plan(8, 2, hd, rows=rows)
             fit = [k for k in PREFILL_CM2_KEYS if prefill_cm2_shared(hd, rows, k) <= limit]
-            assert plan == ((64, fit[0]) if fit else None)
+            # the preferred (fewer) keys where they fit, else the most that do
+            want = prefill_cm2_prefer(hd) if prefill_cm2_prefer(hd) in fit else fit[0] if fit else 0
+            assert plan == ((64, want) if fit else None)
     assert ops.prefill_cm2_plan(6, 2, 64) is None and ops.prefill_cm2_plan(8, 2, 80) is not None
     assert ops.prefill_cm2_plan(8, 2, 272) is None and ops.prefill_cm2_plan(8, 2, 64, rows=128) is None
     assert [max((k for k in PREFILL_CM2_KEYS if prefill_cm2_shared(hd, 64, k) <= 49152), default=0)

@@ -19,7 +19,7 @@ from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.reference import NumpyBackend
 from trio_llm.model.gguf import load_gguf
 from trio_llm.vulkan.backend import VulkanBackend
-from trio_llm.vulkan.graph import Dispatch
+from trio_llm.vulkan.graph import Barrier, Dispatch
 from trio_llm.vulkan.ops import ROPE_NORMAL, Ops
 from trio_llm.vulkan.shaders import Q8_MATVEC
 
@@ -66,6 +66,13 @@ def test_quantize_matches_numpy_bit_for_bit(env: Env) -> None:
     wq, wd, ws = np_q8_1(x[:live])
     got_q = env.get(q, np.int8).reshape(cap, n)[:live]
     got = env.get(ds).reshape(cap, n // 32, 2)
+    # x[2, 32:64] is subnormal: a device that flushes f32 denormals (the H200's driver does;
+    # Vulkan allows it without shaderDenormPreserveFloat32) sees a zero block there: d = s = 0
+    # and q = 0, the zero block's result, where lavapipe keeps numpy's d = 1e-38 / 127
+    if got[2, 1, 0] == 0.0:
+        wd, ws, wq = wd.copy(), ws.copy(), wq.copy()
+        wd[2, 1] = ws[2, 1] = 0.0
+        wq[2, 32:64] = 0
     # d and s within an ulp: Vulkan lets a device's f32 division be 2.5 ulp off (lavapipe's
     # is 1 off at times); the int8 values are exact but where x / d is within a few ulp of
     # a tie at .5 (none is, on lavapipe)
@@ -141,7 +148,10 @@ def test_matvec_q8_columns_and_residual(env: Env, qtype: str, int_dot: bool) -> 
         y2 = env.put(resid)
         kw = dict(n_in=n, n_rows=rows, x_stride=n, y_stride=rows, maxc=cap, xd=ds)
         assert ("INT_DOT" in ops._q8_in(ds, None)[0]) is int_dot
-        env.run([qd, ops.matvec(qtype, w, q, y, st, **kw), ops.matvec(qtype, w, q, y2, st, add=True, **kw)])  # type: ignore[arg-type]
+        # a barrier after the quantize: a GPU runs dispatches of one command buffer
+        # concurrently (lavapipe one after another, which hid its absence)
+        env.run([qd, Barrier(), ops.matvec(qtype, w, q, y, st, **kw),
+                 ops.matvec(qtype, w, q, y2, st, add=True, **kw)])  # type: ignore[arg-type]
         got = env.get(y).reshape(cap, rows)
         # the int8 product to f32 rounding (lavapipe: 2e-7 of the largest), the f32 one to
         # the activations' rounding (3e-3 .. 7e-3)
@@ -171,6 +181,7 @@ def test_matvec_q8_gate_up_and_rope(env: Env, qtype: str) -> None:
     kw = dict(n_in=n, n_rows=rows, x_stride=n, y_stride=rows, head_dim=hd, theta=10000.0, maxc=ncol, xd=ds)
     env.run([
         qd,
+        Barrier(),
         env.ops.matvec_gate_up(qtype, w, q, g, st, n_in=n, n_rows=rows, row_a=0, row_b=rows, x_stride=n,
                                y_stride=rows, maxc=ncol, xd=ds),
         env.ops.matvec_rope(qtype, wrope, q, yq, st, fv, rope=True, **kw),  # type: ignore[arg-type]
@@ -232,6 +243,11 @@ def forced_greedy(vk: VulkanBackend, ref: NumpyBackend, prompts: list[np.ndarray
 #: scale
 BOUND = 6e-2
 MARGIN = 0.08
+#: a mixture of experts' bound: the int8 rounding upstream of the router may flip a
+#: close top-k call of a random tiny model, and then a whole expert's output differs
+#: (the H200 measured 0.091 on tiny-qwen3moe, where lavapipe's order of sums stayed
+#: under ``BOUND``); a wrong buffer still moves the logits by their whole scale
+MOE_BOUND = 0.2
 
 
 @pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
@@ -279,7 +295,7 @@ def test_other_architectures_on_int8_activations(model_path, monkeypatch: pytest
     try:
         assert q8_counts(vk, 2)[2] > 0
         worst, _ = forced_greedy(vk, ref, PROMPTS, 4)
-        assert 1e-3 < worst <= BOUND, worst
+        assert 1e-3 < worst <= (MOE_BOUND if "moe" in preset else BOUND), worst
     finally:
         vk.close()
         ref.close()

@@ -186,6 +186,15 @@ def prefill_cm2_shared(head_dim: int, rows: int, keys: int) -> int:
 PREFILL_CM2_KEYS = (64, 32, 16)
 
 
+def prefill_cm2_prefer(head_dim: int) -> int:
+    """attn_prefill_cm2's keys per tile by default: fewer than fit, as the H200 timed
+    them (2026-12-01, 8k prompt): head_dim 64 at 32 keys 0.17 s against 0.30 s at 64,
+    head_dim 128 at 16 keys 0.63 s against 1.13 s at 32: the smaller K/V tiles leave room
+    for more work groups per SM, and a query row's softmax is latency-bound, not its
+    products."""
+    return 32 if head_dim <= 64 else 16
+
+
 def attention_part_floats(cap: int, n_head: int, head_dim: int, n_split: int) -> int:
     """float32 values of the partials buffer ``attention_decode`` needs for ``cap``
     tokens: per (token, head, split) head_dim outputs plus the running max and sum."""
@@ -261,6 +270,9 @@ class Ops:
     matmul_cm2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MATMUL_CM2", "1") != "0")
     #: matmul_cm2's tile (rows, tokens) for every matmul; None: ``cm2_tile`` chooses
     matmul_cm2_tile: tuple[int, int] | None = attrs.field(factory=cm2_tile_env)
+    #: ``cm2_tile``'s fewest work groups (TRIO_LLM_CM2_MIN_GROUPS, for timing the choice)
+    matmul_cm2_min_groups: int = attrs.field(
+        factory=lambda: int(os.environ.get("TRIO_LLM_CM2_MIN_GROUPS", "") or CM2_MIN_GROUPS))
     #: tests only: matmul_cm2 with its products emulated (CM_EMULATE) for subgroups of
     #: this size (32 or 64; 0: off), on any device
     matmul_cm2_emulate: int = 0
@@ -290,24 +302,28 @@ class Ops:
     #: so a device without cooperative matrices runs all of that path's lowering
     prefill_cm_emulate: bool = False
     #: attn_prefill_cm2.comp (each subgroup owns 16 query rows and does its own S, softmax
-    #: and P V: two work-group barriers per key tile instead of four, 64 keys per tile
-    #: for head_dim 64) in place of attn_prefill_cm.comp where ``prefill_cm2_plan``
-    #: allows it; TRIO_LLM_PREFILL_CM2=1 turns it on (independently of ``prefill_cm``).
-    #: Off by default until the H200 times it against attn_prefill_cm (bench/h200.sh
-    #: tunepp's tune-*-cm2 stages): lavapipe only runs it emulated
-    prefill_cm2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_PREFILL_CM2", "0") == "1")
-    #: its keys per tile (16, 32 or 64); 0: the most of ``PREFILL_CM2_KEYS`` whose shared
-    #: memory fits the device's reported limit
-    prefill_cm2_keys: int = 0
+    #: and P V: two work-group barriers per key tile instead of four) in place of
+    #: attn_prefill_cm.comp where ``prefill_cm2_plan`` allows it, on devices with
+    #: cooperative matrices; TRIO_LLM_PREFILL_CM2=0 turns it off. The H200 (2026-12-01,
+    #: bench/prefill.py, 8k prompt, all heads of a layer): llama-1b's attention 0.33 s
+    #: (attn_prefill_cm) -> 0.17 s with 32 keys per tile, llama-8b's 1.13 s -> 0.63 s with
+    #: 16 (``PREFILL_CM2_PREFER``); lavapipe only runs it emulated
+    prefill_cm2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_PREFILL_CM2", "1") != "0")
+    #: its keys per tile (16, 32 or 64); 0: ``PREFILL_CM2_PREFER``'s where its shared
+    #: memory fits the device's reported limit, else the most of ``PREFILL_CM2_KEYS`` that fit
+    prefill_cm2_keys: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_PREFILL_CM2_KEYS", "") or 0))
     #: tests only: attn_prefill_cm2 with its products emulated (CM_EMULATE) for subgroups
     #: of this size (32 or 64; 0: off) on any device, taking precedence over the rest
     prefill_cm2_emulate: int = 0
     #: decode buckets' matvecs of ``Q8_MATVEC`` weights on int8 activations (llama.cpp's
     #: q8_1 "MMVQ": quantize_q8.comp once per input, matvec.comp's X_Q8 form), for
     #: buckets of at least ``matvec_q8_min`` columns (the quantize is a dispatch stage
-    #: of its own, which a one-column step likely cannot afford). Off unless
-    #: TRIO_LLM_MATVEC_Q8=1 until the H200 A/B (bench/h200.sh mvq8) shows it pays
-    matvec_q8: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MATVEC_Q8", "0") == "1")
+    #: of its own, which a one-column step cannot afford: the H200 timed one column alike
+    #: both ways). TRIO_LLM_MATVEC_Q8=0 turns it off. The H200 (2026-12-01, bench/decode.py
+    #: --batch-sizes, graph alone): llama-8b Q4_K_M at 2 / 4 / 8 sequences 7.58 / 11.53 /
+    #: 21.78 ms per step on f32 activations, 4.48 / 6.08 / 9.59 ms on int8; llama-1b Q8_0
+    #: 2.07 / 2.83 / 4.63 -> 2.01 / 2.57 / 4.08 ms
+    matvec_q8: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MATVEC_Q8", "1") != "0")
     matvec_q8_min: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_MATVEC_Q8_MIN", "2")))
     #: X_Q8 multiplies with dotPacked4x8EXT (INT_DOT) where the device reports integer
     #: dot products (None: ask the device); False: the plain int math (tests)
@@ -426,7 +442,7 @@ class Ops:
         push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add))
         sub = self.matmul_cm2_emulate or (self.subgroup if self.coopmat and self.matmul_cm2 else 0)
         if sub in (32, 64):
-            bm, bn = self.matmul_cm2_tile or cm2_tile(n_rows, cap)
+            bm, bn = self.matmul_cm2_tile or cm2_tile(n_rows, cap, self.matmul_cm2_min_groups)
             _, _, lanes = cm2_layout(bm, bn, sub)
             k = self.kernels.get("matmul_cm2", n_bindings=4, n_push=7, local_size=lanes,
                                  defines=cm2_defines(qtype, sub, bm, bn, emulate=bool(self.matmul_cm2_emulate)))
@@ -602,7 +618,8 @@ class Ops:
             return None
         limit = self.kernels.device.limits.max_shared_memory
         fits = [b for b in PREFILL_CM2_KEYS if prefill_cm2_shared(head_dim, rows, b) <= limit]
-        keys = self.prefill_cm2_keys or (fits[0] if fits else 0)
+        prefer = prefill_cm2_prefer(head_dim)
+        keys = self.prefill_cm2_keys or (prefer if prefer in fits else fits[0] if fits else 0)
         if keys not in fits:
             return None
         return (emu or self.subgroup), keys
