@@ -273,7 +273,7 @@ def test_emulated_split_prefill_through_the_backend(env: Env, model_path) -> Non
         vk = VulkanBackend(model, n_ctx=16384, n_seq=1, cache_type_k="f32", cache_type_v="f32")
         try:
             vk._ops = attrs.evolve(vk._ops, prefill_split_most=most, prefill_cm_emulate=emulate, prefill_rows_cm=32,
-                                   prefill_cm2_emulate=cm2, prefill_cm2_keys=64)
+                                   prefill_cm2=bool(cm2), prefill_cm2_emulate=cm2, prefill_cm2_keys=64)
             assert vk._ops.prefill_splits(16384, cfg.n_head, cfg.n_head_kv, cfg.head_dim) == (2 if most == 4 else 1)
             assert vk._ops.prefill_cm2_plan(cfg.n_head, cfg.n_head_kv, cfg.head_dim) == ((32, 64) if cm2 else None)
             got.append(vk.forward([SeqBatch(0, prompt, 0)])[0])
@@ -383,6 +383,10 @@ def test_cm2_plan(env: Env) -> None:
     assert on.prefill_cm2_ok(8, 2, 64) == env.device.coopmat
     assert not attrs.evolve(on, prefill_cm2=False).prefill_cm2_ok(8, 2, 64)  # TRIO_LLM_PREFILL_CM2=0
     assert Ops(env.ops.kernels, subgroup=env.ops.subgroup).prefill_cm2  # on by default
+    # not above head_dim 128 unless its keys are forced (attn_prefill_cm was faster at 256)
+    hw = attrs.evolve(env.ops, coopmat=True, prefill_cm2=True, subgroup=32)
+    assert hw.prefill_cm2_plan(8, 2, 128) is not None and hw.prefill_cm2_plan(8, 2, 256) is None
+    assert attrs.evolve(hw, prefill_cm2_keys=16).prefill_cm2_plan(8, 2, 256) == (32, 16)
     ops = cm2_ops(env, 64)
     limit = env.device.limits.max_shared_memory
     for hd in (64, 128, 256):

@@ -320,11 +320,13 @@ def test_matmul_cm2_choice(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRIO_LLM_CM2_TILE", "96x64")
     with pytest.raises(ConfigError, match="TRIO_LLM_CM2_TILE='96x64': expected one of 128x128, 128x64, 64x64"):
         Ops(env.ops.kernels)
-    # llama-1b and llama-8b at 512 tokens: every product gets at least 256 work groups
-    # where a tile can give them, the largest tile that does
+    # llama-1b and llama-8b at 512 tokens: the largest tile that gives its fewest work
+    # groups (128 for 128x128, 256 for the others)
     assert cm2_tile(2048, 512) == (64, 64)
     assert cm2_tile(8192, 512) == (128, 128)
-    assert cm2_tile(4096, 512) == (128, 64)
+    assert cm2_tile(4096, 512) == (128, 128)
+    assert cm2_tile(4096, 512, most=256) == (128, 64)  # TRIO_LLM_CM2_MIN_GROUPS=256
+    assert cm2_tile(2048, 512, most=128) == (128, 64)
     assert cm2_tile(14336, 512) == (128, 128)
     assert cm2_tile(512, 512) == (64, 64)  # too small for any: the smallest tile
     assert cm2_tile(2048, 16) == (64, 64)

@@ -83,21 +83,25 @@ def fill_step(
     words[h + 3 * STEP_CAP : h + 3 * STEP_CAP + len(out_rows)] = out_rows
 
 
-#: matmul_cm2: the fewest work groups a tile must give to be chosen over the next
-#: smaller one, about two per SM of a 132-SM H200 (a guess until the H200 has timed the
-#: tiles; TRIO_LLM_CM2_TILE forces one)
-CM2_MIN_GROUPS = 256
+#: matmul_cm2: the fewest work groups each tile must give to be chosen over the next
+#: smaller one: the 128x128 tile one per SM of a 132-SM H200 (a wave), the smaller ones
+#: two. The H200 timed it (2026-12-01, pp512 through the backend): one bound of 256 for
+#: every tile gave llama-1b 31,658 tok/s and llama-8b 3,986 (its 4096-row products on
+#: 128x64); 128 for every tile 30,088 and 4,384 (llama-1b's 2048-row products then on
+#: 128x64). TRIO_LLM_CM2_MIN_GROUPS sets one bound for all, for timing
+CM2_MIN_GROUPS = {(128, 128): 128, (128, 64): 256, (64, 64): 256}
 
 
-def cm2_tile(n_rows: int, cap: int, most: int = CM2_MIN_GROUPS) -> tuple[int, int]:
+def cm2_tile(n_rows: int, cap: int, most: int | None = None) -> tuple[int, int]:
     """matmul_cm2's tile of (rows, tokens) for an ``n_rows`` x ``cap`` product: the
-    largest of ``CM2_TILES`` that still gives ``most`` work groups (bigger tiles read
-    each weight and activation fewer times and feed more products per fragment, but a
-    grid smaller than the GPU leaves SMs idle), else the smallest. At 512 tokens:
-    llama-1b's 2048-row projections 64x64 (256 groups), its 8192-row FFN 128x128 (256);
-    llama-8b's 4096-row projections 128x64 (256), its 14336-row FFN 128x128 (448)."""
+    largest of ``CM2_TILES`` that still gives its ``CM2_MIN_GROUPS`` work groups (or
+    ``most`` for every tile; bigger tiles read each weight and activation fewer times
+    and feed more products per fragment, but a grid smaller than the GPU leaves SMs
+    idle), else the smallest. At 512 tokens: llama-1b's 2048-row projections 64x64
+    (256 groups), its 8192-row FFN 128x128 (256); llama-8b's 4096-row projections
+    128x128 (128), its 14336-row FFN 128x128 (448)."""
     for bm, bn in CM2_TILES:
-        if math.ceil(n_rows / bm) * math.ceil(cap / bn) >= most:
+        if math.ceil(n_rows / bm) * math.ceil(cap / bn) >= (most or CM2_MIN_GROUPS[bm, bn]):
             return bm, bn
     return CM2_TILES[-1]
 
@@ -186,6 +190,13 @@ def prefill_cm2_shared(head_dim: int, rows: int, keys: int) -> int:
 PREFILL_CM2_KEYS = (64, 32, 16)
 
 
+#: the largest head_dim attn_prefill_cm2 takes by default: gemma3-4b's 256 ran its 8k
+#: prompt's attention in 2.62 s on the H200 (2026-12-01) where attn_prefill_cm took 1.13
+#: (16 query rows per subgroup keep a 256-wide output in registers); forcing its keys
+#: (``prefill_cm2_keys``) or emulating it takes it anyway, for timing and tests
+PREFILL_CM2_MAX_HEAD = 128
+
+
 def prefill_cm2_prefer(head_dim: int) -> int:
     """attn_prefill_cm2's keys per tile by default: fewer than fit, as the H200 timed
     them (2026-12-01, 8k prompt): head_dim 64 at 32 keys 0.17 s against 0.30 s at 64,
@@ -270,9 +281,10 @@ class Ops:
     matmul_cm2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MATMUL_CM2", "1") != "0")
     #: matmul_cm2's tile (rows, tokens) for every matmul; None: ``cm2_tile`` chooses
     matmul_cm2_tile: tuple[int, int] | None = attrs.field(factory=cm2_tile_env)
-    #: ``cm2_tile``'s fewest work groups (TRIO_LLM_CM2_MIN_GROUPS, for timing the choice)
-    matmul_cm2_min_groups: int = attrs.field(
-        factory=lambda: int(os.environ.get("TRIO_LLM_CM2_MIN_GROUPS", "") or CM2_MIN_GROUPS))
+    #: ``cm2_tile``'s fewest work groups for every tile (TRIO_LLM_CM2_MIN_GROUPS, for timing
+    #: the choice); None: ``CM2_MIN_GROUPS``' per tile
+    matmul_cm2_min_groups: int | None = attrs.field(
+        factory=lambda: int(os.environ.get("TRIO_LLM_CM2_MIN_GROUPS", "") or 0) or None)
     #: tests only: matmul_cm2 with its products emulated (CM_EMULATE) for subgroups of
     #: this size (32 or 64; 0: off), on any device
     matmul_cm2_emulate: int = 0
@@ -616,6 +628,8 @@ class Ops:
         rows = rows or self.prefill_rows_cm or prefill_rows(head_dim, True)
         if not hw or g & (g - 1) or head_dim % 16 or head_dim > 256 or rows not in (16, 32, 64):
             return None
+        if head_dim > PREFILL_CM2_MAX_HEAD and not emu and not self.prefill_cm2_keys:
+            return None  # attn_prefill_cm's (the H200's timing, ``PREFILL_CM2_MAX_HEAD``)
         limit = self.kernels.device.limits.max_shared_memory
         fits = [b for b in PREFILL_CM2_KEYS if prefill_cm2_shared(head_dim, rows, b) <= limit]
         prefer = prefill_cm2_prefer(head_dim)
