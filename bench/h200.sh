@@ -9,6 +9,8 @@
 # cpumoe (qwen35-35b-a3b Q4_K_M at --n-cpu-moe 0, 10, 10.5, 20),
 # hybrid (the delta-net kernel tests, then qwen35-0.8b Q8_0/Q4_K_M and qwen35-9b Q4_K_M prefill and decode,
 #   the delta rule's share of pp512 and its chunked form against the recurrence),
+# hybfuse (issue 12: the hybrid/MoE fusions' tests on the GPU, then decode of qwen35-0.8b Q8_0 and
+#   qwen35-35b-a3b Q4_K_M with TRIO_LLM_HYBRID_FUSE=0 and =1, --breakdown; about 5 minutes),
 # batch (batched decode B = 1, 2, 4, 8 alone), residency, handoff, coldmem (issue 12: hybrid models' device memory after POST /sleep?level=all, driver counter too),
 # server, serverpath (bench/serverpath.py, issue 14), sample (its device-sampling tests), scen1b, scen8b, coresident,
 # mvq8 (decode matvecs on int8 activations: their tests, then tune-batch-1b/8b with TRIO_LLM_MATVEC_Q8=0 and 1),
@@ -302,6 +304,21 @@ for s in $STAGES; do case $s in
     done
     stage decode-q35-9b-q4km 400 $PY bench/decode.py --model "$(model $H9 Q4_K_M)" --backends vulkan --repeats 2 \
       --prefill-breakdown ;;
+  hybfuse)  # the hybrid and MoE fusions (TRIO_LLM_HYBRID_FUSE, on by default) A/B: their tests on the GPU, then
+    # decode of qwen35-0.8b Q8_0 and qwen35-35b-a3b Q4_K_M unfused (0) and fused (1), the graph without
+    # barriers and per kernel (--breakdown: how much of a step the barriers still cost)
+    stage verify-hybfuse 200 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_hybfuse.py \
+      tests/test_vulkan_deltanet.py
+    if [ "${SMALL:-0}" = 1 ]; then H1=tiny-qwen35; M35=tiny-qwen35moe; else H1=qwen35-0.8b; M35=qwen35-35b-a3b; fi
+    [ -f /tmp/m/$M35-Q4_K_M.gguf ] || stage make-moe35 300 $PY -m trio_llm make-model --preset $M35 \
+      --quant Q4_K_M -o /tmp/m/$M35-Q4_K_M.gguf -q
+    for mq in "$(model $H1 Q8_0):q35-08b-q8" "/tmp/m/$M35-Q4_K_M.gguf:q35-35b-q4km"; do
+      m=${mq%%:*}; tag=${mq##*:}
+      for f in 0 1; do
+        stage "decode-$tag-hybfuse$f" 150 env TRIO_LLM_HYBRID_FUSE=$f $PY bench/decode.py --model "$m" \
+          --backends vulkan --repeats 3 --breakdown
+      done
+    done ;;
   decodeg3)  # gemma3-4b Q4_K_M (sliding-window layers), made in the background meanwhile
     wait $MG3 2>/dev/null
     stage decode-gemma3-4b-q4km 200 $PY bench/decode.py --model /tmp/m/gemma3-4b-Q4_K_M.gguf --backends vulkan \

@@ -7,6 +7,10 @@
 // registers, so every product is a lane's own loop over k and q held in shared memory.
 // State [n_seq][n_v][d (column j)][d (row i)]; a run starting at position 0 starts
 // from zeros. d is the work-group size.
+// GATED_NORM: each output head is then RMS-normed with the weight nw and multiplied by
+// silu(z) (qwen35's ssm_norm and its gate, rms_norm.comp then swiglu.comp unfused): the
+// sum of squares is made as rms_norm.comp makes it with a work group of NW lanes (lane
+// j < NW sums the values j, j + NW, ...), so the result is the unfused chain's.
 #include "common.glsl"
 
 layout(binding = 0, std430) readonly buffer Q { float q[]; };
@@ -20,13 +24,26 @@ layout(binding = 7, std430) writeonly buffer O { float o[]; };
 layout(binding = 8, std430) buffer S { float st[]; };
 DECLARE_STEP(9)
 
+#ifdef GATED_NORM
+layout(binding = 10, std430) readonly buffer Z { float z[]; };
+layout(binding = 11, std430) readonly buffer Nw { float nw[]; };
+layout(constant_id = 1) const uint NW = 64;
+#endif
+
 layout(push_constant) uniform Push {
     uint n_k;
     uint n_v;
+#ifdef GATED_NORM
+    float eps;
+#endif
 } pc;
 
 shared float qs[WG];
 shared float ks[WG];
+#ifdef GATED_NORM
+shared float os[WG];
+#include "reduce.glsl"
+#endif
 
 void main() {
     uint h = gl_WorkGroupID.x;
@@ -67,7 +84,21 @@ void main() {
             s[i] += ks[i] * delta;
             acc += s[i] * qs[i];
         }
+#ifdef GATED_NORM
+        os[j] = acc;
+        barrier();
+        float ss = 0.0;
+        if (j < NW) {
+            for (uint i = j; i < WG; i += NW) {
+                ss += os[i] * os[i];
+            }
+        }
+        float nscale = inversesqrt(wg_sum(ss) / float(WG) + pc.eps);
+        float zv = z[(t * pc.n_v + h) * WG + j];
+        o[(t * pc.n_v + h) * WG + j] = zv / (1.0 + exp(-zv)) * (acc * nscale * nw[j]);
+#else
         o[(t * pc.n_v + h) * WG + j] = acc;
+#endif
     }
     for (uint i = 0u; i < WG; i++) {
         st[sb + i] = s[i];

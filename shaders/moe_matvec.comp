@@ -5,6 +5,9 @@
 // every routing. W is the 3-D expert tensor [n_expert, n_rows, n_in] (ggml rows).
 // One work group per (c, j) (grid z) and NR x RS rows (grid x); a subgroup reduces RS
 // rows with subgroupAdd, the generic eight-values-per-lane loop of matvec.comp.
+// GLU_IN: the input is silu(x) * u (x the experts' gate outputs, u their up outputs,
+// both laid out as x), made as it is loaded: the SwiGLU between the experts' gate/up
+// products and their down product, without a dispatch (and a barrier) of its own.
 #include "common.glsl"
 
 layout(binding = 0, std430) readonly buffer W16 { uint16_t w16[]; };
@@ -12,6 +15,9 @@ layout(binding = 1, std430) readonly buffer X { vec4 x4[]; };
 layout(binding = 2, std430) writeonly buffer Y { float y[]; };
 DECLARE_STEP(3)
 layout(binding = 4, std430) readonly buffer R { float routes[]; };
+#ifdef GLU_IN
+layout(binding = 5, std430) readonly buffer U { vec4 u4[]; };
+#endif
 
 layout(push_constant) uniform Push {
     uint n_in;      // row length
@@ -54,8 +60,15 @@ void main() {
             acc[q] = 0.0;
         }
         for (uint g = lane; g < pc.n_in / 8u; g += sg) {
+#ifdef GLU_IN
+            vec4 ga = x4[xb + 2u * g];
+            vec4 gc = x4[xb + 2u * g + 1u];
+            vec4 xa = ga / (1.0 + exp(-ga)) * u4[xb + 2u * g];
+            vec4 xc = gc / (1.0 + exp(-gc)) * u4[xb + 2u * g + 1u];
+#else
             vec4 xa = x4[xb + 2u * g];
             vec4 xc = x4[xb + 2u * g + 1u];
+#endif
             [[unroll]] for (uint q = 0; q < RS; q++) {
                 float w[8];
                 dequant8(rows[q] * rw, g, w);

@@ -47,6 +47,7 @@ from trio_llm.vulkan.forward import (
     Activations,
     KVCache,
     build_ops,
+    fusion_groups,
     moe_map_bytes,
     plan_buffers,
     q8_scratch,
@@ -160,7 +161,7 @@ class VulkanBackend:
         self._rs = RecurrentState(self._alloc, state_bytes(self._ir, self.n_seq))
         self._recurrent = plan_recurrent(self._ir)
         self._rs_pos = np.zeros(self.n_seq, np.int64)  # positions each sequence's state has absorbed
-        self._plan = plan_buffers(self._ir)
+        self._plan = plan_buffers(self._ir, fusion_groups(self._ir) if self._ops.hybrid_fuse else ())
         # the largest bucket: a forward with more tokens runs as several chunks; every
         # activation of a chunk must fit one binding (128 MiB on lavapipe)
         limit = device.limits.max_storage_buffer_range

@@ -29,6 +29,7 @@ Lowering has three parts, none of which knows an architecture:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import attrs
 import numpy as np
@@ -90,42 +91,188 @@ def q8_scratch(graph: Graph, weights: WeightStore, ops: Ops) -> dict[str, tuple[
 
 
 @attrs.frozen
+class Fusion:
+    """Consecutive work of the graph that one dispatch does where a bucket's lowering
+    allows it (``fusion_groups``; ``Ops.hybrid_fuse``). The buffer plan keeps the
+    members' inputs alive up to the last member, and for a group emitted at its first
+    member (``early``) gives every member's output its buffer from there on: so a
+    fused dispatch, wherever in the group it runs, never overwrites a value still to be
+    read, and the same plan serves the buckets that lower the group unfused."""
+
+    kind: Literal["conv_split", "delta_gate", "glu_in", "moe_out"]
+    nodes: tuple[int, ...]  # the members' output tensor ids, in node order
+    early: bool  # emitted at the first member (else at the last)
+
+
+def _only(cons: dict[int, list[Node]], t: Tensor) -> Node | None:
+    readers = cons.get(t.id, [])
+    return readers[0] if len(readers) == 1 else None
+
+
+def conv_split_parts(node: Node, cons: dict[int, list[Node]]) -> tuple[list[tuple[Node, Node | None]], int, float] | None:
+    """qwen35's conv output read only by three column-range takes that tile it, the
+    ranges' heads of ``d`` channels L2-normed where a take's only reader is an
+    ``l2_norm`` of groups of ``d``: ([(take, its l2_norm or None)], d, eps), or None."""
+    c = node.out
+    readers = cons.get(c.id, [])
+    if len(readers) != 3 or any(r.op != "take" or r.attr("group") != c.width for r in readers):
+        return None
+    parts = sorted(readers, key=lambda r: r.attr("start"))
+    end = 0
+    for r in parts:
+        if r.attr("start") != end:
+            return None
+        end += r.attr("n")
+    if end != c.width:
+        return None
+    out: list[tuple[Node, Node | None]] = []
+    heads: set[tuple[int, float]] = set()
+    for r in parts:
+        nrm = _only(cons, r.out)
+        if nrm is not None and nrm.op == "l2_norm" and nrm.inputs[0] is r.out:
+            heads.add((nrm.attr("group"), nrm.attr("eps")))
+            out.append((r, nrm))
+        else:
+            out.append((r, None))
+    if len(heads) != 1:
+        return None
+    ((d, eps),) = heads
+    if any(r.attr("start") % d or r.attr("n") % d for r in parts):
+        return None
+    return out, d, eps
+
+
+def _moe_out_members(node: Node, cons: dict[int, list[Node]], prod: dict[int, Node]) -> list[Node] | None:
+    """A moe_combine's sum, then (qwen35moe) the add of the gated shared expert
+    (``gate_rows`` read only by that add), then the residual add: the members, or None
+    when the combine is not read by one add alone."""
+    add = _only(cons, node.out)
+    if add is None or add.op != "add" or any(t.kind != "value" or t.shape != node.out.shape for t in add.inputs):
+        return None
+    other = add.inputs[1] if add.inputs[0] is node.out else add.inputs[0]
+    gate = prod.get(other.id)
+    if gate is None or gate.op != "gate_rows" or _only(cons, gate.out) is not add:
+        return [node, add]  # the residual add (qwen3moe)
+    members = [node, gate, add]
+    resid = _only(cons, add.out)
+    if (resid is not None and resid.op == "add"
+            and all(t.kind == "value" and t.shape == add.out.shape for t in resid.inputs)):
+        members.append(resid)
+    return members
+
+
+def fusion_groups(graph: Graph) -> tuple[Fusion, ...]:
+    """The graph's work that fused kernels can do (from its shape alone; which buckets
+    lower each group fused is the lowering's choice, ``_Lowering.find_hybrid_fusions``):
+
+    - ``conv_split``: ssm_conv -> three takes -> L2 norms of q and k (ssm_conv_split.comp);
+    - ``delta_gate``: delta_net -> per-head rms_norm -> silu(z) * that (delta_net.comp's
+      GATED_NORM), z computed before the delta rule;
+    - ``glu_in``: the experts' silu(gate) * up read only by their down product
+      (moe_matvec.comp's GLU_IN);
+    - ``moe_out``: moe_combine -> + gated shared expert -> + residual (moe_combine.comp's
+      SHEXP and RESID).
+    """
+    cons = graph.consumers()
+    prod = graph.producers()
+    index = {n.out.id: i for i, n in enumerate(graph.nodes)}
+    out: list[Fusion] = []
+    for node in graph.nodes:
+        members: list[Node] | None = None
+        early = False
+        kind: Literal["conv_split", "delta_gate", "glu_in", "moe_out"]
+        if node.op == "ssm_conv":
+            kind, early = "conv_split", True
+            split = conv_split_parts(node, cons)
+            if split is not None:
+                members = [node, *(r for take, nrm in split[0] for r in (take, nrm) if r is not None)]
+        elif node.op == "delta_net":
+            kind, early = "delta_gate", True
+            nrm = _only(cons, node.out)
+            glu = _only(cons, nrm.out) if nrm is not None else None
+            if (nrm is not None and glu is not None and nrm.op == "rms_norm" and nrm.inputs[0] is node.out
+                    and nrm.attr("group") == node.attr("head_dim") and glu.op == "glu" and glu.attr("act") == "silu"
+                    and glu.inputs[1] is nrm.out and glu.inputs[0] is not nrm.out):
+                z = glu.inputs[0]
+                zp = prod.get(z.id)
+                if z.kind == "value" and z.shape == node.out.shape and zp is not None and index[zp.out.id] < index[node.out.id]:
+                    members = [node, nrm, glu]
+        elif node.op == "moe_linear":
+            kind = "glu_in"
+            glu = prod.get(node.inputs[0].id)
+            if (glu is not None and glu.op == "glu" and glu.attr("act") == "silu" and _only(cons, glu.out) is node
+                    and len(glu.out.shape) == 3 and all(t.kind == "value" for t in glu.inputs)):
+                members = [glu, node]
+        elif node.op == "moe_combine":
+            kind = "moe_out"
+            members = _moe_out_members(node, cons, prod)
+        if members is not None:
+            members.sort(key=lambda n: index[n.out.id])
+            out.append(Fusion(kind, tuple(n.out.id for n in members), early))
+    return tuple(out)
+
+
+@attrs.frozen
 class BufferPlan:
     """Which compute buffer holds each value: ``slot_of[tensor id]`` names a slot of
-    ``slots`` (name -> (row kind "T" or "O", floats per row))."""
+    ``slots`` (name -> (row kind "T" or "O", floats per row)); ``fusions`` the groups
+    the plan made room for (``Fusion``)."""
 
     slot_of: dict[int, str]
     slots: dict[str, tuple[str, int]]
+    fusions: tuple[Fusion, ...] = ()
 
 
-def plan_buffers(graph: Graph) -> BufferPlan:
+def plan_buffers(graph: Graph, fusions: Sequence[Fusion] = ()) -> BufferPlan:
     """Greedy slot assignment over the node order, with liveness (a value's slot is free
-    after its last reader)."""
+    after its last reader), made safe for ``fusions`` (see ``Fusion``)."""
     last: dict[int, int] = {}
     for i, node in enumerate(graph.nodes):
         for t in node.inputs:
             last[t.id] = i
     assert graph.logits is not None
     last[graph.logits.id] = len(graph.nodes)
+    index = {n.out.id: i for i, n in enumerate(graph.nodes)}
+    early: dict[int, list[Tensor]] = {}  # node index -> outputs given their buffers there
+    for f in fusions:
+        idx = sorted(index[t] for t in f.nodes)
+        members = set(f.nodes)
+        for i in idx:
+            for t in graph.nodes[i].inputs:
+                if t.kind == "value" and t.id not in members:
+                    last[t.id] = max(last.get(t.id, -1), idx[-1])
+        if f.early:
+            early.setdefault(idx[0], []).extend(graph.nodes[i].out for i in idx)
     slot_of: dict[int, str] = {}
     slots: dict[str, tuple[str, int]] = {}
     free: dict[tuple[str, int], list[str]] = {}
+
+    def key_of(t: Tensor) -> tuple[str, int]:
+        return ("O" if t.shape[0] == OUTPUTS else "T", t.width)
+
+    def take(key: tuple[str, int]) -> str:
+        pool = free.get(key)
+        if pool:
+            return pool.pop()
+        name = f"s{len(slots)}"
+        slots[name] = key
+        return name
+
     for i, node in enumerate(graph.nodes):
+        for t in early.get(i, []):
+            if t.id not in slot_of:
+                slot_of[t.id] = take(key_of(t))
         out = node.out
-        key = ("O" if out.shape[0] == OUTPUTS else "T", out.width)
+        key = key_of(out)
         first = node.inputs[0] if node.inputs else None
-        if (node.op in _IN_PLACE and first is not None and first.kind == "value"
+        if out.id in slot_of:  # given its buffer early (a fusion group's output)
+            done = [t for t in node.inputs if t.kind == "value" and last.get(t.id) == i]
+        elif (node.op in _IN_PLACE and first is not None and first.kind == "value"
                 and last.get(first.id) == i and first.shape == out.shape):
             slot_of[out.id] = slot_of[first.id]
             done = [t for t in node.inputs[1:] if t.kind == "value" and last.get(t.id) == i]
         else:
-            pool = free.get(key)
-            if pool:
-                name = pool.pop()
-            else:
-                name = f"s{len(slots)}"
-                slots[name] = key
-            slot_of[out.id] = name
+            slot_of[out.id] = take(key)
             done = [t for t in node.inputs if t.kind == "value" and last.get(t.id) == i]
         freed: set[str] = {slot_of[out.id]}
         for t in done:
@@ -135,7 +282,7 @@ def plan_buffers(graph: Graph) -> BufferPlan:
                 free.setdefault(slots[s], []).append(s)
         if out.id not in last:  # never read: free at once
             free.setdefault(key, []).append(slot_of[out.id])
-    return BufferPlan(slot_of, slots)
+    return BufferPlan(slot_of, slots, tuple(fusions))
 
 
 @attrs.define(eq=False)
@@ -257,6 +404,13 @@ class _Lowering:
     _norm_q8: dict[int, Node] = attrs.field(factory=dict)  # linear id -> the rms_norm its quantize does
     _grouped: int = -1  # the routing whose grouping the moe map holds now
     _q8_holds: int = -1  # the value whose int8 form the q8 scratch holds now
+    _hyb: dict[int, Fusion] = attrs.field(factory=dict)  # the node that lowers a fused group -> the group
+    # the level scheduler (Ops.hybrid_fuse): dispatches by barrier level, and per hazard
+    # key the level of its last writer and the highest level that reads it
+    _levels: list[list[Op]] = attrs.field(factory=list)
+    _wlev: dict[object, int] = attrs.field(factory=dict)
+    _rlev: dict[object, int] = attrs.field(factory=dict)
+    _floor: int = 0
 
     @property
     def decode(self) -> bool:
@@ -266,7 +420,27 @@ class _Lowering:
 
     def emit(self, dispatches: Sequence[Op], reads: Sequence[object], writes: Sequence[object]) -> None:
         """Dispatches that may run together (they write disjoint parts), after a
-        barrier if they touch what the ops since the last barrier wrote."""
+        barrier if they touch what the ops since the last barrier wrote; with
+        ``Ops.hybrid_fuse``, at the first barrier level after every level that wrote
+        what they touch or read what they write (so independent work of later nodes
+        joins an earlier level; a copy gets a level of its own, last)."""
+        if self.ops.hybrid_fuse:
+            lvl = self._floor
+            for k in reads:
+                lvl = max(lvl, self._wlev.get(k, -1) + 1)
+            for k in writes:
+                lvl = max(lvl, self._wlev.get(k, -1) + 1, self._rlev.get(k, -1) + 1)
+            if any(isinstance(d, Copy) for d in dispatches):
+                lvl = max(lvl, len(self._levels))
+                self._floor = lvl + 1
+            while len(self._levels) <= lvl:
+                self._levels.append([])
+            self._levels[lvl].extend(dispatches)
+            for k in reads:
+                self._rlev[k] = max(self._rlev.get(k, -1), lvl)
+            for k in writes:
+                self._wlev[k] = lvl
+            return
         touched = set(reads) | set(writes)
         if touched & self._dirty or set(writes) & self._read:
             self.out.append(Barrier())
@@ -355,10 +529,45 @@ class _Lowering:
                         self._add_into[lin.out.id] = node
                         self._absorbed.add(node.out.id)
                         break
+        if self.ops.hybrid_fuse:
+            self.find_hybrid_fusions()
         if self.decode and self.ops.fuse_norm:
             self.find_norm_fusions()
         if "q8x" in self.act.bufs:
             self.find_q8_norms()
+
+    def find_hybrid_fusions(self) -> None:
+        """The plan's fusion groups this bucket lowers fused: the conv split and the
+        combine everywhere, the gated norm where the delta rule is delta_net.comp (not
+        the chunked prefill form), the experts' SwiGLU where their down product is
+        moe_matvec (not the grouped prefill form); each needs f32 norm weights."""
+        f32 = lambda t: self.weights.slots[t.name].qtype == "F32"  # noqa: E731
+        for f in self.plan.fusions:
+            nodes = [self._prod[i] for i in f.nodes]
+            if any(n.out.id in self._absorbed for n in nodes):
+                continue
+            if f.kind == "conv_split" and not f32(nodes[0].inputs[1]):
+                continue
+            if f.kind == "delta_gate" and (self.chunked or not f32(nodes[1].inputs[1])):
+                continue
+            if f.kind == "glu_in" and self.moe_grouped(nodes[-1]):
+                continue
+            if f.kind == "moe_out" and any(n.op == "gate_rows" and not f32(n.inputs[2]) for n in nodes):
+                continue
+            head = nodes[0] if f.early else nodes[-1]
+            self._hyb[head.out.id] = f
+            self._absorbed |= {n.out.id for n in nodes if n is not head}
+
+    @property
+    def chunked(self) -> bool:
+        """Whether the delta rule runs in its chunked prefill form here."""
+        return not self.decode and self.rs is not None and bool(self.rs.work)
+
+    def moe_grouped(self, node: Node) -> bool:
+        """Whether this expert product runs grouped by expert (moe_group + moe_matmul)."""
+        n_expert = int(node.inputs[1].shape[0])
+        return (not self.decode and self.ops.moe_grouped and "moe_map" in self.act.bufs
+                and self.bucket * node.attr("k") >= self.ops.moe_grouped_min * n_expert)
 
     def find_norm_fusions(self) -> None:
         """An RMSNorm read only by projections goes into their matvecs (NORM_IN): each
@@ -492,6 +701,10 @@ class _Lowering:
         for node in self.graph.nodes:
             if node.out.id in self._absorbed:
                 continue
+            fused = self._hyb.get(node.out.id)
+            if fused is not None:
+                getattr(self, "fuse_" + fused.kind)(node, [self._prod[i] for i in fused.nodes])
+                continue
             lower = getattr(self, "op_" + node.op, None)
             if lower is None:
                 raise GraphError(f"{node.out.name}: the Vulkan backend has no op {node.op!r}")
@@ -501,6 +714,11 @@ class _Lowering:
         n_bytes = 4 * min(self.bucket, self.act.out_cap) * self.graph.logits.width  # type: ignore[union-attr]
         self.emit([Copy(self.view(logits).sub(0, n_bytes), self.act.view("readback").sub(0, n_bytes))],
                   [self.slot(logits)], ["readback"])
+        if self.ops.hybrid_fuse:
+            for i, level in enumerate(self._levels):
+                if i:
+                    self.out.append(Barrier())
+                self.out.extend(level)
         return self.out
 
     def op_get_rows(self, node: Node) -> None:
@@ -741,8 +959,7 @@ class _Lowering:
     def op_moe_linear(self, node: Node) -> None:
         x, w, routes = node.inputs
         n_expert, n_rows, n_in = (int(d) for d in w.shape)
-        if (not self.decode and self.ops.moe_grouped and "moe_map" in self.act.bufs
-                and self.bucket * node.attr("k") >= self.ops.moe_grouped_min * n_expert):
+        if self.moe_grouped(node):
             self._moe_grouped(node, n_expert, n_rows, n_in)
             return
         d = self.ops.moe_matvec(self.weights.slots[w.name].qtype, self.weights.view(w.name), self.view(x),
@@ -841,6 +1058,78 @@ class _Lowering:
                   [self.slot(t) for t in (q, k, alpha, beta)], work)
         self.emit([self.ops.delta_chunk(vq, vk, vv, vb, tm, pm, gc, self.view(node.out), state, self.st, **shape)],
                   [self.slot(t) for t in (q, k, v, beta)] + work + [key], [self.slot(node.out), key])
+
+    # -- fused groups (``Fusion``; ``find_hybrid_fusions``) ----------------------------
+
+    def fuse_conv_split(self, node: Node, members: list[Node]) -> None:
+        """The conv, its split into q, k and v and the L2 norms of q and k: one dispatch
+        (ssm_conv_split.comp), then the state moved on (ssm_conv phase 1), which only the
+        next step reads: it shares the level of whatever reads q, k and v."""
+        x, w = node.inputs
+        split = conv_split_parts(node, self._cons)
+        assert split is not None
+        parts, d, eps = split
+        outs = [nrm.out if nrm is not None else take.out for take, nrm in parts]
+        state, key = self._state(node)
+        e1 = parts[0][0].attr("n")
+        mask = sum(1 << p for p, (_, nrm) in enumerate(parts) if nrm is not None)
+        y0, y1, y2 = (self.view(t) for t in outs)
+        d0 = self.ops.ssm_conv_split(self.view(x), self.view(w), y0, y1, y2, state, self.st,
+                                     c=x.width, k=node.attr("d_conv"), d=d, e1=e1, e2=e1 + parts[1][0].attr("n"),
+                                     norm=mask, eps=eps, cap=self.bucket)
+        self.emit([d0], [self.slot(x), key], [self.slot(t) for t in outs])
+        d1 = self.ops.ssm_conv(self.view(x), self.view(w), self.view(outs[0]), state, self.st, phase=1, c=x.width,
+                               k=node.attr("d_conv"), cap=self.bucket)
+        self.emit([d1], [self.slot(x), key], [key])
+
+    def fuse_delta_gate(self, node: Node, members: list[Node]) -> None:
+        """The delta rule with the per-head RMSNorm and the silu(z) gate after it, in the
+        same work groups (delta_net.comp GATED_NORM)."""
+        q, k, v, alpha, beta, dt, a = node.inputs
+        _, nrm, glu = members
+        z = glu.inputs[0]
+        state, key = self._state(node)
+        vq, vk, vv, va, vb, vdt, vad = (self.view(t) for t in (q, k, v, alpha, beta, dt, a))
+        d = self.ops.delta_net(vq, vk, vv, va, vb, vdt, vad, self.view(glu.out), state, self.st,
+                               n_k=node.attr("n_k_heads"), n_v=node.attr("n_v_heads"), d=node.attr("head_dim"),
+                               cap=self.bucket, gate=(self.view(z), self.view(nrm.inputs[1]), nrm.attr("eps")))
+        self.emit([d], [self.slot(t) for t in (q, k, v, alpha, beta, z)] + [key], [self.slot(glu.out), key])
+
+    def fuse_glu_in(self, node: Node, members: list[Node]) -> None:
+        """The experts' down product reading silu(gate) * up as it loads them
+        (moe_matvec.comp GLU_IN)."""
+        glu = members[0]
+        g, u = glu.inputs
+        _, w, routes = node.inputs
+        n_rows, n_in = int(w.shape[1]), int(w.shape[2])
+        d = self.ops.moe_matvec(self.weights.slots[w.name].qtype, self.weights.view(w.name), self.view(g),
+                                self.view(node.out), self.st, self.view(routes), n_in=n_in, n_rows=n_rows,
+                                x_stride=g.width, x_pair=n_in, y_stride=node.out.width, k=node.attr("k"),
+                                cap=self.bucket, up=self.view(u))
+        self.emit([d], [self.slot(g), self.slot(u), self.slot(routes)], [self.slot(node.out)])
+
+    def fuse_moe_out(self, node: Node, members: list[Node]) -> None:
+        """The experts' weighted sum, plus the gated shared expert, plus the residual:
+        one elementwise dispatch (moe_combine.comp SHEXP, RESID)."""
+        comb = members[0]
+        y, routes = comb.inputs
+        inner = {m.out.id for m in members}
+        gate = next((m for m in members if m.op == "gate_rows"), None)
+        res = [t for m in members if m.op == "add" for t in m.inputs if t.id not in inner]
+        assert len(res) <= 1
+        reads = [self.slot(y), self.slot(routes)]
+        shexp = None
+        if gate is not None:
+            xs, h, gw = gate.inputs
+            shexp = (self.view(xs), self.view(h), self.view(gw), h.width)
+            reads += [self.slot(xs), self.slot(h)]
+        if res:
+            reads.append(self.slot(res[0]))
+        n = int(node.out.shape[1])
+        d = self.ops.moe_combine(self.view(y), self.view(routes), self.view(node.out), self.st, n=n,
+                                 k=comb.attr("k"), y_stride=node.out.width, cap=self.bucket,
+                                 res=self.view(res[0]) if res else None, shexp=shexp)
+        self.emit([d], reads, [self.slot(node.out)])
 
     @property
     def st(self) -> View:

@@ -340,6 +340,14 @@ class Ops:
     #: X_Q8 multiplies with dotPacked4x8EXT (INT_DOT) where the device reports integer
     #: dot products (None: ask the device); False: the plain int math (tests)
     int_dot: bool | None = None
+    #: the hybrid and MoE fusions (forward.py's ``fusion_groups``): qwen35's conv with
+    #: its split and L2 norms in one dispatch, the delta rule with the gated RMSNorm
+    #: after it, the experts' SwiGLU in their down product, the experts' combine with
+    #: the shared expert's gate and the residual add; and the emission's level
+    #: scheduler (each dispatch at the first barrier level its hazards allow, not
+    #: after the previous node's). TRIO_LLM_HYBRID_FUSE=0: the unfused lowering, for
+    #: the H200 A/B (bench/h200.sh hybfuse)
+    hybrid_fuse: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_HYBRID_FUSE", "1") != "0")
 
     def q8_ok(self, qtype: str, bucket: int) -> bool:
         """Whether a decode bucket's product of ``qtype`` weights reads int8 activations."""
@@ -801,18 +809,22 @@ class Ops:
 
     def moe_matvec(
         self, qtype: str, w: View, x: View, y: View, step: View, routes: View, *, n_in: int, n_rows: int,
-        x_stride: int, x_pair: int, y_stride: int, k: int, cap: int,
+        x_stride: int, x_pair: int, y_stride: int, k: int, cap: int, up: View | None = None,
     ) -> Dispatch:
         """y[c, j, :] = W[id(c, j)] . x[c] (``x_pair`` 0) or . x[c, j] for the live tokens
-        c and their k chosen experts j; ``w`` is the whole 3-D expert tensor."""
+        c and their k chosen experts j; ``w`` is the whole 3-D expert tensor. With ``up``
+        (laid out as x) the input is silu(x) * up, made as it is loaded (GLU_IN: the
+        experts' SwiGLU before their down product)."""
         assert n_in % 8 == 0 and x_stride % 4 == 0 and x_pair % 4 == 0
         nr, rs = self.matvec_rows, self.matvec_rs
+        defines = qtype_defines(qtype) if up is None else {**qtype_defines(qtype), "GLU_IN": 1}
         kern = self.kernels.get(
-            "moe_matvec", n_bindings=5, n_push=7, local_size=nr * self.subgroup,
-            defines=qtype_defines(qtype), spec={2: nr, 3: rs},
+            "moe_matvec", n_bindings=5 if up is None else 6, n_push=7, local_size=nr * self.subgroup,
+            defines=defines, spec={2: nr, 3: rs},
         )
         push = (n_in, n_rows, x_stride, x_pair, y_stride, k, 2 * k)
-        return Dispatch(kern, (w, x, y, step, routes), push, (math.ceil(n_rows / (nr * rs)), 1, cap * k))
+        views = (w, x, y, step, routes) if up is None else (w, x, y, step, routes, up)
+        return Dispatch(kern, views, push, (math.ceil(n_rows / (nr * rs)), 1, cap * k))
 
     def moe_group(
         self, routes: View, moe_map: View, step: View, *, n_expert: int, k: int, cap: int,
@@ -857,11 +869,26 @@ class Ops:
 
     def moe_combine(
         self, x: View, routes: View, y: View, step: View, *, n: int, k: int, y_stride: int, cap: int,
+        res: View | None = None, shexp: tuple[View, View, View, int] | None = None,
     ) -> Dispatch:
-        """y[c] = sum_j weight(c, j) x[c, j] over the live tokens."""
-        kern = self.kernels.get("moe_combine", n_bindings=4, n_push=5, local_size=self.elem_wg)
-        push = (n, k, k * n, 2 * k, y_stride)
-        return Dispatch(kern, (x, routes, y, step), push, (math.ceil(n / self.elem_wg), cap, 1))
+        """y[c] = sum_j weight(c, j) x[c, j] over the live tokens; with ``shexp`` = (xs,
+        h, g, n_in) plus xs[c] * sigmoid(h[c] . g) (the gated shared expert), with
+        ``res`` that added to res[c] (the residual stream; y may be its buffer)."""
+        defines: dict[str, object] = {}
+        views: tuple[View, ...] = (x, routes, y, step)
+        push: tuple[int, ...] = (n, k, k * n, 2 * k, y_stride)
+        if res is not None:
+            defines["RESID"] = 1
+            views += (res,)
+        wg = self.elem_wg
+        if shexp is not None:
+            defines["SHEXP"] = 1
+            views += shexp[:3]
+            push += (shexp[3],)
+            wg = self.norm_wg  # gate_rows' work group: its dot product, summed in its order
+        kern = self.kernels.get("moe_combine", n_bindings=len(views), n_push=len(push), local_size=wg,
+                                defines=defines or None)
+        return Dispatch(kern, views, push, (math.ceil(n / wg), cap, 1))
 
     # -- gated delta-net (qwen35) -----------------------------------------------------
 
@@ -902,13 +929,39 @@ class Ops:
                                 defines={"PHASE": phase})
         return Dispatch(kern, (x, w, y, state, step), (c, k), (math.ceil(c / self.elem_wg), cap, 1))
 
+    def ssm_conv_split(
+        self, x: View, w: View, y0: View, y1: View, y2: View, state: View, step: View, *, c: int, k: int,
+        d: int, e1: int, e2: int, norm: int, eps: float, cap: int,
+    ) -> Dispatch:
+        """``ssm_conv``'s phase 0 with its output split into the column ranges [0, e1),
+        [e1, e2), [e2, c) written to ``y0``, ``y1``, ``y2``, the heads of ``d`` values of
+        range p L2-normalised where bit p of ``norm`` is set (qwen35's q and k): the
+        chain conv -> take -> l2_norm in one dispatch (ssm_conv_split.comp). The state
+        still moves on in ``ssm_conv`` phase 1."""
+        assert c % d == 0 and e1 % d == 0 and e2 % d == 0 and 0 < e1 < e2 < c
+        wg = self.norm_wg  # l2_norm's work group: the same sums in the same order
+        kern = self.kernels.get("ssm_conv_split", n_bindings=7, n_push=7, local_size=wg,
+                                spec={1: math.ceil(d / wg)})
+        return Dispatch(kern, (x, w, y0, y1, y2, state, step), (c, k, d, e1, e2, norm, float(eps)),
+                        (c // d, cap, 1))
+
     def delta_net(
         self, q: View, k: View, v: View, alpha: View, beta: View, dt: View, a: View, o: View, state: View,
-        step: View, *, n_k: int, n_v: int, d: int, cap: int,
+        step: View, *, n_k: int, n_v: int, d: int, cap: int, gate: tuple[View, View, float] | None = None,
     ) -> Dispatch:
-        """The gated delta rule over each sequence's run of tokens (``Graph.delta_net``)."""
-        kern = self.kernels.get("delta_net", n_bindings=10, n_push=2, local_size=d)
-        return Dispatch(kern, (q, k, v, alpha, beta, dt, a, o, state, step), (n_k, n_v), (n_v, cap, 1))
+        """The gated delta rule over each sequence's run of tokens (``Graph.delta_net``).
+        ``gate`` = (z, w, eps): each output head then RMS-normed with the weight ``w``
+        [d] and multiplied by silu(z) (z laid out as o): qwen35's ``rms_norm`` and
+        ``glu`` after the rule, done by the same work group (GATED_NORM)."""
+        if gate is None:
+            kern = self.kernels.get("delta_net", n_bindings=10, n_push=2, local_size=d)
+            return Dispatch(kern, (q, k, v, alpha, beta, dt, a, o, state, step), (n_k, n_v), (n_v, cap, 1))
+        z, nw, eps = gate
+        # the norm's sums as rms_norm.comp makes them with its work group of norm_wg lanes
+        kern = self.kernels.get("delta_net", n_bindings=12, n_push=3, local_size=d, defines={"GATED_NORM": 1},
+                                spec={1: min(self.norm_wg, d)})
+        return Dispatch(kern, (q, k, v, alpha, beta, dt, a, o, state, step, z, nw), (n_k, n_v, float(eps)),
+                        (n_v, cap, 1))
 
     def delta_prep(
         self, q: View, k: View, alpha: View, beta: View, dt: View, a: View, tm: View, pm: View, gc: View,

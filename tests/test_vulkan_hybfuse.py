@@ -1,0 +1,245 @@
+"""The hybrid and MoE fusions (``Ops.hybrid_fuse``, forward.py's ``fusion_groups``) on
+lavapipe: each fused kernel against numpy (the conv with its split and L2 norms, the
+delta rule with the gated RMSNorm, the experts' down product reading their SwiGLU, the
+combine with the gated shared expert and the residual), the barrier levels of one
+decode step per layer of tiny-qwen35, tiny-qwen35moe and tiny-qwen3moe (exact, fused
+and not), and whole forwards equal to the unfused lowering's."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from test_vulkan_deltanet import N_SEQ, _entered, _step
+from test_vulkan_ops import Env, make_weights, open_env
+from trio_llm.engine.backend import SeqBatch
+from trio_llm.engine.reference import NumpyBackend, rms_norm, sigmoid, silu
+from trio_llm.graph import Graph
+from trio_llm.model.gguf import load_gguf
+from trio_llm.vulkan.backend import VulkanBackend
+from trio_llm.vulkan.graph import Barrier, Copy, Op
+
+pytestmark = pytest.mark.vulkan
+
+
+env = pytest.fixture(scope="module", name="env")(open_env)
+
+
+@pytest.mark.parametrize("d", [64, 128, 32])
+def test_ssm_conv_split_equals_the_conv_the_takes_and_the_l2_norms(env: Env, d: int) -> None:
+    """q and k heads L2-normed, v as it is, each in its own buffer; a head of 128 takes
+    two channels a lane; the state is left for phase 1, which the unfused path shares."""
+    key, value, k = 2 * d, 3 * d, 4
+    c = 2 * key + value
+    rng = np.random.default_rng(d)
+    step, seqs, pos, toks = _step()
+    n = len(seqs)
+    x = rng.standard_normal((n, c)).astype(np.float32)
+    w = rng.standard_normal((c, k)).astype(np.float32)
+    state = rng.standard_normal((N_SEQ, k - 1, c)).astype(np.float32)
+    g = Graph(shapes={"emb": (8, c), "conv": (c, k)})
+    g.layer(0)
+    out = g.ssm_conv(g.get_rows(g.weight("emb"), g.tokens()), g.weight("conv"), "conv_out")
+    fake = types.SimpleNamespace(_rs={out.id: _entered(state)})
+    conv = NumpyBackend._ssm_conv(fake, g.nodes[-1], x, w, step)  # type: ignore[arg-type]
+
+    def l2(t: np.ndarray) -> np.ndarray:
+        h = t.reshape(n, -1, d)
+        return (h / np.maximum(np.linalg.norm(h, axis=-1, keepdims=True), 1e-6)).reshape(n, -1)
+
+    want = [l2(conv[:, :key]), l2(conv[:, key : 2 * key]), conv[:, 2 * key :]]
+    xv, wv, sv, st = env.put(x), env.put(w), env.put(state), env.step(toks, pos, seqs)
+    ys = [env.zeros(n * key), env.zeros(n * key), env.zeros(n * value)]
+    env.run([env.ops.ssm_conv_split(xv, wv, *ys, sv, st, c=c, k=k, d=d, e1=key, e2=2 * key, norm=0b011,
+                                    eps=1e-6, cap=8)])
+    for y, wt in zip(ys, want, strict=True):
+        np.testing.assert_allclose(env.get(y).reshape(n, -1), wt, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(env.get(sv).reshape(state.shape), state)  # phase 1 moves it on
+
+
+@pytest.mark.parametrize(("n_k", "n_v", "d"), [(2, 4, 64), (1, 2, 128)])
+def test_delta_net_with_the_gated_norm_equals_rule_norm_and_gate(env: Env, n_k: int, n_v: int, d: int) -> None:
+    rng = np.random.default_rng(d + 1)
+    step, seqs, pos, toks = _step()
+    n = len(seqs)
+
+    def unit(shape: tuple[int, ...]) -> np.ndarray:
+        z = rng.standard_normal(shape).astype(np.float32)
+        return (z / np.linalg.norm(z, axis=-1, keepdims=True)).reshape(shape[0], -1)
+
+    q, k = unit((n, n_k, d)), unit((n, n_k, d))
+    v = rng.standard_normal((n, n_v * d)).astype(np.float32)
+    alpha = rng.standard_normal((n, n_v)).astype(np.float32)
+    beta = rng.standard_normal((n, n_v)).astype(np.float32)
+    dt = rng.standard_normal(n_v).astype(np.float32)
+    a = -np.exp(rng.standard_normal(n_v)).astype(np.float32)
+    z = rng.standard_normal((n, n_v * d)).astype(np.float32)
+    nw = rng.standard_normal(d).astype(np.float32)
+    state = (0.1 * rng.standard_normal((N_SEQ, n_v, d, d))).astype(np.float32)
+    g = Graph(shapes={"eq": (8, n_k * d), "ev": (8, n_v * d), "eg": (8, n_v), "dt": (n_v,), "a": (n_v,)})
+    g.layer(0)
+    tq, tv, tg = (g.get_rows(g.weight(w), g.tokens(), name=w) for w in ("eq", "ev", "eg"))
+    out = g.delta_net(tq, tq, tv, tg, tg, g.weight("dt"), g.weight("a"), "dn", n_k_heads=n_k, n_v_heads=n_v,
+                      head_dim=d)
+    fake = types.SimpleNamespace(_rs={out.id: _entered(state)})
+    o = NumpyBackend._delta_net(fake, g.nodes[-1], q, k, v, alpha, beta, dt, a, step=step)  # type: ignore[arg-type]
+    want = silu(z) * rms_norm(o.reshape(n, n_v, d), nw, 1e-6).reshape(n, -1)
+    views = [env.put(t) for t in (q, k, v, alpha, beta, dt, a)]
+    ov, sv, st = env.zeros(n * n_v * d), env.put(np.ascontiguousarray(state.transpose(0, 1, 3, 2))), \
+        env.step(toks, pos, seqs)
+    env.run([env.ops.delta_net(*views, ov, sv, st, n_k=n_k, n_v=n_v, d=d, cap=8,
+                               gate=(env.put(z), env.put(nw), 1e-6))])
+    np.testing.assert_allclose(env.get(ov).reshape(n, -1), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    got_state = env.get(sv).reshape(N_SEQ, n_v, d, d).transpose(0, 1, 3, 2)
+    np.testing.assert_allclose(got_state, fake._rs[out.id], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "F16"])
+def test_moe_matvec_glu_in_multiplies_the_experts_swiglu(env: Env, qtype: str) -> None:
+    n_exp, rows, cols, n_tok, k = 5, 70, 256, 3, 2
+    raw, ref = make_weights(qtype, n_exp * rows, cols, seed=17)
+    ref = ref.reshape(n_exp, rows, cols)
+    rng = np.random.default_rng(18)
+    ids = np.array([[4, 0], [2, 3], [1, 4]])
+    routes = np.concatenate([ids.astype(np.float32), rng.random((n_tok, k), np.float32)], axis=1)
+    gate = rng.standard_normal((n_tok, k, cols)).astype(np.float32)
+    up = rng.standard_normal((n_tok, k, cols)).astype(np.float32)
+    y, st = env.zeros(n_tok * k * rows), env.step([0] * n_tok)
+    env.run([env.ops.moe_matvec(qtype, env.put(raw), env.put(gate), y, st, env.put(routes), n_in=cols,
+                                n_rows=rows, x_stride=k * cols, x_pair=cols, y_stride=k * rows, k=k, cap=4,
+                                up=env.put(up))])
+    want = np.einsum("tkoi,tki->tko", ref[ids], silu(gate) * up)
+    np.testing.assert_allclose(env.get(y).reshape(n_tok, k, rows), want, atol=2e-5 * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize(("shexp", "resid"), [(True, True), (False, True), (True, False)])
+def test_moe_combine_adds_the_gated_shared_expert_and_the_residual(env: Env, shexp: bool, resid: bool) -> None:
+    n_tok, k, n, n_in = 3, 4, 300, 200
+    rng = np.random.default_rng(19)
+    ys = rng.standard_normal((n_tok, k, n)).astype(np.float32)
+    routes = np.concatenate([np.zeros((n_tok, k), np.float32), rng.random((n_tok, k), np.float32)], axis=1)
+    xs = rng.standard_normal((n_tok, n)).astype(np.float32)
+    h = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    gw = (0.1 * rng.standard_normal(n_in)).astype(np.float32)
+    res = rng.standard_normal((n_tok, n)).astype(np.float32)
+    want = np.einsum("tkd,tk->td", ys, routes[:, k:])
+    if shexp:
+        want = want + xs * sigmoid(h @ gw)[:, None]
+    if resid:
+        want = res + want
+    rv = env.put(res)
+    out = rv if resid else env.zeros(n_tok * n)  # the residual add writes in place
+    env.run([env.ops.moe_combine(env.put(ys), env.put(routes), out, env.step([0] * n_tok), n=n, k=k, y_stride=n,
+                                 cap=4, res=rv if resid else None,
+                                 shexp=(env.put(xs), env.put(h), env.put(gw), n_in) if shexp else None)])
+    np.testing.assert_allclose(env.get(out).reshape(n_tok, n), want, rtol=1e-5, atol=1e-5)
+
+
+def _levels(ops: list[Op]) -> list[list[str]]:
+    """The dispatches between barriers, each level's kernel names sorted (matvec by its
+    form: "gate_up" computes gate, up and SwiGLU, "matvec_rope" writes the KV cache)."""
+    forms = {9: "gate_up", 13: "matvec_rope"}
+    out: list[list[str]] = [[]]
+    for op in ops:
+        if isinstance(op, Barrier):
+            out.append([])
+        elif isinstance(op, Copy):
+            out[-1].append("copy")
+        else:
+            name = op.kernel.name
+            out[-1].append(forms.get(op.kernel.n_push, name) if name == "matvec" else name)
+    return [sorted(level) for level in out]
+
+
+MV4 = ["matvec"] * 4
+#: one decode step of each layer kind, by barrier level (each level after a barrier)
+DELTA = [["rms_norm"], MV4, ["ssm_conv_split"], ["delta_net", "ssm_conv"], ["matvec"]]
+DELTA_OLD = [["rms_norm"], MV4, ["ssm_conv"], ["ssm_conv", "take"], ["l2_norm"], ["take"], ["l2_norm", "take"],
+             ["delta_net"], ["rms_norm"], ["swiglu"], ["matvec"]]
+GATED_ATTN = [["rms_norm"], ["matvec", "matvec", "matvec_rope"], ["rms_norm", "take", "take"],
+              ["rms_norm", "rope_partial"], ["rope", "rope_partial"], ["attn_decode2"], ["swiglu"], ["matvec"]]
+GATED_ATTN_OLD = [["rms_norm"], ["matvec"], ["take", "take"], ["matvec", "rms_norm"], ["rms_norm", "rope_partial"],
+                  ["rope_partial"], ["matvec_rope", "rope"], ["attn_decode2"], ["swiglu"], ["matvec"]]
+FFN = [["rms_norm"], ["gate_up"], ["matvec"]]
+MOE = [["rms_norm"], ["gate_up", "matvec"], ["matvec", "moe_topk"], ["moe_matvec", "moe_matvec"], ["moe_matvec"],
+       ["moe_combine"]]
+MOE_OLD = [["rms_norm"], ["matvec"], ["moe_topk"], ["moe_matvec", "moe_matvec"], ["swiglu"], ["moe_matvec"],
+           ["gate_up", "moe_combine"], ["matvec"], ["gate_rows"], ["add"], ["add"]]
+QWEN3_ATTN = [["rms_norm"], ["matvec", "matvec", "matvec_rope"], ["rms_norm", "rms_norm"], ["rope", "rope"],
+              ["attn_decode2"], ["matvec"]]
+QWEN3_ATTN_OLD = [["rms_norm"], ["matvec", "matvec"], ["rms_norm", "rms_norm"], ["matvec_rope", "rope", "rope"],
+                  ["attn_decode2"], ["matvec"]]
+QWEN3MOE = [["rms_norm"], ["matvec"], ["moe_topk"], ["moe_matvec", "moe_matvec"], ["moe_matvec"], ["moe_combine"]]
+QWEN3MOE_OLD = [["rms_norm"], ["matvec"], ["moe_topk"], ["moe_matvec", "moe_matvec"], ["swiglu"], ["moe_matvec"],
+                ["moe_combine"], ["add"]]
+HEAD = [["get_rows"], ["rms_norm"], ["matvec"], ["copy"]]
+
+#: preset -> (fused, unfused) levels of a decode step: the embedding, the layers, the head
+DECODE_LEVELS = {
+    "tiny-qwen35": ([["get_rows"], *(DELTA + FFN) * 3, *GATED_ATTN, *FFN, *HEAD],
+                    [["get_rows"], *(DELTA_OLD + FFN) * 3, *GATED_ATTN_OLD, *FFN, *HEAD]),
+    "tiny-qwen35moe": ([["get_rows"], *(DELTA + MOE) * 3, *GATED_ATTN, *MOE, *HEAD],
+                       [["get_rows"], *(DELTA_OLD + MOE_OLD) * 3, *GATED_ATTN_OLD, *MOE_OLD, *HEAD]),
+    "tiny-qwen3moe": ([["get_rows"], *(QWEN3_ATTN + QWEN3MOE) * 2, *HEAD],
+                      [["get_rows"], *(QWEN3_ATTN_OLD + QWEN3MOE_OLD) * 2, *HEAD]),
+}
+
+
+@pytest.mark.parametrize("preset", list(DECODE_LEVELS))
+def test_decode_barriers_per_layer(model_path, monkeypatch: pytest.MonkeyPatch, preset: str) -> None:  # type: ignore[no-untyped-def]
+    """One decode step, level by level (a barrier before each but the first): fused, a
+    qwen35 delta-net layer has 8 barriers (14 unfused: TRIO_LLM_HYBRID_FUSE=0), its
+    gated attention layer 11 (13), qwen35moe's 11 and 14 (22 and 21), a qwen3moe layer
+    12 (14); the head 4."""
+    model = load_gguf(model_path(preset, "Q8_0"))
+    for fuse, want in zip(("1", "0"), DECODE_LEVELS[preset], strict=True):
+        monkeypatch.setenv("TRIO_LLM_HYBRID_FUSE", fuse)
+        be = VulkanBackend(model, n_ctx=64, n_seq=2)
+        try:
+            for bucket in (1, 2, 8):
+                assert _levels(be.lowered(bucket)) == want, (fuse, bucket)
+        finally:
+            be.close()
+    counts = {"delta": len(DELTA + FFN), "delta_old": len(DELTA_OLD + FFN), "attn": len(GATED_ATTN + FFN),
+              "attn_old": len(GATED_ATTN_OLD + FFN), "moe_delta": len(DELTA + MOE),
+              "moe_delta_old": len(DELTA_OLD + MOE_OLD), "moe_attn": len(GATED_ATTN + MOE),
+              "moe_attn_old": len(GATED_ATTN_OLD + MOE_OLD), "qwen3moe": len(QWEN3_ATTN + QWEN3MOE),
+              "qwen3moe_old": len(QWEN3_ATTN_OLD + QWEN3MOE_OLD)}
+    assert counts == {"delta": 8, "delta_old": 14, "attn": 11, "attn_old": 13, "moe_delta": 11,
+                      "moe_delta_old": 22, "moe_attn": 14, "moe_attn_old": 21, "qwen3moe": 12,
+                      "qwen3moe_old": 14}
+
+
+@pytest.mark.parametrize(("preset", "quant"), [("tiny-qwen35", "Q8_0"), ("tiny-qwen35moe", "Q4_K_M"),
+                                               ("tiny-qwen3moe", "Q8_0")])
+def test_fused_forwards_equal_the_unfused_lowering(model_path, monkeypatch: pytest.MonkeyPatch, preset: str,
+                                                   quant: str) -> None:  # type: ignore[no-untyped-def]
+    """Two sequences, a 13-token prefill (the prefill buckets' fusions) and 10 decode
+    steps: the logits of TRIO_LLM_HYBRID_FUSE=1 (the default) and =0 agree to float
+    rounding (on lavapipe they are the same bits: every fused kernel sums in the
+    unfused kernels' order), and so do the greedy tokens."""
+    model = load_gguf(model_path(preset, quant))
+    logits = {}
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("TRIO_LLM_HYBRID_FUSE", fuse)
+        be = VulkanBackend(model, n_ctx=64, n_seq=2)
+        try:
+            assert be._ops.hybrid_fuse == (fuse == "1")
+            prompts = [np.array([1, 17, 250, 3, 999, 42, 7, 5, 6, 7, 8, 9, 10], np.int32),
+                       np.array([2, 300, 11], np.int32)]
+            out = be.forward([SeqBatch(i, p, 0) for i, p in enumerate(prompts)])
+            pos = [len(p) for p in prompts]
+            steps = [out.copy()]
+            for _ in range(10):
+                toks = [int(np.argmax(r)) for r in out]
+                out = be.forward([SeqBatch(i, np.array([t], np.int32), pos[i]) for i, t in enumerate(toks)])
+                pos = [p + 1 for p in pos]
+                steps.append(out.copy())
+            logits[fuse] = np.stack(steps)  # [steps, 2, n_vocab]
+        finally:
+            be.close()
+    scale = float(np.abs(logits["0"]).max())
+    assert float(np.abs(logits["1"] - logits["0"]).max()) <= 1e-5 * scale
+    assert (logits["1"].argmax(-1) == logits["0"].argmax(-1)).all()
