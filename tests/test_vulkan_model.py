@@ -162,6 +162,25 @@ def test_prefill_on_matmul_cm2_emulated(model_path, sub: int) -> None:  # type: 
         ref.close()
 
 
+@pytest.mark.parametrize(("sub", "spec"), [(32, "v+db+direct"), (64, "v+k64+b44+direct"), (32, "v+k64+b44+direct")])
+def test_prefill_on_matmul_cm3_emulated(model_path, sub: int, spec: str) -> None:  # type: ignore[no-untyped-def]
+    """The same prefills with every dense product on matmul_cm3 in a variant of the
+    H200 sweep (TRIO_LLM_CM2_VARIANT; emulated, on the tile ``cm3_tile`` picks within
+    lavapipe's shared memory), numpy's logits within the f16 rounding."""
+    from trio_llm.vulkan.shaders import cm3_variant
+
+    model = load_gguf(model_path("tiny-qwen3", "Q4_K_M"))
+    ref = NumpyBackend(model, n_ctx=64, n_seq=2, **F32_KV)
+    vk = VulkanBackend(model, n_ctx=64, n_seq=2, **F32_KV)
+    vk._ops.matmul_cm2_emulate = sub
+    vk._ops.matmul_cm2_variant = cm3_variant(spec)
+    try:
+        _prefill_within_f16(vk, ref, "matmul_cm3", ("matmul", "matmul_cm", "matmul_cm2"), [])
+    finally:
+        vk.close()
+        ref.close()
+
+
 @pytest.mark.parametrize(("sub", "rows"), [(32, 0), (64, 32)])
 def test_prefill_on_attn_prefill_cm2_emulated(model_path, sub: int, rows: int) -> None:  # type: ignore[no-untyped-def]
     """The prefill lowering with its attention on attn_prefill_cm2 (each subgroup owning

@@ -7,6 +7,7 @@ shaders' block decoding to the format, not to our own reading of it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import attrs
@@ -254,7 +255,7 @@ def _cm2_case(env: Env, ops: Ops, qtype: str, rows: int, cols: int, ntok: int, c
     st = env.step(list(range(ntok)))
     args = {"n_in": cols, "n_rows": rows, "x_stride": cols, "y_stride": ys, "y_off": yo, "cap": cap}
     d = ops.matmul(qtype, w, xv, y, st, **args)
-    assert d.kernel.name == "matmul_cm2"
+    assert d.kernel.name == ("matmul_cm2" if ops.matmul_cm2_variant is None else "matmul_cm3")
     env.run([d, ops.matmul(qtype, w, xv, y2, st, **args, add=True)])
     f16 = np.float16
     want = x.astype(f16).astype(np.float64) @ ref.astype(f16).astype(np.float64).T
@@ -301,6 +302,59 @@ def test_matmul_cm2_emulated_small_batch(env: Env) -> None:
     _cm2_case(env, ops, "Q8_0", rows=40, cols=32, ntok=9, cap=16)
 
 
+def _cm3_has_layout(spec: str, tile: tuple[int, int], sub: int) -> bool:
+    v = shaders.cm3_variant(spec)
+    assert v is not None
+    try:
+        shaders.cm3_layout(*tile, sub, v)
+    except ValueError:
+        return False
+    return True
+
+
+#: matmul_cm3's emulated cases: every variant of the sweep on every tile it has a layout
+#: for (Q8_0, 512 inputs, subgroups of 32), then the weight types and an odd block count
+#: on two of them, and subgroups of 64
+CM3_EMULATED = [(spec, t, "Q8_0", 512, 32) for spec in shaders.CM3_SWEEP for t in shaders.CM3_TILES
+                if _cm3_has_layout(spec, t, 32)]
+CM3_EMULATED += [(spec, (64, 64), q, c, 32) for spec in ("v+db+direct", "v+k64+b44+direct")
+                 for q, c in (("Q8_0", 160), ("Q4_K", 256), ("Q6_K", 512), ("F16", 128), ("F32", 64), ("Q4_0", 96))]
+CM3_EMULATED += [(spec, t, "Q4_K", 512, 64) for spec in ("v+db+direct", "v+k64+direct", "v+b44+direct")
+                 for t in ((128, 64), (64, 64))]
+
+
+def _cm3_ids(case: tuple[str, tuple[int, int], str, int, int]) -> str:
+    spec, t, q, c, sub = case
+    return f"{spec}-{t[0]}x{t[1]}-{q}-{c}" + (f"-sg{sub}" if sub else "")
+
+
+@pytest.mark.parametrize("case", CM3_EMULATED, ids=_cm3_ids)
+def test_matmul_cm3_emulated(env: Env, case: tuple[str, tuple[int, int], str, int, int]) -> None:
+    """matmul_cm3.comp (TRIO_LLM_CM2_VARIANT) with CM_EMULATE against numpy as
+    matmul_cm2's emulated test: its uvec4 tiles, BK 64 (a product of n_in not a multiple
+    of 64 on K-tiles of 32), the double buffer, the whole blocks written straight to y,
+    the forced blocks per subgroup. 300 rows on the 256-row tiles (one whole tile and a
+    partial one), else 200; 150 live tokens of 192 either way. A variant whose shared
+    memory exceeds the device's (lavapipe: 32 KiB) runs on the GPU (bench/h200.sh
+    cm2sweep) only."""
+    spec, tile, qtype, cols, sub = case
+    v = shaders.cm3_variant(spec)
+    assert v is not None
+    ops = attrs.evolve(env.ops, matmul_cm2_emulate=sub, matmul_cm2_tile=tile, matmul_cm2_variant=v)
+    vk = v._replace(bk=32) if cols % v.bk else v
+    need, limit = shaders.cm3_shared(*tile, sub, vk, emulate=True), env.device.limits.max_shared_memory
+    if need > limit:
+        pytest.skip(f"{spec} on {tile[0]}x{tile[1]} needs {need} bytes of shared memory, {env.device.name} has {limit}")
+    _cm2_case(env, ops, qtype, rows=300 if tile[0] == 256 else 200, cols=cols, ntok=150, cap=192)
+
+
+def test_matmul_cm3_emulated_small_batch(env: Env) -> None:
+    """Fewer live tokens than a token tile and rows than a row tile (no whole block for
+    DIRECT), one K-tile of 64, on the tile ``cm3_tile`` chooses."""
+    ops = attrs.evolve(env.ops, matmul_cm2_emulate=32, matmul_cm2_variant=shaders.cm3_variant("v+k64+direct"))
+    _cm2_case(env, ops, "Q8_0", rows=40, cols=64, ntok=9, cap=16)
+
+
 def test_matmul_cm2_choice(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     """On by default, off with TRIO_LLM_MATMUL_CM2=0 (on a device with cooperative
     matrices; matmul_cm otherwise); the tile by grid size, or forced by
@@ -318,8 +372,23 @@ def test_matmul_cm2_choice(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     ops = Ops(env.ops.kernels)
     assert ops.matmul_cm2 and ops.matmul_cm2_tile == (128, 64)
     monkeypatch.setenv("TRIO_LLM_CM2_TILE", "96x64")
-    with pytest.raises(ConfigError, match="TRIO_LLM_CM2_TILE='96x64': expected one of 128x128, 128x64, 64x64"):
+    with pytest.raises(ConfigError, match="TRIO_LLM_CM2_TILE='96x64': expected one of 256x128, 128x256, 128x128, "
+                                          "128x64, 64x64"):
         Ops(env.ops.kernels)
+    monkeypatch.delenv("TRIO_LLM_CM2_TILE")
+    # matmul_cm3's variants by TRIO_LLM_CM2_VARIANT (empty or cm2: matmul_cm2), spelled
+    # back as given in canonical order; a spec it does not know is refused
+    assert Ops(env.ops.kernels).matmul_cm2_variant is None
+    monkeypatch.setenv("TRIO_LLM_CM2_VARIANT", "cm2")
+    assert Ops(env.ops.kernels).matmul_cm2_variant is None
+    monkeypatch.setenv("TRIO_LLM_CM2_VARIANT", "v+direct+k64+b42")
+    v = Ops(env.ops.kernels).matmul_cm2_variant
+    assert v == shaders.Cm3Variant(bk=64, direct=True, blocks=(4, 2)) and v.name == "v+k64+direct+b42"
+    for bad in ("v+k32", "db", "v+db+db"):
+        monkeypatch.setenv("TRIO_LLM_CM2_VARIANT", bad)
+        with pytest.raises(ConfigError, match=re.escape(f"TRIO_LLM_CM2_VARIANT={bad!r}")):
+            Ops(env.ops.kernels)
+    monkeypatch.delenv("TRIO_LLM_CM2_VARIANT")
     # llama-1b and llama-8b at 512 tokens: the largest tile that gives its fewest work
     # groups (128 for 128x128, 256 for the others)
     assert cm2_tile(2048, 512) == (64, 64)
@@ -351,6 +420,36 @@ def test_matmul_cm2_on_cooperative_matrices(env: Env, qtype: str, cols: int, til
         pytest.skip(f"matmul_cm2 is built for subgroups of 32 or 64, not {env.ops.subgroup}")
     ops = attrs.evolve(env.ops, coopmat=True, matmul_cm2=True, matmul_cm2_tile=tile)
     _cm2_case(env, ops, qtype, rows=200, cols=cols, ntok=150, cap=192)
+
+
+#: matmul_cm3 on a GPU: every variant of the sweep on every tile in the prebuilt types
+#: (Q8_0 with 160 inputs takes K-tiles of 32), F16 on 128x128
+CM3_GPU = [(spec, t, q, c, 0) for spec in shaders.CM3_SWEEP for t in shaders.CM3_TILES
+           for q, c in (("Q8_0", 512), ("Q8_0", 160), ("Q4_K", 512), ("Q6_K", 512))]
+CM3_GPU += [(spec, (128, 128), "F16", 256, 0) for spec in shaders.CM3_SWEEP]
+
+
+@pytest.mark.parametrize("case", CM3_GPU, ids=_cm3_ids)
+def test_matmul_cm3_on_cooperative_matrices(env: Env, case: tuple[str, tuple[int, int], str, int, int]) -> None:
+    """matmul_cm3.comp on real cooperative matrices (the device's subgroup size), each
+    variant of the sweep on each tile whose layout and shared memory the device takes:
+    the emulated test's cases, here with coopMatStore straight to y (DIRECT) and the
+    loads from the uvec4 tiles done by the driver."""
+    spec, tile, qtype, cols, _ = case
+    if not env.device.coopmat:
+        pytest.skip(f"{env.device.name} reports no 16x16x16 f16 cooperative matrices (lavapipe has none)")
+    if env.ops.subgroup not in (32, 64):
+        pytest.skip(f"matmul_cm3 is built for subgroups of 32 or 64, not {env.ops.subgroup}")
+    v = shaders.cm3_variant(spec)
+    assert v is not None
+    vk = v._replace(bk=32) if cols % v.bk else v
+    if not _cm3_has_layout(spec, tile, env.ops.subgroup):
+        pytest.skip(f"{spec} has no {tile[0]}x{tile[1]} layout on subgroups of {env.ops.subgroup}")
+    need, limit = shaders.cm3_shared(*tile, env.ops.subgroup, vk), env.device.limits.max_shared_memory
+    if need > limit:
+        pytest.skip(f"{spec} on {tile[0]}x{tile[1]} needs {need} bytes of shared memory, {env.device.name} has {limit}")
+    ops = attrs.evolve(env.ops, coopmat=True, matmul_cm2=True, matmul_cm2_tile=tile, matmul_cm2_variant=v)
+    _cm2_case(env, ops, qtype, rows=300 if tile[0] == 256 else 200, cols=cols, ntok=150, cap=192)
 
 
 def np_rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

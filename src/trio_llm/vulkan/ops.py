@@ -24,14 +24,20 @@ from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import View
 from trio_llm.vulkan.shaders import (
     CM2_TILES,
+    CM3_TILES,
     GATE_UP,
     NORM_IN,
     Q8_MATVEC,
     QTYPES,
     ROPE_OUT,
     STEP_CAP,
+    Cm3Variant,
     cm2_defines,
     cm2_layout,
+    cm3_defines,
+    cm3_layout,
+    cm3_shared,
+    cm3_variant,
     coopmat_defines,
     kv_defines,
     matvec_defines,
@@ -108,14 +114,25 @@ def cm2_tile(n_rows: int, cap: int, most: int | None = None) -> tuple[int, int]:
 
 def cm2_tile_env() -> tuple[int, int] | None:
     """``TRIO_LLM_CM2_TILE`` ("128x64"; empty: ``cm2_tile`` chooses), for timing the
-    tiles one by one on a GPU."""
+    tiles one by one on a GPU; the 256 tiles of ``CM3_TILES`` too (matmul_cm3's sweep)."""
     v = os.environ.get("TRIO_LLM_CM2_TILE", "")
     if not v:
         return None
-    tiles = {f"{bm}x{bn}": (bm, bn) for bm, bn in CM2_TILES}
+    tiles = {f"{bm}x{bn}": (bm, bn) for bm, bn in CM3_TILES}
     if v not in tiles:
         raise ConfigError(f"TRIO_LLM_CM2_TILE={v!r}: expected one of {', '.join(tiles)}")
     return tiles[v]
+
+
+def cm2_variant_env() -> Cm3Variant | None:
+    """``TRIO_LLM_CM2_VARIANT``: empty or "cm2" keeps matmul_cm2.comp; "v", "v+db+direct"
+    (etc., ``shaders.cm3_variant``) puts every dense prefill product on that form of
+    matmul_cm3.comp, for the H200's A/B (bench/h200.sh cm2sweep)."""
+    spec = os.environ.get("TRIO_LLM_CM2_VARIANT", "")
+    try:
+        return cm3_variant(spec)
+    except ValueError as exc:
+        raise ConfigError(f"TRIO_LLM_CM2_VARIANT={spec!r}: {exc}") from None
 
 
 def decode_splits(n_ctx: int, min_chunk: int = 128, most: int = 64) -> int:
@@ -285,6 +302,9 @@ class Ops:
     #: the choice); None: ``CM2_MIN_GROUPS``' per tile
     matmul_cm2_min_groups: int | None = attrs.field(
         factory=lambda: int(os.environ.get("TRIO_LLM_CM2_MIN_GROUPS", "") or 0) or None)
+    #: the products on matmul_cm3.comp in this form instead of matmul_cm2.comp (None;
+    #: TRIO_LLM_CM2_VARIANT, ``cm2_variant_env``), where matmul_cm2 would run
+    matmul_cm2_variant: Cm3Variant | None = attrs.field(factory=cm2_variant_env)
     #: tests only: matmul_cm2 with its products emulated (CM_EMULATE) for subgroups of
     #: this size (32 or 64; 0: off), on any device
     matmul_cm2_emulate: int = 0
@@ -449,6 +469,28 @@ class Ops:
         push = (n_in, n_rows, x_stride, y_stride, 0, COUNT_TOKENS, 0, row_a, row_b, *npush)
         return Dispatch(k, (w, x, y, step, *nv, *qv), push, grid(math.ceil(n_rows / nr)))
 
+    def cm3_tile(self, n_rows: int, cap: int, sub: int, v: Cm3Variant) -> tuple[int, int]:
+        """matmul_cm3's tile when none is forced: ``cm2_tile``'s rule (per-tile fewest
+        work groups, ``matmul_cm2_min_groups`` for all) among the tiles of ``CM2_TILES``
+        that variant ``v`` has a layout for and whose shared memory fits the device
+        (raises ConfigError when none does)."""
+        limit = self.kernels.device.limits.max_shared_memory
+        emu = bool(self.matmul_cm2_emulate)
+        fits = []
+        for t in CM2_TILES:
+            try:
+                if cm3_shared(*t, sub, v, emulate=emu) <= limit:
+                    fits.append(t)
+            except ValueError:
+                pass
+        if not fits:
+            raise ConfigError(f"matmul_cm3 {v.name}: no tile of {CM2_TILES} fits {limit} bytes of shared memory")
+        for bm, bn in fits:
+            most = self.matmul_cm2_min_groups or CM2_MIN_GROUPS[bm, bn]
+            if math.ceil(n_rows / bm) * math.ceil(cap / bn) >= most:
+                return bm, bn
+        return fits[-1]
+
     def matmul(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
         x_stride: int, y_stride: int, cap: int, y_off: int = 0,
@@ -456,16 +498,35 @@ class Ops:
     ) -> Dispatch:
         """The tiled form of ``matvec`` for many tokens (prefill); on cooperative
         matrices (f16 tiles, f32 accumulators) where the device has them: matmul_cm2
-        when enabled (``matmul_cm2``, subgroups of 32 or 64), else matmul_cm."""
+        when enabled (``matmul_cm2``, subgroups of 32 or 64; matmul_cm3 in the form
+        ``matmul_cm2_variant`` where one is set), else matmul_cm."""
         assert n_in % 32 == 0 and x_stride % 4 == 0
         assert self.matmul_cm2_emulate in (0, 32, 64)
         push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add))
         sub = self.matmul_cm2_emulate or (self.subgroup if self.coopmat and self.matmul_cm2 else 0)
         if sub in (32, 64):
-            bm, bn = self.matmul_cm2_tile or cm2_tile(n_rows, cap, self.matmul_cm2_min_groups)
-            _, _, lanes = cm2_layout(bm, bn, sub)
-            k = self.kernels.get("matmul_cm2", n_bindings=4, n_push=7, local_size=lanes,
-                                 defines=cm2_defines(qtype, sub, bm, bn, emulate=bool(self.matmul_cm2_emulate)))
+            v = self.matmul_cm2_variant
+            emu = bool(self.matmul_cm2_emulate)
+            if v is not None:
+                if n_in % v.bk:  # K-tiles of 64 need n_in a multiple of 64: that product on 32
+                    v = v._replace(bk=32)
+                bm, bn = self.matmul_cm2_tile or self.cm3_tile(n_rows, cap, sub, v)
+                try:
+                    need = cm3_shared(bm, bn, sub, v, emulate=emu)
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+                limit = self.kernels.device.limits.max_shared_memory
+                if need > limit:
+                    raise ConfigError(f"matmul_cm3 {v.name} on a {bm}x{bn} tile needs {need} bytes of shared "
+                                      f"memory, {self.kernels.device.name} has {limit}")
+                _, _, lanes = cm3_layout(bm, bn, sub, v)
+                k = self.kernels.get("matmul_cm3", n_bindings=4, n_push=7, local_size=lanes,
+                                     defines=cm3_defines(qtype, sub, bm, bn, v, emulate=emu))
+            else:
+                bm, bn = self.matmul_cm2_tile or cm2_tile(n_rows, cap, self.matmul_cm2_min_groups)
+                _, _, lanes = cm2_layout(bm, bn, sub)
+                k = self.kernels.get("matmul_cm2", n_bindings=4, n_push=7, local_size=lanes,
+                                     defines=cm2_defines(qtype, sub, bm, bn, emulate=emu))
             return Dispatch(k, (w, x, y, step), push, (math.ceil(n_rows / bm), math.ceil(cap / bn), 1))
         if self.coopmat:
             k = self.kernels.get("matmul_cm", n_bindings=4, n_push=7, local_size=256,

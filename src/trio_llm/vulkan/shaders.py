@@ -34,6 +34,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 from trio_llm.errors import ShaderCompileError
 
@@ -181,7 +182,7 @@ def _tools() -> tuple[Path, Path, dict[str, str]]:
 
 
 #: shaders that need a compiler with cooperative matrices (glslangValidator, Vulkan 1.3)
-COOPMAT_SHADERS = ("matmul_cm", "matmul_cm2", "attn_prefill_cm", "attn_prefill_cm2", "moe_matmul_cm")
+COOPMAT_SHADERS = ("matmul_cm", "matmul_cm2", "matmul_cm3", "attn_prefill_cm", "attn_prefill_cm2", "moe_matmul_cm")
 
 
 def _compile_commands(name: str, defines: dict[str, object] | None, src: Path, out: str) -> tuple[list[list[str]], dict[str, str]]:
@@ -290,6 +291,125 @@ def cm2_defines(qtype: str, subgroup: int, bm: int, bn: int, emulate: bool = Fal
             **({"CM_EMULATE": 1} if emulate else {})}
 
 
+#: matmul_cm3.comp's tiles: matmul_cm2's and the two of 256 (TRIO_LLM_CM2_TILE forces one;
+#: the automatic choice keeps to ``CM2_TILES``, the sweep times these beside them)
+CM3_TILES = ((256, 128), (128, 256), *CM2_TILES)
+
+
+class Cm3Variant(NamedTuple):
+    """One form of matmul_cm3.comp (``TRIO_LLM_CM2_VARIANT``, ``cm3_variant``): K per
+    tile (32 or 64), double-buffered tiles, whole 16x16 blocks stored straight to y,
+    and the blocks per subgroup (TM, TN) when forced (None: ``cm2_layout``'s rule)."""
+
+    bk: int = 32
+    db: bool = False
+    direct: bool = False
+    blocks: tuple[int, int] | None = None
+
+    @property
+    def name(self) -> str:
+        """The spec ``cm3_variant`` reads back: "v", then "+k64", "+db", "+direct", "+b44"."""
+        parts = ["v", *(["k64"] if self.bk == 64 else []), *(["db"] if self.db else []),
+                 *(["direct"] if self.direct else []),
+                 *([f"b{self.blocks[0]}{self.blocks[1]}"] if self.blocks else [])]
+        return "+".join(parts)
+
+
+#: the spellings of ``cm3_variant``'s blocks part: b22 .. b44
+_CM3_BLOCKS = {f"b{m}{n}": (m, n) for m in (1, 2, 4) for n in (1, 2, 4)}
+
+
+def cm3_variant(spec: str) -> Cm3Variant | None:
+    """A ``TRIO_LLM_CM2_VARIANT`` spec: "" or "cm2" for matmul_cm2.comp (None), else
+    "v" (matmul_cm3.comp: 16-byte shared stores, BK 32, one buffer, staged stores) with
+    any of "+k64", "+db", "+direct", "+b44" (TM x TN blocks per subgroup, 1/2/4 each)."""
+    spec = spec.strip()
+    if spec in ("", "cm2"):
+        return None
+    parts = spec.split("+")
+    if parts[0] != "v" or len(set(parts)) != len(parts):
+        raise ValueError(f"matmul_cm3 variant {spec!r}: expected 'v' then any of +k64, +db, +direct, +b<TM><TN>")
+    bk, db, direct, blocks = 32, False, False, None
+    for p in parts[1:]:
+        if p == "k64":
+            bk = 64
+        elif p == "db":
+            db = True
+        elif p == "direct":
+            direct = True
+        elif p in _CM3_BLOCKS and blocks is None:
+            blocks = _CM3_BLOCKS[p]
+        else:
+            raise ValueError(f"matmul_cm3 variant {spec!r}: unknown part {p!r} (k64, db, direct, b<TM><TN>)")
+    return Cm3Variant(bk, db, direct, blocks)
+
+
+def cm3_layout(bm: int, bn: int, subgroup: int, v: Cm3Variant) -> tuple[int, int, int]:
+    """(TM, TN, lanes) of matmul_cm3.comp's ``bm`` x ``bn`` tile: the variant's blocks
+    per subgroup (each at most the tile's), else ``cm2_layout``'s rule; raises
+    ValueError where a lane's share of a K-tile is not whole groups of eight."""
+    if v.blocks is None:
+        tm, tn = 2, 2
+        while (bm // (16 * tm)) * (bn // (16 * tn)) * subgroup > 256:
+            if tm <= tn and bm // (16 * tm) > 1:
+                tm *= 2
+            else:
+                tn *= 2
+    else:
+        tm, tn = min(v.blocks[0], bm // 16), min(v.blocks[1], bn // 16)
+    lanes = (bm // (16 * tm)) * (bn // (16 * tn)) * subgroup
+    kg = v.bk // 8
+    if bm % (16 * tm) or bn % (16 * tn) or (bm * kg) % lanes or (bn * kg) % lanes or lanes > 1024:
+        raise ValueError(f"matmul_cm3 {v.name} has no layout for a {bm}x{bn} tile on subgroups of {subgroup}")
+    return tm, tn, lanes
+
+
+def cm3_shared(bm: int, bn: int, subgroup: int, v: Cm3Variant, emulate: bool = False) -> int:
+    """Bytes of shared memory matmul_cm3.comp declares: the tile buffers ((BM + BN) rows
+    of BK + 8 f16, one or two), and each subgroup's 16x16 f32 stage beside them (inside
+    them under CM_EMULATE, which reuses the tiles after the K loop)."""
+    _, _, lanes = cm3_layout(bm, bn, subgroup, v)
+    tiles = (2 if v.db else 1) * (bm + bn) * (v.bk + 8) * 2
+    stage = lanes // subgroup * 1024
+    return max(tiles, stage) if emulate else tiles + stage
+
+
+def cm3_defines(qtype: str, subgroup: int, bm: int, bn: int, v: Cm3Variant,
+                emulate: bool = False) -> dict[str, object]:
+    """matmul_cm3.comp's defines: the weight type, the tile and blocks, the subgroup size,
+    the variant's parts (only those set, so each variant keeps one cache key)."""
+    tm, tn, _ = cm3_layout(bm, bn, subgroup, v)
+    return {**qtype_defines(qtype), "BM": bm, "BN": bn, "TM": tm, "TN": tn, "SG": subgroup,
+            **({"BK": 64} if v.bk == 64 else {}), **({"DB": 1} if v.db else {}),
+            **({"DIRECT": 1} if v.direct else {}), **({"CM_EMULATE": 1} if emulate else {})}
+
+
+#: the matmul_cm3 variants bench/h200.sh cm2sweep times (bench/matmul.py's default set),
+#: prebuilt by compile-shaders for subgroups of 32 in the types of its models
+CM3_SWEEP = ("v", "v+direct", "v+db+direct", "v+k64+direct", "v+b44+direct", "v+db+b44+direct",
+             "v+k64+b44+direct")
+#: ... and those types (llama-1b Q8_0, llama-8b Q4_K_M's Q4_K and Q6_K)
+CM3_SWEEP_TYPES = ("Q8_0", "Q4_K", "Q6_K")
+#: the H200's reported limit (maxComputeSharedMemorySize), for the prebuilt set
+H200_SHARED = 49152
+
+
+def cm3_sweep_variants() -> Iterable[tuple[str, dict[str, object]]]:
+    """Every (variant, tile) of ``CM3_SWEEP`` with a layout on subgroups of 32 and its
+    shared memory within the H200's 48 KiB, in ``CM3_SWEEP_TYPES``."""
+    for spec in CM3_SWEEP:
+        v = cm3_variant(spec)
+        assert v is not None
+        for bm, bn in CM3_TILES:
+            try:
+                if cm3_shared(bm, bn, 32, v) > H200_SHARED:
+                    continue
+            except ValueError:
+                continue
+            for q in CM3_SWEEP_TYPES:
+                yield "matmul_cm3", cm3_defines(q, 32, bm, bn, v)
+
+
 def moe_coopmat_defines(qtype: str, subgroup: int) -> dict[str, object]:
     """moe_matmul_cm.comp's variant: the weight type and its 16x16 blocks per subgroup
     (8 blocks of a 64 x 32 tile over 256 / subgroup subgroups)."""
@@ -306,6 +426,7 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
             yield "moe_matmul_cm", moe_coopmat_defines(q, sub)
             for bm, bn in CM2_TILES:
                 yield "matmul_cm2", cm2_defines(q, sub, bm, bn)
+    yield from cm3_sweep_variants()  # matmul_cm3's sweep (TRIO_LLM_CM2_VARIANT)
     for q in QTYPES:
         yield "matvec", {**qtype_defines(q), **ROPE_OUT}
         yield "matvec", {**qtype_defines(q), **GATE_UP}

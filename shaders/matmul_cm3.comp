@@ -1,0 +1,291 @@
+#version 450
+// matmul_cm2.comp's prefill matmul (cooperative matrices, 16x16x16 f16 x f16 -> f32 at
+// subgroup scope; the same arguments and results: y[t][y_off + row] (+)= W[row] . x[t]
+// for the live tokens t), rebuilt for the variants the H200 sweeps (bench/matmul.py,
+// bench/h200.sh cm2sweep) before one of them replaces matmul_cm2 as the default. Each
+// part below answers a cost of matmul_cm2's K loop, which the H200 ran at 69-84 TFLOP/s:
+//
+//   * the tiles live in one `shared uvec4` array and every lane stores its eight f16 of
+//     a K-tile row as one 16-byte store (matmul_cm2: eight 16-bit stores per group);
+//     coopMatLoad reads its f16 fragments from that array, offset and stride counted in
+//     uvec4 (GL_KHR_cooperative_matrix: in units of the array's element type), rows
+//     padded by 16 bytes as before (conflict-free 16-byte row reads of 8 rows);
+//   * BK (define, 32 or 64): K per tile, so BK 64 halves the barriers and loop overhead
+//     per product, for twice the tile memory;
+//   * DB (define): two tile buffers, the next K-tile stored into the other one while this
+//     one is multiplied, one barrier per K-tile instead of two;
+//   * DIRECT (define): a 16x16 block wholly inside (rows and live tokens; y_stride and
+//     y_off multiples of 4) goes to y by coopMatStore (mode 1: coopMatLoad of y, added)
+//     instead of through shared memory and a masked store per value;
+//   * TM x TN (defines) blocks of 16x16 per subgroup and the tile BM x BN are free
+//     (ops.cm3_layout), e.g. llama.cpp's 128x128 over 4 subgroups of 4x4 blocks;
+//   * no select on the loaded values: rows past n_rows and tokens past the live count
+//     read the last valid row / token (clamped addresses, real values) and only feed
+//     outputs that are never stored.
+// The register prefetch is matmul_cm2's: the next K-tile's loads (weights through
+// quant.glsl's dequant8, activations f32 -> f16) are issued before this tile's products
+// and stored after them (single buffer: after the next barrier), no branch of their own.
+//
+// SG (define) is the subgroup size the layout is built for, NT = SGM * SGN * SG lanes the
+// host's local size. CM_EMULATE (tests only): the products done by plain lanes from the
+// same shared tiles into the same per-lane slots of each 16x16 block ("subgroups" of SG
+// consecutive lanes, work-group barriers for theirs), the stage kept in the tile array
+// (as float bits, after the K loop) so the larger tiles fit lavapipe's 32 KiB; on a GPU
+// the stage is an array of its own (a float store into a uvec4 array is not relied on).
+#ifndef CM_EMULATE
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#endif
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#include "common.glsl"
+
+layout(binding = 0, std430) readonly buffer W16 { uint16_t w16[]; };
+layout(binding = 1, std430) readonly buffer X { vec4 x4[]; };
+layout(binding = 2, std430) buffer Y { float y[]; };
+DECLARE_STEP(3)
+
+layout(push_constant) uniform Push {
+    uint n_in;
+    uint n_rows;
+    uint x_stride;
+    uint y_stride;
+    uint y_off;
+    uint count_sel;
+    uint mode;
+} pc;
+
+#include "quant.glsl"
+
+#ifndef BK
+#define BK 32
+#endif
+#ifndef DB
+#define DB 0
+#endif
+#ifndef DIRECT
+#define DIRECT 0
+#endif
+
+const uint KG = BK / 8u;              // groups of eight k in a tile row
+const uint SKV = KG + 1u;             // uvec4 per tile row (one of padding)
+const uint SGM = BM / (16u * TM);     // subgroups along the rows
+const uint SGN = BN / (16u * TN);     // ... and along the tokens
+const uint NSG = SGM * SGN;
+const uint NT = NSG * SG;             // lanes of the work group (= WG)
+const uint A_LD = BM * KG / NT;       // groups of eight weights each lane loads per K-tile
+const uint B_LD = BN * KG / NT;       // ... and of eight activations
+const uint EPL = 256u / SG;           // elements of a 16x16 block per lane
+const uint A_V = BM * SKV;            // uvec4 of a W tile, [row][k]: matrix A, row-major
+const uint TILE_V = (BM + BN) * SKV;  // ... and of W then x ([token][k]: B, column-major)
+const uint NBUF = DB + 1u;
+#ifdef CM_EMULATE
+const uint STAGE_V = NSG * 64u;       // each subgroup's 16x16 f32 block, in the tile array
+shared uvec4 sm[NBUF * TILE_V > STAGE_V ? NBUF * TILE_V : STAGE_V];
+#else
+shared uvec4 sm[NBUF * TILE_V];
+shared float stage[NSG * 256u];
+#endif
+
+#ifdef CM_EMULATE
+#define SG_ID (gl_LocalInvocationID.x / SG)
+#define SG_LANE (gl_LocalInvocationID.x % SG)
+#define SG_SYNC() barrier()
+#else
+#define SG_ID gl_SubgroupID
+#define SG_LANE gl_SubgroupInvocationID
+#define SG_SYNC() subgroupMemoryBarrierShared(); subgroupBarrier()
+#endif
+
+// the next K-tile, eight f16 per uvec4, on its way to shared memory
+uvec4 apre[A_LD];
+uvec4 bpre[B_LD];
+
+uvec4 pack8(f16vec4 lo, f16vec4 hi) {
+    return uvec4(packFloat2x16(lo.xy), packFloat2x16(lo.zw), packFloat2x16(hi.xy), packFloat2x16(hi.zw));
+}
+
+// Group g = tid + NT * i of a tile is row (token) g / KG of it, k values 8 (g % KG) ..
+// + 8; NT is a multiple of KG, so every group of a lane has the same k offset.
+void fetch(uint kb, uint lk, uint a_row[A_LD], uint b_at[B_LD]) {
+    [[unroll]] for (uint i = 0; i < A_LD; i++) {
+        float w[8];
+        dequant8(a_row[i], (kb + lk) >> 3, w);
+        apre[i] = pack8(f16vec4(float16_t(w[0]), float16_t(w[1]), float16_t(w[2]), float16_t(w[3])),
+                        f16vec4(float16_t(w[4]), float16_t(w[5]), float16_t(w[6]), float16_t(w[7])));
+    }
+    [[unroll]] for (uint i = 0; i < B_LD; i++) {
+        uint xi = b_at[i] + (kb >> 2);
+        bpre[i] = pack8(f16vec4(x4[xi]), f16vec4(x4[xi + 1u]));
+    }
+}
+
+void put(uint buf, uint tid) {
+    uint base = buf * TILE_V + (tid / KG) * SKV + tid % KG;
+    [[unroll]] for (uint i = 0; i < A_LD; i++) {
+        sm[base + (NT / KG) * SKV * i] = apre[i];
+    }
+    [[unroll]] for (uint i = 0; i < B_LD; i++) {
+        sm[base + A_V + (NT / KG) * SKV * i] = bpre[i];
+    }
+}
+
+#ifdef CM_EMULATE
+float acc[TM * TN * EPL];
+
+// A row of tile A times one of tile B (uvec4 indices), eight k per step: llvmpipe cuts
+// off any loop after 65535 iterations per invocation (its loop limiter), which a loop
+// over single k values passed at 512 inputs with 4x4 blocks and BK 64
+float dot_rows(uint ra, uint rb, float a) {
+    for (uint kv = 0; kv < KG; kv++) {
+        uvec4 qa = sm[ra + kv];
+        uvec4 qb = sm[rb + kv];
+        [[unroll]] for (uint c = 0; c < 4; c++) {
+            vec2 fa = vec2(unpackFloat2x16(qa[c]));
+            vec2 fb = vec2(unpackFloat2x16(qb[c]));
+            a += fa.x * fb.x;
+            a += fa.y * fb.y;
+        }
+    }
+    return a;
+}
+
+void products(uint buf, uint wm, uint wn, uint lane) {
+    [[unroll]] for (uint i = 0; i < TM; i++) {
+        [[unroll]] for (uint j = 0; j < TN; j++) {
+            for (uint e = 0; e < EPL; e++) {
+                uint idx = lane + SG * e;  // block element (idx % 16, idx / 16), as staged
+                uint ra = buf * TILE_V + (wm + 16u * i + idx % 16u) * SKV;
+                uint rb = buf * TILE_V + A_V + (wn + 16u * j + idx / 16u) * SKV;
+                acc[(i * TN + j) * EPL + e] = dot_rows(ra, rb, acc[(i * TN + j) * EPL + e]);
+            }
+        }
+    }
+}
+#else
+coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc[TM * TN];
+
+void products(uint buf, uint wm, uint wn, uint lane) {
+    [[unroll]] for (uint kk = 0; kk < KG; kk += 2u) {  // 16 of K: two uvec4 of a row
+        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> ma[TM];
+        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> mb[TN];
+        [[unroll]] for (uint i = 0; i < TM; i++) {
+            coopMatLoad(ma[i], sm, buf * TILE_V + (wm + 16u * i) * SKV + kk, SKV, gl_CooperativeMatrixLayoutRowMajor);
+        }
+        [[unroll]] for (uint j = 0; j < TN; j++) {
+            coopMatLoad(mb[j], sm, buf * TILE_V + A_V + (wn + 16u * j) * SKV + kk, SKV,
+                        gl_CooperativeMatrixLayoutColumnMajor);
+        }
+        [[unroll]] for (uint i = 0; i < TM; i++) {
+            [[unroll]] for (uint j = 0; j < TN; j++) {
+                acc[i * TN + j] = coopMatMulAdd(ma[i], mb[j], acc[i * TN + j]);
+            }
+        }
+    }
+}
+#endif
+
+void main() {
+    uint tid = gl_LocalInvocationID.x;
+    uint m0 = gl_WorkGroupID.x * BM;
+    uint n0 = gl_WorkGroupID.y * BN;
+    uint ntok = STEP_COUNT(pc.count_sel);
+    if (n0 >= ntok) {
+        return;
+    }
+    uint lk = (tid % KG) * 8u;
+    uint rw = row_words(pc.n_in);
+    uint a_row[A_LD];
+    [[unroll]] for (uint i = 0; i < A_LD; i++) {
+        a_row[i] = min(m0 + tid / KG + (NT / KG) * i, pc.n_rows - 1u) * rw;
+    }
+    uint b_at[B_LD];
+    [[unroll]] for (uint i = 0; i < B_LD; i++) {
+        b_at[i] = (min(n0 + tid / KG + (NT / KG) * i, ntok - 1u) * pc.x_stride + lk) >> 2;
+    }
+
+    uint sg = SG_ID;
+    uint lane = SG_LANE;
+    uint wm = (sg % SGM) * (16u * TM);  // this subgroup's first row and token in the tile
+    uint wn = (sg / SGM) * (16u * TN);
+#ifdef CM_EMULATE
+    [[unroll]] for (uint i = 0; i < TM * TN * EPL; i++) {
+        acc[i] = 0.0;
+    }
+#else
+    [[unroll]] for (uint i = 0; i < TM * TN; i++) {
+        acc[i] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+    }
+#endif
+
+    fetch(0u, lk, a_row, b_at);
+#if DB
+    put(0u, tid);
+    barrier();
+    uint cur = 0u;
+    for (uint kb = 0; kb < pc.n_in; kb += BK) {
+        // the next tile's loads in flight during this tile's products, then stored into
+        // the other buffer, which every subgroup left at the last barrier (the last step
+        // fetches and stores itself again rather than branch)
+        fetch(min(kb + BK, pc.n_in - BK), lk, a_row, b_at);
+        products(cur, wm, wn, lane);
+        put(cur ^ 1u, tid);
+        barrier();
+        cur ^= 1u;
+    }
+#else
+    for (uint kb = 0; kb < pc.n_in; kb += BK) {
+        barrier();  // every subgroup is done with the previous tile
+        put(0u, tid);
+        barrier();
+        fetch(min(kb + BK, pc.n_in - BK), lk, a_row, b_at);
+        products(0u, wm, wn, lane);
+    }
+    barrier();  // (CM_EMULATE: the stage below reuses the tiles)
+#endif
+
+    // out, block by block: DIRECT's whole blocks straight to y, the others through the
+    // subgroup's slice of the stage ([token][row] within the block), masked by the rows
+    // and the live tokens (CM_EMULATE stages every block, its barriers in uniform flow,
+    // and writes the whole ones from the accumulators)
+    bool aligned = DIRECT != 0 && pc.y_stride % 4u == 0u && pc.y_off % 4u == 0u;
+    [[unroll]] for (uint i = 0; i < TM; i++) {
+        [[unroll]] for (uint j = 0; j < TN; j++) {
+            uint r0 = m0 + wm + 16u * i;
+            uint t0 = n0 + wn + 16u * j;
+            bool whole = aligned && r0 + 16u <= pc.n_rows && t0 + 16u <= ntok;
+#ifdef CM_EMULATE
+            for (uint e = 0; e < EPL; e++) {
+                sm[sg * 64u + (lane + SG * e) / 4u][(lane + SG * e) % 4u] = floatBitsToUint(acc[(i * TN + j) * EPL + e]);
+            }
+#else
+            if (whole) {
+                uint o = t0 * pc.y_stride + pc.y_off + r0;
+                if (pc.mode == 1u) {
+                    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> old;
+                    coopMatLoad(old, y, o, pc.y_stride, gl_CooperativeMatrixLayoutColumnMajor);
+                    acc[i * TN + j] = acc[i * TN + j] + old;
+                }
+                coopMatStore(acc[i * TN + j], y, o, pc.y_stride, gl_CooperativeMatrixLayoutColumnMajor);
+                continue;
+            }
+            coopMatStore(acc[i * TN + j], stage, sg * 256u, 16u, gl_CooperativeMatrixLayoutColumnMajor);
+#endif
+            SG_SYNC();
+            for (uint e = 0; e < EPL; e++) {
+                uint idx = lane + SG * e;
+                uint row = r0 + idx % 16u;
+                uint tok = t0 + idx / 16u;
+                if (row < pc.n_rows && tok < ntok) {
+                    uint o = tok * pc.y_stride + pc.y_off + row;
+#ifdef CM_EMULATE
+                    float v = whole ? acc[(i * TN + j) * EPL + e] : uintBitsToFloat(sm[sg * 64u + idx / 4u][idx % 4u]);
+#else
+                    float v = stage[sg * 256u + idx];
+#endif
+                    y[o] = pc.mode == 1u ? y[o] + v : v;
+                }
+            }
+            SG_SYNC();
+        }
+    }
+}
