@@ -73,6 +73,7 @@ def test_numpy_dequantizes_experts_only_when_routed(model_path) -> None:  # type
         backend.close()
 
 
+@pytest.mark.usefixtures("f32_activations")
 @pytest.mark.vulkan
 def test_vulkan_batches_and_restores_moe_like_numpy(model_path) -> None:  # type: ignore[no-untyped-def]
     """Two sequences in one batch (prefill, then 2-column decode) route their tokens

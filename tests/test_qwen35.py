@@ -118,6 +118,7 @@ def test_delta_net_ops_check_shapes_at_build_time() -> None:
                     head_dim=8)
 
 
+@pytest.mark.usefixtures("f32_activations")
 @pytest.mark.vulkan
 def test_vulkan_carries_the_state_as_numpy_does_and_keeps_it_across_release(model) -> None:  # type: ignore[no-untyped-def]
     """Two sequences in one batch (one continued in pieces, one fresh), then decode:

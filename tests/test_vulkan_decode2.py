@@ -154,6 +154,7 @@ def test_decode2_selection(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
                                **kw).kernel.name == "attn_decode2"
 
 
+@pytest.mark.usefixtures("f32_activations")
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-gemma3"])
 def test_decode2_through_the_backend(model_path, monkeypatch: pytest.MonkeyPatch, preset: str) -> None:  # type: ignore[no-untyped-def]
     """With TRIO_LLM_ATTN_DECODE2=0 (attn_decode.comp: the default's fallback where

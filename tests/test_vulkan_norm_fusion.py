@@ -114,6 +114,7 @@ def _kernels(backend: VulkanBackend, bucket: int, ops: Ops | None = None) -> lis
     return [op.kernel.name for op in backend.lowered(bucket, ops) if isinstance(op, Dispatch)]
 
 
+@pytest.mark.usefixtures("f32_activations")
 @pytest.mark.parametrize(("preset", "quant", "norms_left"),
                          [("tiny", "Q4_K_M", 0), ("tiny-qwen3", "Q8_0", 0), ("tiny-gemma3", "Q8_0", 2 * 6)])
 def test_fused_decode_equals_numpy_and_the_unfused_graph(model_path, monkeypatch: pytest.MonkeyPatch,

@@ -389,8 +389,8 @@ class VulkanBackend:
         if self._level is not None and _DEPTH[self._level] >= depth:
             return
         with self._guard("release"):
-            # the graphs stay (descriptor pools and command buffers are small): restore
-            # points them at the new buffers. Remember which buffer had which role.
+            # the graphs stay (their descriptor sets; at level all not their commands):
+            # restore points them at the new buffers. Remember which buffer had which role.
             self._before.update(self._roles())
             if depth >= _DEPTH[Level.UNLOAD]:
                 # upstream's idle unload keeps nothing: the graphs are recorded again
@@ -406,6 +406,13 @@ class VulkanBackend:
                 self._kv.free_device()
                 self._rs.free_device()
                 self._act.free()
+                # every buffer moves on restore, so every graph is recorded again then:
+                # their commands' device memory can go now
+                for graph in self._graphs.values():
+                    graph.trim()
+                self._sampler.trim()
+                if self._device is not None:
+                    self._device.trim_command_pool()
             if depth >= _DEPTH[Level.UNLOAD]:
                 self._kv.free_host()
                 self._rs.free_host()

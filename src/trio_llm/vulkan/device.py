@@ -236,6 +236,12 @@ class Device:
     def free_command_buffer(self, cmd: Any) -> None:
         self.vk.vkFreeCommandBuffers(self.handle, self.command_pool, 1, [cmd])
 
+    def trim_command_pool(self) -> None:
+        """Return the command pool's unused memory to the driver (vkTrimCommandPool, Vulkan
+        1.1): after ``Graph.trim`` the pool would otherwise keep it for reuse."""
+        with vk_errors("trim command pool"):
+            self.vk.vkTrimCommandPool(self.handle, self.command_pool, 0)
+
     @contextlib.contextmanager
     def one_shot(self, what: str) -> Iterator[Any]:
         """Record a command buffer in the block; it is submitted and waited for on exit."""

@@ -215,6 +215,11 @@ class DeviceSampler:
         with vk_errors("decode"):
             _check(vk, vk.lib.vkWaitForFences(self.device.handle, 1, fence, vk.VK_TRUE, 0xFFFFFFFFFFFFFFFF))
 
+    def trim(self) -> None:
+        """``Graph.trim`` on every sampling graph (release at level ``all``)."""
+        for g in self._graphs.values():
+            g.trim()
+
     def rebind(self, new: dict[Buffer, Buffer]) -> None:
         for g in self._graphs.values():
             g.rebind(new)
