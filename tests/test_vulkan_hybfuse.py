@@ -1,7 +1,8 @@
 """The hybrid and MoE fusions (``Ops.hybrid_fuse``, forward.py's ``fusion_groups``) on
 lavapipe: each fused kernel against numpy (the conv with its split and L2 norms, the
 delta rule with the gated RMSNorm, the experts' down product reading their SwiGLU, the
-combine with the gated shared expert and the residual), the barrier levels of one
+combine with the gated shared expert and the residual, QK-norm with RoPE and the KV
+cache write), the barrier levels of one
 decode step per layer of tiny-qwen35, tiny-qwen35moe and tiny-qwen3moe (exact, fused
 and not), and whole forwards equal to the unfused lowering's."""
 
@@ -13,13 +14,15 @@ import numpy as np
 import pytest
 
 from test_vulkan_deltanet import N_SEQ, _entered, _step
-from test_vulkan_ops import Env, make_weights, open_env
+from test_vulkan_ops import Env, make_weights, np_rope, open_env
 from trio_llm.engine.backend import SeqBatch
-from trio_llm.engine.reference import NumpyBackend, rms_norm, sigmoid, silu
+from trio_llm.engine.reference import NumpyBackend, apply_rope, rms_norm, rope_angles, sigmoid, silu
 from trio_llm.graph import Graph
 from trio_llm.model.gguf import load_gguf
+from trio_llm.model.kvtypes import dequantize_rows, kv_type
 from trio_llm.vulkan.backend import VulkanBackend
 from trio_llm.vulkan.graph import Barrier, Copy, Op
+from trio_llm.vulkan.ops import ROPE_NEOX, ROPE_NORMAL
 
 pytestmark = pytest.mark.vulkan
 
@@ -137,6 +140,46 @@ def test_moe_combine_adds_the_gated_shared_expert_and_the_residual(env: Env, she
     np.testing.assert_allclose(env.get(out).reshape(n_tok, n), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("mode", "n_rot", "gated", "kv"),
+                         [(ROPE_NEOX, 32, False, None), (ROPE_NEOX, 32, False, "f16"), (ROPE_NORMAL, 32, False, "q8_0"),
+                          (ROPE_NEOX, 8, True, None), (ROPE_NEOX, 8, False, "f32"), (ROPE_NEOX, 8, False, "q8_0")])
+def test_qk_norm_rope_equals_the_norm_then_the_rope(env: Env, mode: int, n_rot: int, gated: bool,
+                                                     kv: str | None) -> None:
+    """Per head: RMSNorm, RoPE (all of the head with frequency divisors, or qwen35's
+    first n_rot values), as a value or into the cache (f16 and q8_0 after their own
+    rounding); ``gated``: q read from its interleave with the gate (heads of 2 hd)."""
+    ntok, heads, hd, n_ctx, n_seq, eps, theta = 4, 3, 32, 40, 2, 1e-6, 1e7
+    rng = np.random.default_rng(n_rot + mode)
+    x = (rng.standard_normal((ntok, heads, 2 if gated else 1, hd)) * 3).astype(np.float32)
+    w = (1 + 0.3 * rng.standard_normal(hd)).astype(np.float32)
+    factors = (np.ones(hd // 2) if n_rot < hd else 1 + rng.random(hd // 2)).astype(np.float32)
+    pos, seq = np.array([0, 39, 7, 3]), np.array([0, 1, 1, 0])
+    normed = rms_norm(x[:, :, 0].astype(np.float64), w, eps)  # [ntok, heads, hd]
+    want = normed.copy()
+    if n_rot < hd:
+        cos, sin = rope_angles(n_rot, theta, n_ctx)
+        want[..., :n_rot] = apply_rope(normed[..., :n_rot], cos[pos], sin[pos], "neox")
+    else:
+        want = np_rope(normed, pos, theta, mode, factors)
+    kw = dict(n_heads=heads, head_dim=hd, x_stride=x[0].size, x_head=x[0, 0].size, x_off=0, mode=mode,
+              n_rot=n_rot, theta=theta, eps=eps, cap=8)
+    xv, fv, wv, st = env.put(x), env.put(factors), env.put(w), env.step([0] * ntok, pos, seq)
+    if kv is None:
+        y = env.zeros(ntok * heads * hd)
+        env.run([env.ops.qk_norm_rope(xv, y, fv, st, wv, **kw)])  # type: ignore[arg-type]
+        np.testing.assert_allclose(env.get(y).reshape(want.shape), want, rtol=0, atol=2e-5 * np.abs(want).max())
+        return
+    t = kv_type(kv)
+    kc = env.put(np.zeros(n_seq * n_ctx * t.row_bytes(heads * hd), np.uint8))
+    env.run([env.ops.qk_norm_rope(xv, kc, fv, st, wv, to_cache=True, n_ctx=n_ctx, kv_dim=heads * hd, kv_type=kv,
+                                  **kw)])  # type: ignore[arg-type]
+    cache = env.get(kc, np.uint8).reshape(n_seq, n_ctx, t.row_bytes(heads * hd))
+    step = {"f32": 0.0, "f16": 1e-3, "q8_0": 1.0 / 127}[kv] * np.abs(want).max()
+    for i in range(ntok):
+        got = dequantize_rows(cache[seq[i], pos[i]][None], t, heads * hd)[0]
+        np.testing.assert_allclose(got, want[i].reshape(-1), atol=2e-5 * np.abs(want).max() + step, rtol=0)
+
+
 def _levels(ops: list[Op]) -> list[list[str]]:
     """The dispatches between barriers, each level's kernel names sorted (matvec by its
     form: "gate_up" computes gate, up and SwiGLU, "matvec_rope" writes the KV cache)."""
@@ -158,8 +201,8 @@ MV4 = ["matvec"] * 4
 DELTA = [["rms_norm"], MV4, ["ssm_conv_split"], ["delta_net", "ssm_conv"], ["matvec"]]
 DELTA_OLD = [["rms_norm"], MV4, ["ssm_conv"], ["ssm_conv", "take"], ["l2_norm"], ["take"], ["l2_norm", "take"],
              ["delta_net"], ["rms_norm"], ["swiglu"], ["matvec"]]
-GATED_ATTN = [["rms_norm"], ["matvec", "matvec", "matvec_rope"], ["rms_norm", "take", "take"],
-              ["rms_norm", "rope_partial"], ["rope", "rope_partial"], ["attn_decode2"], ["swiglu"], ["matvec"]]
+GATED_ATTN = [["rms_norm"], ["matvec", "matvec", "matvec_rope"], ["qk_norm_rope", "qk_norm_rope", "take"],
+              ["attn_decode2"], ["swiglu"], ["matvec"]]
 GATED_ATTN_OLD = [["rms_norm"], ["matvec"], ["take", "take"], ["matvec", "rms_norm"], ["rms_norm", "rope_partial"],
                   ["rope_partial"], ["matvec_rope", "rope"], ["attn_decode2"], ["swiglu"], ["matvec"]]
 FFN = [["rms_norm"], ["gate_up"], ["matvec"]]
@@ -167,8 +210,8 @@ MOE = [["rms_norm"], ["gate_up", "matvec"], ["matvec", "moe_topk"], ["moe_matvec
        ["moe_combine"]]
 MOE_OLD = [["rms_norm"], ["matvec"], ["moe_topk"], ["moe_matvec", "moe_matvec"], ["swiglu"], ["moe_matvec"],
            ["gate_up", "moe_combine"], ["matvec"], ["gate_rows"], ["add"], ["add"]]
-QWEN3_ATTN = [["rms_norm"], ["matvec", "matvec", "matvec_rope"], ["rms_norm", "rms_norm"], ["rope", "rope"],
-              ["attn_decode2"], ["matvec"]]
+QWEN3_ATTN = [["rms_norm"], ["matvec", "matvec", "matvec_rope"], ["qk_norm_rope", "qk_norm_rope"], ["attn_decode2"],
+              ["matvec"]]
 QWEN3_ATTN_OLD = [["rms_norm"], ["matvec", "matvec"], ["rms_norm", "rms_norm"], ["matvec_rope", "rope", "rope"],
                   ["attn_decode2"], ["matvec"]]
 QWEN3MOE = [["rms_norm"], ["matvec"], ["moe_topk"], ["moe_matvec", "moe_matvec"], ["moe_matvec"], ["moe_combine"]]
@@ -191,8 +234,8 @@ DECODE_LEVELS = {
 def test_decode_barriers_per_layer(model_path, monkeypatch: pytest.MonkeyPatch, preset: str) -> None:  # type: ignore[no-untyped-def]
     """One decode step of one token, level by level (a barrier before each but the
     first): fused, a qwen35 delta-net layer has 8 barriers (14 unfused:
-    TRIO_LLM_HYBRID_FUSE=0), its gated attention layer 11 (13), qwen35moe's 11 and 14
-    (22 and 21), a qwen3moe layer 12 (14); the head 4. Wider buckets (int8 activations
+    TRIO_LLM_HYBRID_FUSE=0), its gated attention layer 9 (13), qwen35moe's 11 and 12
+    (22 and 21), a qwen3moe layer 11 (14); the head 4. Wider buckets (int8 activations
     add their quantizes) and prefill buckets have fewer barriers fused too."""
     model = load_gguf(model_path(preset, "Q8_0"))
     barriers = {}
@@ -210,8 +253,8 @@ def test_decode_barriers_per_layer(model_path, monkeypatch: pytest.MonkeyPatch, 
               "moe_delta_old": len(DELTA_OLD + MOE_OLD), "moe_attn": len(GATED_ATTN + MOE),
               "moe_attn_old": len(GATED_ATTN_OLD + MOE_OLD), "qwen3moe": len(QWEN3_ATTN + QWEN3MOE),
               "qwen3moe_old": len(QWEN3_ATTN_OLD + QWEN3MOE_OLD)}
-    assert counts == {"delta": 8, "delta_old": 14, "attn": 11, "attn_old": 13, "moe_delta": 11,
-                      "moe_delta_old": 22, "moe_attn": 14, "moe_attn_old": 21, "qwen3moe": 12,
+    assert counts == {"delta": 8, "delta_old": 14, "attn": 9, "attn_old": 13, "moe_delta": 11,
+                      "moe_delta_old": 22, "moe_attn": 12, "moe_attn_old": 21, "qwen3moe": 11,
                       "qwen3moe_old": 14}
 
 

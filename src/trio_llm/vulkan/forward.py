@@ -99,7 +99,7 @@ class Fusion:
     fused dispatch, wherever in the group it runs, never overwrites a value still to be
     read, and the same plan serves the buckets that lower the group unfused."""
 
-    kind: Literal["conv_split", "delta_gate", "glu_in", "moe_out"]
+    kind: Literal["conv_split", "delta_gate", "glu_in", "moe_out", "qk_rope", "into_reader"]
     nodes: tuple[int, ...]  # the members' output tensor ids, in node order
     early: bool  # emitted at the first member (else at the last)
 
@@ -161,6 +161,25 @@ def _moe_out_members(node: Node, cons: dict[int, list[Node]], prod: dict[int, No
     return members
 
 
+def _qk_rope_members(node: Node, cons: dict[int, list[Node]], prod: dict[int, Node]) -> list[Node] | None:
+    """A rope of a per-head rms_norm read by it alone, with (qwen35's q) the take of
+    the heads from their interleave with the gate before it: the members, or None.
+    Partial RoPE only in the form the unfused lowering takes (neox, no factors, no
+    position scaling)."""
+    hd = node.attr("head_dim")
+    if "n_rot" in node.attrs and (len(node.inputs) > 1 or node.attr("mode") != "neox"
+                                  or node.attr("freq_scale") != 1.0):
+        return None
+    nrm = prod.get(node.inputs[0].id)
+    if (nrm is None or nrm.op != "rms_norm" or _only(cons, nrm.out) is not node or nrm.attr("group") != hd
+            or nrm.inputs[0].kind != "value"):
+        return None
+    take = prod.get(nrm.inputs[0].id)
+    if take is not None and take.op == "take" and _only(cons, take.out) is nrm and take.attr("n") == hd:
+        return [take, nrm, node]
+    return [nrm, node]
+
+
 def fusion_groups(graph: Graph) -> tuple[Fusion, ...]:
     """The graph's work that fused kernels can do (from its shape alone; which buckets
     lower each group fused is the lowering's choice, ``_Lowering.find_hybrid_fusions``):
@@ -171,7 +190,14 @@ def fusion_groups(graph: Graph) -> tuple[Fusion, ...]:
     - ``glu_in``: the experts' silu(gate) * up read only by their down product
       (moe_matvec.comp's GLU_IN);
     - ``moe_out``: moe_combine -> + gated shared expert -> + residual (moe_combine.comp's
-      SHEXP and RESID).
+      SHEXP and RESID);
+    - ``qk_rope``: (qwen35's take of q from its gate interleave ->) QK-norm -> RoPE (and
+      the KV-cache write of k): qk_norm_rope.comp;
+    - ``into_reader``: a linear read only by a rope, an attention (its v) or a glu,
+      whose matvec the lowering may do where that reader is (ROPE_OUT, the v
+      projection's cache write, GATE_UP: ``find_fusions``): its input must still be
+      there then, which the order of the unfused plan gave only by luck of in-place
+      buffers, and the level scheduler no longer does.
     """
     cons = graph.consumers()
     prod = graph.producers()
@@ -180,7 +206,7 @@ def fusion_groups(graph: Graph) -> tuple[Fusion, ...]:
     for node in graph.nodes:
         members: list[Node] | None = None
         early = False
-        kind: Literal["conv_split", "delta_gate", "glu_in", "moe_out"]
+        kind: Literal["conv_split", "delta_gate", "glu_in", "moe_out", "qk_rope", "into_reader"]
         if node.op == "ssm_conv":
             kind, early = "conv_split", True
             split = conv_split_parts(node, cons)
@@ -206,6 +232,13 @@ def fusion_groups(graph: Graph) -> tuple[Fusion, ...]:
         elif node.op == "moe_combine":
             kind = "moe_out"
             members = _moe_out_members(node, cons, prod)
+        elif node.op == "rope":
+            kind = "qk_rope"
+            members = _qk_rope_members(node, cons, prod)
+        elif node.op == "linear":
+            reader = _only(cons, node.out)
+            if reader is not None and reader.op in ("rope", "attention", "glu"):
+                kind, members = "into_reader", [node, reader]
         if members is not None:
             members.sort(key=lambda n: index[n.out.id])
             out.append(Fusion(kind, tuple(n.out.id for n in members), early))
@@ -544,8 +577,8 @@ class _Lowering:
         f32 = lambda t: self.weights.slots[t.name].qtype == "F32"  # noqa: E731
         for f in self.plan.fusions:
             nodes = [self._prod[i] for i in f.nodes]
-            if any(n.out.id in self._absorbed for n in nodes):
-                continue
+            if f.kind == "into_reader" or any(n.out.id in self._absorbed for n in nodes):
+                continue  # into_reader: find_fusions' own (the plan only makes room)
             if f.kind == "conv_split" and not f32(nodes[0].inputs[1]):
                 continue
             if f.kind == "delta_gate" and (self.chunked or not f32(nodes[1].inputs[1])):
@@ -554,6 +587,15 @@ class _Lowering:
                 continue
             if f.kind == "moe_out" and any(n.op == "gate_rows" and not f32(n.inputs[2]) for n in nodes):
                 continue
+            if f.kind == "qk_rope":
+                if not f32(nodes[-2].inputs[1]):
+                    continue
+                rope = nodes[-1]
+                readers = self._cons.get(rope.out.id, [])
+                if ("n_rot" in rope.attrs and len(readers) == 1 and readers[0].op == "attention"
+                        and readers[0].inputs[1] is rope.out and readers[0].inputs[0] is not rope.out
+                        and not self.rotation(readers[0])[0]):
+                    self._to_cache.add(rope.out.id)  # the partial RoPE of k stores it too
             head = nodes[0] if f.early else nodes[-1]
             self._hyb[head.out.id] = f
             self._absorbed |= {n.out.id for n in nodes if n is not head}
@@ -1107,6 +1149,24 @@ class _Lowering:
                                 x_stride=g.width, x_pair=n_in, y_stride=node.out.width, k=node.attr("k"),
                                 cap=self.bucket, up=self.view(u))
         self.emit([d], [self.slot(g), self.slot(u), self.slot(routes)], [self.slot(node.out)])
+
+    def fuse_qk_rope(self, node: Node, members: list[Node]) -> None:
+        """QK-norm and RoPE of q or k (qwen35's q read from its gate interleave, k
+        stored in the KV cache): one dispatch (qk_norm_rope.comp)."""
+        take = members[0] if members[0].op == "take" else None
+        nrm = members[-2]
+        src = take.inputs[0] if take is not None else nrm.inputs[0]
+        hd = node.attr("head_dim")
+        cache = self._cache_target(node)
+        dst, key = (self.view(node.out), self.slot(node.out)) if cache is None else (cache[0], cache[1])
+        d = self.ops.qk_norm_rope(
+            self.view(src), dst, self.act.view(self.rope_buf[node.out.id]), self.st, self.view(nrm.inputs[1]),
+            n_heads=node.attr("n_heads"), head_dim=hd, x_stride=src.width,
+            x_head=take.attr("group") if take is not None else hd, x_off=take.attr("start") if take is not None else 0,
+            mode=ROPE_NORMAL if node.attr("mode") == "normal" else ROPE_NEOX, n_rot=node.attrs.get("n_rot", hd),
+            theta=node.attr("theta"), eps=nrm.attr("eps"), cap=self.bucket, to_cache=cache is not None,
+            n_ctx=cache[2].rows if cache else 0, kv_dim=node.out.width, kv_type=cache[3] if cache else "f32")
+        self.emit([d], [self.slot(src)], [key])
 
     def fuse_moe_out(self, node: Node, members: list[Node]) -> None:
         """The experts' weighted sum, plus the gated shared expert, plus the residual:

@@ -591,6 +591,26 @@ class Ops:
         push = (n_head, n_head_kv, head_dim, n_ctx, kv_dim, q_stride, o_stride, float(s), n_swa)
         return Dispatch(k, (q, k_cache, v_cache, o, step), push, (n_head, cap, 1))
 
+    def qk_norm_rope(
+        self, x: View, y: View, factors: View, step: View, w: View, *, n_heads: int, head_dim: int,
+        x_stride: int, x_head: int, x_off: int, mode: int, n_rot: int, theta: float, eps: float, cap: int,
+        to_cache: bool = False, n_ctx: int = 0, kv_dim: int = 0, kv_type: str = "f32",
+    ) -> Dispatch:
+        """Per (head, token): the head's RMSNorm (weight ``w`` [head_dim]), its RoPE
+        (``n_rot`` < head_dim: the first n_rot values in half-split pairs, as
+        ``rope_partial``), stored as the value ``y`` [T, n_heads * head_dim] or
+        (``to_cache``) into the KV cache as ``rope`` stores it (qk_norm_rope.comp);
+        head h of token t is read from x[t * x_stride + h * x_head + x_off]."""
+        assert head_dim <= 512 and n_rot % 2 == 0 and 0 < n_rot <= head_dim and mode in (ROPE_NORMAL, ROPE_NEOX)
+        t = _kv(kv_type if to_cache else "f32")
+        if t.quantized:
+            _check_head(t, head_dim, "the")
+        k = self.kernels.get("qk_norm_rope", n_bindings=5, n_push=11, local_size=self.norm_wg,
+                             defines=kv_defines(KV_TYPE=t))
+        push = (head_dim, x_stride, x_head, x_off, mode, n_rot, int(to_cache), n_ctx, kv_dim, float(eps),
+                float(math.log2(theta)))
+        return Dispatch(k, (x, y, factors, step, w), push, (n_heads, cap, 1))
+
     def glu(
         self, g: View, u: View, y: View, step: View, *, n: int, stride: int, cap: int,
         act: str = "silu", count_sel: int = COUNT_TOKENS,
