@@ -2,7 +2,7 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: verify (the Vulkan correctness tests on the H200), tune7 (the late 2026-12-01 defaults' tests and choices), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), prefillcm2 (attn_prefill_cm2's tests, op level and pp8192 A/B), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
+# Stages: verify (the Vulkan correctness tests on the H200), tune7 (the late 2026-12-01 defaults' tests and choices), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), cm2sweep (matmul_cm3's variants: their tests on the GPU, op level against matmul_cm2, pp512 of the best two), prefillcm2 (attn_prefill_cm2's tests, op level and pp8192 A/B), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill, the pp512 graph
 #   with grouped expert matmuls against per-pair matvecs; MOE35=1 adds qwen35-35b-a3b's),
@@ -247,6 +247,26 @@ for s in $STAGES; do case $s in
       for t in 128x128 128x64 64x64; do
         stage "cm2-pp512-$tag-$t" 120 env TRIO_LLM_MATMUL_CM2=1 TRIO_LLM_CM2_TILE=$t $PY bench/decode.py \
           --model "$m" --backends vulkan --pp 512 --tg 8 --repeats 2
+      done
+    done ;;
+  cm2sweep)  # matmul_cm3's variants (TRIO_LLM_CM2_VARIANT; carry .cc too: the F16 test variants compile there):
+    # their tests on the real cooperative matrices (every variant x tile the H200's 48 KiB takes), then op level
+    # beside matmul_cm2 (bench/matmul.py: llama-1b's products in Q8_0, llama-8b's in Q4_K and Q6_K, 512 and 2048
+    # tokens on the backend's tiles, then at 512 every tile forced), then whole pp512s of both models on
+    # matmul_cm2 and on the two variants with the lowest layer time (its --best-out; CM3_PP="v+db+direct ..."
+    # names them instead). About 5 minutes.
+    stage verify-cm3 200 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_ops.py -k "cm3 or cm2_choice"
+    if [ "${SMALL:-0}" = 1 ]; then SW=(--shapes small --emulate --tokens 64 --repeats 1); else SW=(); fi
+    stage cm2sweep-ops 200 $PY bench/matmul.py ${SW[@]+"${SW[@]}"} --best 2 --best-out "$RES/cm3-best.txt"
+    if [ "${SMALL:-0}" = 1 ]; then SW=(--shapes small --emulate --tokens 64 --repeats 1); else SW=(--tokens 512); fi
+    stage cm2sweep-tiles 150 $PY bench/matmul.py "${SW[@]}" --tiles all
+    wait8b
+    PPV=${CM3_PP:-$(cat "$RES/cm3-best.txt" 2>/dev/null)}
+    for mq in "$M1:1b-q8" "$M8B:8b-q4km"; do
+      m=${mq%%:*}; tag=${mq##*:}
+      for v in cm2 $PPV; do
+        stage "cm2sweep-pp512-$tag-$v" 90 env TRIO_LLM_CM2_VARIANT=$v $PY bench/decode.py --model "$m" --backends vulkan \
+          --pp 512 --tg 8 --repeats 2 --pp-breakdown
       done
     done ;;
   attndepth)  # decode attention at depth, op level: per-head attention vs attention_decode
