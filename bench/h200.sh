@@ -252,14 +252,14 @@ for s in $STAGES; do case $s in
   cm2sweep)  # matmul_cm3's variants (TRIO_LLM_CM2_VARIANT; carry .cc too: the F16 test variants compile there):
     # their tests on the real cooperative matrices (every variant x tile the H200's 48 KiB takes), then op level
     # beside matmul_cm2 (bench/matmul.py: llama-1b's products in Q8_0, llama-8b's in Q4_K and Q6_K, 512 and 2048
-    # tokens on the backend's tiles, then at 512 every tile forced), then whole pp512s of both models on
+    # tokens on the backend's tiles, then at 512 every tile forced, Q8_0 / Q4_K), then whole pp512s of both models on
     # matmul_cm2 and on the two variants with the lowest layer time (its --best-out; CM3_PP="v+db+direct ..."
     # names them instead). About 5 minutes.
     stage verify-cm3 200 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_ops.py -k "cm3 or cm2_choice"
     if [ "${SMALL:-0}" = 1 ]; then SW=(--shapes small --emulate --tokens 64 --repeats 1); else SW=(); fi
     stage cm2sweep-ops 200 $PY bench/matmul.py ${SW[@]+"${SW[@]}"} --best 2 --best-out "$RES/cm3-best.txt"
     if [ "${SMALL:-0}" = 1 ]; then SW=(--shapes small --emulate --tokens 64 --repeats 1); else SW=(--tokens 512); fi
-    stage cm2sweep-tiles 150 $PY bench/matmul.py "${SW[@]}" --tiles all
+    stage cm2sweep-tiles 150 $PY bench/matmul.py "${SW[@]}" --types main --tiles all
     wait8b
     PPV=${CM3_PP:-$(cat "$RES/cm3-best.txt" 2>/dev/null)}
     for mq in "$M1:1b-q8" "$M8B:8b-q4km"; do

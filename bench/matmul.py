@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"bench/matmul.py: --shapes: {model!r} is not one of {', '.join(SHAPES)}", file=sys.stderr)
                 return 2
             for label, n_rows, n_in, count in SHAPES[model]:
-                for qtype in (MODEL_TYPES[model] if args.types == "model" else args.types).split(","):
+                types = {"model": MODEL_TYPES[model], "main": MODEL_TYPES[model].split(",")[0]}.get(args.types, args.types)
+                for qtype in types.split(","):
                     nbytes = n_rows * row_bytes(qtype, n_in)
                     w = alloc.create(nbytes, "weights", "device")
                     upload(device, alloc, w, rng.integers(0, 256, nbytes, dtype=np.uint8))
@@ -225,7 +226,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="llama-1b,llama-8b", help=f"of {', '.join(SHAPES)}")
     ap.add_argument("--types", default="model",
-                    help="weight types (Q8_0,Q4_K,Q6_K) for every shape; model: each model's own (MODEL_TYPES)")
+                    help="weight types (Q8_0,Q4_K,Q6_K) for every shape; model: each model's own (MODEL_TYPES), "
+                         "main: the first of those")
     ap.add_argument("--tokens", default="512,2048")
     ap.add_argument("--variants", default="",
                     help="cm2, cm, scalar and matmul_cm3 specs (v+db+direct, ...); default cm2 and shaders.CM3_SWEEP")

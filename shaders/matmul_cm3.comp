@@ -19,6 +19,10 @@
 //     instead of through shared memory and a masked store per value;
 //   * TM x TN (defines) blocks of 16x16 per subgroup and the tile BM x BN are free
 //     (ops.cm3_layout), e.g. llama.cpp's 128x128 over 4 subgroups of 4x4 blocks;
+//   * WIDE_W (define, the "+w" variants, only for Q4_K and Q6_K): the weights read wider
+//     than quant.glsl's 16-bit words (dequant8w below: Q4_K's scales as three 32-bit
+//     words and its eight nibbles as one 64-bit load, 5 loads per 8 values against 8-10;
+//     Q6_K's low and high bits a 16-bit word per two values, 10 loads against 18);
 //   * no select on the loaded values: rows past n_rows and tokens past the live count
 //     read the last valid row / token (clamped addresses, real values) and only feed
 //     outputs that are never stored.
@@ -55,6 +59,72 @@ layout(push_constant) uniform Push {
 } pc;
 
 #include "quant.glsl"
+
+#if defined(WIDE_W) && defined(QTYPE_Q4_K)
+// the same weights as 32- and 64-bit words: a Q4_K row is whole 144-byte super-blocks
+// from a 16-byte aligned binding, so its d / dmin pair, scales and groups of eight
+// nibbles lie on 4- and 8-byte boundaries (aliased bindings, as llama.cpp's mul_mm)
+layout(binding = 0, std430) readonly buffer W32 { uint w32[]; };
+layout(binding = 0, std430) readonly buffer W64 { uvec2 w64[]; };
+
+// dequant8 of Q4_K from those words (ggml's get_scale_min_k4, the scales' bytes j of
+// s0 = bytes 0-3, s1 = 4-7, s2 = 8-11)
+void dequant8w(uint row16, uint g, out float v[8]) {
+    uint b = (row16 >> 1) + (g >> 5) * 36u;  // the super-block, in 32-bit words
+    uint k = (g & 31u) * 8u;
+    uint c = k >> 6;
+    uint hi = (k >> 5) & 1u;
+    uint l = k & 31u;
+    uint is = 2u * c + hi;
+    vec2 dm = unpackHalf2x16(w32[b]);
+    uint s0 = w32[b + 1u];
+    uint s1 = w32[b + 2u];
+    uint s2 = w32[b + 3u];
+    uint j = 8u * (is & 3u);
+    uint sc;
+    uint m;
+    if (is < 4u) {
+        sc = (s0 >> j) & 63u;
+        m = (s1 >> j) & 63u;
+    } else {
+        sc = ((s2 >> j) & 0xFu) | (((s0 >> (j + 6u)) & 3u) << 4);
+        m = ((s2 >> (j + 4u)) & 0xFu) | (((s1 >> (j + 6u)) & 3u) << 4);
+    }
+    float dl = dm.x * float(sc);
+    float ml = dm.y * float(m);
+    uvec2 q = w64[(b >> 1) + 2u + 4u * c + (l >> 3)];  // bytes 16 + 32c + l .. + 8
+    uint sh = hi * 4u;
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        v[i] = dl * float((q.x >> (8u * i + sh)) & 0xFu) - ml;
+        v[4u + i] = dl * float((q.y >> (8u * i + sh)) & 0xFu) - ml;
+    }
+}
+#elif defined(WIDE_W) && defined(QTYPE_Q6_K)
+// dequant8 of Q6_K reading each 16-bit word of its low and high bits once (two values
+// per word; quant.glsl's reads a word per byte): a 210-byte block is 2-byte aligned only
+void dequant8w(uint row16, uint g, out float v[8]) {
+    uint b = row16 + (g >> 5) * BLOCK16;
+    uint k = (g & 31u) * 8u;
+    uint h = k >> 7;
+    uint qd = (k >> 5) & 3u;
+    uint l = k & 31u;
+    uint ql = b + ((h * 64u + l + (qd & 1u) * 32u) >> 1);
+    uint qh = b + ((128u + h * 32u + l) >> 1);
+    uint nsh = (qd >> 1) * 4u;
+    uint hsh = 2u * qd;
+    float ds = whalf(b + 104u) * float(int(wbyte(b, 192u + h * 8u + (l >> 4) + 2u * qd) << 24) >> 24);
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        uint pl = uint(w16[ql + i]);
+        uint ph = uint(w16[qh + i]);
+        [[unroll]] for (uint t = 0; t < 2; t++) {
+            uint q = ((pl >> (8u * t + nsh)) & 0xFu) | (((ph >> (8u * t + hsh)) & 3u) << 4);
+            v[2u * i + t] = ds * (float(q) - 32.0);
+        }
+    }
+}
+#else
+#define dequant8w dequant8
+#endif
 
 #ifndef BK
 #define BK 32
@@ -109,7 +179,7 @@ uvec4 pack8(f16vec4 lo, f16vec4 hi) {
 void fetch(uint kb, uint lk, uint a_row[A_LD], uint b_at[B_LD]) {
     [[unroll]] for (uint i = 0; i < A_LD; i++) {
         float w[8];
-        dequant8(a_row[i], (kb + lk) >> 3, w);
+        dequant8w(a_row[i], (kb + lk) >> 3, w);
         apre[i] = pack8(f16vec4(float16_t(w[0]), float16_t(w[1]), float16_t(w[2]), float16_t(w[3])),
                         f16vec4(float16_t(w[4]), float16_t(w[5]), float16_t(w[6]), float16_t(w[7])));
     }

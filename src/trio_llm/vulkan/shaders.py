@@ -305,13 +305,15 @@ class Cm3Variant(NamedTuple):
     db: bool = False
     direct: bool = False
     blocks: tuple[int, int] | None = None
+    #: Q4_K / Q6_K weights read in wider words (WIDE_W; other types as without)
+    wide: bool = False
 
     @property
     def name(self) -> str:
-        """The spec ``cm3_variant`` reads back: "v", then "+k64", "+db", "+direct", "+b44"."""
+        """The spec ``cm3_variant`` reads back: "v", then "+k64", "+db", "+direct", "+b44", "+w"."""
         parts = ["v", *(["k64"] if self.bk == 64 else []), *(["db"] if self.db else []),
                  *(["direct"] if self.direct else []),
-                 *([f"b{self.blocks[0]}{self.blocks[1]}"] if self.blocks else [])]
+                 *([f"b{self.blocks[0]}{self.blocks[1]}"] if self.blocks else []), *(["w"] if self.wide else [])]
         return "+".join(parts)
 
 
@@ -322,14 +324,15 @@ _CM3_BLOCKS = {f"b{m}{n}": (m, n) for m in (1, 2, 4) for n in (1, 2, 4)}
 def cm3_variant(spec: str) -> Cm3Variant | None:
     """A ``TRIO_LLM_CM2_VARIANT`` spec: "" or "cm2" for matmul_cm2.comp (None), else
     "v" (matmul_cm3.comp: 16-byte shared stores, BK 32, one buffer, staged stores) with
-    any of "+k64", "+db", "+direct", "+b44" (TM x TN blocks per subgroup, 1/2/4 each)."""
+    any of "+k64", "+db", "+direct", "+b44" (TM x TN blocks per subgroup, 1/2/4 each),
+    "+w" (Q4_K / Q6_K weights read in wider words)."""
     spec = spec.strip()
     if spec in ("", "cm2"):
         return None
     parts = spec.split("+")
     if parts[0] != "v" or len(set(parts)) != len(parts):
-        raise ValueError(f"matmul_cm3 variant {spec!r}: expected 'v' then any of +k64, +db, +direct, +b<TM><TN>")
-    bk, db, direct, blocks = 32, False, False, None
+        raise ValueError(f"matmul_cm3 variant {spec!r}: expected 'v' then any of +k64, +db, +direct, +b<TM><TN>, +w")
+    bk, db, direct, blocks, wide = 32, False, False, None, False
     for p in parts[1:]:
         if p == "k64":
             bk = 64
@@ -339,9 +342,11 @@ def cm3_variant(spec: str) -> Cm3Variant | None:
             direct = True
         elif p in _CM3_BLOCKS and blocks is None:
             blocks = _CM3_BLOCKS[p]
+        elif p == "w":
+            wide = True
         else:
-            raise ValueError(f"matmul_cm3 variant {spec!r}: unknown part {p!r} (k64, db, direct, b<TM><TN>)")
-    return Cm3Variant(bk, db, direct, blocks)
+            raise ValueError(f"matmul_cm3 variant {spec!r}: unknown part {p!r} (k64, db, direct, b<TM><TN>, w)")
+    return Cm3Variant(bk, db, direct, blocks, wide)
 
 
 def cm3_layout(bm: int, bn: int, subgroup: int, v: Cm3Variant) -> tuple[int, int, int]:
@@ -381,13 +386,19 @@ def cm3_defines(qtype: str, subgroup: int, bm: int, bn: int, v: Cm3Variant,
     tm, tn, _ = cm3_layout(bm, bn, subgroup, v)
     return {**qtype_defines(qtype), "BM": bm, "BN": bn, "TM": tm, "TN": tn, "SG": subgroup,
             **({"BK": 64} if v.bk == 64 else {}), **({"DB": 1} if v.db else {}),
-            **({"DIRECT": 1} if v.direct else {}), **({"CM_EMULATE": 1} if emulate else {})}
+            **({"DIRECT": 1} if v.direct else {}), **({"WIDE_W": 1} if v.wide and qtype in CM3_WIDE else {}),
+            **({"CM_EMULATE": 1} if emulate else {})}
+
+
+#: the weight types matmul_cm3's "+w" reads in wider words (the others as without it,
+#: the same SPIR-V)
+CM3_WIDE = ("Q4_K", "Q6_K")
 
 
 #: the matmul_cm3 variants bench/h200.sh cm2sweep times (bench/matmul.py's default set),
 #: prebuilt by compile-shaders for subgroups of 32 in the types of its models
 CM3_SWEEP = ("v", "v+direct", "v+db+direct", "v+k64+direct", "v+b44+direct", "v+db+b44+direct",
-             "v+k64+b44+direct")
+             "v+k64+b44+direct", "v+direct+w", "v+db+direct+w", "v+b44+direct+w", "v+k64+b44+direct+w")
 #: ... and those types (llama-1b Q8_0, llama-8b Q4_K_M's Q4_K and Q6_K)
 CM3_SWEEP_TYPES = ("Q8_0", "Q4_K", "Q6_K")
 #: the H200's reported limit (maxComputeSharedMemorySize), for the prebuilt set
@@ -396,7 +407,9 @@ H200_SHARED = 49152
 
 def cm3_sweep_variants() -> Iterable[tuple[str, dict[str, object]]]:
     """Every (variant, tile) of ``CM3_SWEEP`` with a layout on subgroups of 32 and its
-    shared memory within the H200's 48 KiB, in ``CM3_SWEEP_TYPES``."""
+    shared memory within the H200's 48 KiB, in ``CM3_SWEEP_TYPES`` (once each: "+w"
+    leaves Q8_0's defines as they are)."""
+    seen: set[tuple[tuple[str, object], ...]] = set()
     for spec in CM3_SWEEP:
         v = cm3_variant(spec)
         assert v is not None
@@ -407,7 +420,10 @@ def cm3_sweep_variants() -> Iterable[tuple[str, dict[str, object]]]:
             except ValueError:
                 continue
             for q in CM3_SWEEP_TYPES:
-                yield "matmul_cm3", cm3_defines(q, 32, bm, bn, v)
+                d = cm3_defines(q, 32, bm, bn, v)
+                if tuple(sorted(d.items())) not in seen:
+                    seen.add(tuple(sorted(d.items())))
+                    yield "matmul_cm3", d
 
 
 def moe_coopmat_defines(qtype: str, subgroup: int) -> dict[str, object]:
