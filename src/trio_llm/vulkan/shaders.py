@@ -398,7 +398,8 @@ CM3_WIDE = ("Q4_K", "Q6_K")
 #: the matmul_cm3 variants bench/h200.sh cm2sweep times (bench/matmul.py's default set),
 #: prebuilt by compile-shaders for subgroups of 32 in the types of its models
 CM3_SWEEP = ("v", "v+direct", "v+db+direct", "v+k64+direct", "v+b44+direct", "v+db+b44+direct",
-             "v+k64+b44+direct", "v+direct+w", "v+db+direct+w", "v+b44+direct+w", "v+k64+b44+direct+w")
+             "v+k64+b44+direct", "v+direct+w", "v+db+direct+w", "v+b44+direct+w", "v+db+b44+direct+w",
+             "v+k64+b44+direct+w")
 #: ... and those types (llama-1b Q8_0, llama-8b Q4_K_M's Q4_K and Q6_K)
 CM3_SWEEP_TYPES = ("Q8_0", "Q4_K", "Q6_K")
 #: the H200's reported limit (maxComputeSharedMemorySize), for the prebuilt set
