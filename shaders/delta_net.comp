@@ -11,11 +11,23 @@
 // silu(z) (qwen35's ssm_norm and its gate, rms_norm.comp then swiglu.comp unfused): the
 // sum of squares is made as rms_norm.comp makes it with a work group of NW lanes (lane
 // j < NW sums the values j, j + NW, ...), so the result is the unfused chain's.
+// CONV: q, k and v are not inputs: each lane makes its channel of them from the conv's
+// input (qkv [T][C], channels q | k | v) as ssm_conv.comp's PHASE 0 does (its taps over
+// the run and the conv state, SiLU) and L2-normalises the q and k heads as l2_norm.comp
+// does (its sums over NW lanes): qwen35's conv -> take -> l2_norm before the rule,
+// without a dispatch of their own. The conv state is only read here; ssm_conv.comp's
+// PHASE 1 moves it on after a barrier.
 #include "common.glsl"
 
+#ifdef CONV
+layout(binding = 0, std430) readonly buffer Cx { float cx[]; };   // [T][C]
+layout(binding = 1, std430) readonly buffer Cw { float cw[]; };   // [C][d_conv]
+layout(binding = 2, std430) readonly buffer Cs { float cst[]; };  // [n_seq][d_conv - 1][C]
+#else
 layout(binding = 0, std430) readonly buffer Q { float q[]; };
 layout(binding = 1, std430) readonly buffer K { float k[]; };
 layout(binding = 2, std430) readonly buffer V { float v[]; };
+#endif
 layout(binding = 3, std430) readonly buffer A { float alpha[]; };
 layout(binding = 4, std430) readonly buffer B { float beta[]; };
 layout(binding = 5, std430) readonly buffer Dt { float dt[]; };
@@ -27,8 +39,8 @@ DECLARE_STEP(9)
 #ifdef GATED_NORM
 layout(binding = 10, std430) readonly buffer Z { float z[]; };
 layout(binding = 11, std430) readonly buffer Nw { float nw[]; };
-layout(constant_id = 1) const uint NW = 64;
 #endif
+layout(constant_id = 1) const uint NW = 64;
 
 layout(push_constant) uniform Push {
     uint n_k;
@@ -36,13 +48,53 @@ layout(push_constant) uniform Push {
 #ifdef GATED_NORM
     float eps;
 #endif
+#ifdef CONV
+    uint c;         // conv channels (2 n_k d + n_v d)
+    uint kc;        // d_conv
+    float l2_eps;
+#endif
 } pc;
 
 shared float qs[WG];
 shared float ks[WG];
 #ifdef GATED_NORM
 shared float os[WG];
+#endif
+#if defined(GATED_NORM) || defined(CONV)
 #include "reduce.glsl"
+#endif
+
+#ifdef CONV
+// ssm_conv.comp's output of channel ch at token t, i (at most d_conv - 1) tokens of its
+// run before it in the step, the run's state fresh at position 0
+float conv_at(uint ch, uint t, uint seq, uint i, bool fresh) {
+    uint km = pc.kc - 1u;
+    uint sb = seq * km * pc.c + ch;
+    float acc = 0.0;
+    for (uint tap = 0u; tap < pc.kc; tap++) {
+        uint back = km - tap;
+        float val;
+        if (back <= i) {
+            val = cx[(t - back) * pc.c + ch];
+        } else {
+            val = fresh ? 0.0 : cst[sb + (km - (back - i)) * pc.c];
+        }
+        acc += val * cw[ch * pc.kc + tap];
+    }
+    return acc / (1.0 + exp(-acc));
+}
+
+// 1 / max(|head|, eps) of the head in a shared array, summed as l2_norm.comp sums it
+float l2_scale(uint j, bool of_q) {
+    float ss = 0.0;
+    if (j < NW) {
+        for (uint i = j; i < WG; i += NW) {
+            float u = of_q ? qs[i] : ks[i];
+            ss += u * u;
+        }
+    }
+    return 1.0 / max(sqrt(wg_sum(ss)), pc.l2_eps);
+}
 #endif
 
 void main() {
@@ -66,8 +118,23 @@ void main() {
     }
     for (uint t = t0; t < step.n_tokens && STEP_SEQ(t) == seq; t++) {
         barrier();
+#ifdef CONV
+        uint key = pc.n_k * WG;
+        uint ci = min(t - t0, pc.kc - 1u);
+        float qv = conv_at(kh * WG + j, t, seq, ci, fresh);
+        float kv0 = conv_at(key + kh * WG + j, t, seq, ci, fresh);
+        float vv = conv_at(2u * key + h * WG + j, t, seq, ci, fresh);
+        qs[j] = qv;
+        ks[j] = kv0;
+        barrier();
+        float sq = l2_scale(j, true);
+        float sk = l2_scale(j, false);
+        qs[j] = qv * sq * scale;
+        ks[j] = kv0 * sk;
+#else
         qs[j] = q[(t * pc.n_k + kh) * WG + j] * scale;
         ks[j] = k[(t * pc.n_k + kh) * WG + j];
+#endif
         barrier();
         float x = alpha[t * pc.n_v + h] + dt[h];
         float sp = x > 20.0 ? x : log(1.0 + exp(x));
@@ -78,7 +145,11 @@ void main() {
             s[i] *= decay;
             kv += s[i] * ks[i];
         }
+#ifdef CONV
+        float delta = (vv - kv) * b;
+#else
         float delta = (v[(t * pc.n_v + h) * WG + j] - kv) * b;
+#endif
         float acc = 0.0;
         for (uint i = 0u; i < WG; i++) {
             s[i] += ks[i] * delta;

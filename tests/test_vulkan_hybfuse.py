@@ -62,18 +62,38 @@ def test_ssm_conv_split_equals_the_conv_the_takes_and_the_l2_norms(env: Env, d: 
     np.testing.assert_array_equal(env.get(sv).reshape(state.shape), state)  # phase 1 moves it on
 
 
-@pytest.mark.parametrize(("n_k", "n_v", "d"), [(2, 4, 64), (1, 2, 128)])
-def test_delta_net_with_the_gated_norm_equals_rule_norm_and_gate(env: Env, n_k: int, n_v: int, d: int) -> None:
+@pytest.mark.parametrize(("n_k", "n_v", "d", "conv", "gate"),
+                         [(2, 4, 64, False, True), (1, 2, 128, False, True), (2, 4, 64, True, True),
+                          (1, 2, 128, True, True), (2, 2, 64, True, False)])
+def test_delta_net_fused_with_its_conv_and_its_gated_norm(env: Env, n_k: int, n_v: int, d: int, conv: bool,
+                                                         gate: bool) -> None:
+    """The rule, fed (``conv``) by the conv of its qkv input with the conv state, split
+    and L2-normed in the kernel, and (``gate``) RMS-normed per head and gated by
+    silu(z) after it: numpy's conv, L2 norms, rule, norm and gate. The conv state is
+    left for ssm_conv's phase 1."""
     rng = np.random.default_rng(d + 1)
     step, seqs, pos, toks = _step()
     n = len(seqs)
-
-    def unit(shape: tuple[int, ...]) -> np.ndarray:
-        z = rng.standard_normal(shape).astype(np.float32)
-        return (z / np.linalg.norm(z, axis=-1, keepdims=True)).reshape(shape[0], -1)
-
-    q, k = unit((n, n_k, d)), unit((n, n_k, d))
-    v = rng.standard_normal((n, n_v * d)).astype(np.float32)
+    key = n_k * d
+    c = 2 * key + n_v * d
+    x = rng.standard_normal((n, c)).astype(np.float32)
+    cw = (0.5 * rng.standard_normal((c, 4))).astype(np.float32)
+    cstate = rng.standard_normal((N_SEQ, 3, c)).astype(np.float32)
+    g = Graph(shapes={"emb": (8, c), "conv": (c, 4)})
+    g.layer(0)
+    cout = g.ssm_conv(g.get_rows(g.weight("emb"), g.tokens()), g.weight("conv"), "conv_out")
+    conv_node = g.nodes[-1]
+    if conv:
+        y = NumpyBackend._ssm_conv(types.SimpleNamespace(_rs={cout.id: _entered(cstate)}), conv_node, x, cw,
+                                   step)  # type: ignore[arg-type]
+        heads = [y[:, :key].reshape(n, n_k, d), y[:, key : 2 * key].reshape(n, n_k, d)]
+        q, k = ((h / np.maximum(np.linalg.norm(h, axis=-1, keepdims=True), 1e-6)).reshape(n, -1) for h in heads)
+        v = y[:, 2 * key :]
+    else:
+        q, k = (t / np.linalg.norm(t, axis=-1, keepdims=True) for t in
+                (rng.standard_normal((n, n_k, d)).astype(np.float32) for _ in range(2)))
+        q, k = q.reshape(n, -1), k.reshape(n, -1)
+        v = rng.standard_normal((n, n_v * d)).astype(np.float32)
     alpha = rng.standard_normal((n, n_v)).astype(np.float32)
     beta = rng.standard_normal((n, n_v)).astype(np.float32)
     dt = rng.standard_normal(n_v).astype(np.float32)
@@ -81,22 +101,25 @@ def test_delta_net_with_the_gated_norm_equals_rule_norm_and_gate(env: Env, n_k: 
     z = rng.standard_normal((n, n_v * d)).astype(np.float32)
     nw = rng.standard_normal(d).astype(np.float32)
     state = (0.1 * rng.standard_normal((N_SEQ, n_v, d, d))).astype(np.float32)
-    g = Graph(shapes={"eq": (8, n_k * d), "ev": (8, n_v * d), "eg": (8, n_v), "dt": (n_v,), "a": (n_v,)})
-    g.layer(0)
-    tq, tv, tg = (g.get_rows(g.weight(w), g.tokens(), name=w) for w in ("eq", "ev", "eg"))
-    out = g.delta_net(tq, tq, tv, tg, tg, g.weight("dt"), g.weight("a"), "dn", n_k_heads=n_k, n_v_heads=n_v,
-                      head_dim=d)
+    graph = Graph(shapes={"eq": (8, key), "ev": (8, n_v * d), "eg": (8, n_v), "dt": (n_v,), "a": (n_v,)})
+    graph.layer(0)
+    tq, tv, tg2 = (graph.get_rows(graph.weight(w), graph.tokens(), name=w) for w in ("eq", "ev", "eg"))
+    out = graph.delta_net(tq, tq, tv, tg2, tg2, graph.weight("dt"), graph.weight("a"), "dn", n_k_heads=n_k,
+                          n_v_heads=n_v, head_dim=d)
     fake = types.SimpleNamespace(_rs={out.id: _entered(state)})
-    o = NumpyBackend._delta_net(fake, g.nodes[-1], q, k, v, alpha, beta, dt, a, step=step)  # type: ignore[arg-type]
-    want = silu(z) * rms_norm(o.reshape(n, n_v, d), nw, 1e-6).reshape(n, -1)
-    views = [env.put(t) for t in (q, k, v, alpha, beta, dt, a)]
+    o = NumpyBackend._delta_net(fake, graph.nodes[-1], q, k, v, alpha, beta, dt, a, step=step)  # type: ignore[arg-type]
+    want = silu(z) * rms_norm(o.reshape(n, n_v, d), nw, 1e-6).reshape(n, -1) if gate else o
+    cv = env.put(cstate)
+    qkv = [env.put(x), env.put(cw), cv] if conv else [env.put(t) for t in (q, k, v)]
     ov, sv, st = env.zeros(n * n_v * d), env.put(np.ascontiguousarray(state.transpose(0, 1, 3, 2))), \
         env.step(toks, pos, seqs)
-    env.run([env.ops.delta_net(*views, ov, sv, st, n_k=n_k, n_v=n_v, d=d, cap=8,
-                               gate=(env.put(z), env.put(nw), 1e-6))])
+    env.run([env.ops.delta_net(*qkv, *(env.put(t) for t in (alpha, beta, dt, a)), ov, sv, st, n_k=n_k, n_v=n_v,
+                               d=d, cap=8, gate=(env.put(z), env.put(nw), 1e-6) if gate else None,
+                               conv=(c, 4, 1e-6) if conv else None)])
     np.testing.assert_allclose(env.get(ov).reshape(n, -1), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     got_state = env.get(sv).reshape(N_SEQ, n_v, d, d).transpose(0, 1, 3, 2)
     np.testing.assert_allclose(got_state, fake._rs[out.id], rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(env.get(cv).reshape(cstate.shape), cstate)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "F16"])
@@ -198,7 +221,7 @@ def _levels(ops: list[Op]) -> list[list[str]]:
 
 MV4 = ["matvec"] * 4
 #: one decode step of each layer kind, by barrier level (each level after a barrier)
-DELTA = [["rms_norm"], MV4, ["ssm_conv_split"], ["delta_net", "ssm_conv"], ["matvec"]]
+DELTA = [["rms_norm"], MV4, ["delta_net"], ["matvec", "ssm_conv"]]
 DELTA_OLD = [["rms_norm"], MV4, ["ssm_conv"], ["ssm_conv", "take"], ["l2_norm"], ["take"], ["l2_norm", "take"],
              ["delta_net"], ["rms_norm"], ["swiglu"], ["matvec"]]
 GATED_ATTN = [["rms_norm"], ["matvec", "matvec", "matvec_rope"], ["qk_norm_rope", "qk_norm_rope", "take"],
@@ -233,8 +256,8 @@ DECODE_LEVELS = {
 @pytest.mark.parametrize("preset", list(DECODE_LEVELS))
 def test_decode_barriers_per_layer(model_path, monkeypatch: pytest.MonkeyPatch, preset: str) -> None:  # type: ignore[no-untyped-def]
     """One decode step of one token, level by level (a barrier before each but the
-    first): fused, a qwen35 delta-net layer has 8 barriers (14 unfused:
-    TRIO_LLM_HYBRID_FUSE=0), its gated attention layer 9 (13), qwen35moe's 11 and 12
+    first): fused, a qwen35 delta-net layer has 7 barriers (14 unfused:
+    TRIO_LLM_HYBRID_FUSE=0), its gated attention layer 9 (13), qwen35moe's 10 and 12
     (22 and 21), a qwen3moe layer 11 (14); the head 4. Wider buckets (int8 activations
     add their quantizes) and prefill buckets have fewer barriers fused too."""
     model = load_gguf(model_path(preset, "Q8_0"))
@@ -253,26 +276,31 @@ def test_decode_barriers_per_layer(model_path, monkeypatch: pytest.MonkeyPatch, 
               "moe_delta_old": len(DELTA_OLD + MOE_OLD), "moe_attn": len(GATED_ATTN + MOE),
               "moe_attn_old": len(GATED_ATTN_OLD + MOE_OLD), "qwen3moe": len(QWEN3_ATTN + QWEN3MOE),
               "qwen3moe_old": len(QWEN3_ATTN_OLD + QWEN3MOE_OLD)}
-    assert counts == {"delta": 8, "delta_old": 14, "attn": 9, "attn_old": 13, "moe_delta": 11,
+    assert counts == {"delta": 7, "delta_old": 14, "attn": 9, "attn_old": 13, "moe_delta": 10,
                       "moe_delta_old": 22, "moe_attn": 12, "moe_attn_old": 21, "qwen3moe": 11,
                       "qwen3moe_old": 14}
 
 
-@pytest.mark.parametrize(("preset", "quant"), [("tiny-qwen35", "Q8_0"), ("tiny-qwen35moe", "Q4_K_M"),
-                                               ("tiny-qwen3moe", "Q8_0")])
+@pytest.mark.parametrize(("preset", "quant", "chunked"), [("tiny-qwen35", "Q8_0", False), ("tiny-qwen35moe", "Q4_K_M", False),
+                                                          ("tiny-qwen3moe", "Q8_0", False), ("tiny-qwen35", "Q4_K_M", True)])
 def test_fused_forwards_equal_the_unfused_lowering(model_path, monkeypatch: pytest.MonkeyPatch, preset: str,
-                                                   quant: str) -> None:  # type: ignore[no-untyped-def]
-    """Two sequences, a 13-token prefill (the prefill buckets' fusions) and 10 decode
+                                                   quant: str, chunked: bool) -> None:  # type: ignore[no-untyped-def]
+    """Two sequences, a 13-token prefill (the prefill buckets' fusions; ``chunked``: the
+    delta rule's chunked form there, so the conv is ssm_conv_split) and 10 decode
     steps: the logits of TRIO_LLM_HYBRID_FUSE=1 (the default) and =0 agree to float
     rounding (on lavapipe they are the same bits: every fused kernel sums in the
     unfused kernels' order), and so do the greedy tokens."""
     model = load_gguf(model_path(preset, quant))
+    if chunked:
+        monkeypatch.setenv("TRIO_LLM_DELTA_CHUNKED", "1")
     logits = {}
     for fuse in ("1", "0"):
         monkeypatch.setenv("TRIO_LLM_HYBRID_FUSE", fuse)
         be = VulkanBackend(model, n_ctx=64, n_seq=2)
         try:
             assert be._ops.hybrid_fuse == (fuse == "1")
+            if chunked and fuse == "1":
+                assert "ssm_conv_split" in {op.kernel.name for op in be.lowered(16) if not isinstance(op, (Barrier, Copy))}
             prompts = [np.array([1, 17, 250, 3, 999, 42, 7, 5, 6, 7, 8, 9, 10], np.int32),
                        np.array([2, 300, 11], np.int32)]
             out = be.forward([SeqBatch(i, p, 0) for i, p in enumerate(prompts)])

@@ -99,7 +99,7 @@ class Fusion:
     fused dispatch, wherever in the group it runs, never overwrites a value still to be
     read, and the same plan serves the buckets that lower the group unfused."""
 
-    kind: Literal["conv_split", "delta_gate", "glu_in", "moe_out", "qk_rope", "into_reader"]
+    kind: Literal["conv_split", "delta_gate", "delta_conv", "glu_in", "moe_out", "qk_rope", "into_reader"]
     nodes: tuple[int, ...]  # the members' output tensor ids, in node order
     early: bool  # emitted at the first member (else at the last)
 
@@ -161,6 +161,35 @@ def _moe_out_members(node: Node, cons: dict[int, list[Node]], prod: dict[int, No
     return members
 
 
+def _delta_conv_members(node: Node, cons: dict[int, list[Node]], prod: dict[int, Node]) -> list[Node] | None:
+    """The conv and its split whose q, k (L2-normed in heads of the rule's d) and v are
+    the delta rule's q, k, v, read by it alone: the members before the rule, or None."""
+    q, k, v = node.inputs[:3]
+    nq = prod.get(q.id)
+    conv_node = None
+    if nq is not None and nq.op == "l2_norm":
+        take = prod.get(nq.inputs[0].id)
+        if take is not None and take.op == "take":
+            conv_node = prod.get(take.inputs[0].id)
+    if conv_node is None or conv_node.op != "ssm_conv":
+        return None
+    split = conv_split_parts(conv_node, cons)
+    if split is None:
+        return None
+    parts, d, _ = split
+    d_rule, nk, nv = node.attr("head_dim"), node.attr("n_k_heads"), node.attr("n_v_heads")
+    want = [(0, nk * d_rule, q, True), (nk * d_rule, nk * d_rule, k, True), (2 * nk * d_rule, nv * d_rule, v, False)]
+    if d != d_rule:
+        return None
+    for (take, nrm), (start, n, t, normed) in zip(parts, want, strict=True):
+        got = nrm.out if nrm is not None else take.out
+        if (take.attr("start"), take.attr("n"), got, nrm is not None) != (start, n, t, normed):
+            return None
+        if _only(cons, got) is not node:
+            return None
+    return [conv_node, *(r for take, nrm in parts for r in (take, nrm) if r is not None)]
+
+
 def _qk_rope_members(node: Node, cons: dict[int, list[Node]], prod: dict[int, Node]) -> list[Node] | None:
     """A rope of a per-head rms_norm read by it alone, with (qwen35's q) the take of
     the heads from their interleave with the gate before it: the members, or None.
@@ -206,7 +235,7 @@ def fusion_groups(graph: Graph) -> tuple[Fusion, ...]:
     for node in graph.nodes:
         members: list[Node] | None = None
         early = False
-        kind: Literal["conv_split", "delta_gate", "glu_in", "moe_out", "qk_rope", "into_reader"]
+        kind: Literal["conv_split", "delta_gate", "delta_conv", "glu_in", "moe_out", "qk_rope", "into_reader"]
         if node.op == "ssm_conv":
             kind, early = "conv_split", True
             split = conv_split_parts(node, cons)
@@ -223,6 +252,12 @@ def fusion_groups(graph: Graph) -> tuple[Fusion, ...]:
                 zp = prod.get(z.id)
                 if z.kind == "value" and z.shape == node.out.shape and zp is not None and index[zp.out.id] < index[node.out.id]:
                     members = [node, nrm, glu]
+            conv = _delta_conv_members(node, cons, prod)
+            if conv is not None:  # the conv and its split too (and the gate's members where they fuse)
+                whole = sorted([*conv, *(members or [node])], key=lambda n: index[n.out.id])
+                ext = [t for m in whole for t in m.inputs if t.kind == "value" and t.id not in {n.out.id for n in whole}]
+                if all(index[prod[t.id].out.id] < index[whole[0].out.id] for t in ext):
+                    out.append(Fusion("delta_conv", tuple(n.out.id for n in whole), True))
         elif node.op == "moe_linear":
             kind = "glu_in"
             glu = prod.get(node.inputs[0].id)
@@ -575,10 +610,16 @@ class _Lowering:
         the chunked prefill form), the experts' SwiGLU where their down product is
         moe_matvec (not the grouped prefill form); each needs f32 norm weights."""
         f32 = lambda t: self.weights.slots[t.name].qtype == "F32"  # noqa: E731
-        for f in self.plan.fusions:
+        taken: set[int] = set()
+        # the delta rule with its conv before the conv alone and the gated norm alone
+        for f in sorted(self.plan.fusions, key=lambda f: f.kind != "delta_conv"):
             nodes = [self._prod[i] for i in f.nodes]
-            if f.kind == "into_reader" or any(n.out.id in self._absorbed for n in nodes):
+            if (f.kind == "into_reader" or taken & set(f.nodes)
+                    or any(n.out.id in self._absorbed for n in nodes)):
                 continue  # into_reader: find_fusions' own (the plan only makes room)
+            if f.kind == "delta_conv" and (self.chunked or not f32(nodes[0].inputs[1])
+                                           or any(n.op == "rms_norm" and not f32(n.inputs[1]) for n in nodes)):
+                continue
             if f.kind == "conv_split" and not f32(nodes[0].inputs[1]):
                 continue
             if f.kind == "delta_gate" and (self.chunked or not f32(nodes[1].inputs[1])):
@@ -599,6 +640,7 @@ class _Lowering:
             head = nodes[0] if f.early else nodes[-1]
             self._hyb[head.out.id] = f
             self._absorbed |= {n.out.id for n in nodes if n is not head}
+            taken |= set(f.nodes)
 
     @property
     def chunked(self) -> bool:
@@ -1136,6 +1178,33 @@ class _Lowering:
                                n_k=node.attr("n_k_heads"), n_v=node.attr("n_v_heads"), d=node.attr("head_dim"),
                                cap=self.bucket, gate=(self.view(z), self.view(nrm.inputs[1]), nrm.attr("eps")))
         self.emit([d], [self.slot(t) for t in (q, k, v, alpha, beta, z)] + [key], [self.slot(glu.out), key])
+
+    def fuse_delta_conv(self, node: Node, members: list[Node]) -> None:
+        """The delta rule making its own q, k, v from the conv's input (and, with the
+        gated norm's members, its gated output): delta_net.comp CONV (GATED_NORM); then
+        the conv state moved on (ssm_conv phase 1) beside whatever reads the output."""
+        x, w = node.inputs
+        _, _, l2_eps = conv_split_parts(node, self._cons) or ((), 0, 0.0)
+        rule = next(m for m in members if m.op == "delta_net")
+        nrm = next((m for m in members if m.op == "rms_norm"), None)
+        glu = next((m for m in members if m.op == "glu"), None)
+        _, _, _, alpha, beta, dt, a = rule.inputs
+        cstate, ckey = self._state(node)
+        state, key = self._state(rule)
+        out = glu.out if glu is not None else rule.out
+        gate = None
+        reads = [self.slot(x), ckey, self.slot(alpha), self.slot(beta), key]
+        if nrm is not None and glu is not None:
+            gate = (self.view(glu.inputs[0]), self.view(nrm.inputs[1]), nrm.attr("eps"))
+            reads.append(self.slot(glu.inputs[0]))
+        d = self.ops.delta_net(self.view(x), self.view(w), cstate, self.view(alpha), self.view(beta), self.view(dt),
+                               self.view(a), self.view(out), state, self.st, n_k=rule.attr("n_k_heads"),
+                               n_v=rule.attr("n_v_heads"), d=rule.attr("head_dim"), cap=self.bucket, gate=gate,
+                               conv=(x.width, node.attr("d_conv"), l2_eps))
+        self.emit([d], reads, [self.slot(out), key])
+        d1 = self.ops.ssm_conv(self.view(x), self.view(w), self.view(out), cstate, self.st, phase=1, c=x.width,
+                               k=node.attr("d_conv"), cap=self.bucket)
+        self.emit([d1], [self.slot(x), ckey], [ckey])
 
     def fuse_glu_in(self, node: Node, members: list[Node]) -> None:
         """The experts' down product reading silu(gate) * up as it loads them

@@ -1029,20 +1029,29 @@ class Ops:
     def delta_net(
         self, q: View, k: View, v: View, alpha: View, beta: View, dt: View, a: View, o: View, state: View,
         step: View, *, n_k: int, n_v: int, d: int, cap: int, gate: tuple[View, View, float] | None = None,
+        conv: tuple[int, int, float] | None = None,
     ) -> Dispatch:
         """The gated delta rule over each sequence's run of tokens (``Graph.delta_net``).
         ``gate`` = (z, w, eps): each output head then RMS-normed with the weight ``w``
         [d] and multiplied by silu(z) (z laid out as o): qwen35's ``rms_norm`` and
-        ``glu`` after the rule, done by the same work group (GATED_NORM)."""
-        if gate is None:
-            kern = self.kernels.get("delta_net", n_bindings=10, n_push=2, local_size=d)
-            return Dispatch(kern, (q, k, v, alpha, beta, dt, a, o, state, step), (n_k, n_v), (n_v, cap, 1))
-        z, nw, eps = gate
-        # the norm's sums as rms_norm.comp makes them with its work group of norm_wg lanes
-        kern = self.kernels.get("delta_net", n_bindings=12, n_push=3, local_size=d, defines={"GATED_NORM": 1},
-                                spec={1: min(self.norm_wg, d)})
-        return Dispatch(kern, (q, k, v, alpha, beta, dt, a, o, state, step, z, nw), (n_k, n_v, float(eps)),
-                        (n_v, cap, 1))
+        ``glu`` after the rule, done by the same work group (GATED_NORM). ``conv`` =
+        (C, d_conv, eps): q, k and v are then the conv's input qkv [T, C], its weight
+        and its state, and the rule makes its q, k, v channels as ``ssm_conv`` phase 0
+        and the L2 norms of q and k would (CONV; the state moves on in phase 1)."""
+        defines: dict[str, object] = {}
+        push: tuple[int | float, ...] = (n_k, n_v)
+        views: tuple[View, ...] = (q, k, v, alpha, beta, dt, a, o, state, step)
+        if gate is not None:
+            defines["GATED_NORM"] = 1
+            views += gate[:2]
+            push += (float(gate[2]),)
+        if conv is not None:
+            defines["CONV"] = 1
+            push += (conv[0], conv[1], float(conv[2]))
+        # the norms' sums as rms_norm.comp and l2_norm.comp make them with norm_wg lanes
+        kern = self.kernels.get("delta_net", n_bindings=len(views), n_push=len(push), local_size=d,
+                                defines=defines or None, spec={1: min(self.norm_wg, d)} if defines else None)
+        return Dispatch(kern, views, push, (n_v, cap, 1))
 
     def delta_prep(
         self, q: View, k: View, alpha: View, beta: View, dt: View, a: View, tm: View, pm: View, gc: View,
