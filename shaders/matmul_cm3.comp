@@ -19,10 +19,11 @@
 //     instead of through shared memory and a masked store per value;
 //   * TM x TN (defines) blocks of 16x16 per subgroup and the tile BM x BN are free
 //     (ops.cm3_layout), e.g. llama.cpp's 128x128 over 4 subgroups of 4x4 blocks;
-//   * WIDE_W (define, the "+w" variants, only for Q4_K and Q6_K): the weights read wider
+//   * WIDE_W (define, the "+w" variants, for Q4_K, Q6_K and Q8_0): the weights read wider
 //     than quant.glsl's 16-bit words (dequant8w below: Q4_K's scales as three 32-bit
 //     words and its eight nibbles as one 64-bit load, 5 loads per 8 values against 8-10;
-//     Q6_K's low and high bits a 16-bit word per two values, 10 loads against 18);
+//     Q6_K's low and high bits a 16-bit word per two values, 10 loads against 18; Q8_0
+//     four 32-bit loads against five 16-bit ones, scaled in f16);
 //   * no select on the loaded values: rows past n_rows and tokens past the live count
 //     read the last valid row / token (clamped addresses, real values) and only feed
 //     outputs that are never stored.
@@ -59,6 +60,10 @@ layout(push_constant) uniform Push {
 } pc;
 
 #include "quant.glsl"
+
+uvec4 pack8(f16vec4 lo, f16vec4 hi) {
+    return uvec4(packFloat2x16(lo.xy), packFloat2x16(lo.zw), packFloat2x16(hi.xy), packFloat2x16(hi.zw));
+}
 
 #if defined(WIDE_W) && defined(QTYPE_Q4_K)
 // the same weights as 32- and 64-bit words: a Q4_K row is whole 144-byte super-blocks
@@ -122,6 +127,33 @@ void dequant8w(uint row16, uint g, out float v[8]) {
         }
     }
 }
+#elif defined(WIDE_W) && defined(QTYPE_Q8_0)
+// Q8_0 from 32-bit words (the host sets WIDE_W only where n_in is a multiple of 64, so
+// rows start on 4-byte boundaries and the weights are whole words): a 34-byte block puts
+// its eight int8 on a 2- or 4-byte boundary, read as three words and funnel-shifted
+// (the third clamped into the binding: unused where they are aligned), d from its word
+layout(binding = 0, std430) readonly buffer W32 { uint w32[]; };
+#define FETCH8_W 1
+
+uvec4 fetch8w(uint row16, uint g) {
+    uint db = 2u * row16 + 34u * (g >> 2);  // bytes: the block's d, then its 32 int8
+    uint o = db + 2u + 8u * (g & 3u);
+    uint a = o >> 2;
+    uint sh = (o & 2u) * 8u;
+    uint w0 = w32[a];
+    uint w1 = w32[a + 1u];
+    uint w2 = w32[min(a + 2u, uint(w32.length()) - 1u)];
+    int lo = int((w0 >> sh) | ((w1 << 16) << (16u - sh)));
+    int hi = int((w1 >> sh) | ((w2 << 16) << (16u - sh)));
+    float16_t d = unpackFloat2x16(w32[db >> 2] >> ((db & 2u) * 8u)).x;
+    // q * d in f16 is the f16 rounding of the exact product, as quant.glsl's f32 product
+    // rounded to f16 (8 x 11 significant bits fit f32)
+    f16vec4 ql = f16vec4(bitfieldExtract(lo, 0, 8), bitfieldExtract(lo, 8, 8), bitfieldExtract(lo, 16, 8),
+                         bitfieldExtract(lo, 24, 8));
+    f16vec4 qh = f16vec4(bitfieldExtract(hi, 0, 8), bitfieldExtract(hi, 8, 8), bitfieldExtract(hi, 16, 8),
+                         bitfieldExtract(hi, 24, 8));
+    return pack8(ql * d, qh * d);
+}
 #else
 #define dequant8w dequant8
 #endif
@@ -170,18 +202,18 @@ shared float stage[NSG * 256u];
 uvec4 apre[A_LD];
 uvec4 bpre[B_LD];
 
-uvec4 pack8(f16vec4 lo, f16vec4 hi) {
-    return uvec4(packFloat2x16(lo.xy), packFloat2x16(lo.zw), packFloat2x16(hi.xy), packFloat2x16(hi.zw));
-}
-
 // Group g = tid + NT * i of a tile is row (token) g / KG of it, k values 8 (g % KG) ..
 // + 8; NT is a multiple of KG, so every group of a lane has the same k offset.
 void fetch(uint kb, uint lk, uint a_row[A_LD], uint b_at[B_LD]) {
     [[unroll]] for (uint i = 0; i < A_LD; i++) {
+#ifdef FETCH8_W
+        apre[i] = fetch8w(a_row[i], (kb + lk) >> 3);
+#else
         float w[8];
         dequant8w(a_row[i], (kb + lk) >> 3, w);
         apre[i] = pack8(f16vec4(float16_t(w[0]), float16_t(w[1]), float16_t(w[2]), float16_t(w[3])),
                         f16vec4(float16_t(w[4]), float16_t(w[5]), float16_t(w[6]), float16_t(w[7])));
+#endif
     }
     [[unroll]] for (uint i = 0; i < B_LD; i++) {
         uint xi = b_at[i] + (kb >> 2);

@@ -319,7 +319,8 @@ def _cm3_has_layout(spec: str, tile: tuple[int, int], sub: int) -> bool:
 CM3_EMULATED = [(spec, t, "Q4_K" if spec.endswith("+w") else "Q8_0", 512, 32) for spec in shaders.CM3_SWEEP
                 for t in shaders.CM3_TILES if _cm3_has_layout(spec, t, 32)]
 CM3_EMULATED += [(spec, (64, 64), q, c, sub) for spec in ("v+direct+w", "v+k64+b44+direct+w")
-                 for q, c, sub in (("Q6_K", 512, 32), ("Q4_K", 256, 64), ("Q6_K", 256, 64), ("Q8_0", 160, 32))]
+                 for q, c, sub in (("Q6_K", 512, 32), ("Q4_K", 256, 64), ("Q6_K", 256, 64), ("Q8_0", 160, 32),
+                                   ("Q8_0", 512, 32), ("Q8_0", 192, 64))]
 CM3_EMULATED += [(spec, (64, 64), q, c, 32) for spec in ("v+db+direct", "v+k64+b44+direct")
                  for q, c in (("Q8_0", 160), ("Q4_K", 256), ("Q6_K", 512), ("F16", 128), ("F32", 64), ("Q4_0", 96))]
 CM3_EMULATED += [(spec, t, "Q4_K", 512, 64) for spec in ("v+db+direct", "v+k64+direct", "v+b44+direct")
@@ -428,7 +429,7 @@ def test_matmul_cm2_on_cooperative_matrices(env: Env, qtype: str, cols: int, til
 #: matmul_cm3 on a GPU: every variant of the sweep on every tile in the prebuilt types
 #: (Q8_0 with 160 inputs takes K-tiles of 32), F16 on 128x128
 CM3_GPU = [(spec, t, q, c, 0) for spec in shaders.CM3_SWEEP for t in shaders.CM3_TILES
-           for q, c in (("Q4_K", 512), ("Q6_K", 512)) + (() if spec.endswith("+w") else (("Q8_0", 512), ("Q8_0", 160)))]
+           for q, c in (("Q4_K", 512), ("Q6_K", 512), ("Q8_0", 512), ("Q8_0", 160))]
 CM3_GPU += [(spec, (128, 128), "F16", 256, 0) for spec in shaders.CM3_SWEEP]
 
 

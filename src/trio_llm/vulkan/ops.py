@@ -510,6 +510,8 @@ class Ops:
             if v is not None:
                 if n_in % v.bk:  # K-tiles of 64 need n_in a multiple of 64: that product on 32
                     v = v._replace(bk=32)
+                if v.wide and qtype == "Q8_0" and n_in % 64:  # its 32-bit reads need 4-byte rows
+                    v = v._replace(wide=False)
                 bm, bn = self.matmul_cm2_tile or self.cm3_tile(n_rows, cap, sub, v)
                 try:
                     need = cm3_shared(bm, bn, sub, v, emulate=emu)

@@ -305,7 +305,7 @@ class Cm3Variant(NamedTuple):
     db: bool = False
     direct: bool = False
     blocks: tuple[int, int] | None = None
-    #: Q4_K / Q6_K weights read in wider words (WIDE_W; other types as without)
+    #: Q4_K / Q6_K / Q8_0 weights read in wider words (WIDE_W; other types as without)
     wide: bool = False
 
     @property
@@ -325,7 +325,7 @@ def cm3_variant(spec: str) -> Cm3Variant | None:
     """A ``TRIO_LLM_CM2_VARIANT`` spec: "" or "cm2" for matmul_cm2.comp (None), else
     "v" (matmul_cm3.comp: 16-byte shared stores, BK 32, one buffer, staged stores) with
     any of "+k64", "+db", "+direct", "+b44" (TM x TN blocks per subgroup, 1/2/4 each),
-    "+w" (Q4_K / Q6_K weights read in wider words)."""
+    "+w" (Q4_K / Q6_K / Q8_0 weights read in wider words)."""
     spec = spec.strip()
     if spec in ("", "cm2"):
         return None
@@ -391,8 +391,8 @@ def cm3_defines(qtype: str, subgroup: int, bm: int, bn: int, v: Cm3Variant,
 
 
 #: the weight types matmul_cm3's "+w" reads in wider words (the others as without it,
-#: the same SPIR-V)
-CM3_WIDE = ("Q4_K", "Q6_K")
+#: the same SPIR-V; Q8_0 only where n_in is a multiple of 64, ``Ops.matmul``)
+CM3_WIDE = ("Q4_K", "Q6_K", "Q8_0")
 
 
 #: the matmul_cm3 variants bench/h200.sh cm2sweep times (bench/matmul.py's default set),
@@ -408,8 +408,8 @@ H200_SHARED = 49152
 
 def cm3_sweep_variants() -> Iterable[tuple[str, dict[str, object]]]:
     """Every (variant, tile) of ``CM3_SWEEP`` with a layout on subgroups of 32 and its
-    shared memory within the H200's 48 KiB, in ``CM3_SWEEP_TYPES`` (once each: "+w"
-    leaves Q8_0's defines as they are)."""
+    shared memory within the H200's 48 KiB, in ``CM3_SWEEP_TYPES`` (each set of defines
+    once)."""
     seen: set[tuple[tuple[str, object], ...]] = set()
     for spec in CM3_SWEEP:
         v = cm3_variant(spec)
