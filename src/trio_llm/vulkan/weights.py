@@ -105,7 +105,9 @@ class WeightStore:
 
     def _plan(self) -> None:
         limits = self.alloc.device.limits
-        align = max(limits.min_storage_offset_alignment, 4)
+        # 16 at least: matmul_cm3's "+w" reads Q4_K weights in 8-byte words, which must be
+        # aligned (its super-blocks are 144 bytes, so their fields keep a tensor's alignment)
+        align = max(limits.min_storage_offset_alignment, 16)
         infos = sorted(self.model.tensors.values(), key=lambda t: int(t.raw.ctypes.data))
         self.raws = {t.name: t.raw for t in infos}
         biggest = max((t.n_bytes for t in infos), default=0)
