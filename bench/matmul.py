@@ -17,7 +17,8 @@ Prints ms per product and TFLOP/s (2 rows n_in tokens / time), then per variant 
 time of one layer's products of each model (q, k, v, o, gate, up, down at the first
 token count, each variant on its auto tiles) against cm2's; writes
 ``bench/results/matmul-*.json``. ``--best N`` names the N matmul_cm3 variants with the
-lowest layer time summed over the models (relative to cm2), ``--best-out`` writes them
+lowest layer time relative to cm2's summed over the models (in their main weight type:
+llama-1b Q8_0, llama-8b Q4_K), ``--best-out`` writes them
 one per line (bench/h200.sh cm2sweep runs whole pp512s on them). Time per product: a
 graph of ``--per-graph`` dispatches with a barrier after each (as the forward pass runs
 them: each product alone on the GPU), wall clock of its replay (one submit and fence
@@ -202,7 +203,9 @@ def run(args: argparse.Namespace) -> int:
 def layer_summary(rows: list[dict[str, Any]], ntok: int) -> dict[str, Any]:
     """Per (model, type, variant): one layer's products at ``ntok`` tokens on the auto
     tiles (each shape times its count per layer), and the ratio to cm2's; a variant's
-    score is that ratio summed over the (model, type) pairs where both ran every shape."""
+    score is that ratio summed over the models in their main type (llama-1b Q8_0,
+    llama-8b Q4_K: most of each file's weights; every type where none of those ran)
+    where both ran every shape."""
     auto = [r for r in rows if r["tokens"] == ntok and not r["tile"].endswith("!")]
     layer: dict[tuple[str, str, str], float] = {}
     shapes: dict[tuple[str, str, str], int] = {}
@@ -211,13 +214,15 @@ def layer_summary(rows: list[dict[str, Any]], ntok: int) -> dict[str, Any]:
         layer[key] = layer.get(key, 0.0) + r["ms"] * r["per_layer"]
         shapes[key] = shapes.get(key, 0) + 1
     table, score = [], {}
+    main = {(m, t.split(",")[0]) for m, t in MODEL_TYPES.items()}
+    scored = main if any(k[:2] in main for k in layer) else {k[:2] for k in layer}
     for (model, qtype, variant), ms in sorted(layer.items()):
         ref = layer.get((model, qtype, "cm2"))
         whole_set = shapes[model, qtype, variant] == len(SHAPES[model])
         ratio = ms / ref if ref and whole_set and shapes.get((model, qtype, "cm2")) == len(SHAPES[model]) else None
         table.append({"model": model, "type": qtype, "tokens": ntok, "variant": variant, "layer_ms": ms,
                       "vs_cm2": ratio if ratio is not None else math.nan})
-        if ratio is not None:
+        if ratio is not None and (model, qtype) in scored:
             score[variant] = score.get(variant, 0.0) + ratio
     return {"tokens": ntok, "table": table, "score": score}
 
