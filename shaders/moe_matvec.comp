@@ -17,6 +17,41 @@ DECLARE_STEP(3)
 layout(binding = 4, std430) readonly buffer R { float routes[]; };
 #ifdef GLU_IN
 layout(binding = 5, std430) readonly buffer U { vec4 u4[]; };
+#define B_AFTER 6
+#else
+#define B_AFTER 5
+#endif
+// COMBINE: a work group per (token, NR x RS rows) takes each of the token's k experts in
+// turn and writes y[c][row] = sum_j weight(c, j) W[id(c, j)][row] . x (moe_combine.comp's
+// sum, in its order), then as moe_combine.comp's SHEXP (+ xs[c][row] sigmoid(h[c] . g),
+// the dot made by the work group as gate_rows.comp makes it with a work group of its
+// size) and RESID (res[c][row] + that): the experts' down product and the FFN's end in
+// one dispatch.
+#if defined(COMBINE) && defined(RESID)
+#if B_AFTER == 6
+layout(binding = 6, std430) readonly buffer Res { float res[]; };
+#define SH_B0 7
+#define SH_B1 8
+#define SH_B2 9
+#else
+layout(binding = 5, std430) readonly buffer Res { float res[]; };
+#define SH_B0 6
+#define SH_B1 7
+#define SH_B2 8
+#endif
+#elif B_AFTER == 6
+#define SH_B0 6
+#define SH_B1 7
+#define SH_B2 8
+#else
+#define SH_B0 5
+#define SH_B1 6
+#define SH_B2 7
+#endif
+#if defined(COMBINE) && defined(SHEXP)
+layout(binding = SH_B0, std430) readonly buffer Xs { float xs[]; };
+layout(binding = SH_B1, std430) readonly buffer H { float hh[]; };
+layout(binding = SH_B2, std430) readonly buffer G { float gw[]; };
 #endif
 
 layout(push_constant) uniform Push {
@@ -27,59 +62,104 @@ layout(push_constant) uniform Push {
     uint y_stride;  // floats between tokens of y
     uint k;         // experts per token
     uint r_stride;  // floats between tokens of the routing (2k)
+#if defined(COMBINE) && defined(SHEXP)
+    uint h_in;      // values per row of h (and of g)
+#endif
 } pc;
 
 layout(constant_id = 2) const uint NR = 4;
 layout(constant_id = 3) const uint RS = 2;
 
 #include "quant.glsl"
+#if defined(COMBINE) && defined(SHEXP)
+#include "reduce.glsl"
+#endif
 
 void main() {
+#ifdef COMBINE
+    uint c = gl_WorkGroupID.z;
+    uint j0 = 0u;
+    uint j1 = pc.k;
+#else
     uint pair = gl_WorkGroupID.z;
     uint c = pair / pc.k;
-    uint j = pair - c * pc.k;
+    uint j0 = pair - c * pc.k;
+    uint j1 = j0 + 1u;
+#endif
     if (c >= step.n_tokens) {
-        return;
+        return;  // uniform in the work group
     }
-    uint e = uint(routes[c * pc.r_stride + j]);
+#if defined(COMBINE) && defined(SHEXP)
+    float dsh = 0.0;
+    for (uint l = gl_LocalInvocationID.x; l < pc.h_in; l += WG) {
+        dsh += hh[c * pc.h_in + l] * gw[l];
+    }
+    float gate = 1.0 / (1.0 + exp(-wg_sum(dsh)));
+#endif
     uint lane = gl_SubgroupInvocationID;
     uint sg = gl_SubgroupSize;
-    uint xb = (c * pc.x_stride + j * pc.x_pair) / 4u;
     uint rw = row_words(pc.n_in);
     for (uint r = gl_SubgroupID; r < NR; r += gl_NumSubgroups) {
         uint row0 = (gl_WorkGroupID.x * NR + r) * RS;
         if (row0 >= pc.n_rows) {
             break;
         }
-        uint rows[RS];
+        float tot[RS];
         [[unroll]] for (uint q = 0; q < RS; q++) {
-            rows[q] = e * pc.n_rows + min(row0 + q, pc.n_rows - 1u);
+            tot[q] = 0.0;
         }
-        float acc[RS];
-        [[unroll]] for (uint q = 0; q < RS; q++) {
-            acc[q] = 0.0;
-        }
-        for (uint g = lane; g < pc.n_in / 8u; g += sg) {
-#ifdef GLU_IN
-            vec4 ga = x4[xb + 2u * g];
-            vec4 gc = x4[xb + 2u * g + 1u];
-            vec4 xa = ga / (1.0 + exp(-ga)) * u4[xb + 2u * g];
-            vec4 xc = gc / (1.0 + exp(-gc)) * u4[xb + 2u * g + 1u];
-#else
-            vec4 xa = x4[xb + 2u * g];
-            vec4 xc = x4[xb + 2u * g + 1u];
-#endif
+        for (uint j = j0; j < j1; j++) {
+            uint e = uint(routes[c * pc.r_stride + j]);
+            uint xb = (c * pc.x_stride + j * pc.x_pair) / 4u;
+            uint rows[RS];
             [[unroll]] for (uint q = 0; q < RS; q++) {
-                float w[8];
-                dequant8(rows[q] * rw, g, w);
-                acc[q] += dot(vec4(w[0], w[1], w[2], w[3]), xa) + dot(vec4(w[4], w[5], w[6], w[7]), xc);
+                rows[q] = e * pc.n_rows + min(row0 + q, pc.n_rows - 1u);
+            }
+            float acc[RS];
+            [[unroll]] for (uint q = 0; q < RS; q++) {
+                acc[q] = 0.0;
+            }
+            for (uint g = lane; g < pc.n_in / 8u; g += sg) {
+#ifdef GLU_IN
+                vec4 ga = x4[xb + 2u * g];
+                vec4 gc = x4[xb + 2u * g + 1u];
+                vec4 xa = ga / (1.0 + exp(-ga)) * u4[xb + 2u * g];
+                vec4 xc = gc / (1.0 + exp(-gc)) * u4[xb + 2u * g + 1u];
+#else
+                vec4 xa = x4[xb + 2u * g];
+                vec4 xc = x4[xb + 2u * g + 1u];
+#endif
+                [[unroll]] for (uint q = 0; q < RS; q++) {
+                    float w[8];
+                    dequant8(rows[q] * rw, g, w);
+                    acc[q] += dot(vec4(w[0], w[1], w[2], w[3]), xa) + dot(vec4(w[4], w[5], w[6], w[7]), xc);
+                }
+            }
+            [[unroll]] for (uint q = 0; q < RS; q++) {
+                float s = subgroupAdd(acc[q]);
+#ifdef COMBINE
+                tot[q] += routes[c * pc.r_stride + pc.k + j] * s;
+#else
+                if (subgroupElect() && row0 + q < pc.n_rows) {
+                    y[c * pc.y_stride + j * pc.n_rows + row0 + q] = s;
+                }
+#endif
             }
         }
+#ifdef COMBINE
         [[unroll]] for (uint q = 0; q < RS; q++) {
-            float s = subgroupAdd(acc[q]);
             if (subgroupElect() && row0 + q < pc.n_rows) {
-                y[c * pc.y_stride + j * pc.n_rows + row0 + q] = s;
+                uint o = c * pc.y_stride + row0 + q;
+                float s = tot[q];
+#ifdef SHEXP
+                s = s + xs[o] * gate;
+#endif
+#ifdef RESID
+                s = res[o] + s;
+#endif
+                y[o] = s;
             }
         }
+#endif
     }
 }

@@ -1,10 +1,10 @@
 """The hybrid and MoE fusions (``Ops.hybrid_fuse``, forward.py's ``fusion_groups``) on
 lavapipe: each fused kernel against numpy (the conv with its split and L2 norms, the
-delta rule with the gated RMSNorm, the experts' down product reading their SwiGLU, the
-combine with the gated shared expert and the residual, QK-norm with RoPE and the KV
-cache write), the barrier levels of one
-decode step per layer of tiny-qwen35, tiny-qwen35moe and tiny-qwen3moe (exact, fused
-and not), and whole forwards equal to the unfused lowering's."""
+delta rule making its own q, k, v and with the gated RMSNorm, the experts' down product
+reading their SwiGLU and summing them, the combine with the gated shared expert and the
+residual, QK-norm with RoPE and the KV cache write), the barrier levels of one decode
+step per layer of tiny-qwen35, tiny-qwen35moe and tiny-qwen3moe (exact, fused and not),
+and whole forwards equal to the unfused lowering's."""
 
 from __future__ import annotations
 
@@ -140,6 +140,42 @@ def test_moe_matvec_glu_in_multiplies_the_experts_swiglu(env: Env, qtype: str) -
     np.testing.assert_allclose(env.get(y).reshape(n_tok, k, rows), want, atol=2e-5 * np.abs(want).max(), rtol=0)
 
 
+@pytest.mark.parametrize(("qtype", "glu", "shexp", "resid"),
+                         [("Q8_0", True, True, True), ("Q4_K", True, False, True), ("Q6_K", False, True, False),
+                          ("F16", False, False, False)])
+def test_moe_matvec_combine_sums_the_experts_and_ends_the_ffn(env: Env, qtype: str, glu: bool, shexp: bool,
+                                                              resid: bool) -> None:
+    """COMBINE: a work group per token sums its experts' down rows with their routing
+    weights (reading silu(gate) * up with GLU_IN), plus the gated shared expert and the
+    residual: numpy's products, weighted sum, gate and add."""
+    n_exp, rows, cols, n_tok, k, n_in = 5, 70, 256, 3, 3, 200
+    raw, ref = make_weights(qtype, n_exp * rows, cols, seed=27)
+    ref = ref.reshape(n_exp, rows, cols)
+    rng = np.random.default_rng(28)
+    ids = np.array([[4, 0, 2], [2, 3, 1], [1, 4, 0]])
+    routes = np.concatenate([ids.astype(np.float32), rng.random((n_tok, k), np.float32)], axis=1)
+    x = rng.standard_normal((n_tok, k, cols)).astype(np.float32)
+    up = rng.standard_normal((n_tok, k, cols)).astype(np.float32)
+    xs = rng.standard_normal((n_tok, rows)).astype(np.float32)
+    h = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    gw = (0.1 * rng.standard_normal(n_in)).astype(np.float32)
+    res = rng.standard_normal((n_tok, rows)).astype(np.float32)
+    per = np.einsum("tkoi,tki->tko", ref[ids], silu(x) * up if glu else x)
+    want = np.einsum("tko,tk->to", per, routes[:, k:])
+    if shexp:
+        want = want + xs * sigmoid(h @ gw)[:, None]
+    if resid:
+        want = res + want
+    rv = env.put(res)
+    y = rv if resid else env.zeros(n_tok * rows)  # the residual add writes in place
+    env.run([env.ops.moe_matvec(qtype, env.put(raw), env.put(x), y, env.step([0] * n_tok), env.put(routes),
+                                n_in=cols, n_rows=rows, x_stride=k * cols, x_pair=cols, y_stride=rows, k=k, cap=4,
+                                up=env.put(up) if glu else None,
+                                combine=(rv if resid else None,
+                                         (env.put(xs), env.put(h), env.put(gw), n_in) if shexp else None))])
+    np.testing.assert_allclose(env.get(y).reshape(n_tok, rows), want, atol=3e-5 * np.abs(want).max(), rtol=0)
+
+
 @pytest.mark.parametrize(("shexp", "resid"), [(True, True), (False, True), (True, False)])
 def test_moe_combine_adds_the_gated_shared_expert_and_the_residual(env: Env, shexp: bool, resid: bool) -> None:
     n_tok, k, n, n_in = 3, 4, 300, 200
@@ -229,15 +265,14 @@ GATED_ATTN = [["rms_norm"], ["matvec", "matvec", "matvec_rope"], ["qk_norm_rope"
 GATED_ATTN_OLD = [["rms_norm"], ["matvec"], ["take", "take"], ["matvec", "rms_norm"], ["rms_norm", "rope_partial"],
                   ["rope_partial"], ["matvec_rope", "rope"], ["attn_decode2"], ["swiglu"], ["matvec"]]
 FFN = [["rms_norm"], ["gate_up"], ["matvec"]]
-MOE = [["rms_norm"], ["gate_up", "matvec"], ["matvec", "moe_topk"], ["moe_matvec", "moe_matvec"], ["moe_matvec"],
-       ["moe_combine"]]
+MOE = [["rms_norm"], ["gate_up", "matvec"], ["matvec", "moe_topk"], ["moe_matvec", "moe_matvec"], ["moe_matvec"]]
 MOE_OLD = [["rms_norm"], ["matvec"], ["moe_topk"], ["moe_matvec", "moe_matvec"], ["swiglu"], ["moe_matvec"],
            ["gate_up", "moe_combine"], ["matvec"], ["gate_rows"], ["add"], ["add"]]
 QWEN3_ATTN = [["rms_norm"], ["matvec", "matvec", "matvec_rope"], ["qk_norm_rope", "qk_norm_rope"], ["attn_decode2"],
               ["matvec"]]
 QWEN3_ATTN_OLD = [["rms_norm"], ["matvec", "matvec"], ["rms_norm", "rms_norm"], ["matvec_rope", "rope", "rope"],
                   ["attn_decode2"], ["matvec"]]
-QWEN3MOE = [["rms_norm"], ["matvec"], ["moe_topk"], ["moe_matvec", "moe_matvec"], ["moe_matvec"], ["moe_combine"]]
+QWEN3MOE = [["rms_norm"], ["matvec"], ["moe_topk"], ["moe_matvec", "moe_matvec"], ["moe_matvec"]]
 QWEN3MOE_OLD = [["rms_norm"], ["matvec"], ["moe_topk"], ["moe_matvec", "moe_matvec"], ["swiglu"], ["moe_matvec"],
                 ["moe_combine"], ["add"]]
 HEAD = [["get_rows"], ["rms_norm"], ["matvec"], ["copy"]]
@@ -257,8 +292,8 @@ DECODE_LEVELS = {
 def test_decode_barriers_per_layer(model_path, monkeypatch: pytest.MonkeyPatch, preset: str) -> None:  # type: ignore[no-untyped-def]
     """One decode step of one token, level by level (a barrier before each but the
     first): fused, a qwen35 delta-net layer has 7 barriers (14 unfused:
-    TRIO_LLM_HYBRID_FUSE=0), its gated attention layer 9 (13), qwen35moe's 10 and 12
-    (22 and 21), a qwen3moe layer 11 (14); the head 4. Wider buckets (int8 activations
+    TRIO_LLM_HYBRID_FUSE=0), its gated attention layer 9 (13), qwen35moe's 9 and 11
+    (22 and 21), a qwen3moe layer 10 (14); the head 4. Wider buckets (int8 activations
     add their quantizes) and prefill buckets have fewer barriers fused too."""
     model = load_gguf(model_path(preset, "Q8_0"))
     barriers = {}
@@ -276,8 +311,8 @@ def test_decode_barriers_per_layer(model_path, monkeypatch: pytest.MonkeyPatch, 
               "moe_delta_old": len(DELTA_OLD + MOE_OLD), "moe_attn": len(GATED_ATTN + MOE),
               "moe_attn_old": len(GATED_ATTN_OLD + MOE_OLD), "qwen3moe": len(QWEN3_ATTN + QWEN3MOE),
               "qwen3moe_old": len(QWEN3_ATTN_OLD + QWEN3MOE_OLD)}
-    assert counts == {"delta": 7, "delta_old": 14, "attn": 9, "attn_old": 13, "moe_delta": 10,
-                      "moe_delta_old": 22, "moe_attn": 12, "moe_attn_old": 21, "qwen3moe": 11,
+    assert counts == {"delta": 7, "delta_old": 14, "attn": 9, "attn_old": 13, "moe_delta": 9,
+                      "moe_delta_old": 22, "moe_attn": 11, "moe_attn_old": 21, "qwen3moe": 10,
                       "qwen3moe_old": 14}
 
 
@@ -285,8 +320,9 @@ def test_decode_barriers_per_layer(model_path, monkeypatch: pytest.MonkeyPatch, 
                                                           ("tiny-qwen3moe", "Q8_0", False), ("tiny-qwen35", "Q4_K_M", True)])
 def test_fused_forwards_equal_the_unfused_lowering(model_path, monkeypatch: pytest.MonkeyPatch, preset: str,
                                                    quant: str, chunked: bool) -> None:  # type: ignore[no-untyped-def]
-    """Two sequences, a 13-token prefill (the prefill buckets' fusions; ``chunked``: the
-    delta rule's chunked form there, so the conv is ssm_conv_split) and 10 decode
+    """Two sequences, a 43-token prefill (the prefill buckets' fusions, the experts
+    grouped there, so the combine ends the FFN; ``chunked``: the delta rule's chunked
+    form there, so the conv is ssm_conv_split) and 10 decode
     steps: the logits of TRIO_LLM_HYBRID_FUSE=1 (the default) and =0 agree to float
     rounding (on lavapipe they are the same bits: every fused kernel sums in the
     unfused kernels' order), and so do the greedy tokens."""
@@ -299,10 +335,11 @@ def test_fused_forwards_equal_the_unfused_lowering(model_path, monkeypatch: pyte
         be = VulkanBackend(model, n_ctx=64, n_seq=2)
         try:
             assert be._ops.hybrid_fuse == (fuse == "1")
-            if chunked and fuse == "1":
-                assert "ssm_conv_split" in {op.kernel.name for op in be.lowered(16) if not isinstance(op, (Barrier, Copy))}
-            prompts = [np.array([1, 17, 250, 3, 999, 42, 7, 5, 6, 7, 8, 9, 10], np.int32),
-                       np.array([2, 300, 11], np.int32)]
+            if fuse == "1":
+                names = {op.kernel.name for op in be.lowered(64) if not isinstance(op, (Barrier, Copy))}
+                assert ("ssm_conv_split" in names) == chunked
+                assert ("moe_combine" in names) == ("moe" in preset)
+            prompts = [np.arange(1, 41, dtype=np.int32) * 23 % 1000, np.array([2, 300, 11], np.int32)]
             out = be.forward([SeqBatch(i, p, 0) for i, p in enumerate(prompts)])
             pos = [len(p) for p in prompts]
             steps = [out.copy()]

@@ -99,7 +99,8 @@ class Fusion:
     fused dispatch, wherever in the group it runs, never overwrites a value still to be
     read, and the same plan serves the buckets that lower the group unfused."""
 
-    kind: Literal["conv_split", "delta_gate", "delta_conv", "glu_in", "moe_out", "qk_rope", "into_reader"]
+    kind: Literal["conv_split", "delta_gate", "delta_conv", "glu_in", "moe_out", "moe_down_out", "qk_rope",
+                  "into_reader"]
     nodes: tuple[int, ...]  # the members' output tensor ids, in node order
     early: bool  # emitted at the first member (else at the last)
 
@@ -159,6 +160,12 @@ def _moe_out_members(node: Node, cons: dict[int, list[Node]], prod: dict[int, No
             and all(t.kind == "value" and t.shape == add.out.shape for t in resid.inputs)):
         members.append(resid)
     return members
+
+
+def _glu_in(glu: Node, down: Node, cons: dict[int, list[Node]]) -> bool:
+    """Whether ``glu`` is the experts' silu(gate) * up read only by their down product."""
+    return (glu.op == "glu" and glu.attr("act") == "silu" and _only(cons, glu.out) is down
+            and len(glu.out.shape) == 3 and all(t.kind == "value" for t in glu.inputs))
 
 
 def _delta_conv_members(node: Node, cons: dict[int, list[Node]], prod: dict[int, Node]) -> list[Node] | None:
@@ -235,7 +242,8 @@ def fusion_groups(graph: Graph) -> tuple[Fusion, ...]:
     for node in graph.nodes:
         members: list[Node] | None = None
         early = False
-        kind: Literal["conv_split", "delta_gate", "delta_conv", "glu_in", "moe_out", "qk_rope", "into_reader"]
+        kind: Literal["conv_split", "delta_gate", "delta_conv", "glu_in", "moe_out", "moe_down_out", "qk_rope",
+                  "into_reader"]
         if node.op == "ssm_conv":
             kind, early = "conv_split", True
             split = conv_split_parts(node, cons)
@@ -261,12 +269,18 @@ def fusion_groups(graph: Graph) -> tuple[Fusion, ...]:
         elif node.op == "moe_linear":
             kind = "glu_in"
             glu = prod.get(node.inputs[0].id)
-            if (glu is not None and glu.op == "glu" and glu.attr("act") == "silu" and _only(cons, glu.out) is node
-                    and len(glu.out.shape) == 3 and all(t.kind == "value" for t in glu.inputs)):
+            if glu is not None and _glu_in(glu, node, cons):
                 members = [glu, node]
         elif node.op == "moe_combine":
             kind = "moe_out"
             members = _moe_out_members(node, cons, prod)
+            down = prod.get(node.inputs[0].id)
+            if (members is not None and down is not None and down.op == "moe_linear"
+                    and _only(cons, down.out) is node and down.inputs[2] is node.inputs[1]):
+                glu = prod.get(down.inputs[0].id)
+                with_glu = [glu] if glu is not None and _glu_in(glu, down, cons) else []
+                whole = sorted([*with_glu, down, *members], key=lambda n: index[n.out.id])
+                out.append(Fusion("moe_down_out", tuple(n.out.id for n in whole), False))
         elif node.op == "rope":
             kind = "qk_rope"
             members = _qk_rope_members(node, cons, prod)
@@ -611,8 +625,9 @@ class _Lowering:
         moe_matvec (not the grouped prefill form); each needs f32 norm weights."""
         f32 = lambda t: self.weights.slots[t.name].qtype == "F32"  # noqa: E731
         taken: set[int] = set()
-        # the delta rule with its conv before the conv alone and the gated norm alone
-        for f in sorted(self.plan.fusions, key=lambda f: f.kind != "delta_conv"):
+        # the larger groups first: the delta rule with its conv before the conv alone and
+        # the gated norm alone, the experts' down product with the FFN's end before either
+        for f in sorted(self.plan.fusions, key=lambda f: f.kind not in ("delta_conv", "moe_down_out")):
             nodes = [self._prod[i] for i in f.nodes]
             if (f.kind == "into_reader" or taken & set(f.nodes)
                     or any(n.out.id in self._absorbed for n in nodes)):
@@ -626,7 +641,9 @@ class _Lowering:
                 continue
             if f.kind == "glu_in" and self.moe_grouped(nodes[-1]):
                 continue
-            if f.kind == "moe_out" and any(n.op == "gate_rows" and not f32(n.inputs[2]) for n in nodes):
+            if f.kind == "moe_down_out" and self.moe_grouped(next(n for n in nodes if n.op == "moe_linear")):
+                continue
+            if f.kind in ("moe_out", "moe_down_out") and any(n.op == "gate_rows" and not f32(n.inputs[2]) for n in nodes):
                 continue
             if f.kind == "qk_rope":
                 if not f32(nodes[-2].inputs[1]):
@@ -1236,6 +1253,35 @@ class _Lowering:
             theta=node.attr("theta"), eps=nrm.attr("eps"), cap=self.bucket, to_cache=cache is not None,
             n_ctx=cache[2].rows if cache else 0, kv_dim=node.out.width, kv_type=cache[3] if cache else "f32")
         self.emit([d], [self.slot(src)], [key])
+
+    def fuse_moe_down_out(self, node: Node, members: list[Node]) -> None:
+        """The experts' down product (reading their SwiGLU where it is a member), their
+        weighted sum, the gated shared expert and the residual: one dispatch
+        (moe_matvec.comp COMBINE, GLU_IN, SHEXP, RESID)."""
+        down = next(m for m in members if m.op == "moe_linear")
+        glu = next((m for m in members if m.op == "glu"), None)
+        x, w, routes = down.inputs
+        inner = {m.out.id for m in members}
+        gate = next((m for m in members if m.op == "gate_rows"), None)
+        res = [t for m in members if m.op == "add" for t in m.inputs if t.id not in inner]
+        assert len(res) <= 1
+        src = glu.inputs[0] if glu is not None else x
+        reads = [self.slot(src), self.slot(routes)] + ([self.slot(glu.inputs[1])] if glu is not None else [])
+        shexp = None
+        if gate is not None:
+            xs, h, gw = gate.inputs
+            shexp = (self.view(xs), self.view(h), self.view(gw), h.width)
+            reads += [self.slot(xs), self.slot(h)]
+        if res:
+            reads.append(self.slot(res[0]))
+        n_rows, n_in = int(w.shape[1]), int(w.shape[2])
+        d = self.ops.moe_matvec(self.weights.slots[w.name].qtype, self.weights.view(w.name), self.view(src),
+                                self.view(node.out), self.st, self.view(routes), n_in=n_in, n_rows=n_rows,
+                                x_stride=src.width, x_pair=n_in if len(src.shape) == 3 else 0,
+                                y_stride=node.out.width, k=down.attr("k"), cap=self.bucket,
+                                up=self.view(glu.inputs[1]) if glu is not None else None,
+                                combine=(self.view(res[0]) if res else None, shexp))
+        self.emit([d], reads, [self.slot(node.out)])
 
     def fuse_moe_out(self, node: Node, members: list[Node]) -> None:
         """The experts' weighted sum, plus the gated shared expert, plus the residual:

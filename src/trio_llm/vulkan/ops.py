@@ -893,21 +893,40 @@ class Ops:
     def moe_matvec(
         self, qtype: str, w: View, x: View, y: View, step: View, routes: View, *, n_in: int, n_rows: int,
         x_stride: int, x_pair: int, y_stride: int, k: int, cap: int, up: View | None = None,
+        combine: tuple[View | None, tuple[View, View, View, int] | None] | None = None,
     ) -> Dispatch:
         """y[c, j, :] = W[id(c, j)] . x[c] (``x_pair`` 0) or . x[c, j] for the live tokens
         c and their k chosen experts j; ``w`` is the whole 3-D expert tensor. With ``up``
         (laid out as x) the input is silu(x) * up, made as it is loaded (GLU_IN: the
-        experts' SwiGLU before their down product)."""
+        experts' SwiGLU before their down product). With ``combine`` = (res, shexp) a
+        work group per token sums its experts' rows with their routing weights into
+        y[c, :] and adds what ``moe_combine`` would (the gated shared expert (xs, h, g,
+        n_in), the residual res; either may be None): COMBINE."""
         assert n_in % 8 == 0 and x_stride % 4 == 0 and x_pair % 4 == 0
         nr, rs = self.matvec_rows, self.matvec_rs
-        defines = qtype_defines(qtype) if up is None else {**qtype_defines(qtype), "GLU_IN": 1}
+        defines = dict(qtype_defines(qtype))
+        views: tuple[View, ...] = (w, x, y, step, routes)
+        push: tuple[int, ...] = (n_in, n_rows, x_stride, x_pair, y_stride, k, 2 * k)
+        if up is not None:
+            defines["GLU_IN"] = 1
+            views += (up,)
+        pairs = cap * k
+        if combine is not None:
+            res, shexp = combine
+            defines["COMBINE"] = 1
+            pairs = cap
+            if res is not None:
+                defines["RESID"] = 1
+                views += (res,)
+            if shexp is not None:
+                defines["SHEXP"] = 1
+                views += shexp[:3]
+                push += (shexp[3],)
         kern = self.kernels.get(
-            "moe_matvec", n_bindings=5 if up is None else 6, n_push=7, local_size=nr * self.subgroup,
+            "moe_matvec", n_bindings=len(views), n_push=len(push), local_size=nr * self.subgroup,
             defines=defines, spec={2: nr, 3: rs},
         )
-        push = (n_in, n_rows, x_stride, x_pair, y_stride, k, 2 * k)
-        views = (w, x, y, step, routes) if up is None else (w, x, y, step, routes, up)
-        return Dispatch(kern, views, push, (math.ceil(n_rows / (nr * rs)), 1, cap * k))
+        return Dispatch(kern, views, push, (math.ceil(n_rows / (nr * rs)), 1, pairs))
 
     def moe_group(
         self, routes: View, moe_map: View, step: View, *, n_expert: int, k: int, cap: int,
