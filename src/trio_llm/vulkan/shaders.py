@@ -396,7 +396,9 @@ CM3_WIDE = ("Q4_K", "Q6_K", "Q8_0")
 
 
 #: the matmul_cm3 variants bench/h200.sh cm2sweep times (bench/matmul.py's default set),
-#: prebuilt by compile-shaders for subgroups of 32 in the types of its models
+#: prebuilt by ``compile-shaders --cm3-sweep`` (bench/h200-prepare.sh) for subgroups of
+#: 32 in the types of its models; not in ``all_variants`` (an install does not build
+#: them) until one becomes the default
 CM3_SWEEP = ("v", "v+direct", "v+db+direct", "v+k64+direct", "v+b44+direct", "v+db+b44+direct",
              "v+k64+b44+direct", "v+direct+w", "v+db+direct+w", "v+b44+direct+w", "v+db+b44+direct+w",
              "v+k64+b44+direct+w")
@@ -443,7 +445,6 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
             yield "moe_matmul_cm", moe_coopmat_defines(q, sub)
             for bm, bn in CM2_TILES:
                 yield "matmul_cm2", cm2_defines(q, sub, bm, bn)
-    yield from cm3_sweep_variants()  # matmul_cm3's sweep (TRIO_LLM_CM2_VARIANT)
     for q in QTYPES:
         yield "matvec", {**qtype_defines(q), **ROPE_OUT}
         yield "matvec", {**qtype_defines(q), **GATE_UP}
@@ -501,6 +502,9 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="trio-llm compile-shaders", description=__doc__.splitlines()[0])
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+    parser.add_argument("--cm3-sweep", action="store_true",
+                        help="also matmul_cm3's sweep variants (TRIO_LLM_CM2_VARIANT, bench/h200.sh cm2sweep; "
+                             "bench/h200-prepare.sh builds them for the H200)")
     parser.add_argument("--prune", action="store_true",
                         help="then delete every other compiled variant in the cache (stale sources, tests' "
                              "variants): what bench/h200-prepare.sh carries to a device stays this set")
@@ -509,7 +513,7 @@ def main(argv: list[str]) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     try:
-        variants = list(all_variants())
+        variants = list(all_variants()) + (list(cm3_sweep_variants()) if args.cm3_sweep else [])
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             for _ in pool.map(lambda v: spirv(*v), variants):
                 pass
