@@ -105,7 +105,13 @@ def check(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int]
         run += [Barrier(), ops.attention_combine(part, o, st, n_head=n_head, head_dim=hd, n_split=n_split,
                                                  o_stride=n_head * hd, cap=cap)]
     cm2 = ops.prefill_cm2_emulate > 0 or ops.prefill_cm2_ok(n_head, n_kv, hd)
-    assert (run[0].kernel.name == "attn_prefill_cm2") == cm2  # type: ignore[attr-defined]
+    # attn_prefill_cm3 in place of cm2 where a variant is set (TRIO_LLM_PREFILL_CM2_VARIANT)
+    cm3 = (ops.prefill_cm2_emulate > 0 or ops.coopmat) and ops.prefill_cm3_plan(
+        n_head, n_kv, hd, rows=emulate[0] * emulate[1] if emulate else 0) is not None
+    name = run[0].kernel.name  # type: ignore[attr-defined]
+    assert name == ("attn_prefill_cm3" if cm3 else "attn_prefill_cm2") if cm2 or cm3 else name not in (
+        "attn_prefill_cm2", "attn_prefill_cm3")
+    cm2 = cm2 or cm3
     env.run(run)
     got = env.get(o).reshape(q.shape)
     if emulate or cm2 or (ops.coopmat and ops.prefill_cm_ok(n_head, n_kv, hd)):

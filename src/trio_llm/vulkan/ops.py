@@ -31,7 +31,10 @@ from trio_llm.vulkan.shaders import (
     QTYPES,
     ROPE_OUT,
     STEP_CAP,
+    AttnVariant,
     Cm3Variant,
+    attn_cm3_defines,
+    attn_variant,
     cm2_defines,
     cm2_layout,
     cm3_defines,
@@ -223,6 +226,33 @@ def prefill_cm2_prefer(head_dim: int) -> int:
     return 32 if head_dim <= 64 else 16
 
 
+def prefill_cm3_shared(head_dim: int, rows: int, keys: int, v: AttnVariant, qsh: bool, subgroup: int = 32,
+                       emulate: bool = False) -> int:
+    """Bytes of shared memory attn_prefill_cm3.comp declares (its arrays, in order: the
+    K and V tiles in f16, once or twice (DB), the P slices in f16, the Q tile with QSH,
+    the layout block, the tokens' positions, sequences and flags counted for the most
+    tokens, and under CM_EMULATE the shuffles' floats). No S slices: with 64 rows 21,504
+    for head_dim 64 and 32 keys (39,936 with 64 keys and DB), 28,672 for 128 and 32 keys."""
+    lanes = rows // (16 * v.rb) * subgroup
+    return ((2 if v.db else 1) * 2 * 2 * keys * (head_dim + 8) + 2 * rows * (keys + 8)
+            + (2 * rows * (head_dim + 8) if qsh else 0) + 4 * 256 + 12 * rows + (4 * lanes if emulate else 0))
+
+
+def prefill_cm3_prefer(head_dim: int) -> int:
+    """attn_prefill_cm3's keys per tile unless forced: 32 up to head_dim 128, 16 above.
+    Its shared memory is about half of attn_prefill_cm2's (no S slices), and the per-tile
+    row reductions are amortised over more keys, so the "+k64" variants are the A/B."""
+    return 32 if head_dim <= 128 else 16
+
+
+def attn_variant_env() -> AttnVariant | None:
+    """``TRIO_LLM_PREFILL_CM2_VARIANT``: empty or "cm2" keeps attn_prefill_cm2.comp;
+    "v", "v+rb2+db", "v+k64" (etc., ``shaders.attn_variant``) puts prefill attention on
+    attn_prefill_cm3.comp in that form where ``Ops.prefill_cm3_plan`` allows (bench/h200.sh
+    attnsweep)."""
+    return attn_variant(os.environ.get("TRIO_LLM_PREFILL_CM2_VARIANT", ""))
+
+
 def attention_part_floats(cap: int, n_head: int, head_dim: int, n_split: int) -> int:
     """float32 values of the partials buffer ``attention_decode`` needs for ``cap``
     tokens: per (token, head, split) head_dim outputs plus the running max and sum."""
@@ -347,6 +377,11 @@ class Ops:
     #: tests only: attn_prefill_cm2 with its products emulated (CM_EMULATE) for subgroups
     #: of this size (32 or 64; 0: off) on any device, taking precedence over the rest
     prefill_cm2_emulate: int = 0
+    #: attn_prefill_cm3.comp in this form in place of attn_prefill_cm2 (None: cm2;
+    #: TRIO_LLM_PREFILL_CM2_VARIANT, ``attn_variant_env``), wherever attn_prefill_cm2 could
+    #: run (any head_dim up to 256: the knob is explicit), emulated with
+    #: ``prefill_cm2_emulate``
+    prefill_cm2_variant: AttnVariant | None = attrs.field(factory=attn_variant_env)
     #: decode buckets' matvecs of ``Q8_MATVEC`` weights on int8 activations (llama.cpp's
     #: q8_1 "MMVQ": quantize_q8.comp once per input, matvec.comp's X_Q8 form), for
     #: buckets of at least ``matvec_q8_min`` columns (the quantize is a dispatch stage
@@ -729,6 +764,38 @@ class Ops:
             return None
         return (emu or self.subgroup), keys
 
+    def prefill_cm3_plan(self, n_head: int, n_head_kv: int, head_dim: int,
+                         rows: int = 0) -> tuple[int, int, int, bool] | None:
+        """(subgroup size, keys per tile, rows per work group, QSH) of attn_prefill_cm3.comp
+        in the form ``prefill_cm2_variant``, or None where it does not run: no variant
+        set, not enabled as attn_prefill_cm2 (``prefill_cm2`` on a device with cooperative
+        matrices and subgroups of 32 or 64, or ``prefill_cm2_emulate``), a head group not
+        a power of two, head_dim not a multiple of 16 or above 256, rows (``rows``, else
+        ``prefill_rows_cm``, else 4 subgroups' worth, 2 for head_dim 256) not a multiple
+        of the subgroup's 16 * RB or more than 1024 lanes, or its keys per tile (the
+        variant's, else ``prefill_cm2_keys``, else ``prefill_cm3_prefer``'s or the most of
+        ``PREFILL_CM2_KEYS`` below it) not within the device's shared memory. QSH (Q read
+        from shared memory for every product) where RB * head_dim > 128: the Q fragments
+        and output accumulators would not fit in registers."""
+        v = self.prefill_cm2_variant
+        emu = self.prefill_cm2_emulate
+        hw = emu in (32, 64) or (self.prefill_cm2 and self.coopmat and self.subgroup in (32, 64))
+        g = heads_per_group(n_head, n_head_kv)
+        if v is None or not hw or g & (g - 1) or head_dim % 16 or head_dim > 256:
+            return None
+        sub = emu or self.subgroup
+        rows = rows or self.prefill_rows_cm or 16 * v.rb * (4 if head_dim <= 128 else 2)
+        if rows % (16 * v.rb) or rows // (16 * v.rb) * sub > 1024:
+            return None
+        qsh = v.rb * head_dim > 128
+        limit = self.kernels.device.limits.max_shared_memory
+        forced = v.keys or self.prefill_cm2_keys
+        prefer = prefill_cm3_prefer(head_dim)
+        for keys in [forced] if forced else [k for k in PREFILL_CM2_KEYS if k <= prefer]:
+            if prefill_cm3_shared(head_dim, rows, keys, v, qsh, sub, bool(emu)) <= limit:
+                return sub, keys, rows, qsh
+        return None
+
     def prefill_cm2_ok(self, n_head: int, n_head_kv: int, head_dim: int) -> bool:
         """Whether ``attention_prefill`` takes attn_prefill_cm2.comp (``prefill_cm2_plan``)."""
         return self.prefill_cm2_plan(n_head, n_head_kv, head_dim) is not None
@@ -767,6 +834,24 @@ class Ops:
         ml_off = cap * n_head * n_split * head_dim
         assert n_split == 1 or (part is not None
                                 and part.size >= 4 * attention_part_floats(cap, n_head, head_dim, n_split))
+        v3 = self.prefill_cm2_variant
+        if v3 is not None and (emulate_cm is None or self.prefill_cm2_emulate):
+            plan3 = self.prefill_cm3_plan(n_head, n_head_kv, head_dim,
+                                          rows=emulate_cm[0] * emulate_cm[1] if emulate_cm else 0)
+            if plan3 is not None:
+                sub, keys, rows, qsh = plan3
+                if emulate_cm is not None:
+                    g, bq = emulate_cm
+                    assert (n_head // n_head_kv) % g == 0
+                else:
+                    g, bq = prefill_tile(n_head, n_head_kv, head_dim, coopmat=True, rows=rows)
+                k = self.kernels.get("attn_prefill_cm3", n_bindings=6, n_push=12,
+                                     local_size=g * bq // (16 * v3.rb) * sub,
+                                     defines=attn_cm3_defines(kt.code, vt.code, sub, v3, qsh,
+                                                              bool(self.prefill_cm2_emulate)),
+                                     spec={1: g, 2: bq, 3: head_dim, 5: keys})
+                return Dispatch(k, (q, k_cache, v_cache, o, step, o if part is None else part),
+                                (*push, n_split, min_tiles, ml_off), (math.ceil(cap / bq), n_head // g, n_split))
         if emulate_cm is None or self.prefill_cm2_emulate:
             plan = self.prefill_cm2_plan(n_head, n_head_kv, head_dim,
                                          rows=emulate_cm[0] * emulate_cm[1] if emulate_cm else 0)

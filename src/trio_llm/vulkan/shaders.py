@@ -182,7 +182,8 @@ def _tools() -> tuple[Path, Path, dict[str, str]]:
 
 
 #: shaders that need a compiler with cooperative matrices (glslangValidator, Vulkan 1.3)
-COOPMAT_SHADERS = ("matmul_cm", "matmul_cm2", "matmul_cm3", "attn_prefill_cm", "attn_prefill_cm2", "moe_matmul_cm")
+COOPMAT_SHADERS = ("matmul_cm", "matmul_cm2", "matmul_cm3", "attn_prefill_cm", "attn_prefill_cm2", "attn_prefill_cm3",
+                   "moe_matmul_cm")
 
 
 def _compile_commands(name: str, defines: dict[str, object] | None, src: Path, out: str) -> tuple[list[list[str]], dict[str, str]]:
@@ -429,6 +430,75 @@ def cm3_sweep_variants() -> Iterable[tuple[str, dict[str, object]]]:
                     yield "matmul_cm3", d
 
 
+class AttnVariant(NamedTuple):
+    """One form of attn_prefill_cm3.comp (``TRIO_LLM_PREFILL_CM2_VARIANT``,
+    ``attn_variant``): row blocks of 16 per subgroup (1 or 2: each staged K and V
+    fragment feeds two products), double-buffered K/V tiles (one work-group barrier
+    per key tile), and keys per tile when forced (0: ``ops.prefill_cm3_prefer``)."""
+
+    rb: int = 1
+    db: bool = False
+    keys: int = 0
+
+    @property
+    def name(self) -> str:
+        """The spec ``attn_variant`` reads back: "v", then "+rb2", "+db", "+k16"/"+k32"/"+k64"."""
+        parts = ["v", *(["rb2"] if self.rb == 2 else []), *(["db"] if self.db else []),
+                 *([f"k{self.keys}"] if self.keys else [])]
+        return "+".join(parts)
+
+
+def attn_variant(spec: str) -> AttnVariant | None:
+    """A ``TRIO_LLM_PREFILL_CM2_VARIANT`` spec: "" or "cm2" for attn_prefill_cm2.comp
+    (None), else "v" (attn_prefill_cm3.comp: the softmax on the accumulators' elements)
+    with any of "+rb2", "+db", "+k16" / "+k32" / "+k64"."""
+    spec = spec.strip()
+    if spec in ("", "cm2"):
+        return None
+    parts = spec.split("+")
+    if parts[0] != "v" or len(set(parts)) != len(parts):
+        raise ValueError(f"attn_prefill_cm3 variant {spec!r}: expected 'v' then any of +rb2, +db, +k16, +k32, +k64")
+    rb, db, keys = 1, False, 0
+    for p in parts[1:]:
+        if p == "rb2":
+            rb = 2
+        elif p == "db":
+            db = True
+        elif p in ("k16", "k32", "k64") and not keys:
+            keys = int(p[1:])
+        else:
+            raise ValueError(f"attn_prefill_cm3 variant {spec!r}: unknown part {p!r} (rb2, db, k16, k32, k64)")
+    return AttnVariant(rb, db, keys)
+
+
+def attn_cm3_defines(k_code: int, v_code: int, subgroup: int, v: AttnVariant, qsh: bool,
+                     emulate: bool = False) -> dict[str, object]:
+    """attn_prefill_cm3.comp's defines: the cache types, the subgroup size (it sizes the
+    per-lane arrays), the variant's row blocks and buffers, Q from shared memory (head
+    dims whose Q fragments would not fit in registers), CM_EMULATE; only those set."""
+    return {**kv_defines(K_TYPE=k_code, V_TYPE=v_code), "SG": subgroup, **({"RB": 2} if v.rb == 2 else {}),
+            **({"DB": 1} if v.db else {}), **({"QSH": 1} if qsh else {}), **({"CM_EMULATE": 1} if emulate else {})}
+
+
+#: the attn_prefill_cm3 variants bench/h200.sh attnsweep times (bench/prefill.py's
+#: ``--variants`` default), prebuilt by compile-shaders for subgroups of 32, f16 and q8_0
+#: caches, with and without QSH (keys per tile and head dims are specialization constants)
+ATTN_SWEEP = ("v", "v+db", "v+k64", "v+db+k64", "v+rb2", "v+rb2+db")
+
+
+def attn_sweep_variants() -> Iterable[tuple[str, dict[str, object]]]:
+    seen: set[tuple[int, bool]] = set()
+    for spec in ATTN_SWEEP:
+        v = attn_variant(spec)
+        assert v is not None
+        if (v.rb, v.db) in seen:
+            continue
+        seen.add((v.rb, v.db))
+        for code in (1, 3):
+            for qsh in (False, True):
+                yield "attn_prefill_cm3", attn_cm3_defines(code, code, 32, v, qsh)
+
+
 def moe_coopmat_defines(qtype: str, subgroup: int) -> dict[str, object]:
     """moe_matmul_cm.comp's variant: the weight type and its 16x16 blocks per subgroup
     (8 blocks of a 64 x 32 tile over 256 / subgroup subgroups)."""
@@ -471,6 +541,7 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
         # its subgroup-owns-its-rows form (TRIO_LLM_PREFILL_CM2=1; head dims, subgroup and
         # keys per tile are specialization constants, so these serve 64, 128 and 256)
         yield "attn_prefill_cm2", kv_defines(K_TYPE=code, V_TYPE=code)
+    yield from attn_sweep_variants()  # attn_prefill_cm3's (TRIO_LLM_PREFILL_CM2_VARIANT)
     for code in KV_CODES[1:]:
         for q in QTYPES if code in (1, 3) else ("Q8_0",):
             yield "matvec", {**qtype_defines(q), **ROPE_OUT, **kv_defines(KV_TYPE=code)}
