@@ -6,7 +6,7 @@
 // head r % G), subgroup i rows [16 RB i, 16 RB (i + 1)), RB row blocks of 16 each, and
 // walks key tiles of BC (16, 32 or 64) keys. Per key tile:
 //   1. the K and V tiles go from registers (loaded during the previous tile) to shared
-//      memory in f16, 8 bytes per store, the next tile's loads are issued; a
+//      memory in f16, 8 bytes (an f16vec4) per store, the next tile's loads are issued; a
 //      work-group barrier (with DB the tiles alternate between two buffers and this is
 //      the only one per tile; without it a second barrier ends the tile);
 //   2. each subgroup, alone: S = Q K^T for its rows into RB * BC / 16 accumulators (Q
@@ -98,12 +98,12 @@ layout(constant_id = 3) const uint HD = 64;  // head_dim, a multiple of 16
 layout(constant_id = 5) const uint BC = 32;  // keys per tile (16, 32 or 64)
 const uint R = G * BQ;          // query rows, 16 * RB per subgroup
 const uint NSG = WG / SG;       // subgroups
-const uint KS4 = (HD + 8u) / 4u;  // K/V row stride in uvec2 (4 f16; rows 16-byte aligned, no bank conflicts)
+const uint KS4 = (HD + 8u) / 4u;  // K/V row stride in f16vec4 (rows 16-byte aligned, no bank conflicts)
 const uint PS = BC + 8u;        // P row stride in f16
 const uint QS = HD + 8u;        // Q row stride in f16 (QSH)
 const uint NQ = HD / 16u;       // Q fragments, output blocks per row block
 const uint NB = BC / 16u;       // S blocks, P fragments per row block
-const uint TILE4 = BC * KS4;    // one K (or V) tile in uvec2
+const uint TILE4 = BC * KS4;    // one K (or V) tile in f16vec4
 const uint NL4 = BC * HD / 4u;  // loads of four values per K (or V) tile
 const uint NLD = (NL4 + WG - 1u) / WG;  // ... per lane
 const float MASKED = -1.0e30;
@@ -134,7 +134,7 @@ const float SEEN = -1.0e29;     // scores above this are visible ones
 #else
 #define NBUF 1u
 #endif
-shared uvec2 kvs[NBUF * 2u * TILE4];  // per buffer: the K tile [key][dim], then the V tile [key][dim]
+shared f16vec4 kvs[NBUF * 2u * TILE4];  // per buffer: the K tile [key][dim], then the V tile [key][dim]
 shared float16_t ps[R * PS];          // P [row][key], the subgroups' slices; first Q, 16 dims at a time
 #if QSH
 shared float16_t qs[R * QS];          // Q [row][dim], scaled, f16
@@ -238,28 +238,26 @@ float16_t q_at(uint r, uint d, uint t0, uint nlive, uint h0) {
     return tk < nlive ? float16_t(q[(t0 + tk) * pc.q_stride + (h0 + r % G) * HD + d] * pc.scale) : float16_t(0.0);
 }
 
-// four values of a K / V row in f16, packed (f16 caches as they are)
-uvec2 k_raw4(uint row_w, uint d) {
+// four values of a K / V row in f16 (f16 caches' bits as they are)
+f16vec4 k_raw4(uint row_w, uint d) {
     if (K_TYPE == KV_F16) {
-        return kc2[(row_w + d) >> 2];
+        uvec2 u = kc2[(row_w + d) >> 2];
+        return f16vec4(unpackFloat2x16(u.x), unpackFloat2x16(u.y));
     }
-    f16vec4 h = f16vec4(k_load4(row_w, d));
-    return uvec2(packFloat2x16(h.xy), packFloat2x16(h.zw));
+    return f16vec4(k_load4(row_w, d));
 }
-uvec2 v_raw4(uint row_w, uint d) {
+f16vec4 v_raw4(uint row_w, uint d) {
     if (V_TYPE == KV_F16) {
-        return vc2[(row_w + d) >> 2];
+        uvec2 u = vc2[(row_w + d) >> 2];
+        return f16vec4(unpackFloat2x16(u.x), unpackFloat2x16(u.y));
     }
-    f16vec4 h = f16vec4(v_load4(row_w, d));
-    return uvec2(packFloat2x16(h.xy), packFloat2x16(h.zw));
+    return f16vec4(v_load4(row_w, d));
 }
 
 #ifdef CM_EMULATE
-// element (key c, dim d) of a staged K or V tile at uvec2 offset base
+// element (key c, dim d) of a staged K or V tile at f16vec4 offset base
 float kv_at(uint base, uint c, uint d) {
-    uvec2 u = kvs[base + c * KS4 + d / 4u];
-    f16vec2 h = unpackFloat2x16((d & 2u) == 0u ? u.x : u.y);
-    return float((d & 1u) == 0u ? h.x : h.y);
+    return float(kvs[base + c * KS4 + d / 4u][d % 4u]);
 }
 #endif
 
@@ -382,8 +380,8 @@ void main() {
         m_run[i] = MASKED;
         l_run[i] = 0.0;
     }
-    uvec2 kpre[NLD];  // the next tile's K and V, on their way to shared memory
-    uvec2 vpre[NLD];
+    f16vec4 kpre[NLD];  // the next tile's K and V, on their way to shared memory
+    f16vec4 vpre[NLD];
     uint buf = 0u;
 
     while (true) {
@@ -449,8 +447,8 @@ void main() {
             uint c = i / (HD / 4u);
             uint d = 4u * (i % (HD / 4u));
             bool ld = i < NL4 && kb0 + c < kb1;
-            kpre[n] = ld ? k_raw4((base + ring_row(kb0 + c)) * k_row + k_head, d) : uvec2(0u);
-            vpre[n] = ld ? v_raw4((base + ring_row(kb0 + c)) * v_row + v_head, d) : uvec2(0u);
+            kpre[n] = ld ? k_raw4((base + ring_row(kb0 + c)) * k_row + k_head, d) : f16vec4(0.0);
+            vpre[n] = ld ? v_raw4((base + ring_row(kb0 + c)) * v_row + v_head, d) : f16vec4(0.0);
         }
         for (uint k0 = kb0; k0 < kb1; k0 += BC) {
             uint kn = min(BC, kb1 - k0);
@@ -470,8 +468,8 @@ void main() {
                     kvs[kt + TILE4 + c * KS4 + d4] = vpre[n];
                     if (kn1 > 0u) {
                         bool ld = c < kn1;
-                        kpre[n] = ld ? k_raw4((base + ring_row(k1 + c)) * k_row + k_head, 4u * d4) : uvec2(0u);
-                        vpre[n] = ld ? v_raw4((base + ring_row(k1 + c)) * v_row + v_head, 4u * d4) : uvec2(0u);
+                        kpre[n] = ld ? k_raw4((base + ring_row(k1 + c)) * k_row + k_head, 4u * d4) : f16vec4(0.0);
+                        vpre[n] = ld ? v_raw4((base + ring_row(k1 + c)) * v_row + v_head, 4u * d4) : f16vec4(0.0);
                     }
                 }
             }

@@ -36,8 +36,11 @@ from trio_llm.vulkan.ops import (
     attention_part_floats,
     prefill_cm2_prefer,
     prefill_cm2_shared,
+    prefill_cm3_choose,
+    prefill_cm3_shared,
     prefill_tile,
 )
+from trio_llm.vulkan.shaders import ATTN_SWEEP, AttnVariant, attn_variant
 
 pytestmark = pytest.mark.vulkan
 
@@ -47,14 +50,20 @@ TYPES = list(KV_TYPES)
 env = pytest.fixture(scope="module", name="env")(open_env)
 
 
-@pytest.fixture(params=["scalar", "coopmat", "coopmat-staged", "coopmat2"])
+#: the ops fixture's attn_prefill_cm3 rows (on a GPU only): variants of the H200 sweep
+CM3_FIXTURE = {"coopmat3": "v", "coopmat3-db-k64": "v+db+k64", "coopmat3-rb2-db": "v+rb2+db"}
+
+
+@pytest.fixture(params=["scalar", "coopmat", "coopmat-staged", "coopmat2", *CM3_FIXTURE])
 def ops(request: pytest.FixtureRequest, env: Env) -> Ops:
     if request.param == "scalar":
         return env.ops
     if not env.device.coopmat:
         pytest.skip(f"{env.device.name} reports no 16x16x16 f16 cooperative matrices (lavapipe has none)")
+    cm3 = request.param in CM3_FIXTURE
     return attrs.evolve(env.ops, coopmat=True, prefill_cm=True, prefill_cm_stage=request.param == "coopmat-staged",
-                        prefill_cm2=request.param == "coopmat2")
+                        prefill_cm2=request.param == "coopmat2" or cm3,
+                        prefill_cm2_variant=attn_variant(CM3_FIXTURE[request.param]) if cm3 else None)
 
 
 def np_attention(q, k, v, pos, seq, n_head_kv, n_swa, scale):  # type: ignore[no-untyped-def]
@@ -415,3 +424,90 @@ def test_bad_shapes_are_refused(env: Env) -> None:
         with pytest.raises((AssertionError, ValueError)):
             env.ops.attention_prefill(v, v, v, v, v, n_head=2, n_head_kv=1, head_dim=hd, n_ctx=4, q_stride=2 * hd,
                                       o_stride=2 * hd, cap=16, k_type=typ, v_type=typ)
+
+
+def cm3_ops(env: Env, sub: int, spec: str) -> Ops:
+    """attn_prefill_cm3.comp emulated for subgroups of ``sub`` lanes in variant ``spec``."""
+    return attrs.evolve(env.ops, prefill_cm2_emulate=sub, prefill_cm2_variant=attn_variant(spec))
+
+
+#: (variant, emulated subgroup, head_dim, tile of (heads, tokens), with the split check)
+CM3_CASES = [("v", 32, 64, (4, 8), True), ("v+db", 64, 128, (4, 8), False), ("v+rb2+db", 32, 64, (2, 32), True),
+             ("v+rb2", 64, 128, (1, 32), False), ("v+k16", 32, 256, (2, 8), False)]
+
+
+@pytest.mark.parametrize(("spec", "sub", "hd", "tile", "split"), CM3_CASES)
+def test_cm3_emulated_variants(env: Env, spec: str, sub: int, hd: int, tile: tuple[int, int], split: bool) -> None:
+    """Each attn_prefill_cm3 form (row blocks of 16 or 32 per subgroup, one or two K/V
+    buffers, 16 / 32 keys per tile; Q in registers, or from shared memory with QSH at
+    2 x 128 and 256), emulated: the layout search and the element-wise softmax for
+    subgroups of 32 and 64, tokens from 0 (diagonal tiles, subgroups that skip), a
+    prefix, a 2-token sequence, GQA 1, 2 and 4 (not for head_dim 256); a window over a
+    ring with gemma3's scale in q8_0 (q4_1 for the row blocks of 32); 3 key splits in two
+    of them."""
+    ops = cm3_ops(env, sub, spec)
+    v = attn_variant(spec)
+    assert v is not None
+    g, bq = tile
+    n_kv = 8 // g if hd < 256 else 1
+    n_head = n_kv * g
+    assert ops.prefill_cm3_plan(n_head, n_kv, hd, rows=g * bq) is not None
+    if hd < 256:  # (lavapipe takes a minute over head_dim 256's emulated products: its window alone)
+        pos, seq = batch((0, 0, 2 * bq + 3), (1, 70, bq + 5), (2, 7, 2))
+        check(env, ops, hd=hd, n_head=n_head, n_kv=n_kv, pos=pos, seq=seq, n_ctx=160, seed=hd + sub, emulate=(g, bq))
+    pos, seq = batch((0, 200, 30), (1, 0, 45))
+    check(env, ops, hd=hd, n_head=n_head, n_kv=n_kv, pos=pos, seq=seq, n_ctx=70, n_swa=40,
+          k_type="q4_1" if v.rb == 2 else "q8_0", scale=1.0 / np.sqrt(160.0), seed=4, emulate=(g, bq))
+    pos, seq = batch((0, 150, 37), (1, 0, 5), (2, 60, 20))
+    if split:
+        check(env, ops, hd=hd, n_head=n_head, n_kv=n_kv, pos=pos, seq=seq, n_ctx=200, seed=sub, emulate=(g, bq),
+              n_split=3)
+
+
+def test_cm3_emulated_sequences(env: Env) -> None:
+    """Five short sequences out of position order in one tile (a pass each), a cap
+    larger than the batch, f16 K with f32 V, on the double-buffered form (its buffer
+    index carried across passes)."""
+    pos, seq = batch((2, 5, 3), (0, 0, 7), (4, 50, 11), (1, 33, 1), (3, 90, 6))
+    check(env, cm3_ops(env, 32, "v+db"), hd=64, n_head=8, n_kv=2, pos=pos, seq=seq, n_ctx=100, seed=3, cap=64,
+          k_type="f16", v_type="f32", emulate=(4, 16))
+
+
+def test_cm3_variant_specs_and_plan(env: Env) -> None:
+    """``TRIO_LLM_PREFILL_CM2_VARIANT``'s spellings, and where attn_prefill_cm3 runs:
+    only with a variant set, as attn_prefill_cm2 would (enabled, power-of-two head
+    groups, head dims up to 256 here too), rows a multiple of 16 * RB, its keys per
+    tile within the device's shared memory (the H200's 48 KiB takes every sweep
+    variant on the default tiles of llama-1b, llama-8b and gemma3-4b)."""
+    assert attn_variant("") is None and attn_variant("cm2") is None
+    assert attn_variant("v+rb2+db+k64") == AttnVariant(2, True, 64)
+    assert [attn_variant(s).name for s in ATTN_SWEEP] == list(ATTN_SWEEP)  # type: ignore[union-attr]
+    for bad in ("w", "v+rb3", "v+db+db", "v+k64+k32"):
+        with pytest.raises(ValueError):
+            attn_variant(bad)
+    hw = attrs.evolve(env.ops, coopmat=True, prefill_cm2=True, subgroup=32, prefill_cm2_variant=attn_variant("v"))
+    assert attrs.evolve(hw, prefill_cm2_variant=None).prefill_cm3_plan(8, 2, 64) is None
+    assert attrs.evolve(hw, prefill_cm2=False).prefill_cm3_plan(8, 2, 64) is None
+    assert attrs.evolve(hw, coopmat=False).prefill_cm3_plan(8, 2, 64) is None
+    assert hw.prefill_cm3_plan(6, 2, 64) is None and hw.prefill_cm3_plan(8, 2, 272) is None
+    rb2 = attrs.evolve(hw, prefill_cm2_variant=attn_variant("v+rb2"))
+    assert rb2.prefill_cm3_plan(8, 2, 64, rows=16) is None  # rows below one subgroup's 32
+    # the H200's 48 KiB: (keys, rows, QSH) per head_dim 64 / 128 / 256 (None: cm2 / cm runs)
+    h200 = {"v": [(32, 64, False), (32, 64, False), (16, 32, True)],
+            "v+db": [(32, 64, False), (32, 64, False), (16, 16, True)],
+            "v+k64": [(64, 64, False), (64, 64, False), None],
+            "v+db+k64": [(64, 64, False), None, None],
+            "v+rb2": [(32, 128, False), (32, 64, True), (16, 32, True)],
+            "v+rb2+db": [(32, 128, False), (16, 64, True), None]}
+    assert set(h200) == set(ATTN_SWEEP)
+    for spec, want in h200.items():
+        v = attn_variant(spec)
+        assert v is not None
+        assert [prefill_cm3_choose(hd, v, 49152) for hd in (64, 128, 256)] == want, spec
+        for hd in (64, 128, 256):  # the method takes the device's limit (lavapipe's here)
+            got = prefill_cm3_choose(hd, v, env.device.limits.max_shared_memory)
+            assert attrs.evolve(hw, prefill_cm2_variant=v).prefill_cm3_plan(8, 2, hd) == (
+                None if got is None else (32, *got))
+    assert prefill_cm3_choose(64, AttnVariant(2), 49152, rows=48) is None  # not whole subgroups
+    assert prefill_cm3_choose(64, AttnVariant(1), 49152, rows=16) == (32, 16, False)
+    assert prefill_cm3_shared(64, 64, 32, AttnVariant(), False) == 16128

@@ -205,6 +205,27 @@ def test_prefill_on_attn_prefill_cm2_emulated(model_path, sub: int, rows: int) -
         ref.close()
 
 
+@pytest.mark.parametrize(("sub", "spec"), [(32, "v+db"), (64, "v+rb2+k16")])
+def test_prefill_on_attn_prefill_cm3_emulated(model_path, sub: int, spec: str) -> None:  # type: ignore[no-untyped-def]
+    """The same prefills with the attention on attn_prefill_cm3 in a variant of the H200
+    sweep (TRIO_LLM_PREFILL_CM2_VARIANT; emulated, on the rows and keys its plan picks
+    within lavapipe's shared memory), the decode step after them, numpy's logits within
+    the f16 rounding."""
+    from trio_llm.vulkan.shaders import attn_variant
+
+    model = load_gguf(model_path("tiny", "Q8_0"))
+    ref = NumpyBackend(model, n_ctx=64, n_seq=2, **F32_KV)
+    vk = VulkanBackend(model, n_ctx=64, n_seq=2, **F32_KV)
+    vk._ops.prefill_cm2_emulate = sub
+    vk._ops.prefill_cm2_variant = attn_variant(spec)
+    try:
+        _prefill_within_f16(vk, ref, "attn_prefill_cm3", ("attn_prefill", "attn_prefill_cm", "attn_prefill_cm2"),
+                            [[SeqBatch(0, np.array([7], np.int32), 52)]])
+    finally:
+        vk.close()
+        ref.close()
+
+
 @pytest.mark.parametrize("level", [Level.WEIGHTS, Level.ALL, Level.UNLOAD])
 def test_release_restore_cycles_give_identical_output(model_path, level: Level) -> None:  # type: ignore[no-untyped-def]
     model = load_gguf(model_path("tiny-qwen2", "Q6_K"))

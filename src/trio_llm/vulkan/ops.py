@@ -231,8 +231,8 @@ def prefill_cm3_shared(head_dim: int, rows: int, keys: int, v: AttnVariant, qsh:
     """Bytes of shared memory attn_prefill_cm3.comp declares (its arrays, in order: the
     K and V tiles in f16, once or twice (DB), the P slices in f16, the Q tile with QSH,
     the layout block, the tokens' positions, sequences and flags counted for the most
-    tokens, and under CM_EMULATE the shuffles' floats). No S slices: with 64 rows 21,504
-    for head_dim 64 and 32 keys (39,936 with 64 keys and DB), 28,672 for 128 and 32 keys."""
+    tokens, and under CM_EMULATE the shuffles' floats). No S slices: with 64 rows 16,128
+    for head_dim 64 and 32 keys (47,872 with 64 keys and DB), 24,320 for 128 and 32 keys."""
     lanes = rows // (16 * v.rb) * subgroup
     return ((2 if v.db else 1) * 2 * 2 * keys * (head_dim + 8) + 2 * rows * (keys + 8)
             + (2 * rows * (head_dim + 8) if qsh else 0) + 4 * 256 + 12 * rows + (4 * lanes if emulate else 0))
@@ -243,6 +243,42 @@ def prefill_cm3_prefer(head_dim: int) -> int:
     Its shared memory is about half of attn_prefill_cm2's (no S slices), and the per-tile
     row reductions are amortised over more keys, so the "+k64" variants are the A/B."""
     return 32 if head_dim <= 128 else 16
+
+
+def prefill_cm3_plan_rows(head_dim: int, v: AttnVariant) -> int:
+    """attn_prefill_cm3's query rows per work group by default: 4 subgroups of 16 * RB
+    rows (2 for head_dim 256, whose K/V tiles take most of the shared memory)."""
+    return 16 * v.rb * (4 if head_dim <= 128 else 2)
+
+
+def prefill_cm3_choose(head_dim: int, v: AttnVariant, limit: int, subgroup: int = 32, emulate: bool = False,
+                       rows: int = 0, keys: int = 0) -> tuple[int, int, bool] | None:
+    """(keys per tile, rows per work group, QSH) of attn_prefill_cm3 in form ``v`` within
+    ``limit`` bytes of shared memory: the rows given, else ``prefill_cm3_plan_rows``' and
+    then halves of it down to one subgroup (a Q tile in shared memory or two K/V buffers
+    take room); the keys the variant forces, else ``keys``, else
+    ``prefill_cm3_prefer``'s and then fewer of ``PREFILL_CM2_KEYS``. QSH where RB *
+    head_dim > 128 (the Q fragments and output accumulators would not fit in registers).
+    None where nothing fits or the rows are not a multiple of 16 * RB (at most 1024 lanes)."""
+    block = 16 * v.rb
+    if rows:
+        row_opts = [rows]
+    else:
+        row_opts = []
+        r = prefill_cm3_plan_rows(head_dim, v)
+        while r >= block:
+            row_opts.append(r)
+            r //= 2
+    forced = v.keys or keys
+    prefer = prefill_cm3_prefer(head_dim)
+    qsh = v.rb * head_dim > 128
+    for r in row_opts:
+        if r % block or r // block * subgroup > 1024:
+            return None
+        for k in [forced] if forced else [k for k in PREFILL_CM2_KEYS if k <= prefer]:
+            if prefill_cm3_shared(head_dim, r, k, v, qsh, subgroup, emulate) <= limit:
+                return k, r, qsh
+    return None
 
 
 def attn_variant_env() -> AttnVariant | None:
@@ -770,13 +806,10 @@ class Ops:
         in the form ``prefill_cm2_variant``, or None where it does not run: no variant
         set, not enabled as attn_prefill_cm2 (``prefill_cm2`` on a device with cooperative
         matrices and subgroups of 32 or 64, or ``prefill_cm2_emulate``), a head group not
-        a power of two, head_dim not a multiple of 16 or above 256, rows (``rows``, else
-        ``prefill_rows_cm``, else 4 subgroups' worth, 2 for head_dim 256) not a multiple
-        of the subgroup's 16 * RB or more than 1024 lanes, or its keys per tile (the
-        variant's, else ``prefill_cm2_keys``, else ``prefill_cm3_prefer``'s or the most of
-        ``PREFILL_CM2_KEYS`` below it) not within the device's shared memory. QSH (Q read
-        from shared memory for every product) where RB * head_dim > 128: the Q fragments
-        and output accumulators would not fit in registers."""
+        a power of two, head_dim not a multiple of 16 or above 256, or nothing
+        ``prefill_cm3_choose`` finds within the device's shared memory (``rows``, else
+        ``prefill_rows_cm``, else its own; the variant's keys, else ``prefill_cm2_keys``,
+        else its own)."""
         v = self.prefill_cm2_variant
         emu = self.prefill_cm2_emulate
         hw = emu in (32, 64) or (self.prefill_cm2 and self.coopmat and self.subgroup in (32, 64))
@@ -784,9 +817,9 @@ class Ops:
         if v is None or not hw or g & (g - 1) or head_dim % 16 or head_dim > 256:
             return None
         sub = emu or self.subgroup
-        rows = rows or self.prefill_rows_cm or 16 * v.rb * (4 if head_dim <= 128 else 2)
-        if rows % (16 * v.rb) or rows // (16 * v.rb) * sub > 1024:
-            return None
+        got = prefill_cm3_choose(head_dim, v, self.kernels.device.limits.max_shared_memory, sub, bool(emu),
+                                 rows or self.prefill_rows_cm, self.prefill_cm2_keys)
+        return None if got is None else (sub, *got)
         qsh = v.rb * head_dim > 128
         limit = self.kernels.device.limits.max_shared_memory
         forced = v.keys or self.prefill_cm2_keys
