@@ -48,6 +48,11 @@ layout(binding = 4, std430) coherent buffer P { float part[]; };
 // [cap, n_head / GW] counters of finished splits, 0 between dispatches
 layout(binding = 5, std430) coherent buffer C { uint counter[]; };
 DECLARE_STEP(6)
+#ifdef OUT_GATE
+// qwen35's output gate: o = attention / (1 + exp(-g)), g of head h at
+// og[t * g_stride + h * g_head + g_off] (its interleave with q), as swiglu.comp's SIGMOID
+layout(binding = 7, std430) readonly buffer Og { float og[]; };
+#endif
 
 layout(push_constant) uniform Push {
     uint n_head;
@@ -62,7 +67,18 @@ layout(push_constant) uniform Push {
     uint n_split;    // the grid's x: most work groups per (token, head group)
     uint min_chunk;  // fewest keys per split (a multiple of WG)
     uint ml_off;     // where (m, l) start in part[]
+#ifdef OUT_GATE
+    uint g_stride;
+    uint g_head;
+    uint g_off;
+#endif
 } pc;
+
+#ifdef OUT_GATE
+#define O_VAL(t, h, d, v) ((v) / (1.0 + exp(-og[(t) * pc.g_stride + (h) * pc.g_head + pc.g_off + (d)])))
+#else
+#define O_VAL(t, h, d, v) (v)
+#endif
 
 layout(constant_id = 1) const uint GW = 4;   // query heads per work group
 layout(constant_id = 2) const uint LPR = 8;  // lanes per K / V row (a power of two)
@@ -295,10 +311,10 @@ void main() {
             if (n_live == 1u) {
                 sum /= wg_l[g0 + gi];
                 uint ob = t * pc.o_stride + h * hd + 4u * d4;
-                o[ob] = sum.x;
-                o[ob + 1u] = sum.y;
-                o[ob + 2u] = sum.z;
-                o[ob + 3u] = sum.w;
+                o[ob] = O_VAL(t, h, 4u * d4, sum.x);
+                o[ob + 1u] = O_VAL(t, h, 4u * d4 + 1u, sum.y);
+                o[ob + 2u] = O_VAL(t, h, 4u * d4 + 2u, sum.z);
+                o[ob + 3u] = O_VAL(t, h, 4u * d4 + 3u, sum.w);
             } else {
                 uint pb = (t * pc.n_head + h) * pstride + split * hd + 4u * d4;
                 part[pb] = sum.x;

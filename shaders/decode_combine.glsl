@@ -7,7 +7,8 @@
 // are `coherent`; each work group's writes precede a memoryBarrierBuffer and a
 // work-group barrier, and the count is taken after them, so the last one sees every
 // other one's partial. Needs the includer's pc (n_head, n_split, head_dim, ml_off),
-// GW, part[], counter[], o[] and reduce.glsl. Call from uniform control flow.
+// GW, part[], counter[], o[], O_VAL (the value stored: the output gate's) and
+// reduce.glsl. Call from uniform control flow.
 
 const uint MAX_SPLIT = 256;
 shared float split_w[MAX_SPLIT];  // the combine's per-split weights exp(m_s - M)
@@ -51,7 +52,7 @@ void decode_combine(uint t, uint hgrp, uint h0, uint n_live) {
             for (uint s = 0; s < n_live; s++) {
                 acc_d += part[pb + s * hd + d] * split_w[s];
             }
-            o[t * pc.o_stride + h * hd + d] = acc_d / L;
+            o[t * pc.o_stride + h * hd + d] = O_VAL(t, h, d, acc_d / L);
         }
         barrier();  // split_w is rewritten for the next head
     }

@@ -2,7 +2,8 @@
 lavapipe: each fused kernel against numpy (the conv with its split and L2 norms, the
 delta rule making its own q, k, v and with the gated RMSNorm, the experts' down product
 reading their SwiGLU and summing them, the combine with the gated shared expert and the
-residual, QK-norm with RoPE and the KV cache write), the barrier levels of one decode
+residual, QK-norm with RoPE and the KV cache write, the decode attention's output gate),
+the barrier levels of one decode
 step per layer of tiny-qwen35, tiny-qwen35moe and tiny-qwen3moe (exact, fused and not),
 and whole forwards equal to the unfused lowering's."""
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from test_vulkan_deltanet import N_SEQ, _entered, _step
+from test_vulkan_kv import attention_inputs, np_attention
 from test_vulkan_ops import Env, make_weights, np_rope, open_env
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.reference import NumpyBackend, apply_rope, rms_norm, rope_angles, sigmoid, silu
@@ -22,7 +24,13 @@ from trio_llm.model.gguf import load_gguf
 from trio_llm.model.kvtypes import dequantize_rows, kv_type
 from trio_llm.vulkan.backend import VulkanBackend
 from trio_llm.vulkan.graph import Barrier, Copy, Op
-from trio_llm.vulkan.ops import ROPE_NEOX, ROPE_NORMAL
+from trio_llm.vulkan.ops import (
+    ROPE_NEOX,
+    ROPE_NORMAL,
+    Ops,
+    attention_counters,
+    attention_part_floats,
+)
 
 pytestmark = pytest.mark.vulkan
 
@@ -239,6 +247,34 @@ def test_qk_norm_rope_equals_the_norm_then_the_rope(env: Env, mode: int, n_rot: 
         np.testing.assert_allclose(got, want[i].reshape(-1), atol=2e-5 * np.abs(want).max() + step, rtol=0)
 
 
+@pytest.mark.parametrize("new", [True, False])
+def test_decode_attention_gates_its_output(env: Env, new: bool) -> None:
+    """attention_decode's OUT_GATE (both kernels): each output divided by 1 + exp(-g),
+    g read from its interleave with q (heads of 2 hd, the gate second), on outputs one
+    work group writes (a short sequence) and outputs the last split combines."""
+    hd, n_head, n_kv, n_ctx = 64, 4, 2, 320
+    pos, seq = [0, 5, 290, 200], [0, 1, 0, 1]
+    ntok = len(pos)
+    q, kc, kh, vc, vh = attention_inputs(env, ntok=ntok, n_seq=2, n_ctx=n_ctx, n_head=n_head, n_kv=n_kv, hd=hd,
+                                         k_type="f16", v_type="f16", seed=3)
+    g = np.random.default_rng(4).standard_normal((ntok, n_head, hd)).astype(np.float32) * 2
+    qg = np.stack([np.zeros_like(g), g], axis=2)  # [ntok, n_head, 2, hd]: q's place, then the gate
+    ops = Ops(env.ops.kernels, subgroup=env.ops.subgroup, decode_attn2=new)
+    cap, n_split = 8, 4
+    part, counters = env.zeros(attention_part_floats(cap, n_head, hd, n_split)), \
+        env.zeros(attention_counters(cap, n_head, n_kv), np.uint32)
+    o = env.zeros(q.size)
+    d = ops.attention_decode(env.put(q), kc, vc, o, part, counters, env.step([0] * ntok, pos, seq), n_head=n_head,
+                             n_head_kv=n_kv, head_dim=hd, n_ctx=n_ctx, q_stride=n_head * hd, o_stride=n_head * hd,
+                             cap=cap, k_type="f16", v_type="f16", n_split=n_split,
+                             gate=(env.put(qg), n_head * 2 * hd, 2 * hd, hd))
+    assert d.kernel.name == ("attn_decode2" if new else "attn_decode")
+    env.run([d])
+    want = np_attention(q, kh, vh, np.array(pos), np.array(seq), n_kv, 0).reshape(ntok, n_head, hd) * sigmoid(g)
+    np.testing.assert_allclose(env.get(o).reshape(want.shape), want, atol=3e-5 * np.abs(vh).max(), rtol=0)
+    assert not env.get(counters, np.uint32).any()
+
+
 def _levels(ops: list[Op]) -> list[list[str]]:
     """The dispatches between barriers, each level's kernel names sorted (matvec by its
     form: "gate_up" computes gate, up and SwiGLU, "matvec_rope" writes the KV cache)."""
@@ -260,8 +296,8 @@ MV4 = ["matvec"] * 4
 DELTA = [["rms_norm"], MV4, ["delta_net"], ["matvec", "ssm_conv"]]
 DELTA_OLD = [["rms_norm"], MV4, ["ssm_conv"], ["ssm_conv", "take"], ["l2_norm"], ["take"], ["l2_norm", "take"],
              ["delta_net"], ["rms_norm"], ["swiglu"], ["matvec"]]
-GATED_ATTN = [["rms_norm"], ["matvec", "matvec", "matvec_rope"], ["qk_norm_rope", "qk_norm_rope", "take"],
-              ["attn_decode2"], ["swiglu"], ["matvec"]]
+GATED_ATTN = [["rms_norm"], ["matvec", "matvec", "matvec_rope"], ["qk_norm_rope", "qk_norm_rope"], ["attn_decode2"],
+              ["matvec"]]
 GATED_ATTN_OLD = [["rms_norm"], ["matvec"], ["take", "take"], ["matvec", "rms_norm"], ["rms_norm", "rope_partial"],
                   ["rope_partial"], ["matvec_rope", "rope"], ["attn_decode2"], ["swiglu"], ["matvec"]]
 FFN = [["rms_norm"], ["gate_up"], ["matvec"]]
@@ -292,7 +328,7 @@ DECODE_LEVELS = {
 def test_decode_barriers_per_layer(model_path, monkeypatch: pytest.MonkeyPatch, preset: str) -> None:  # type: ignore[no-untyped-def]
     """One decode step of one token, level by level (a barrier before each but the
     first): fused, a qwen35 delta-net layer has 7 barriers (14 unfused:
-    TRIO_LLM_HYBRID_FUSE=0), its gated attention layer 9 (13), qwen35moe's 9 and 11
+    TRIO_LLM_HYBRID_FUSE=0), its gated attention layer 8 (13), qwen35moe's 9 and 10
     (22 and 21), a qwen3moe layer 10 (14); the head 4. Wider buckets (int8 activations
     add their quantizes) and prefill buckets have fewer barriers fused too."""
     model = load_gguf(model_path(preset, "Q8_0"))
@@ -311,8 +347,8 @@ def test_decode_barriers_per_layer(model_path, monkeypatch: pytest.MonkeyPatch, 
               "moe_delta_old": len(DELTA_OLD + MOE_OLD), "moe_attn": len(GATED_ATTN + MOE),
               "moe_attn_old": len(GATED_ATTN_OLD + MOE_OLD), "qwen3moe": len(QWEN3_ATTN + QWEN3MOE),
               "qwen3moe_old": len(QWEN3_ATTN_OLD + QWEN3MOE_OLD)}
-    assert counts == {"delta": 7, "delta_old": 14, "attn": 9, "attn_old": 13, "moe_delta": 9,
-                      "moe_delta_old": 22, "moe_attn": 11, "moe_attn_old": 21, "qwen3moe": 10,
+    assert counts == {"delta": 7, "delta_old": 14, "attn": 8, "attn_old": 13, "moe_delta": 9,
+                      "moe_delta_old": 22, "moe_attn": 10, "moe_attn_old": 21, "qwen3moe": 10,
                       "qwen3moe_old": 14}
 
 

@@ -100,7 +100,7 @@ class Fusion:
     read, and the same plan serves the buckets that lower the group unfused."""
 
     kind: Literal["conv_split", "delta_gate", "delta_conv", "glu_in", "moe_out", "moe_down_out", "qk_rope",
-                  "into_reader"]
+                  "attn_gate", "into_reader"]
     nodes: tuple[int, ...]  # the members' output tensor ids, in node order
     early: bool  # emitted at the first member (else at the last)
 
@@ -229,6 +229,8 @@ def fusion_groups(graph: Graph) -> tuple[Fusion, ...]:
       SHEXP and RESID);
     - ``qk_rope``: (qwen35's take of q from its gate interleave ->) QK-norm -> RoPE (and
       the KV-cache write of k): qk_norm_rope.comp;
+    - ``attn_gate``: qwen35's sigmoid(take of the gate) * attention: the decode
+      attention's OUT_GATE (attn_decode.comp, attn_decode2.comp);
     - ``into_reader``: a linear read only by a rope, an attention (its v) or a glu,
       whose matvec the lowering may do where that reader is (ROPE_OUT, the v
       projection's cache write, GATE_UP: ``find_fusions``): its input must still be
@@ -243,7 +245,7 @@ def fusion_groups(graph: Graph) -> tuple[Fusion, ...]:
         members: list[Node] | None = None
         early = False
         kind: Literal["conv_split", "delta_gate", "delta_conv", "glu_in", "moe_out", "moe_down_out", "qk_rope",
-                  "into_reader"]
+                  "attn_gate", "into_reader"]
         if node.op == "ssm_conv":
             kind, early = "conv_split", True
             split = conv_split_parts(node, cons)
@@ -284,6 +286,13 @@ def fusion_groups(graph: Graph) -> tuple[Fusion, ...]:
         elif node.op == "rope":
             kind = "qk_rope"
             members = _qk_rope_members(node, cons, prod)
+        elif node.op == "glu" and node.attr("act") == "sigmoid":
+            kind = "attn_gate"
+            gate, att = (prod.get(t.id) for t in node.inputs)
+            if (gate is not None and att is not None and gate.op == "take" and att.op == "attention"
+                    and _only(cons, gate.out) is node and _only(cons, att.out) is node
+                    and gate.attr("n") == att.attr("head_dim") and node.inputs[0] is not node.inputs[1]):
+                members = [gate, att, node]
         elif node.op == "linear":
             reader = _only(cons, node.out)
             if reader is not None and reader.op in ("rope", "attention", "glu"):
@@ -645,6 +654,10 @@ class _Lowering:
                 continue
             if f.kind in ("moe_out", "moe_down_out") and any(n.op == "gate_rows" and not f32(n.inputs[2]) for n in nodes):
                 continue
+            if f.kind == "attn_gate":
+                att = nodes[1] if nodes[1].op == "attention" else nodes[0]
+                if not self.decode_split or self.rotation(att)[1]:
+                    continue
             if f.kind == "qk_rope":
                 if not f32(nodes[-2].inputs[1]):
                     continue
@@ -658,6 +671,11 @@ class _Lowering:
             self._hyb[head.out.id] = f
             self._absorbed |= {n.out.id for n in nodes if n is not head}
             taken |= set(f.nodes)
+
+    @property
+    def decode_split(self) -> bool:
+        """Whether attention runs as ``attention_decode`` here (flash-decoding)."""
+        return self.decode and self.kv.part is not None and self.kv.counters is not None
 
     @property
     def chunked(self) -> bool:
@@ -954,8 +972,12 @@ class _Lowering:
                           kv_dim=t.width, kv_type=kv_type)
         self.emit([d], [self.slot(t)], [key])
 
-    def op_attention(self, node: Node) -> None:
+    def op_attention(self, node: Node, out: Tensor | None = None, gate: tuple[Tensor, int, int] | None = None) -> None:
+        """The cache writes and the attention; ``out`` and ``gate`` (attn_gate): the
+        output gated by the sigmoid of ``gate`` = (the value holding it, its head
+        stride, offset), written as ``out`` (decode buckets' attention_decode only)."""
         q, k, v = node.inputs
+        o_t = node.out if out is None else out
         kc, vc, m = self.cache(node.layer)
         kt, vt = self.types(node.layer)
         nh, nkv, hd = node.attr("n_head"), node.attr("n_head_kv"), node.attr("head_dim")
@@ -985,20 +1007,26 @@ class _Lowering:
                       o_stride=node.out.width, cap=self.bucket, scale=node.attr("scale"), k_type=kt, v_type=vt,
                       n_swa=window)
         reads = [self.slot(q), ("k", node.layer), ("v", node.layer)]
-        if self.decode and self.kv.part is not None and self.kv.counters is not None:
+        if self.decode_split:
             # few queries at any depth: the KV sequence split over work groups (flash-decoding)
-            d = self.ops.attention_decode(self.view(q), kc, vc, self.view(node.out), whole(self.kv.part),
+            assert self.kv.part is not None and self.kv.counters is not None
+            g = None if gate is None else (self.view(gate[0]), gate[0].width, gate[1], gate[2])
+            d = self.ops.attention_decode(self.view(q), kc, vc, self.view(o_t), whole(self.kv.part),
                                           whole(self.kv.counters), self.st,
                                           n_split=decode_splits(m.rows if not window else min(m.rows, window)),
-                                          **common)  # type: ignore[arg-type]
+                                          gate=g, **common)  # type: ignore[arg-type]
             # the partials and counters are reused by every layer's attention
-            self.emit([d], reads + ["kv_part"], [self.slot(node.out), "kv_part"])
+            gate_reads = [] if gate is None else [self.slot(gate[0])]
+            self.emit([d], reads + gate_reads + ["kv_part"], [self.slot(o_t), "kv_part"])
+        elif gate is not None:
+            raise GraphError(f"{node.out.name}: the gated output is attention_decode's alone")
         elif not self.decode and self.ops.prefill_ok(hd):  # many queries: tiled flash attention
             self._attend_prefill(node, q, kc, vc, reads, common)
         else:
             d = self.ops.attention(self.view(q), kc, vc, self.view(node.out), self.st, **common)  # type: ignore[arg-type]
             self.emit([d], reads, [self.slot(node.out)])
         if vb:  # the output rotated back (the matrix is its own inverse)
+            assert gate is None
             self._rotate(node.out, vb)
 
     def _attend_prefill(self, node: Node, q: Tensor, kc: View, vc: View, reads: Sequence[object],
@@ -1253,6 +1281,13 @@ class _Lowering:
             theta=node.attr("theta"), eps=nrm.attr("eps"), cap=self.bucket, to_cache=cache is not None,
             n_ctx=cache[2].rows if cache else 0, kv_dim=node.out.width, kv_type=cache[3] if cache else "f32")
         self.emit([d], [self.slot(src)], [key])
+
+    def fuse_attn_gate(self, node: Node, members: list[Node]) -> None:
+        """qwen35's attention with its sigmoid output gate applied as it is written
+        (attn_decode's OUT_GATE), the gate read from its interleave with q."""
+        take = next(m for m in members if m.op == "take")
+        att = next(m for m in members if m.op == "attention")
+        self.op_attention(att, out=node.out, gate=(take.inputs[0], take.attr("group"), take.attr("start")))
 
     def fuse_moe_down_out(self, node: Node, members: list[Node]) -> None:
         """The experts' down product (reading their SwiGLU where it is a member), their

@@ -699,6 +699,7 @@ class Ops:
         step: View, *, n_head: int, n_head_kv: int, head_dim: int, n_ctx: int, q_stride: int,
         o_stride: int, cap: int, n_split: int, scale: float | None = None, k_type: str = "f32",
         v_type: str = "f32", n_swa: int = 0, min_chunk: int | None = None,
+        gate: tuple[View, int, int, int] | None = None,
     ) -> Dispatch:
         """``attention`` for few tokens at any depth (flash-decoding, attn_decode.comp):
         each (token, KV head) split over up to ``n_split`` work groups (``decode_splits``)
@@ -711,7 +712,9 @@ class Ops:
 
         With ``decode_attn2`` (TRIO_LLM_ATTN_DECODE2=1) and where ``decode2_ok`` holds
         it runs attn_decode2.comp, the coalesced form, with the same buffers and the
-        same results to f32 rounding; attn_decode.comp otherwise."""
+        same results to f32 rounding; attn_decode.comp otherwise. ``gate`` = (g,
+        g_stride, g_head, g_off): each output value divided by 1 + exp(-g) of its
+        (token, head, value) (qwen35's sigmoid output gate, OUT_GATE)."""
         wg = self.decode_wg
         assert head_dim <= 4 * wg and head_dim <= 256 and head_dim % 4 == 0 and n_head % n_head_kv == 0
         assert wg % self.subgroup == 0
@@ -726,20 +729,27 @@ class Ops:
         assert part.size >= 4 * attention_part_floats(cap, n_head, head_dim, n_split)
         assert counters.size >= 4 * attention_counters(cap, n_head, n_head_kv)
         defines = kv_defines(K_TYPE=kt, V_TYPE=vt)
+        nb, npush = 7, 12
+        if gate is not None:
+            defines["OUT_GATE"] = 1
+            nb, npush = 8, 15
         if self.decode_attn2 and self.decode2_ok(n_head, n_head_kv, head_dim):
             lanes = self.decode2_lanes or decode2_lanes(head_dim, self.subgroup)
-            k = self.kernels.get("attn_decode2", n_bindings=7, n_push=12, local_size=wg, defines=defines,
+            k = self.kernels.get("attn_decode2", n_bindings=nb, n_push=npush, local_size=wg, defines=defines,
                                  spec={1: gw, 2: lanes, 3: head_dim // (8 * lanes), 4: self.decode2_rows,
                                        5: self.subgroup})
         else:
-            k = self.kernels.get("attn_decode", n_bindings=7, n_push=12, local_size=wg, defines=defines,
+            k = self.kernels.get("attn_decode", n_bindings=nb, n_push=npush, local_size=wg, defines=defines,
                                  spec={1: gw})
         s = 1.0 / math.sqrt(head_dim) if scale is None else scale
         ml_off = cap * n_head * n_split * head_dim
-        push = (n_head, n_head_kv, head_dim, n_ctx, n_head_kv * head_dim, q_stride, o_stride, float(s),
-                n_swa, n_split, chunk, ml_off)
-        return Dispatch(k, (q, k_cache, v_cache, o, part, counters, step), push,
-                        (n_split, n_head // gw, cap))
+        push: tuple[int | float, ...] = (n_head, n_head_kv, head_dim, n_ctx, n_head_kv * head_dim, q_stride,
+                                         o_stride, float(s), n_swa, n_split, chunk, ml_off)
+        views: tuple[View, ...] = (q, k_cache, v_cache, o, part, counters, step)
+        if gate is not None:
+            views += (gate[0],)
+            push += gate[1:]
+        return Dispatch(k, views, push, (n_split, n_head // gw, cap))
 
     def decode2_ok(self, n_head: int, n_head_kv: int, head_dim: int) -> bool:
         """Whether ``attention_decode`` can take its coalesced form here: the device
