@@ -22,8 +22,12 @@ llama-1b Q8_0, llama-8b Q4_K), ``--best-out`` writes them
 one per line (bench/h200.sh cm2sweep runs whole pp512s on them). Time per product: a
 graph of ``--per-graph`` dispatches with a barrier after each (as the forward pass runs
 them: each product alone on the GPU), wall clock of its replay (one submit and fence
-wait) divided by that count. Weights are random bytes of the type's size (the time does
-not depend on the values), activations random normal f32; ``--emulate`` (a device
+wait) divided by that count. Weights are random blocks of the type (sane f16 scales
+where ``SCALES`` knows the type; the time does not depend on the values), activations
+random normal f32; ``--check`` (on by default) reads each kind's y back once and holds it
+to the first kind's within ``--check-tol`` (the err column; a kind that leaves it is
+printed BAD and never named best), so a variant wrong on the GPU shows in the sweep
+itself. ``--emulate`` (a device
 without cooperative matrices, lavapipe) runs cm2 and the cm3 variants in their
 CM_EMULATE form, which checks this script and the variants' plumbing, not a figure.
 """
@@ -42,7 +46,7 @@ import numpy as np
 from trio_llm.errors import ConfigError
 from trio_llm.vulkan import shaders
 from trio_llm.vulkan.device import shared_device
-from trio_llm.vulkan.graph import Barrier, Graph, Op
+from trio_llm.vulkan.graph import Barrier, Copy, Graph, Op
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import Allocator, Buffer, whole
 from trio_llm.vulkan.ops import STEP_BYTES, Ops, cm2_tile, row_bytes
@@ -58,6 +62,9 @@ SHAPES = {
 #: ``--types model``: the weight types each model's products have (llama-8b Q4_K_M: Q4_K,
 #: with Q6_K for some v and down projections)
 MODEL_TYPES = {"llama-1b": "Q8_0", "llama-8b": "Q4_K,Q6_K", "small": "Q8_0,Q4_K"}
+#: (block bytes, byte offsets of its f16 scale fields) of the quantized types whose
+#: random blocks get sane scales, so the products are finite and ``--check`` can compare
+SCALES = {"Q8_0": (34, (0,)), "Q4_0": (18, (0,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
 #: the kinds besides the matmul_cm3 variants
 BASE_KINDS = ("cm2", "cm", "scalar")
 
@@ -71,6 +78,23 @@ def upload(device: Any, alloc: Allocator, dst: Buffer, data: np.ndarray) -> None
             device.vk.vkCmdCopyBuffer(cmd, stage.handle, dst.handle, 1, [device.vk.VkBufferCopy(size=data.nbytes)])
     finally:
         alloc.free(stage)
+
+
+def weights(rng: np.random.Generator, qtype: str, nbytes: int) -> tuple[np.ndarray, bool]:
+    """Random weights of ``nbytes`` and whether their products are finite (float types:
+    normal values; the types of ``SCALES``: random blocks with f16 scales of about 2^-8)."""
+    if qtype in ("F16", "F32"):
+        dt = np.float16 if qtype == "F16" else np.float32
+        return (rng.standard_normal(nbytes // np.dtype(dt).itemsize) * 0.05).astype(dt).view(np.uint8), True
+    raw = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    if qtype not in SCALES:
+        return raw, False
+    size, fields = SCALES[qtype]
+    blocks = raw.reshape(-1, size)
+    for f in fields:
+        scale = (rng.uniform(0.5, 1.0, len(blocks)) / 256).astype(np.float16)
+        blocks[:, f : f + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return raw, True
 
 
 def kind_ops(base: Ops, kind: str, tile: tuple[int, int] | None, emulate: bool) -> Ops | None:
@@ -124,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     token_counts = [int(t) for t in args.tokens.split(",")]
     rng = np.random.default_rng(0)
     rows_out: list[dict[str, Any]] = []
+    bad: set[str] = set()  # kinds whose y left --check-tol of the first kind's somewhere
     try:
         for model in args.shapes.split(","):
             if model not in SHAPES:
@@ -134,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
                 for qtype in types.split(","):
                     nbytes = n_rows * row_bytes(qtype, n_in)
                     w = alloc.create(nbytes, "weights", "device")
-                    upload(device, alloc, w, rng.integers(0, 256, nbytes, dtype=np.uint8))
+                    wdata, finite = weights(rng, qtype, nbytes)
+                    upload(device, alloc, w, wdata)
                     for ntok in token_counts:
                         x = alloc.create(4 * ntok * n_in, "compute", "device")
                         upload(device, alloc, x, rng.standard_normal(ntok * n_in).astype(np.float32))
@@ -143,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
                         assert st.array is not None
                         st.array[:16] = np.array([ntok, 0, 0, 0], np.uint32).view(np.uint8)  # only the count is read
                         flops = 2.0 * n_rows * n_in * ntok
+                        back = alloc.create(4 * ntok * n_rows, "scratch", "readback") if args.check and finite else None
+                        ref: np.ndarray | None = None  # the first kind's y, which the others are held to
                         for kind in kinds:
                             # cm2 takes its own tiles only; cm and scalar have one
                             kt = ([t for t in tiles if t is None or t in shaders.CM2_TILES] if kind == "cm2" else
@@ -169,28 +197,45 @@ def run(args: argparse.Namespace) -> int:
                                                       args.warmup)
                                 finally:
                                     graph.close()
+                                err = None
+                                if back is not None:  # y once more, read back, against the first kind's
+                                    g1 = Graph.record(device, [d, Barrier(), Copy(whole(y), whole(back))])
+                                    try:
+                                        g1.run("check")
+                                    finally:
+                                        g1.close()
+                                    assert back.array is not None
+                                    got = back.array[: 4 * ntok * n_rows].view(np.float32).copy()
+                                    if ref is None:
+                                        ref = got
+                                    err = float(np.abs(got - ref).max() / max(float(np.abs(ref).max()), 1e-30))
+                                    if not err <= args.check_tol:
+                                        bad.add(kind)
                                 ms = s.median / args.per_graph * 1e3
                                 row = {"model": model, "shape": label, "rows": n_rows, "n_in": n_in, "per_layer": count,
                                        "type": qtype, "tokens": ntok, "variant": kind,
                                        "tile": tname if tile is None else tname + "!", "kernel": d.kernel.name,
-                                       "ms": ms, "tflops": flops / (ms / 1e3) / 1e12, "times_s": s}
+                                       "ms": ms, "tflops": flops / (ms / 1e3) / 1e12, "err": err, "times_s": s}
                                 rows_out.append(row)
+                                flag = "" if err is None else f"  err {err:.1e}" + ("" if err <= args.check_tol else " BAD")
                                 print(f"{model:8} {label:7} {n_rows:5}x{n_in:<5} {qtype:4} {ntok:5} {kind:18} "
-                                      f"{row['tile']:8} {ms:9.4f} ms {row['tflops']:8.2f} TFLOP/s", flush=True)
-                        for b in (x, y, st):
+                                      f"{row['tile']:8} {ms:9.4f} ms {row['tflops']:8.2f} TFLOP/s{flag}", flush=True)
+                        for b in (x, y, st, back):
                             alloc.free(b)
                     alloc.free(w)
     finally:
         kernels.close()
         alloc.free_all()
     summary = layer_summary(rows_out, token_counts[0])
-    best = [v for v, _ in sorted(((v, r) for v, r in summary["score"].items() if v not in BASE_KINDS),
+    best = [v for v, _ in sorted(((v, r) for v, r in summary["score"].items() if v not in BASE_KINDS and v not in bad),
                                  key=lambda vr: vr[1])][: args.best]
     path = common.write_result("matmul", {**vars(args), "device": device.name},
-                               {"rows": rows_out, "summary": summary, "best": best})
+                               {"rows": rows_out, "summary": summary, "best": best, "bad": sorted(bad)})
     common.print_table([{k: v for k, v in r.items() if k not in ("times_s", "per_layer")} for r in rows_out])
     print()
     common.print_table(summary["table"])
+    if bad:
+        print(f"NOT WITHIN --check-tol of the first kind's y (left out of --best): {', '.join(sorted(bad))}")
     if best:
         print(f"best matmul_cm3 variants (layer time against cm2, summed over the models): {', '.join(best)}")
     if args.best_out:
@@ -243,6 +288,10 @@ def main() -> int:
     ap.add_argument("--per-graph", type=int, default=10, help="dispatches per timed graph")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                    help="each kind's y read back once and held to the first kind's (cm2 by default)")
+    ap.add_argument("--check-tol", type=float, default=5e-3,
+                    help="most |y - y_first| relative to max |y_first| (f16 rounding: the bound the tests use)")
     ap.add_argument("--best", type=int, default=2, help="how many matmul_cm3 variants to name as best")
     ap.add_argument("--best-out", default="", help="write the best variants' names here, one per line")
     return run(ap.parse_args())
