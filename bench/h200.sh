@@ -10,7 +10,8 @@
 # hybrid (the delta-net kernel tests, then qwen35-0.8b Q8_0/Q4_K_M and qwen35-9b Q4_K_M prefill and decode,
 #   the delta rule's share of pp512 and its chunked form against the recurrence),
 # hybfuse (issue 12: the hybrid/MoE fusions' tests on the GPU, then decode of qwen35-0.8b Q8_0 and
-#   qwen35-35b-a3b Q4_K_M with TRIO_LLM_HYBRID_FUSE=0 and =1, --breakdown; about 5 minutes),
+#   qwen35-35b-a3b Q4_K_M with TRIO_LLM_HYBRID_FUSE=0 and =1 (--breakdown) and =1 with the larger groups
+#   off (TRIO_LLM_HYBRID_OFF); HYB35=0: the 0.8b only; NO8B=1 spares making the 8b; about 6 minutes),
 # batch (batched decode B = 1, 2, 4, 8 alone), residency, handoff, coldmem (issue 12: hybrid models' device memory after POST /sleep?level=all, driver counter too),
 # server, serverpath (bench/serverpath.py, issue 14), sample (its device-sampling tests), scen1b, scen8b, coresident,
 # mvq8 (decode matvecs on int8 activations: their tests, then tune-batch-1b/8b with TRIO_LLM_MATVEC_Q8=0 and 1),
@@ -338,12 +339,17 @@ for s in $STAGES; do case $s in
         --quant Q4_K_M -o /tmp/m/$M35-Q4_K_M.gguf -q
       HM+=("/tmp/m/$M35-Q4_K_M.gguf:q35-35b-q4km")
     fi
+    # then =1 with the larger groups off (TRIO_LLM_HYBRID_OFF: their parts fuse instead, the conv split and
+    # the gated norm around a delta rule that reads q/k/v, the experts' down product apart from the combine,
+    # the attention's gate a swiglu): which of the larger fusions pay
     for mq in "${HM[@]}"; do
       m=${mq%%:*}; tag=${mq##*:}
       for f in 0 1; do
         stage "decode-$tag-hybfuse$f" 150 env TRIO_LLM_HYBRID_FUSE=$f $PY bench/decode.py --model "$m" \
-          --backends vulkan --repeats 3 --breakdown
+          --backends vulkan --repeats 2 --breakdown
       done
+      stage "decode-$tag-hybfuse1-smaller" 120 env TRIO_LLM_HYBRID_OFF=delta_conv,moe_down_out,attn_gate \
+        $PY bench/decode.py --model "$m" --backends vulkan --repeats 2
     done ;;
   decodeg3)  # gemma3-4b Q4_K_M (sliding-window layers), made in the background meanwhile
     wait $MG3 2>/dev/null

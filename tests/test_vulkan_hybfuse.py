@@ -19,6 +19,7 @@ from test_vulkan_kv import attention_inputs, np_attention
 from test_vulkan_ops import Env, make_weights, np_rope, open_env
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.reference import NumpyBackend, apply_rope, rms_norm, rope_angles, sigmoid, silu
+from trio_llm.errors import ConfigError
 from trio_llm.graph import Graph
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.kvtypes import dequantize_rows, kv_type
@@ -352,19 +353,27 @@ def test_decode_barriers_per_layer(model_path, monkeypatch: pytest.MonkeyPatch, 
                       "qwen3moe_old": 14}
 
 
-@pytest.mark.parametrize(("preset", "quant", "chunked"), [("tiny-qwen35", "Q8_0", False), ("tiny-qwen35moe", "Q4_K_M", False),
-                                                          ("tiny-qwen3moe", "Q8_0", False), ("tiny-qwen35", "Q4_K_M", True)])
+#: the larger groups left off: their parts fuse instead (conv_split and delta_gate,
+#: glu_in and moe_out), the attention's gate a swiglu again
+SMALLER = "delta_conv,moe_down_out,attn_gate"
+
+
+@pytest.mark.parametrize(("preset", "quant", "chunked", "off"),
+                         [("tiny-qwen35", "Q8_0", False, ""), ("tiny-qwen35moe", "Q4_K_M", False, ""),
+                          ("tiny-qwen3moe", "Q8_0", False, ""), ("tiny-qwen35", "Q4_K_M", True, ""),
+                          ("tiny-qwen35moe", "Q8_0", False, SMALLER)])
 def test_fused_forwards_equal_the_unfused_lowering(model_path, monkeypatch: pytest.MonkeyPatch, preset: str,
-                                                   quant: str, chunked: bool) -> None:  # type: ignore[no-untyped-def]
+                                                   quant: str, chunked: bool, off: str) -> None:  # type: ignore[no-untyped-def]
     """Two sequences, a 43-token prefill (the prefill buckets' fusions, the experts
     grouped there, so the combine ends the FFN; ``chunked``: the delta rule's chunked
-    form there, so the conv is ssm_conv_split) and 10 decode
+    form there, so the conv is ssm_conv_split; ``off``: TRIO_LLM_HYBRID_OFF) and 10 decode
     steps: the logits of TRIO_LLM_HYBRID_FUSE=1 (the default) and =0 agree to float
     rounding (on lavapipe they are the same bits: every fused kernel sums in the
     unfused kernels' order), and so do the greedy tokens."""
     model = load_gguf(model_path(preset, quant))
     if chunked:
         monkeypatch.setenv("TRIO_LLM_DELTA_CHUNKED", "1")
+    monkeypatch.setenv("TRIO_LLM_HYBRID_OFF", off)
     logits = {}
     for fuse in ("1", "0"):
         monkeypatch.setenv("TRIO_LLM_HYBRID_FUSE", fuse)
@@ -373,8 +382,10 @@ def test_fused_forwards_equal_the_unfused_lowering(model_path, monkeypatch: pyte
             assert be._ops.hybrid_fuse == (fuse == "1")
             if fuse == "1":
                 names = {op.kernel.name for op in be.lowered(64) if not isinstance(op, (Barrier, Copy))}
-                assert ("ssm_conv_split" in names) == chunked
+                assert ("ssm_conv_split" in names) == (chunked or bool(off))
                 assert ("moe_combine" in names) == ("moe" in preset)
+                decode = {op.kernel.name for op in be.lowered(1) if not isinstance(op, (Barrier, Copy))}
+                assert ("ssm_conv_split" in decode) == bool(off) and ("swiglu" in decode) == bool(off)
             prompts = [np.arange(1, 41, dtype=np.int32) * 23 % 1000, np.array([2, 300, 11], np.int32)]
             out = be.forward([SeqBatch(i, p, 0) for i, p in enumerate(prompts)])
             pos = [len(p) for p in prompts]
@@ -390,3 +401,9 @@ def test_fused_forwards_equal_the_unfused_lowering(model_path, monkeypatch: pyte
     scale = float(np.abs(logits["0"]).max())
     assert float(np.abs(logits["1"] - logits["0"]).max()) <= 1e-5 * scale
     assert (logits["1"].argmax(-1) == logits["0"].argmax(-1)).all()
+
+
+def test_an_unknown_fusion_kind_is_one_clear_error(model_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("TRIO_LLM_HYBRID_OFF", "moe_down_out,conv")
+    with pytest.raises(ConfigError, match="TRIO_LLM_HYBRID_OFF=conv: expected kinds among conv_split, "):
+        VulkanBackend(load_gguf(model_path("tiny-qwen35", "Q8_0")), n_ctx=64, n_seq=1)

@@ -638,7 +638,7 @@ class _Lowering:
         # the gated norm alone, the experts' down product with the FFN's end before either
         for f in sorted(self.plan.fusions, key=lambda f: f.kind not in ("delta_conv", "moe_down_out")):
             nodes = [self._prod[i] for i in f.nodes]
-            if (f.kind == "into_reader" or taken & set(f.nodes)
+            if (f.kind == "into_reader" or f.kind in self.ops.hybrid_off or taken & set(f.nodes)
                     or any(n.out.id in self._absorbed for n in nodes)):
                 continue  # into_reader: find_fusions' own (the plan only makes room)
             if f.kind == "delta_conv" and (self.chunked or not f32(nodes[0].inputs[1])

@@ -138,6 +138,20 @@ def cm2_variant_env() -> Cm3Variant | None:
         raise ConfigError(f"TRIO_LLM_CM2_VARIANT={spec!r}: {exc}") from None
 
 
+#: the fusion kinds ``TRIO_LLM_HYBRID_OFF`` may name (forward.py's ``Fusion.kind``,
+#: less ``into_reader``, which is the older fusions' and always on)
+HYBRID_KINDS = ("conv_split", "delta_gate", "delta_conv", "glu_in", "moe_out", "moe_down_out", "qk_rope", "attn_gate")
+
+
+def hybrid_off_env() -> frozenset[str]:
+    """``TRIO_LLM_HYBRID_OFF``'s fusion kinds; an unknown name is a one-line error."""
+    names = frozenset(n.strip() for n in os.environ.get("TRIO_LLM_HYBRID_OFF", "").split(",") if n.strip())
+    unknown = sorted(names - set(HYBRID_KINDS))
+    if unknown:
+        raise ConfigError(f"TRIO_LLM_HYBRID_OFF={','.join(unknown)}: expected kinds among {', '.join(HYBRID_KINDS)}")
+    return names
+
+
 def decode_splits(n_ctx: int, min_chunk: int = 128, most: int = 64) -> int:
     """The grid of ``attention_decode`` for a cache of ``n_ctx`` positions per
     sequence: enough work groups that a full sequence is cut into chunks of about
@@ -439,6 +453,9 @@ class Ops:
     #: after the previous node's). TRIO_LLM_HYBRID_FUSE=0: the unfused lowering, for
     #: the H200 A/B (bench/h200.sh hybfuse)
     hybrid_fuse: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_HYBRID_FUSE", "1") != "0")
+    #: fusion kinds left unfused while the rest are on (``TRIO_LLM_HYBRID_OFF``, names
+    #: separated by commas, e.g. "moe_down_out,attn_gate"): the H200's A/B of one kind
+    hybrid_off: frozenset[str] = attrs.field(factory=lambda: hybrid_off_env())
 
     def q8_ok(self, qtype: str, bucket: int) -> bool:
         """Whether a decode bucket's product of ``qtype`` weights reads int8 activations."""
