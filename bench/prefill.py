@@ -5,7 +5,8 @@ each followed by a barrier, for the per-(head, token) ``attention`` kernel and t
 ``attention_prefill`` (scalar, and on cooperative matrices where the device has them:
 its tile sizes, its staged form, its keys split over 2 or 4 work groups plus the
 combine; ``prefill_cm2*``: attn_prefill_cm2.comp, each subgroup owning its rows, with its
-keys per tile and split the same way; ``prefill`` / ``prefill_cm`` is what the forward pass runs up to 8k of
+keys per tile and split the same way; ``cm3_<variant>*``: attn_prefill_cm3.comp in each of
+``--variants`` (TRIO_LLM_PREFILL_CM2_VARIANT's spellings), split the same way; ``prefill`` / ``prefill_cm`` is what the forward pass runs up to 8k of
 context, split in 2 at 16k and in 4 from 32k, which only the coopmat kernel's
 ``_split2`` / ``_split4`` rows here time).
 This is the part of a prefill that grows with the square of the prompt (issue 13:
@@ -18,6 +19,7 @@ through the backend).
     .venv/bin/python bench/prefill.py --rows 16,32 --rows-cm 32,64   # tile sizes side by side
     .venv/bin/python bench/prefill.py --lengths 8192,32768 --tail 64  # 64 new tokens after a cached prefix
     .venv/bin/python bench/prefill.py --lengths 512,8192 --kernels prefill_cm,prefill_cm2,prefill_cm2_k32
+    .venv/bin/python bench/prefill.py --lengths 32768 --kernels prefill_cm2,cm3_v,cm3_v+db,cm3_v+db_split4
 
 Prints seconds per prompt for the attention of all layers and tokens per second of it,
 and the speed-up over ``attention``; writes ``bench/results/prefill-attn-*.json``. The
@@ -49,6 +51,7 @@ from trio_llm.vulkan.ops import (
     decode_splits,
     fill_step,
 )
+from trio_llm.vulkan.shaders import ATTN_SWEEP, attn_variant
 
 #: (n_layer, n_head, n_head_kv, head_dim) of the synthetic presets
 SHAPES = {
@@ -66,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     device = shared_device()
     alloc = Allocator(device)
     kernels = KernelCache(device)
-    base = Ops(kernels, subgroup=device.limits.subgroup_size, prefill_cm2=False)  # each kind sets its own
+    base = Ops(kernels, subgroup=device.limits.subgroup_size, prefill_cm2=False,
+               prefill_cm2_variant=None)  # each kind sets its own
     kinds = {"attention": base.attention}
     for r in (int(x) for x in args.rows.split(",")):
         kinds[f"prefill_r{r}" if r else "prefill"] = attrs.evolve(base, prefill_rows=r).attention_prefill
@@ -80,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     # per tile it picks, and each other that fits (a kind it cannot run is left out, not
     # run on attn_prefill_cm under its name); --emulate: its products emulated, a dry run
     emu = args.emulate and not device.coopmat
+    cm3_kinds: dict[str, Ops] = {}
     if device.coopmat or emu:
         cm2 = attrs.evolve(base, coopmat=True, prefill_cm2=True, prefill_cm2_emulate=32 if emu else 0,
                            prefill_rows_cm=32 if emu else 0)
@@ -96,6 +101,15 @@ def run(args: argparse.Namespace) -> int:
                     kinds[f"prefill_cm2_r{r}"] = r2.attention_prefill
         else:
             print(f"no prefill_cm2 kinds: attn_prefill_cm2 does not run head_dim {hd} here", file=sys.stderr)
+        # attn_prefill_cm3 in each variant of --variants (TRIO_LLM_PREFILL_CM2_VARIANT), where
+        # its plan fits the device (at head_dim 256 too): cm3_<variant>, and _split<n> below
+        for spec in filter(None, args.variants.split(",")):
+            c3 = attrs.evolve(cm2, prefill_cm2_variant=attn_variant(spec))
+            if c3.prefill_cm3_plan(n_head, n_kv, hd) is not None:
+                cm3_kinds[f"cm3_{spec}"] = c3
+                kinds[f"cm3_{spec}"] = c3.attention_prefill
+            else:
+                print(f"no cm3_{spec}: attn_prefill_cm3 {spec} does not fit head_dim {hd} here", file=sys.stderr)
     chosen = args.kernels.split(",") if args.kernels else []  # [] = every kernel in kinds
     rows = []
     rng = np.random.default_rng(0)
@@ -159,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
                     kinds[f"prefill_cm_split{n}"] = split_ops
                     if "prefill_cm2" in kinds:
                         kinds[f"prefill_cm2_split{n}"] = functools.partial(split_ops, cm=cm2)
+                    for name3, c3 in cm3_kinds.items():
+                        kinds[f"{name3}_split{n}"] = functools.partial(split_ops, cm=c3)
                 base_s = None
                 for name in chosen or list(kinds):
                     if name not in kinds:
@@ -206,6 +222,9 @@ def main() -> int:
     ap.add_argument("--kernels", default="", help="attention,prefill,prefill_cm,prefill_cm2,... (default: all of them)")
     ap.add_argument("--rows", default="0", help="query rows per work group of the scalar kernel to try (0: default)")
     ap.add_argument("--rows-cm", default="0", help="the same for the coopmat kernel (16, 32, 64; 0: default)")
+    ap.add_argument("--variants", default=",".join(ATTN_SWEEP),
+                    help="attn_prefill_cm3 variants to time as cm3_<variant> (TRIO_LLM_PREFILL_CM2_VARIANT specs; "
+                         "empty: none)")
     ap.add_argument("--old-max", type=int, default=8192, help="longest prompt the old attention kernel runs")
     ap.add_argument("--splits", default="2,4", help="key splits of the coopmat kernel to try (with the combine)")
     ap.add_argument("--emulate", action="store_true",

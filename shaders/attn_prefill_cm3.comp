@@ -422,18 +422,6 @@ void main() {
                 slomin = min(slomin, lo_of(tpos[i]));
             }
         }
-        // each element's row in this pass: its position and window start (lo > p:
-        // a row not in the pass sees nothing)
-        uint pE[RB * EPL];
-        uint loE[RB * EPL];
-        UNROLL for (uint b = 0; b < RB; b++) {
-            UNROLL for (uint e = 0; e < EPL; e++) {
-                uint tk = (r0 + 16u * b + rowE[e]) / G;
-                bool in_pass = tk < nlive && tseq[tk] == s;
-                pE[b * EPL + e] = in_pass ? tpos[tk] : 0u;
-                loE[b * EPL + e] = in_pass ? lo_of(tpos[tk]) : 0xFFFFFFFFu;
-            }
-        }
         uint base = s * pc.n_ctx;
         // this split's key tiles [kb0, kb1) of the pass's [lomin, pmax]: chunks of at
         // least min_tiles, so a short range is one split and the others get none
@@ -532,15 +520,23 @@ void main() {
                     float mx[EPL];
                     UNROLL for (uint e = 0; e < EPL; e++) {
                         mx[e] = MASKED;
-                        uint p = pE[b * EPL + e];
-                        uint lo = loE[b * EPL + e];
+                        if (!full) {
+                            // the element's row in this pass (read here, on the few tiles
+                            // that need the mask, not held in registers): a row not in the
+                            // pass sees nothing
+                            uint tk = (r0 + 16u * b + rowE[e]) / G;
+                            bool in_pass = tk < nlive && tseq[tk] == s;
+                            uint p = in_pass ? tpos[tk] : 0u;
+                            uint lo = in_pass ? lo_of(p) : 0xFFFFFFFFu;
+                            UNROLL for (uint nb = 0; nb < NB; nb++) {
+                                uint kk = nb * 16u + colE[e];
+                                uint kp = k0 + kk;
+                                bool vis = kk < kn && kp <= p && kp >= lo;
+                                sacc[b * NB + nb][e] = vis ? sacc[b * NB + nb][e] : MASKED;
+                            }
+                        }
                         UNROLL for (uint nb = 0; nb < NB; nb++) {
-                            uint kk = nb * 16u + colE[e];
-                            uint kp = k0 + kk;
-                            bool vis = full || (kk < kn && kp <= p && kp >= lo);
-                            float sv = vis ? sacc[b * NB + nb][e] : MASKED;
-                            sacc[b * NB + nb][e] = sv;
-                            mx[e] = max(mx[e], sv);
+                            mx[e] = max(mx[e], sacc[b * NB + nb][e]);
                         }
                     }
                     row_reduce(mx, xe, xm, false);

@@ -205,7 +205,7 @@ def test_prefill_on_attn_prefill_cm2_emulated(model_path, sub: int, rows: int) -
         ref.close()
 
 
-@pytest.mark.parametrize(("sub", "spec"), [(32, "v+db"), (64, "v+rb2+k16")])
+@pytest.mark.parametrize(("sub", "spec"), [(64, "v+rb2+k16")])  # (each more: a minute of lavapipe's compiles)
 def test_prefill_on_attn_prefill_cm3_emulated(model_path, sub: int, spec: str) -> None:  # type: ignore[no-untyped-def]
     """The same prefills with the attention on attn_prefill_cm3 in a variant of the H200
     sweep (TRIO_LLM_PREFILL_CM2_VARIANT; emulated, on the rows and keys its plan picks

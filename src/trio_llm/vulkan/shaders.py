@@ -481,8 +481,10 @@ def attn_cm3_defines(k_code: int, v_code: int, subgroup: int, v: AttnVariant, qs
 
 
 #: the attn_prefill_cm3 variants bench/h200.sh attnsweep times (bench/prefill.py's
-#: ``--variants`` default), prebuilt by compile-shaders for subgroups of 32, f16 and q8_0
-#: caches, with and without QSH (keys per tile and head dims are specialization constants)
+#: ``--variants`` default), prebuilt by ``compile-shaders --cm3-sweep`` (bench/h200-prepare.sh)
+#: for subgroups of 32, f16 and q8_0 caches, with and without QSH (keys per tile and head
+#: dims are specialization constants, so the k64 forms share these); not in
+#: ``all_variants`` until one becomes the default
 ATTN_SWEEP = ("v", "v+db", "v+k64", "v+db+k64", "v+rb2", "v+rb2+db")
 
 
@@ -541,7 +543,6 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
         # its subgroup-owns-its-rows form (TRIO_LLM_PREFILL_CM2=1; head dims, subgroup and
         # keys per tile are specialization constants, so these serve 64, 128 and 256)
         yield "attn_prefill_cm2", kv_defines(K_TYPE=code, V_TYPE=code)
-    yield from attn_sweep_variants()  # attn_prefill_cm3's (TRIO_LLM_PREFILL_CM2_VARIANT)
     for code in KV_CODES[1:]:
         for q in QTYPES if code in (1, 3) else ("Q8_0",):
             yield "matvec", {**qtype_defines(q), **ROPE_OUT, **kv_defines(KV_TYPE=code)}
@@ -574,7 +575,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="trio-llm compile-shaders", description=__doc__.splitlines()[0])
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     parser.add_argument("--cm3-sweep", action="store_true",
-                        help="also matmul_cm3's sweep variants (TRIO_LLM_CM2_VARIANT, bench/h200.sh cm2sweep; "
+                        help="also matmul_cm3's and attn_prefill_cm3's sweep variants (TRIO_LLM_CM2_VARIANT, "
+                             "TRIO_LLM_PREFILL_CM2_VARIANT; bench/h200.sh cm2sweep and attnsweep; "
                              "bench/h200-prepare.sh builds them for the H200)")
     parser.add_argument("--prune", action="store_true",
                         help="then delete every other compiled variant in the cache (stale sources, tests' "
@@ -584,7 +586,7 @@ def main(argv: list[str]) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     try:
-        variants = list(all_variants()) + (list(cm3_sweep_variants()) if args.cm3_sweep else [])
+        variants = list(all_variants()) + ([*cm3_sweep_variants(), *attn_sweep_variants()] if args.cm3_sweep else [])
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             for _ in pool.map(lambda v: spirv(*v), variants):
                 pass
