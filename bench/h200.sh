@@ -237,22 +237,23 @@ for s in $STAGES; do case $s in
   attnsweep)  # attn_prefill_cm3's variants (TRIO_LLM_PREFILL_CM2_VARIANT; all prebuilt by compile-shaders
     # --cm3-sweep, so no .cc): the ops fixture's coopmat3 rows on the real cooperative matrices (f16 / q8_0 cases,
     # the prebuilt ones), then op level beside attn_prefill_cm2 (bench/prefill.py, all layers): llama-1b at 8k
-    # and 32k in f16 (unsplit and split in 4, as the forward pass splits 32k) and 32k in q8_0, llama-8b at 8k and
-    # gemma3-4b at 8k in f16 and q8_0 (beside attn_prefill_cm, its kernel at head_dim 256). ATTN_V="v v+db" names
-    # the variants instead of the sweep. About 3 minutes.
+    # and 32k in f16 (unsplit; split in 4, as the forward pass splits 32k, for ATTN_VS) and 32k in q8_0, llama-8b
+    # at 8k and gemma3-4b at 8k in f16 and q8_0 (beside attn_prefill_cm, its kernel at head_dim 256). ATTN_V="v
+    # v+db" names the variants instead of the sweep, ATTN_VS the split ones. About 3 minutes (NO8B=1: the 8b
+    # file is not used).
     AV=${ATTN_V:-$($PY -c "from trio_llm.vulkan.shaders import ATTN_SWEEP; print(' '.join(ATTN_SWEEP))")}
     AVC=$(echo $AV | tr ' ' ','); AK=$(for v in $AV; do printf ',cm3_%s' "$v"; done)
-    AKS=$(for v in $AV; do printf ',cm3_%s_split4' "$v"; done)
+    AKS=$(for v in ${ATTN_VS:-v v+db+lr v+rb2+db+lr v+db+k64}; do printf ',cm3_%s_split4' "$v"; done)
     if [ "${SMALL:-0}" = 1 ]; then ASW=(--emulate --layers 1); AL1=512; AL2=1024; AS=tiny; else ASW=(); AL1=8192; AL2=32768; AS=; fi
     stage verify-attn-cm3 120 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_attn_prefill.py \
       -k "coopmat3 and not every_kv_type and not mixed"
-    stage attnsweep-1b 150 $PY bench/prefill.py --shape ${AS:-llama-1b} --lengths $AL1,$AL2 --types f16 --repeats 1 \
+    stage attnsweep-1b 200 $PY bench/prefill.py --shape ${AS:-llama-1b} --lengths $AL1,$AL2 --types f16 --repeats 1 \
       ${ASW[@]+"${ASW[@]}"} --splits 4 --variants "$AVC" --kernels "prefill_cm2,prefill_cm2_split4$AK$AKS"
     stage attnsweep-1b-q8 100 $PY bench/prefill.py --shape ${AS:-llama-1b} --lengths $AL2 --types q8_0 --repeats 1 \
       ${ASW[@]+"${ASW[@]}"} --splits 4 --variants "$AVC" --kernels "prefill_cm2,prefill_cm2_split4$AK"
     stage attnsweep-8b 90 $PY bench/prefill.py --shape ${AS:-llama-8b} --lengths $AL1 --types f16,q8_0 --repeats 1 \
       ${ASW[@]+"${ASW[@]}"} --variants "$AVC" --kernels "prefill_cm2$AK"
-    stage attnsweep-g3 90 $PY bench/prefill.py --shape ${AS:-gemma3-4b} --lengths $AL1 --types f16,q8_0 --repeats 1 \
+    stage attnsweep-g3 120 $PY bench/prefill.py --shape ${AS:-gemma3-4b} --lengths $AL1 --types f16,q8_0 --repeats 1 \
       ${ASW[@]+"${ASW[@]}"} --variants "$AVC" --kernels "prefill_cm$AK" ;;
   prefillcm2)  # attn_prefill_cm2 alone (carry .cc): its tests on the GPU, op level beside attn_prefill_cm, pp8192 A/B
     run_prefillcm2 ;;

@@ -23,7 +23,11 @@
 //      scaled element by element by their rows' rescales and P V is added. No S or
 //      rescale block in shared memory, no row reduction through it.
 // The running max and sum are kept per element (each element of a row holds the same
-// max; the sums are partial, per column, reduced over the row once at the end). The
+// max; the sums are partial, per column, reduced over the row once at the end); a
+// row's rescale is one exp per row (the orbit's representative), broadcast in the lane.
+// LR (lazy rescale, as FlashAttention-4): the max the weights are taken against moves
+// only when some row of the subgroup's block grew by more than LR_T, so most tiles
+// skip the output accumulators' rescale. The
 // output is written from the accumulators' elements straight to o (or partial[]).
 // A layout this scheme cannot reduce (a row's elements not closed under the found xor
 // masks, or a component count other than 256 / SG) makes every output NaN, loudly,
@@ -62,6 +66,10 @@
 #ifndef QSH
 #define QSH 0
 #endif
+#ifndef LR
+#define LR 0    // lazy rescale: the output accumulators rescaled only when a row's max grows by more than LR_T
+#endif
+const float LR_T = 8.0;
 #define EPL (256u / SG)  // elements of a 16x16 block per lane
 
 layout(binding = 0, std430) readonly buffer Q { float q[]; };
@@ -185,6 +193,20 @@ bool sg_all(bool b) {
 }
 #endif
 
+// the representative's value (e & xe == 0) to the other elements of its orbit in the
+// lane (element masks in ascending order: each step's sources are already set)
+void orbit_bcast(inout float v[EPL], uint xe) {
+    UNROLL for (uint j = 1u; j < EPL; j <<= 1) {
+        if ((xe & j) != 0u) {
+            UNROLL for (uint e = 0; e < EPL; e++) {
+                if ((e & j) != 0u) {
+                    v[e] = v[e ^ j];
+                }
+            }
+        }
+    }
+}
+
 // a row's max (or sum) into every element of the lane that holds it: first over the
 // lane's elements of that row (element masks xe: the representatives, e & xe == 0,
 // gather their orbit), then over the lanes holding it (lane masks xm), then back to
@@ -209,15 +231,7 @@ void row_reduce(inout float v[EPL], uint xe, uint xm, bool sum) {
             }
         }
     }
-    UNROLL for (uint j = 1u; j < EPL; j <<= 1) {
-        if ((xe & j) != 0u) {
-            UNROLL for (uint e = 0; e < EPL; e++) {
-                if ((e & j) != 0u) {
-                    v[e] = v[e ^ j];
-                }
-            }
-        }
-    }
+    orbit_bcast(v, xe);
 }
 
 uint ring_row(uint p) {
@@ -540,22 +554,47 @@ void main() {
                         }
                     }
                     row_reduce(mx, xe, xm, false);
+                    bool rescale = true;
+#if LR
+                    // the max the weights are taken against stays unless some row's grew by
+                    // more than LR_T (weights then up to e^LR_T: f16 holds them, the sums
+                    // are f32): most tiles skip the rescale of the output accumulators
+                    bool grow = false;
                     UNROLL for (uint e = 0; e < EPL; e++) {
-                        float m_old = m_run[b * EPL + e];
-                        float m_new = max(m_old, mx[e]);
-                        float corr = exp(m_old - m_new);
+                        grow = grow || mx[e] > m_run[b * EPL + e] + LR_T;
+                    }
+                    rescale = !sg_all(!grow);
+#endif
+                    if (rescale) {
+                        // the rescale once per row (the orbit's representatives), then to
+                        // the other elements of the lane that hold the row
+                        float corr[EPL];
+                        UNROLL for (uint e = 0; e < EPL; e++) {
+                            float m_old = m_run[b * EPL + e];
+                            float m_new = max(m_old, mx[e]);
+                            corr[e] = 1.0;
+                            if ((e & xe) == 0u) {
+                                corr[e] = exp(m_old - m_new);
+                            }
+                            m_run[b * EPL + e] = m_new;
+                        }
+                        orbit_bcast(corr, xe);
+                        UNROLL for (uint e = 0; e < EPL; e++) {
+                            l_run[b * EPL + e] *= corr[e];
+                            UNROLL for (uint j = 0; j < NQ; j++) {
+                                oc[b * NQ + j][e] *= corr[e];
+                            }
+                        }
+                    }
+                    UNROLL for (uint e = 0; e < EPL; e++) {
                         float sum = 0.0;
                         UNROLL for (uint nb = 0; nb < NB; nb++) {
                             float sv = sacc[b * NB + nb][e];
-                            float w = sv > SEEN ? exp(sv - m_new) : 0.0;
+                            float w = sv > SEEN ? exp(sv - m_run[b * EPL + e]) : 0.0;
                             sacc[b * NB + nb][e] = w;
                             sum += w;
                         }
-                        l_run[b * EPL + e] = l_run[b * EPL + e] * corr + sum;
-                        m_run[b * EPL + e] = m_new;
-                        UNROLL for (uint j = 0; j < NQ; j++) {
-                            oc[b * NQ + j][e] *= corr;
-                        }
+                        l_run[b * EPL + e] += sum;
                     }
                 }
                 // 2c. P to the subgroup's slice in f16, back as A fragments; o += P V

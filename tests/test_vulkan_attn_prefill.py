@@ -51,7 +51,7 @@ env = pytest.fixture(scope="module", name="env")(open_env)
 
 
 #: the ops fixture's attn_prefill_cm3 rows (on a GPU only): variants of the H200 sweep
-CM3_FIXTURE = {"coopmat3": "v", "coopmat3-db-k64": "v+db+k64", "coopmat3-rb2-db": "v+rb2+db"}
+CM3_FIXTURE = {"coopmat3": "v", "coopmat3-db-k64": "v+db+k64", "coopmat3-rb2-db-lr": "v+rb2+db+lr"}
 
 
 @pytest.fixture(params=["scalar", "coopmat", "coopmat-staged", "coopmat2", *CM3_FIXTURE])
@@ -434,8 +434,8 @@ def cm3_ops(env: Env, sub: int, spec: str) -> Ops:
 #: (variant, emulated subgroup, head_dim, tile of (heads, tokens), the window's cache
 #: type, with the split check); each distinct type and tile is a lavapipe pipeline of
 #: its own (about 20 s to compile cold on two cores), so most windows are f16
-CM3_CASES = [("v", 32, 64, (4, 8), "q8_0", True), ("v+db", 64, 128, (4, 8), "f16", False),
-             ("v+rb2+db", 32, 64, (2, 32), "f16", True), ("v+rb2", 64, 128, (1, 32), "f16", False),
+CM3_CASES = [("v", 32, 64, (4, 8), "q8_0", True), ("v+db+lr", 64, 128, (4, 8), "f16", False),
+             ("v+rb2+db+lr", 32, 64, (2, 32), "f16", True), ("v+rb2", 64, 128, (1, 32), "f16", False),
              ("v+k16", 32, 256, (2, 8), "f16", False)]
 
 
@@ -444,7 +444,7 @@ def test_cm3_emulated_variants(env: Env, spec: str, sub: int, hd: int, tile: tup
                                split: bool) -> None:
     """Each attn_prefill_cm3 form (row blocks of 16 or 32 per subgroup, one or two K/V
     buffers, 16 / 32 keys per tile; Q in registers, or from shared memory with QSH at
-    2 x 128 and 256), emulated: the layout search and the element-wise softmax for
+    2 x 128 and 256; the lazy rescale), emulated: the layout search and the element-wise softmax for
     subgroups of 32 and 64, tokens from 0 (diagonal tiles, subgroups that skip), a
     prefix, a 2-token sequence, GQA 1, 2 and 4 (not for head_dim 256); a window over a
     ring with gemma3's scale (in q8_0 in the first: the converting K/V loads; their
@@ -484,6 +484,7 @@ def test_cm3_variant_specs_and_plan(env: Env) -> None:
     variant on the default tiles of llama-1b, llama-8b and gemma3-4b)."""
     assert attn_variant("") is None and attn_variant("cm2") is None
     assert attn_variant("v+rb2+db+k64") == AttnVariant(2, True, 64)
+    assert attn_variant("v+k16+lr") == AttnVariant(1, False, 16, True) and AttnVariant(lr=True).name == "v+lr"
     assert [attn_variant(s).name for s in ATTN_SWEEP] == list(ATTN_SWEEP)  # type: ignore[union-attr]
     for bad in ("w", "v+rb3", "v+db+db", "v+k64+k32"):
         with pytest.raises(ValueError):
@@ -502,6 +503,8 @@ def test_cm3_variant_specs_and_plan(env: Env) -> None:
             "v+db+k64": [(64, 64, False), None, None],
             "v+rb2": [(32, 128, False), (32, 64, True), (16, 32, True)],
             "v+rb2+db": [(32, 128, False), (16, 64, True), None]}
+    for spec in ("v", "v+db", "v+rb2+db"):  # the lazy rescale takes no memory
+        h200[f"{spec}+lr"] = h200[spec]
     assert set(h200) == set(ATTN_SWEEP)
     for spec, want in h200.items():
         v = attn_variant(spec)
