@@ -243,7 +243,7 @@ for s in $STAGES; do case $s in
     # file is not used).
     AV=${ATTN_V:-$($PY -c "from trio_llm.vulkan.shaders import ATTN_SWEEP; print(' '.join(ATTN_SWEEP))")}
     AVC=$(echo $AV | tr ' ' ','); AK=$(for v in $AV; do printf ',cm3_%s' "$v"; done)
-    AKS=$(for v in ${ATTN_VS:-v v+db+lr v+rb2+db+lr v+db+k64}; do printf ',cm3_%s_split4' "$v"; done)
+    AKS=$(for v in ${ATTN_VS:-v v+db+lr v+rb2+db+lr v+db+lr+pr v+db+k64}; do printf ',cm3_%s_split4' "$v"; done)
     if [ "${SMALL:-0}" = 1 ]; then ASW=(--emulate --layers 1); AL1=512; AL2=1024; AS=tiny; else ASW=(); AL1=8192; AL2=32768; AS=; fi
     stage verify-attn-cm3 120 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_attn_prefill.py \
       -k "coopmat3 and not every_kv_type and not mixed"

@@ -25,6 +25,9 @@
 // The running max and sum are kept per element (each element of a row holds the same
 // max; the sums are partial, per column, reduced over the row once at the end); a
 // row's rescale is one exp per row (the orbit's representative), broadcast in the lane.
+// PREG: where the kernel finds that an f16 A fragment holds the same elements in the same
+// order as an accumulator (read from a block at the start, like the layout), P goes to the
+// A fragments by component copies, without the slice or its subgroup barriers.
 // LR (lazy rescale, as FlashAttention-4): the max the weights are taken against moves
 // only when some row of the subgroup's block grew by more than LR_T, so most tiles
 // skip the output accumulators' rescale. The
@@ -65,6 +68,9 @@
 #endif
 #ifndef QSH
 #define QSH 0
+#endif
+#ifndef PREG
+#define PREG 0  // P from the accumulators to A fragments in registers where the layouts agree
 #endif
 #ifndef LR
 #define LR 0    // lazy rescale: the output accumulators rescaled only when a row's max grows by more than LR_T
@@ -350,6 +356,28 @@ void main() {
         }
     }
     good = sg_all(good && bitCount(xm) + bitCount(xe) == 4);
+    // PREG: whether an f16 A fragment holds the accumulator's elements in the same order
+    // (NVIDIA's m16n8k16 fragments do), read from a block of r * 16 + c in f16 (exact)
+    // staged in the P slices; then P goes from the accumulators to A fragments in
+    // registers. Elsewhere (and emulated: its products read P from shared memory) the
+    // round trip through the P slice stays.
+    bool preg = false;
+#if PREG && !defined(CM_EMULATE)
+    for (uint i = tid; i < 256u; i += WG) {
+        ps[i] = float16_t(float(i));
+    }
+    barrier();
+    {
+        MATA la;
+        coopMatLoad(la, ps, 0, 16u, gl_CooperativeMatrixLayoutRowMajor);
+        bool same = la.length() == int(EPL);
+        [[unroll]] for (uint e = 0; e < EPL; e++) {
+            same = same && uint(float(la[e])) == rowE[e] * 16u + colE[e];
+        }
+        preg = sg_all(same);
+    }
+    barrier();
+#endif
 
 #ifndef CM_EMULATE
 #if !QSH
@@ -598,7 +626,9 @@ void main() {
                     }
                 }
                 // 2c. P to the subgroup's slice in f16, back as A fragments; o += P V
-                SG_SYNC();  // the last tile's P fragments are read
+                if (!preg) {
+                    SG_SYNC();  // the last tile's P fragments are read
+                }
 #ifdef CM_EMULATE
                 for (uint b = 0; b < RB; b++) {
                     for (uint nb = 0; nb < NB; nb++) {
@@ -623,15 +653,25 @@ void main() {
                     }
                 }
 #else
-                [[unroll]] for (uint i = 0; i < RB * NB; i++) {
-                    ACCH ph = ACCH(sacc[i]);
-                    coopMatStore(ph, ps, (r0 + 16u * (i / NB)) * PS + (i % NB) * 16u, PS,
-                                 gl_CooperativeMatrixLayoutRowMajor);
+                if (!preg) {
+                    [[unroll]] for (uint i = 0; i < RB * NB; i++) {
+                        ACCH ph = ACCH(sacc[i]);
+                        coopMatStore(ph, ps, (r0 + 16u * (i / NB)) * PS + (i % NB) * 16u, PS,
+                                     gl_CooperativeMatrixLayoutRowMajor);
+                    }
+                    SG_SYNC();
                 }
-                SG_SYNC();
                 [[unroll]] for (uint kk = 0; kk < NB; kk++) {
                     MATA pa[RB];
                     [[unroll]] for (uint b = 0; b < RB; b++) {
+#if PREG
+                        if (preg) {  // the A fragment's elements are the accumulator's: no round trip
+                            pa[b] = MATA(0.0);
+                            [[unroll]] for (uint e = 0; e < EPL; e++) {
+                                pa[b][e] = float16_t(sacc[b * NB + kk][e]);
+                            }
+                        } else
+#endif
                         coopMatLoad(pa[b], ps, (r0 + 16u * b) * PS + kk * 16u, PS, gl_CooperativeMatrixLayoutRowMajor);
                     }
                     [[unroll]] for (uint j = 0; j < NQ; j++) {

@@ -51,7 +51,8 @@ env = pytest.fixture(scope="module", name="env")(open_env)
 
 
 #: the ops fixture's attn_prefill_cm3 rows (on a GPU only): variants of the H200 sweep
-CM3_FIXTURE = {"coopmat3": "v", "coopmat3-db-k64": "v+db+k64", "coopmat3-rb2-db-lr": "v+rb2+db+lr"}
+CM3_FIXTURE = {"coopmat3": "v", "coopmat3-db-k64": "v+db+k64", "coopmat3-rb2-db-lr": "v+rb2+db+lr",
+               "coopmat3-db-lr-pr": "v+db+lr+pr"}
 
 
 @pytest.fixture(params=["scalar", "coopmat", "coopmat-staged", "coopmat2", *CM3_FIXTURE])
@@ -485,6 +486,7 @@ def test_cm3_variant_specs_and_plan(env: Env) -> None:
     assert attn_variant("") is None and attn_variant("cm2") is None
     assert attn_variant("v+rb2+db+k64") == AttnVariant(2, True, 64)
     assert attn_variant("v+k16+lr") == AttnVariant(1, False, 16, True) and AttnVariant(lr=True).name == "v+lr"
+    assert attn_variant("v+pr+rb2") == AttnVariant(2, pr=True) and AttnVariant(2, pr=True).name == "v+rb2+pr"
     assert [attn_variant(s).name for s in ATTN_SWEEP] == list(ATTN_SWEEP)  # type: ignore[union-attr]
     for bad in ("w", "v+rb3", "v+db+db", "v+k64+k32"):
         with pytest.raises(ValueError):
@@ -503,8 +505,10 @@ def test_cm3_variant_specs_and_plan(env: Env) -> None:
             "v+db+k64": [(64, 64, False), None, None],
             "v+rb2": [(32, 128, False), (32, 64, True), (16, 32, True)],
             "v+rb2+db": [(32, 128, False), (16, 64, True), None]}
-    for spec in ("v", "v+db", "v+rb2+db"):  # the lazy rescale takes no memory
+    for spec in ("v", "v+db", "v+rb2+db"):  # the lazy rescale and P in registers take no memory
         h200[f"{spec}+lr"] = h200[spec]
+    for spec in ("v+db", "v+rb2+db"):
+        h200[f"{spec}+lr+pr"] = h200[spec]
     assert set(h200) == set(ATTN_SWEEP)
     for spec, want in h200.items():
         v = attn_variant(spec)

@@ -205,12 +205,13 @@ def test_prefill_on_attn_prefill_cm2_emulated(model_path, sub: int, rows: int) -
         ref.close()
 
 
-@pytest.mark.parametrize(("sub", "spec"), [(64, "v+rb2+k16")])  # (each more: a minute of lavapipe's compiles)
+@pytest.mark.parametrize(("sub", "spec"), [(64, "v+rb2+pr+k16")])  # (each more: a minute of lavapipe's compiles)
 def test_prefill_on_attn_prefill_cm3_emulated(model_path, sub: int, spec: str) -> None:  # type: ignore[no-untyped-def]
     """The same prefills with the attention on attn_prefill_cm3 in a variant of the H200
     sweep (TRIO_LLM_PREFILL_CM2_VARIANT; emulated, on the rows and keys its plan picks
-    within lavapipe's shared memory), the decode step after them, numpy's logits within
-    the f16 rounding."""
+    within lavapipe's shared memory; "+pr" only compiles its layout check here, the
+    emulated products read P from shared memory), the decode step after them, numpy's
+    logits within the f16 rounding."""
     from trio_llm.vulkan.shaders import attn_variant
 
     model = load_gguf(model_path("tiny", "Q8_0"))

@@ -435,33 +435,37 @@ class AttnVariant(NamedTuple):
     ``attn_variant``): row blocks of 16 per subgroup (1 or 2: each staged K and V
     fragment feeds two products), double-buffered K/V tiles (one work-group barrier
     per key tile), keys per tile when forced (0: ``ops.prefill_cm3_prefer``), and the
-    lazy rescale (the output rescaled only when a row's max grows by more than e^8)."""
+    lazy rescale (the output rescaled only when a row's max grows by more than e^8), and
+    P handed from the accumulators to the A fragments in registers where the kernel finds
+    their layouts agree (else through shared memory as without it)."""
 
     rb: int = 1
     db: bool = False
     keys: int = 0
     lr: bool = False
+    pr: bool = False
 
     @property
     def name(self) -> str:
-        """The spec ``attn_variant`` reads back: "v", then "+rb2", "+db", "+lr", "+k16"/"+k32"/"+k64"."""
+        """The spec ``attn_variant`` reads back: "v", then "+rb2", "+db", "+lr", "+pr", "+k16"/"+k32"/"+k64"."""
         parts = ["v", *(["rb2"] if self.rb == 2 else []), *(["db"] if self.db else []),
-                 *(["lr"] if self.lr else []), *([f"k{self.keys}"] if self.keys else [])]
+                 *(["lr"] if self.lr else []), *(["pr"] if self.pr else []),
+                 *([f"k{self.keys}"] if self.keys else [])]
         return "+".join(parts)
 
 
 def attn_variant(spec: str) -> AttnVariant | None:
     """A ``TRIO_LLM_PREFILL_CM2_VARIANT`` spec: "" or "cm2" for attn_prefill_cm2.comp
     (None), else "v" (attn_prefill_cm3.comp: the softmax on the accumulators' elements)
-    with any of "+rb2", "+db", "+lr", "+k16" / "+k32" / "+k64"."""
+    with any of "+rb2", "+db", "+lr", "+pr", "+k16" / "+k32" / "+k64"."""
     spec = spec.strip()
     if spec in ("", "cm2"):
         return None
     parts = spec.split("+")
     if parts[0] != "v" or len(set(parts)) != len(parts):
-        raise ValueError(f"attn_prefill_cm3 variant {spec!r}: expected 'v' then any of +rb2, +db, +lr, +k16, +k32, "
+        raise ValueError(f"attn_prefill_cm3 variant {spec!r}: expected 'v' then any of +rb2, +db, +lr, +pr, +k16, +k32, "
                          "+k64")
-    rb, db, keys, lr = 1, False, 0, False
+    rb, db, keys, lr, pr = 1, False, 0, False, False
     for p in parts[1:]:
         if p == "rb2":
             rb = 2
@@ -469,11 +473,13 @@ def attn_variant(spec: str) -> AttnVariant | None:
             db = True
         elif p == "lr":
             lr = True
+        elif p == "pr":
+            pr = True
         elif p in ("k16", "k32", "k64") and not keys:
             keys = int(p[1:])
         else:
-            raise ValueError(f"attn_prefill_cm3 variant {spec!r}: unknown part {p!r} (rb2, db, lr, k16, k32, k64)")
-    return AttnVariant(rb, db, keys, lr)
+            raise ValueError(f"attn_prefill_cm3 variant {spec!r}: unknown part {p!r} (rb2, db, lr, pr, k16, k32, k64)")
+    return AttnVariant(rb, db, keys, lr, pr)
 
 
 def attn_cm3_defines(k_code: int, v_code: int, subgroup: int, v: AttnVariant, qsh: bool,
@@ -482,7 +488,8 @@ def attn_cm3_defines(k_code: int, v_code: int, subgroup: int, v: AttnVariant, qs
     per-lane arrays), the variant's row blocks and buffers, Q from shared memory (head
     dims whose Q fragments would not fit in registers), CM_EMULATE; only those set."""
     return {**kv_defines(K_TYPE=k_code, V_TYPE=v_code), "SG": subgroup, **({"RB": 2} if v.rb == 2 else {}),
-            **({"DB": 1} if v.db else {}), **({"LR": 1} if v.lr else {}), **({"QSH": 1} if qsh else {}),
+            **({"DB": 1} if v.db else {}), **({"LR": 1} if v.lr else {}), **({"PREG": 1} if v.pr else {}),
+            **({"QSH": 1} if qsh else {}),
             **({"CM_EMULATE": 1} if emulate else {})}
 
 
@@ -491,17 +498,18 @@ def attn_cm3_defines(k_code: int, v_code: int, subgroup: int, v: AttnVariant, qs
 #: for subgroups of 32, f16 and q8_0 caches, with and without QSH (keys per tile and head
 #: dims are specialization constants, so the k64 forms share these); not in
 #: ``all_variants`` until one becomes the default
-ATTN_SWEEP = ("v", "v+db", "v+k64", "v+db+k64", "v+rb2", "v+rb2+db", "v+lr", "v+db+lr", "v+rb2+db+lr")
+ATTN_SWEEP = ("v", "v+db", "v+k64", "v+db+k64", "v+rb2", "v+rb2+db", "v+lr", "v+db+lr", "v+rb2+db+lr",
+              "v+db+lr+pr", "v+rb2+db+lr+pr")
 
 
 def attn_sweep_variants() -> Iterable[tuple[str, dict[str, object]]]:
-    seen: set[tuple[int, bool, bool]] = set()
+    seen: set[tuple[int, bool, bool, bool]] = set()
     for spec in ATTN_SWEEP:
         v = attn_variant(spec)
         assert v is not None
-        if (v.rb, v.db, v.lr) in seen:
+        if (v.rb, v.db, v.lr, v.pr) in seen:
             continue
-        seen.add((v.rb, v.db, v.lr))
+        seen.add((v.rb, v.db, v.lr, v.pr))
         for code in (1, 3):
             for qsh in (False, True):
                 yield "attn_prefill_cm3", attn_cm3_defines(code, code, 32, v, qsh)
