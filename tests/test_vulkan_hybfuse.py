@@ -407,3 +407,17 @@ def test_an_unknown_fusion_kind_is_one_clear_error(model_path, monkeypatch: pyte
     monkeypatch.setenv("TRIO_LLM_HYBRID_OFF", "moe_down_out,conv")
     with pytest.raises(ConfigError, match="TRIO_LLM_HYBRID_OFF=conv: expected kinds among conv_split, "):
         VulkanBackend(load_gguf(model_path("tiny-qwen35", "Q8_0")), n_ctx=64, n_seq=1)
+
+
+def test_a_sampled_graph_has_no_barrier_twice_in_a_row(model_path) -> None:  # type: ignore[no-untyped-def]
+    """The device-sampled decode graph drops the logits copy and the barrier before it:
+    the barrier before each sample serves it (two in a row would drain the GPU twice)."""
+    be = VulkanBackend(load_gguf(model_path("tiny-qwen35", "Q8_0")), n_ctx=64, n_seq=1)
+    try:
+        ops = be._sampler.build(1, 3)
+        assert not any(isinstance(a, Barrier) and isinstance(b, Barrier) for a, b in zip(ops[:-1], ops[1:], strict=True))
+        assert sum(op.kernel.name == "sample" for op in ops if not isinstance(op, (Barrier, Copy))) == 3
+        levels = len(DECODE_LEVELS["tiny-qwen35"][0])  # the copy's the last
+        assert sum(isinstance(op, Barrier) for op in ops) == 3 * levels + 1
+    finally:
+        be.close()

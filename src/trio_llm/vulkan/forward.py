@@ -628,10 +628,13 @@ class _Lowering:
             self.find_q8_norms()
 
     def find_hybrid_fusions(self) -> None:
-        """The plan's fusion groups this bucket lowers fused: the conv split and the
-        combine everywhere, the gated norm where the delta rule is delta_net.comp (not
-        the chunked prefill form), the experts' SwiGLU where their down product is
-        moe_matvec (not the grouped prefill form); each needs f32 norm weights."""
+        """The plan's fusion groups this bucket lowers fused, the larger first and each
+        node in one group at most, less ``Ops.hybrid_off``'s kinds: the delta rule's
+        (delta_conv, delta_gate) where it is delta_net.comp (not the chunked prefill
+        form, which takes conv_split), the experts' down product's (moe_down_out,
+        glu_in) where it is moe_matvec (not the grouped prefill form, whose combine is
+        moe_out), the attention's gate where attention is attention_decode with an
+        unrotated V cache, QK-norm with RoPE everywhere; norm and gate weights f32."""
         f32 = lambda t: self.weights.slots[t.name].qtype == "F32"  # noqa: E731
         taken: set[int] = set()
         # the larger groups first: the delta rule with its conv before the conv alone and

@@ -136,6 +136,8 @@ class DeviceSampler:
         copy = body[-1]
         assert isinstance(copy, Copy), "a lowered graph ends with its logits copy"
         body = body[:-1]
+        if body and isinstance(body[-1], Barrier):  # the copy's own barrier: the one below serves the sample
+            body = body[:-1]
         out: list[Op] = [Barrier()]  # after the tokens an earlier submit fed
         for j in range(n_steps):
             out += body
