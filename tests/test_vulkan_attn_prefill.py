@@ -26,6 +26,7 @@ import pytest
 from test_vulkan_kv import attention_inputs
 from test_vulkan_ops import Env, open_env
 from trio_llm.engine.backend import SeqBatch
+from trio_llm.errors import ConfigError
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.kvtypes import KV_TYPES
 from trio_llm.vulkan.backend import VulkanBackend
@@ -491,6 +492,12 @@ def test_cm3_variant_specs_and_plan(env: Env) -> None:
     for bad in ("w", "v+rb3", "v+db+db", "v+k64+k32"):
         with pytest.raises(ValueError):
             attn_variant(bad)
+    with pytest.MonkeyPatch.context() as mp:  # the knob's bad spelling is one ConfigError line
+        mp.setenv("TRIO_LLM_PREFILL_CM2_VARIANT", "v+fast")
+        with pytest.raises(ConfigError, match="TRIO_LLM_PREFILL_CM2_VARIANT='v\\+fast'"):
+            Ops(env.ops.kernels, subgroup=env.ops.subgroup)
+        mp.setenv("TRIO_LLM_PREFILL_CM2_VARIANT", "v+db")
+        assert Ops(env.ops.kernels, subgroup=env.ops.subgroup).prefill_cm2_variant == AttnVariant(db=True)
     hw = attrs.evolve(env.ops, coopmat=True, prefill_cm2=True, subgroup=32, prefill_cm2_variant=attn_variant("v"))
     assert attrs.evolve(hw, prefill_cm2_variant=None).prefill_cm3_plan(8, 2, 64) is None
     assert attrs.evolve(hw, prefill_cm2=False).prefill_cm3_plan(8, 2, 64) is None

@@ -300,7 +300,11 @@ def attn_variant_env() -> AttnVariant | None:
     "v", "v+rb2+db", "v+k64" (etc., ``shaders.attn_variant``) puts prefill attention on
     attn_prefill_cm3.comp in that form where ``Ops.prefill_cm3_plan`` allows (bench/h200.sh
     attnsweep)."""
-    return attn_variant(os.environ.get("TRIO_LLM_PREFILL_CM2_VARIANT", ""))
+    spec = os.environ.get("TRIO_LLM_PREFILL_CM2_VARIANT", "")
+    try:
+        return attn_variant(spec)
+    except ValueError as exc:
+        raise ConfigError(f"TRIO_LLM_PREFILL_CM2_VARIANT={spec!r}: {exc}") from None
 
 
 def attention_part_floats(cap: int, n_head: int, head_dim: int, n_split: int) -> int:
