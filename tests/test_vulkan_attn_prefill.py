@@ -15,7 +15,9 @@ skipped where there are none (lavapipe); ``bash bench/h200.sh verify`` runs it. 
 ``coopmat2`` (attn_prefill_cm2.comp, each subgroup owning 16 query rows, opt-in with
 TRIO_LLM_PREFILL_CM2=1). Both coopmat kernels also run here in their emulated forms
 (CM_EMULATE: the products by plain lanes, everything else as on a GPU), the second one
-for emulated subgroups of 32 and 64 lanes and 16, 32 and 64 keys per tile."""
+for emulated subgroups of 32 and 64 lanes and 16, 32 and 64 keys per tile. The
+``coopmat3*`` rows run attn_prefill_cm3.comp (TRIO_LLM_PREFILL_CM2_VARIANT's variants) on
+a GPU; ``test_cm3_*`` its emulated form here."""
 
 from __future__ import annotations
 
