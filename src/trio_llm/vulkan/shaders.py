@@ -583,6 +583,31 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
         yield "matvec", g
         yield "matvec", {**g, **GATE_UP}
         yield "matvec", {**g, **ROPE_OUT, **kv_defines(KV_TYPE=1)}
+    yield from hybrid_variants()
+
+
+def hybrid_variants() -> Iterable[tuple[str, dict[str, object]]]:
+    """The hybrid and MoE fusions' kernels (forward.py's ``fusion_groups``), so that a
+    device without the shader compiler runs them: the forms the models lower to, in
+    every weight and cache type, and the op tests' other forms (tests/test_vulkan_hybfuse.py)."""
+    yield "ssm_conv_split", {}
+    forms: tuple[dict[str, object], ...] = ({"GATED_NORM": 1}, {"CONV": 1}, {"CONV": 1, "GATED_NORM": 1})
+    for d in forms:
+        yield "delta_net", d
+    forms = ({"RESID": 1}, {"SHEXP": 1}, {"SHEXP": 1, "RESID": 1})
+    for d in forms:
+        yield "moe_combine", d
+    for q in QTYPES:
+        qd = qtype_defines(q)
+        yield "moe_matvec", {**qd, "GLU_IN": 1}
+        yield "moe_matvec", {**qd, "GLU_IN": 1, "COMBINE": 1, "RESID": 1}  # qwen3moe's down
+        yield "moe_matvec", {**qd, "GLU_IN": 1, "COMBINE": 1, "RESID": 1, "SHEXP": 1}  # qwen35moe's
+    yield "moe_matvec", {**qtype_defines("Q6_K"), "COMBINE": 1, "SHEXP": 1}
+    yield "moe_matvec", {**qtype_defines("F16"), "COMBINE": 1}
+    for code in KV_CODES:
+        yield "qk_norm_rope", kv_defines(KV_TYPE=code)
+        for name in ("attn_decode", "attn_decode2"):
+            yield name, {**kv_defines(K_TYPE=code, V_TYPE=code), "OUT_GATE": 1}
 
 
 def main(argv: list[str]) -> int:
