@@ -208,11 +208,20 @@ def test_the_lowering_fuses_what_the_decode_kernels_do(model_path) -> None:  # t
     be = VulkanBackend(load_gguf(model_path("tiny-qwen3", "Q8_0")), n_ctx=64, n_seq=1)
     try:
         decode = _kinds(be.lowered(1, attrs.evolve(be._ops, fuse_norm=True)))
-        # neox RoPE after QK-norm is one dispatch with the norm (qk_norm_rope, the hybrid
-        # fusions' default), k's writing the cache; v still goes straight to the cache
-        assert decode.count("matvec_rope+norm") == 2 and decode.count("qk_norm_rope") == 2 * 2
-        assert "rope" not in decode and "rms_norm" not in decode
+        # neox RoPE after QK-norm stays a rope dispatch; v still goes straight to the cache
+        assert decode.count("matvec_rope+norm") == 2 and decode.count("rope") == 2 * 2
         decode = _kinds(be.lowered(1))  # the default: the norms on their own
         assert decode.count("matvec_rope") == 2 and "matvec_rope+norm" not in decode
+    finally:
+        be.close()
+    # with the hybrid fusions (TRIO_LLM_HYBRID_FUSE=1, chosen when the backend plans its
+    # buffers) it is one dispatch with the norm (qk_norm_rope), k's writing the cache
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRIO_LLM_HYBRID_FUSE", "1")
+        be = VulkanBackend(load_gguf(model_path("tiny-qwen3", "Q8_0")), n_ctx=64, n_seq=1)
+    try:
+        decode = _kinds(be.lowered(1, attrs.evolve(be._ops, fuse_norm=True)))
+        assert decode.count("matvec_rope+norm") == 2 and decode.count("qk_norm_rope") == 2 * 2
+        assert "rope" not in decode and "rms_norm" not in decode
     finally:
         be.close()

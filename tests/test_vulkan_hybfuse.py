@@ -367,7 +367,7 @@ def test_fused_forwards_equal_the_unfused_lowering(model_path, monkeypatch: pyte
     """Two sequences, a 43-token prefill (the prefill buckets' fusions, the experts
     grouped there, so the combine ends the FFN; ``chunked``: the delta rule's chunked
     form there, so the conv is ssm_conv_split; ``off``: TRIO_LLM_HYBRID_OFF) and 10 decode
-    steps: the logits of TRIO_LLM_HYBRID_FUSE=1 (the default) and =0 agree to float
+    steps: the logits of TRIO_LLM_HYBRID_FUSE=1 and =0 (the default) agree to float
     rounding (on lavapipe they are the same bits: every fused kernel sums in the
     unfused kernels' order), and so do the greedy tokens."""
     model = load_gguf(model_path(preset, quant))
@@ -409,9 +409,11 @@ def test_an_unknown_fusion_kind_is_one_clear_error(model_path, monkeypatch: pyte
         VulkanBackend(load_gguf(model_path("tiny-qwen35", "Q8_0")), n_ctx=64, n_seq=1)
 
 
-def test_a_sampled_graph_has_no_barrier_twice_in_a_row(model_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_sampled_graph_has_no_barrier_twice_in_a_row(model_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """The device-sampled decode graph drops the logits copy and the barrier before it:
-    the barrier before each sample serves it (two in a row would drain the GPU twice)."""
+    the barrier before each sample serves it (two in a row would drain the GPU twice);
+    fused, as ``DECODE_LEVELS`` counts."""
+    monkeypatch.setenv("TRIO_LLM_HYBRID_FUSE", "1")
     be = VulkanBackend(load_gguf(model_path("tiny-qwen35", "Q8_0")), n_ctx=64, n_seq=1)
     try:
         ops = be._sampler.build(1, 3)

@@ -123,8 +123,8 @@ def test_fused_decode_equals_numpy_and_the_unfused_graph(model_path, monkeypatch
     barriers per layer and one for the head), prefill graphs keep them, and greedy
     decode of two sequences equals numpy's and the unfused graph's. gemma3's
     post-attention and post-FFN norms feed residual adds and stay (``norms_left``);
-    QK-norms are per head and stay out of NORM_IN (with the hybrid fusions, the
-    default, each is in its head's qk_norm_rope instead)."""
+    QK-norms are per head and stay out of NORM_IN (with the hybrid fusions on,
+    TRIO_LLM_HYBRID_FUSE=1, each is in its head's qk_norm_rope instead)."""
     model = load_gguf(model_path(preset, quant))
     n_layer = model.config.n_layer
     kv = {"cache_type_k": "f32", "cache_type_v": "f32"}

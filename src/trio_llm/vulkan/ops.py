@@ -454,9 +454,14 @@ class Ops:
     #: after it, the experts' SwiGLU in their down product, the experts' combine with
     #: the shared expert's gate and the residual add; and the emission's level
     #: scheduler (each dispatch at the first barrier level its hazards allow, not
-    #: after the previous node's). TRIO_LLM_HYBRID_FUSE=0: the unfused lowering, for
-    #: the H200 A/B (bench/h200.sh hybfuse)
-    hybrid_fuse: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_HYBRID_FUSE", "1") != "0")
+    #: after the previous node's). Off by default (TRIO_LLM_HYBRID_FUSE=1 turns it on)
+    #: after the H200's first A/B (2026-12-01 late, bench/results/h200-session7/call5):
+    #: qwen35-0.8b Q8_0 decode 350 -> 412 tok/s, but its pp512 16,669 -> 11,252, the
+    #: compute buffers 75 -> 672 MiB (plan_buffers keeps more of them apart at every
+    #: bucket's size), and three of test_vulkan_hybfuse.py's fused-against-unfused
+    #: forwards 0.6 % of the logits' scale apart on the GPU where lavapipe's are
+    #: bit-identical (not yet explained)
+    hybrid_fuse: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_HYBRID_FUSE", "0") == "1")
     #: fusion kinds left unfused while the rest are on (``TRIO_LLM_HYBRID_OFF``, names
     #: separated by commas, e.g. "moe_down_out,attn_gate"): the H200's A/B of one kind
     hybrid_off: frozenset[str] = attrs.field(factory=lambda: hybrid_off_env())
