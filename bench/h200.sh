@@ -249,6 +249,7 @@ for s in $STAGES; do case $s in
       -k "coopmat3 and not every_kv_type and not mixed"
     stage attnsweep-1b 200 $PY bench/prefill.py --shape ${AS:-llama-1b} --lengths $AL1,$AL2 --types f16 --repeats 1 \
       ${ASW[@]+"${ASW[@]}"} --splits 4 --variants "$AVC" --kernels "prefill_cm2,prefill_cm2_split4$AK$AKS"
+    [ "${ATTN_1B:-0}" = 1 ] && continue  # ATTN_1B=1: the tests and llama-1b's f16 rows only
     stage attnsweep-1b-q8 100 $PY bench/prefill.py --shape ${AS:-llama-1b} --lengths $AL2 --types q8_0 --repeats 1 \
       ${ASW[@]+"${ASW[@]}"} --splits 4 --variants "$AVC" --kernels "prefill_cm2,prefill_cm2_split4$AK"
     stage attnsweep-8b 90 $PY bench/prefill.py --shape ${AS:-llama-8b} --lengths $AL1 --types f16,q8_0 --repeats 1 \
