@@ -334,6 +334,11 @@ def plan_buffers(graph: Graph, fusions: Sequence[Fusion] = ()) -> BufferPlan:
                     last[t.id] = max(last.get(t.id, -1), idx[-1])
         if f.early:
             early.setdefault(idx[0], []).extend(graph.nodes[i].out for i in idx)
+    # values die at their last reader, or at the end of a fusion group that reads them
+    # (which need not list them among its last member's inputs)
+    ends: dict[int, list[int]] = {}
+    for tid, i in last.items():
+        ends.setdefault(i, []).append(tid)
     slot_of: dict[int, str] = {}
     slots: dict[str, tuple[str, int]] = {}
     free: dict[tuple[str, int], list[str]] = {}
@@ -357,18 +362,18 @@ def plan_buffers(graph: Graph, fusions: Sequence[Fusion] = ()) -> BufferPlan:
         key = key_of(out)
         first = node.inputs[0] if node.inputs else None
         if out.id in slot_of:  # given its buffer early (a fusion group's output)
-            done = [t for t in node.inputs if t.kind == "value" and last.get(t.id) == i]
+            pass
         elif (node.op in _IN_PLACE and first is not None and first.kind == "value"
                 and last.get(first.id) == i and first.shape == out.shape):
             slot_of[out.id] = slot_of[first.id]
-            done = [t for t in node.inputs[1:] if t.kind == "value" and last.get(t.id) == i]
         else:
             slot_of[out.id] = take(key)
-            done = [t for t in node.inputs if t.kind == "value" and last.get(t.id) == i]
+        # every value whose life ends here, read by this node or kept for its fusion group
+        # (the output's own slot stays: an in-place input's slot is now the output's)
         freed: set[str] = {slot_of[out.id]}
-        for t in done:
-            s = slot_of[t.id]
-            if s not in freed:
+        for tid in ends.get(i, ()):
+            s = slot_of.get(tid)
+            if s is not None and s not in freed:
                 freed.add(s)
                 free.setdefault(slots[s], []).append(s)
         if out.id not in last:  # never read: free at once

@@ -457,10 +457,10 @@ class Ops:
     #: after the previous node's). Off by default (TRIO_LLM_HYBRID_FUSE=1 turns it on)
     #: after the H200's first A/B (2026-12-01 late, bench/results/h200-session7/call5):
     #: qwen35-0.8b Q8_0 decode 350 -> 412 tok/s, but its pp512 16,669 -> 11,252, the
-    #: compute buffers 75 -> 672 MiB (plan_buffers keeps more of them apart at every
-    #: bucket's size), and three of test_vulkan_hybfuse.py's fused-against-unfused
-    #: forwards 0.6 % of the logits' scale apart on the GPU where lavapipe's are
-    #: bit-identical (not yet explained)
+    #: compute buffers 75 -> 672 MiB (plan_buffers never freed the values a group kept
+    #: alive past their last reader: fixed, 92 MiB), and three of test_vulkan_hybfuse.py's
+    #: fused-against-unfused forwards 0.6 % of the logits' scale apart on the GPU where
+    #: lavapipe's are bit-identical (not yet explained)
     hybrid_fuse: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_HYBRID_FUSE", "0") == "1")
     #: fusion kinds left unfused while the rest are on (``TRIO_LLM_HYBRID_OFF``, names
     #: separated by commas, e.g. "moe_down_out,attn_gate"): the H200's A/B of one kind
