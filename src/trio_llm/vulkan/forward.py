@@ -649,6 +649,11 @@ class _Lowering:
             if (f.kind == "into_reader" or f.kind in self.ops.hybrid_off or taken & set(f.nodes)
                     or any(n.out.id in self._absorbed for n in nodes)):
                 continue  # into_reader: find_fusions' own (the plan only makes room)
+            if f.kind == "delta_conv" and not self.decode:
+                # decode buckets only: the H200 ran qwen35-0.8b's pp512 at 11,252 tok/s with
+                # every group fused, 15,856 with delta_conv (and moe_down_out, attn_gate) off,
+                # 16,669 unfused (2026-12-01 late); its parts (conv_split, delta_gate) fuse
+                continue
             if f.kind == "delta_conv" and (self.chunked or not f32(nodes[0].inputs[1])
                                            or any(n.op == "rms_norm" and not f32(n.inputs[1]) for n in nodes)):
                 continue
