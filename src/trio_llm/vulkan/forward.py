@@ -1309,19 +1309,9 @@ class _Lowering:
         down = next(m for m in members if m.op == "moe_linear")
         glu = next((m for m in members if m.op == "glu"), None)
         x, w, routes = down.inputs
-        inner = {m.out.id for m in members}
-        gate = next((m for m in members if m.op == "gate_rows"), None)
-        res = [t for m in members if m.op == "add" for t in m.inputs if t.id not in inner]
-        assert len(res) <= 1
         src = glu.inputs[0] if glu is not None else x
         reads = [self.slot(src), self.slot(routes)] + ([self.slot(glu.inputs[1])] if glu is not None else [])
-        shexp = None
-        if gate is not None:
-            xs, h, gw = gate.inputs
-            shexp = (self.view(xs), self.view(h), self.view(gw), h.width)
-            reads += [self.slot(xs), self.slot(h)]
-        if res:
-            reads.append(self.slot(res[0]))
+        shexp, res = self._ffn_end(members, reads)
         n_rows, n_in = int(w.shape[1]), int(w.shape[2])
         d = self.ops.moe_matvec(self.weights.slots[w.name].qtype, self.weights.view(w.name), self.view(src),
                                 self.view(node.out), self.st, self.view(routes), n_in=n_in, n_rows=n_rows,
@@ -1331,16 +1321,14 @@ class _Lowering:
                                 combine=(self.view(res[0]) if res else None, shexp))
         self.emit([d], reads, [self.slot(node.out)])
 
-    def fuse_moe_out(self, node: Node, members: list[Node]) -> None:
-        """The experts' weighted sum, plus the gated shared expert, plus the residual:
-        one elementwise dispatch (moe_combine.comp SHEXP, RESID)."""
-        comb = members[0]
-        y, routes = comb.inputs
+    def _ffn_end(self, members: list[Node], reads: list[str]) -> tuple[tuple[View, View, View, int] | None,
+                                                                          list[Tensor]]:
+        """The MoE FFN end's extras a fused combine takes: the gated shared expert
+        (x, h, gate weight, h's width) and the residual, their slots added to ``reads``."""
         inner = {m.out.id for m in members}
         gate = next((m for m in members if m.op == "gate_rows"), None)
         res = [t for m in members if m.op == "add" for t in m.inputs if t.id not in inner]
         assert len(res) <= 1
-        reads = [self.slot(y), self.slot(routes)]
         shexp = None
         if gate is not None:
             xs, h, gw = gate.inputs
@@ -1348,6 +1336,15 @@ class _Lowering:
             reads += [self.slot(xs), self.slot(h)]
         if res:
             reads.append(self.slot(res[0]))
+        return shexp, res
+
+    def fuse_moe_out(self, node: Node, members: list[Node]) -> None:
+        """The experts' weighted sum, plus the gated shared expert, plus the residual:
+        one elementwise dispatch (moe_combine.comp SHEXP, RESID)."""
+        comb = members[0]
+        y, routes = comb.inputs
+        reads = [self.slot(y), self.slot(routes)]
+        shexp, res = self._ffn_end(members, reads)
         n = int(node.out.shape[1])
         d = self.ops.moe_combine(self.view(y), self.view(routes), self.view(node.out), self.st, n=n,
                                  k=comb.attr("k"), y_stride=node.out.width, cap=self.bucket,
