@@ -13,6 +13,7 @@
 #   qwen35-35b-a3b Q4_K_M with TRIO_LLM_HYBRID_FUSE=0 and =1 (--breakdown) and =1 with the larger groups
 #   off (TRIO_LLM_HYBRID_OFF); HYB35=0: the 0.8b only; NO8B=1 spares making the 8b; about 6 minutes),
 # batch (batched decode B = 1, 2, 4, 8 alone), residency, handoff, coldmem (issue 12: hybrid models' device memory after POST /sleep?level=all, driver counter too),
+# pipemem (issue 12: the driver memory a released model keeps, pipeline by pipeline),
 # server, serverpath (bench/serverpath.py, issue 14), sample (its device-sampling tests), scen1b, scen8b, coresident,
 # mvq8 (decode matvecs on int8 activations: their tests, then tune-batch-1b/8b with TRIO_LLM_MATVEC_Q8=0 and 1),
 # e2emoe (qwen35-0.8b, qwen3-30b-a3b, qwen35-35b-a3b through HTTP beside llama-server; NO8B=1 skips the 8b),
@@ -434,6 +435,17 @@ for i in range(4):
     [ -f /tmp/m/qwen35-35b-a3b-Q4_K_M.gguf ] && CM+=(/tmp/m/qwen35-35b-a3b-Q4_K_M.gguf)
     MA=(); for m in "${CM[@]}"; do MA+=(--model "$m"); done
     stage coldmem 240 $PY bench/coldmem.py "${MA[@]}" --backend vulkan --log-dir "$RES/coldmem-logs" ;;
+  pipemem)  # issue 12: which pipelines hold a released model's driver memory (bench/pipemem.py: the counter
+    # with the device open, loaded, run, released, then after each pipeline's destruction)
+    PM=("$(model qwen35-0.8b Q4_K_M)" "$M1")
+    PA=(); for m in "${PM[@]}"; do PA+=(--model "$m"); done
+    stage pipemem 150 $PY bench/pipemem.py "${PA[@]}"
+    # delta_net.comp's column in registers (TRIO_LLM_DELTA_UNROLL=1): the same counters, then decode A/B
+    stage pipemem-unroll 100 env TRIO_LLM_DELTA_UNROLL=1 $PY bench/pipemem.py --model "${PM[0]}"
+    for u in 0 1; do
+      stage "pipemem-decode-unroll$u" 90 env TRIO_LLM_DELTA_UNROLL=$u $PY bench/decode.py --model "${PM[0]}" \
+        --backends vulkan --pp 512 --tg 128 --repeats 2
+    done ;;
   sample)  # the device sampling tests alone (also in verify)
     stage verify-sample 150 $PY -m pytest -q -p no:cacheprovider tests/test_devsample.py tests/test_server_decode.py ;;
   serverpath)  # issue 14: the backend's own decode beside /completion on the same file, per-token breakdown;

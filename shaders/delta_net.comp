@@ -17,7 +17,19 @@
 // does (its sums over NW lanes): qwen35's conv -> take -> l2_norm before the rule,
 // without a dispatch of their own. The conv state is only read here; ssm_conv.comp's
 // PHASE 1 moves it on after a barrier.
+// DU (= d, a compile-time constant): the column's array is sized by it and its loops are
+// unrolled, so that every index is a constant and the column can live in registers. With
+// the size a specialization constant the loops stay loops and the array is indexed at run
+// time, which a GPU may place in local memory (on NVIDIA sized for every thread the whole
+// device can hold, and kept while the pipeline lives).
 #include "common.glsl"
+#ifdef DU
+#define SN DU
+#define SN_UNROLL [[unroll]]
+#else
+#define SN WG
+#define SN_UNROLL
+#endif
 
 #ifdef CONV
 layout(binding = 0, std430) readonly buffer Cx { float cx[]; };   // [T][C]
@@ -112,8 +124,8 @@ void main() {
     float scale = inversesqrt(float(WG));
     uint sb = ((seq * pc.n_v + h) * WG + j) * WG;
     bool fresh = STEP_POS(t0) == 0u;
-    float s[WG];
-    for (uint i = 0u; i < WG; i++) {
+    float s[SN];
+    SN_UNROLL for (uint i = 0u; i < SN; i++) {
         s[i] = fresh ? 0.0 : st[sb + i];
     }
     for (uint t = t0; t < step.n_tokens && STEP_SEQ(t) == seq; t++) {
@@ -141,7 +153,7 @@ void main() {
         float decay = exp(sp * a[h]);
         float b = 1.0 / (1.0 + exp(-beta[t * pc.n_v + h]));
         float kv = 0.0;
-        for (uint i = 0u; i < WG; i++) {
+        SN_UNROLL for (uint i = 0u; i < SN; i++) {
             s[i] *= decay;
             kv += s[i] * ks[i];
         }
@@ -151,7 +163,7 @@ void main() {
         float delta = (v[(t * pc.n_v + h) * WG + j] - kv) * b;
 #endif
         float acc = 0.0;
-        for (uint i = 0u; i < WG; i++) {
+        SN_UNROLL for (uint i = 0u; i < SN; i++) {
             s[i] += ks[i] * delta;
             acc += s[i] * qs[i];
         }
@@ -171,7 +183,7 @@ void main() {
         o[(t * pc.n_v + h) * WG + j] = acc;
 #endif
     }
-    for (uint i = 0u; i < WG; i++) {
+    SN_UNROLL for (uint i = 0u; i < SN; i++) {
         st[sb + i] = s[i];
     }
 }

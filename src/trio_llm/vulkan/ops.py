@@ -358,6 +358,10 @@ class Ops:
     #: `bench/h200.sh verify` on the H200 (2026-12-01), where it took llama-1b's 8k
     #: prefill through the backend from 1.59 s to 0.85 s
     prefill_cm: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_PREFILL_CM", "1") != "0")
+    #: delta_net.comp with the head dim a compile-time constant (DU) and its loops
+    #: unrolled, so that a lane's column of the state can live in registers;
+    #: TRIO_LLM_DELTA_UNROLL=1 (off until the H200's bench/pipemem.py and decode A/B say)
+    delta_unroll: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_DELTA_UNROLL", "0") == "1")
     #: prefill buckets' expert products grouped by expert and tiled (moe_group +
     #: moe_matmul); TRIO_LLM_MOE_MATMUL=0 keeps moe_matvec per (token, expert) pair,
     #: the A/B of bench/decode.py's MoE prefill
@@ -1223,9 +1227,11 @@ class Ops:
         if conv is not None:
             defines["CONV"] = 1
             push += (conv[0], conv[1], float(conv[2]))
+        if self.delta_unroll:
+            defines["DU"] = d  # the column in registers (delta_net.comp)
         # the norms' sums as rms_norm.comp and l2_norm.comp make them with norm_wg lanes
         kern = self.kernels.get("delta_net", n_bindings=len(views), n_push=len(push), local_size=d,
-                                defines=defines or None, spec={1: min(self.norm_wg, d)} if defines else None)
+                                defines=defines or None, spec={1: min(self.norm_wg, d)} if defines.keys() - {"DU"} else None)
         return Dispatch(kern, views, push, (n_v, cap, 1))
 
     def delta_prep(

@@ -594,6 +594,8 @@ def hybrid_variants() -> Iterable[tuple[str, dict[str, object]]]:
     forms: tuple[dict[str, object], ...] = ({"GATED_NORM": 1}, {"CONV": 1}, {"CONV": 1, "GATED_NORM": 1})
     for d in forms:
         yield "delta_net", d
+    for d in ({}, *forms):  # TRIO_LLM_DELTA_UNROLL=1 at the real models' head dim
+        yield "delta_net", {**d, "DU": 128}
     forms = ({"RESID": 1}, {"SHEXP": 1}, {"SHEXP": 1, "RESID": 1})
     for d in forms:
         yield "moe_combine", d

@@ -1,0 +1,108 @@
+"""Where the device memory of a released model goes (issue 12's cold memory, a diagnosis).
+
+On the H200 a hybrid model released at level ``all`` kept 49 MiB by the driver's
+per-process counter while the backend held no buffer (llama-1b: 27 MiB). This takes a
+model apart, one process per model so that each counter starts from nothing:
+
+- the driver's figure (``nvidia-smi --query-compute-apps``) with the Vulkan device open
+  and nothing made, after the backend's load, after a prefill and some decode steps,
+  and after ``release(all)``;
+- then the pipelines destroyed one at a time, the figure after each: a pipeline whose
+  destruction gives memory back held it (on NVIDIA, a shader's local memory, the
+  registers it spills and its dynamically indexed arrays, is sized for the whole
+  GPU's resident threads);
+- then the pipeline cache and the command pool.
+
+Prints a table and writes one JSON record (``bench/results/pipemem-*.json``). Without
+nvidia-smi (lavapipe) the figures are None and only the pipeline list means anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import common
+import numpy as np
+from e2e import device_mib
+
+
+def one(path: Path, ctx: int) -> dict[str, Any]:
+    from trio_llm.engine.backend import Level, SeqBatch
+    from trio_llm.engine.loader import open_backend
+    from trio_llm.model.gguf import load_gguf
+    from trio_llm.vulkan.device import shared_device
+
+    pid = os.getpid()
+    out: dict[str, Any] = {"model": path.name}
+    dev = shared_device()
+    out["device_open_mib"] = device_mib(pid)
+    be: Any = open_backend("vulkan", load_gguf(path), n_ctx=ctx, n_seq=1)
+    out["loaded_mib"] = device_mib(pid)
+    out["kernels_after_load"] = len(be._kernels._kernels)
+    toks = (np.arange(64) * 7 + 11).astype(np.int32) % 1000
+    be.forward([SeqBatch(0, toks, 0)])
+    for i in range(8):
+        be.forward([SeqBatch(0, np.array([5 + i], np.int32), 64 + i)])
+    out["ran_mib"] = device_mib(pid)
+    out["backend_bytes_resident"] = int(sum(be.memory().values()))
+    be.release(Level.ALL)
+    out["released_mib"] = device_mib(pid)
+    out["backend_bytes_released"] = int(sum(be.memory().values()))
+    kc = be._kernels
+    vk = dev.vk
+    rows = []
+    last = out["released_mib"]
+    for key, k in sorted(kc._kernels.items(), key=lambda kv: repr(kv[0])):
+        vk.vkDestroyPipeline(dev.handle, k.pipeline, None)
+        now = device_mib(pid)
+        rows.append({"kernel": k.name, "defines": dict(key[1]), "spec": dict(key[2]), "local_size": k.local_size,
+                     "mib_after": now, "freed_mib": (last - now) if (last is not None and now is not None) else None})
+        last = now
+    kc._kernels.clear()  # destroyed above: close() must not destroy them again
+    out["pipelines"] = rows
+    out["pipelines_destroyed_mib"] = last
+    dev.trim_command_pool()
+    out["pool_trimmed_mib"] = device_mib(pid)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", action="append", required=True, type=Path)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--one", action="store_true", help="(internal) one model, in this process, JSON on stdout")
+    args = ap.parse_args()
+    if args.one:
+        print("PIPEMEM " + json.dumps(one(args.model[0], args.ctx)), flush=True)
+        return 0
+    results = []
+    for m in args.model:
+        p = subprocess.run([sys.executable, __file__, "--one", "--model", str(m), "--ctx", str(args.ctx)],
+                           capture_output=True, text=True, timeout=600)
+        line = next((x for x in p.stdout.splitlines() if x.startswith("PIPEMEM ")), None)
+        if line is None:
+            print(f"{m.name}: failed (exit {p.returncode}): {p.stderr[-2000:]}", file=sys.stderr)
+            results.append({"model": m.name, "error": p.stderr[-2000:]})
+            continue
+        r = json.loads(line[len("PIPEMEM "):])
+        results.append(r)
+        print(f"\n{r['model']}: device open {r['device_open_mib']} MiB, loaded {r['loaded_mib']}, "
+              f"ran {r['ran_mib']}, released {r['released_mib']}, pipelines destroyed "
+              f"{r['pipelines_destroyed_mib']}, pool trimmed {r['pool_trimmed_mib']}")
+        common.print_table([{"kernel": x["kernel"], "defines": ",".join(f"{k}={v}" for k, v in x["defines"].items()),
+                             "spec": ",".join(f"{k}={v}" for k, v in x["spec"].items()),
+                             "freed_mib": x["freed_mib"]} for x in r["pipelines"]])
+    path = common.write_result("pipemem", {"model": [str(m) for m in args.model], "ctx": args.ctx},
+                               {"rows": results})
+    print(f"wrote {path}")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
