@@ -13,10 +13,6 @@ model apart, one process per model so that each counter starts from nothing:
   GPU's resident threads);
 - then the pipeline cache and the command pool.
 
-Before that, one release at ``all`` and its restore with the pipelines kept
-(``TRIO_LLM_RELEASE_PIPELINES=0``) and destroyed (the default, ``KernelCache.let_go``): the
-driver's figure while released, the restore's time and the first token's after it.
-
 Prints a table and writes one JSON record (``bench/results/pipemem-*.json``). Without
 nvidia-smi (lavapipe) the figures are None and only the pipeline list means anything.
 """
@@ -55,17 +51,6 @@ def one(path: Path, ctx: int) -> dict[str, Any]:
         be.forward([SeqBatch(0, np.array([5 + i], np.int32), 64 + i)])
     out["ran_mib"] = device_mib(pid)
     out["backend_bytes_resident"] = int(sum(be.memory().values()))
-    # a release at all and its restore, the pipelines kept and destroyed (KernelCache.let_go):
-    # the driver's figure when released, the restore's seconds and the first token's after it
-    for pos, keep in ((72, "0"), (73, "1")):  # a hybrid's state continues: each token at the next position
-        one_tok = [SeqBatch(0, np.array([3], np.int32), pos)]
-        os.environ["TRIO_LLM_RELEASE_PIPELINES"] = "0" if keep == "1" else "1"
-        tag = "kept" if keep == "1" else "destroyed"
-        be.release(Level.ALL)
-        out[f"released_pipelines_{tag}_mib"] = device_mib(pid)
-        out[f"restore_pipelines_{tag}_s"] = common.timed(be.restore)[0]
-        out[f"first_forward_pipelines_{tag}_s"] = common.timed(lambda b=one_tok: be.forward(b))[0]
-    os.environ["TRIO_LLM_RELEASE_PIPELINES"] = "0"  # below they go one at a time, by hand
     be.release(Level.ALL)
     out["released_mib"] = device_mib(pid)
     out["backend_bytes_released"] = int(sum(be.memory().values()))
@@ -110,10 +95,6 @@ def main() -> int:
         print(f"\n{r['model']}: device open {r['device_open_mib']} MiB, loaded {r['loaded_mib']}, "
               f"ran {r['ran_mib']}, released {r['released_mib']}, pipelines destroyed "
               f"{r['pipelines_destroyed_mib']}, pool trimmed {r['pool_trimmed_mib']}")
-        for tag in ("kept", "destroyed"):
-            print(f"  release at all, pipelines {tag}: {r[f'released_pipelines_{tag}_mib']} MiB released, restore "
-                  f"{r[f'restore_pipelines_{tag}_s'] * 1e3:.1f} ms, first token after it "
-                  f"{r[f'first_forward_pipelines_{tag}_s'] * 1e3:.1f} ms")
         common.print_table([{"kernel": x["kernel"], "defines": ",".join(f"{k}={v}" for k, v in x["defines"].items()),
                              "spec": ",".join(f"{k}={v}" for k, v in x["spec"].items()),
                              "freed_mib": x["freed_mib"]} for x in r["pipelines"]])

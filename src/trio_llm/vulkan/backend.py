@@ -87,11 +87,6 @@ class VulkanStatistics:
     releases: int
     restores: int
     level: str | None
-    #: the shared KernelCache's: its pipelines destroyed now (a release at all), how
-    #: many times, and the pipelines made again since
-    pipelines_released: bool = False
-    pipeline_releases: int = 0
-    pipelines_remade: int = 0
 
 
 class VulkanBackend:
@@ -155,7 +150,6 @@ class VulkanBackend:
         if kernels is None:
             kernels = device.extras["kernels"] = KernelCache(device)
         self._kernels: KernelCache = kernels
-        kernels.attach(self)
         self._ops = Ops(self._kernels, subgroup=device.limits.subgroup_size,
                         matvec_rows=max(1, 64 // device.limits.subgroup_size),
                         coopmat=device.coopmat and 256 % device.limits.subgroup_size == 0)
@@ -419,8 +413,6 @@ class VulkanBackend:
                 self._sampler.trim()
                 if self._device is not None:
                     self._device.trim_command_pool()
-                # and the pipelines, if no other backend of this process runs them
-                self._kernels.let_go(self)
             if depth >= _DEPTH[Level.UNLOAD]:
                 self._kv.free_host()
                 self._rs.free_host()
@@ -434,7 +426,6 @@ class VulkanBackend:
         if self._level is None:
             return
         with self._guard("restore"):
-            self._kernels.hold(self)  # the pipelines again, if a release at all destroyed them
             self._weights.ensure_shadow()
             self._act.allocate()
             # weights largest first, then the KV cache's per-layer buffers (small): one
@@ -598,8 +589,6 @@ class VulkanBackend:
                 device.vk.vkQueueWaitIdle(device.queue)
             try:
                 self._drop_graphs()
-                if hasattr(self, "_kernels"):
-                    self._kernels.detach(self)
                 if hasattr(self, "_alloc"):
                     self._alloc.free_all()
             except Exception as exc:  # close must not raise: log and go on
@@ -621,9 +610,6 @@ class VulkanBackend:
             releases=self._releases,
             restores=self._restores,
             level=self._level.value if self._level is not None else None,
-            pipelines_released=self._kernels.released,
-            pipeline_releases=self._kernels.releases,
-            pipelines_remade=self._kernels.remade,
         )
 
     def replay(self, n_tokens: int) -> None:

@@ -29,17 +29,16 @@ from trio_llm.vulkan import shaders
 from trio_llm.vulkan.device import Device, vk_errors
 
 
-@attrs.define(eq=False)
+@attrs.frozen
 class Kernel:
     name: str
     n_bindings: int
     n_push: int  # 32-bit words of push constants
     local_size: int
-    pipeline: Any  # None while its cache has the pipelines released (KernelCache.let_go)
+    pipeline: Any
     layout: Any
     set_layout: Any
     module: Any
-    spec: dict[int, int] = attrs.field(factory=dict)  # to make the pipeline again
 
 
 log = logging.getLogger(__name__)
@@ -66,11 +65,6 @@ class KernelCache:
     )
     _kernels: dict[tuple[object, ...], Kernel] = attrs.field(factory=dict)
     _pcache: Any = None
-    #: the backends sharing these pipelines: True while one may run them (see let_go)
-    _owners: dict[int, bool] = attrs.field(factory=dict)
-    released: bool = False  # the pipelines are destroyed (modules and layouts kept)
-    releases: int = 0
-    remade: int = 0  # pipelines made again after a release
     loaded_bytes: int = 0  # pipeline-cache bytes read from disk at creation
     dirty: bool = False  # pipelines were compiled since the last save
 
@@ -112,51 +106,6 @@ class KernelCache:
         except (OSError, RuntimeError) as exc:
             log.info("pipeline cache not saved to %s: %s", self.cache_path, exc)
 
-    def attach(self, owner: object) -> None:
-        """``owner`` (a backend) runs these pipelines from now until ``detach``."""
-        self._owners[id(owner)] = True
-        self.hold(owner)
-
-    def detach(self, owner: object) -> None:
-        self._owners.pop(id(owner), None)
-
-    def let_go(self, owner: object) -> None:
-        """``owner`` runs nothing until ``hold`` (a release at level ``all``); when no
-        owner may run them, the pipelines are destroyed, their modules and layouts kept.
-        On NVIDIA a pipeline holds device memory of its own (its local memory, sized for
-        every thread the device can hold) that the process keeps while it lives: the
-        H200's counter kept 49 MiB for a released qwen35-0.8b whose backend held no
-        buffer (bench/pipemem.py takes it apart). ``hold`` makes them again through the
-        pipeline cache, which holds their compiled code: no compile. A command buffer
-        recorded with them must not be submitted after this (the backend's release at
-        ``all`` resets them all, and its restore records them again)."""
-        if id(owner) in self._owners:
-            self._owners[id(owner)] = False
-        if self.released or any(self._owners.values()) or not release_pipelines():
-            return
-        vk = self.device.vk
-        for k in self._kernels.values():
-            if k.pipeline is not None:
-                vk.vkDestroyPipeline(self.device.handle, k.pipeline, None)
-                k.pipeline = None
-        self.released = True
-        self.releases += 1
-
-    def hold(self, owner: object) -> None:
-        """``owner`` may run the pipelines again: made again if they were released."""
-        if id(owner) in self._owners:
-            self._owners[id(owner)] = True
-        self._remake()
-
-    def _remake(self) -> None:
-        if not self.released:
-            return
-        for k in self._kernels.values():
-            if k.pipeline is None:
-                k.pipeline = self._pipeline(k.module, k.layout, k.spec, k.name)
-                self.remade += 1
-        self.released = False
-
     def get(
         self,
         name: str,
@@ -170,7 +119,6 @@ class KernelCache:
         """The pipeline for ``name``; ``local_size`` is specialization constant 0."""
         spec_all = {0: local_size, **(spec or {})}
         key = (name, tuple(sorted((defines or {}).items())), tuple(sorted(spec_all.items())), n_bindings, n_push)
-        self._remake()  # a kernel asked for will be recorded: its pipeline must exist
         kernel = self._kernels.get(key)
         if kernel is None:
             kernel = self._create(name, n_bindings, n_push, local_size, defines, spec_all)
@@ -220,26 +168,22 @@ class KernelCache:
                 ),
                 None,
             )
-        pipeline = self._pipeline(module, layout, spec, name)
-        self.dirty = True
-        return Kernel(name, n_bindings, n_push, local_size, pipeline, layout, set_layout, module, dict(spec))
-
-    def _pipeline(self, module: Any, layout: Any, spec: dict[int, int], name: str) -> Any:
-        vk = self.device.vk
-        ids = sorted(spec)
-        data = vk.ffi.new("uint32_t[]", [int(spec[i]) & 0xFFFFFFFF for i in ids])
-        entries = [vk.VkSpecializationMapEntry(constantID=cid, offset=4 * j, size=4) for j, cid in enumerate(ids)]
-        spec_info = vk.VkSpecializationInfo(
-            mapEntryCount=len(ids), pMapEntries=entries, dataSize=4 * len(ids), pData=data
-        )
-        stage = vk.VkPipelineShaderStageCreateInfo(
-            stage=vk.VK_SHADER_STAGE_COMPUTE_BIT, module=module, pName="main", pSpecializationInfo=spec_info
-        )
-        with vk_errors(f"create pipeline {name}"):
-            return vk.vkCreateComputePipelines(
-                self.device.handle, self._pcache, 1, [vk.VkComputePipelineCreateInfo(stage=stage, layout=layout)],
-                None,
+            ids = sorted(spec)
+            data = vk.ffi.new("uint32_t[]", [int(spec[i]) & 0xFFFFFFFF for i in ids])
+            entries = [
+                vk.VkSpecializationMapEntry(constantID=cid, offset=4 * j, size=4) for j, cid in enumerate(ids)
+            ]
+            spec_info = vk.VkSpecializationInfo(
+                mapEntryCount=len(ids), pMapEntries=entries, dataSize=4 * len(ids), pData=data
+            )
+            stage = vk.VkPipelineShaderStageCreateInfo(
+                stage=vk.VK_SHADER_STAGE_COMPUTE_BIT, module=module, pName="main", pSpecializationInfo=spec_info
+            )
+            pipeline = vk.vkCreateComputePipelines(
+                dev, self._pcache, 1, [vk.VkComputePipelineCreateInfo(stage=stage, layout=layout)], None
             )[0]
+        self.dirty = True
+        return Kernel(name, n_bindings, n_push, local_size, pipeline, layout, set_layout, module)
 
     def close(self) -> None:
         self.save()
@@ -249,18 +193,11 @@ class KernelCache:
             vk.vkDestroyPipelineCache(dev, self._pcache, None)
             self._pcache = None
         for k in self._kernels.values():
-            if k.pipeline is not None:
-                vk.vkDestroyPipeline(dev, k.pipeline, None)
+            vk.vkDestroyPipeline(dev, k.pipeline, None)
             vk.vkDestroyPipelineLayout(dev, k.layout, None)
             vk.vkDestroyDescriptorSetLayout(dev, k.set_layout, None)
             vk.vkDestroyShaderModule(dev, k.module, None)
         self._kernels.clear()
-
-
-def release_pipelines() -> bool:
-    """Whether a release at level ``all`` destroys the pipelines (KernelCache.let_go);
-    TRIO_LLM_RELEASE_PIPELINES=0 keeps them."""
-    return os.environ.get("TRIO_LLM_RELEASE_PIPELINES", "1") != "0"
 
 
 def _ok(vk: Any, result: int) -> None:
