@@ -448,6 +448,9 @@ for i in range(4):
       stage "pipemem-decode-unroll$u" 90 env TRIO_LLM_DELTA_UNROLL=$u $PY bench/decode.py --model "${PM[0]}" \
         --backends vulkan --pp 512 --tg 128 --repeats 2
     done ;;
+  coldmem2)  # issue 12's cold memory taken apart through the server: qwen35-0.8b without context checkpoints
+    stage coldmem-nockpt 120 $PY bench/coldmem.py --model "$(model qwen35-0.8b Q4_K_M)" --backend vulkan \
+      --arg=--ctx-checkpoints --arg=0 --log-dir "$RES/coldmem2-logs" ;;
   sample)  # the device sampling tests alone (also in verify)
     stage verify-sample 150 $PY -m pytest -q -p no:cacheprovider tests/test_devsample.py tests/test_server_decode.py ;;
   serverpath)  # issue 14: the backend's own decode beside /completion on the same file, per-token breakdown;

@@ -13,6 +13,10 @@ model apart, one process per model so that each counter starts from nothing:
   GPU's resident threads);
 - then the pipeline cache and the command pool.
 
+For a hybrid, before the release: its recurrent state read (as a context checkpoint is)
+and, after a release and restore, written back (as after a wake), the figure after each
+and after a release that follows each.
+
 Prints a table and writes one JSON record (``bench/results/pipemem-*.json``). Without
 nvidia-smi (lavapipe) the figures are None and only the pipeline list means anything.
 """
@@ -51,6 +55,21 @@ def one(path: Path, ctx: int) -> dict[str, Any]:
         be.forward([SeqBatch(0, np.array([5 + i], np.int32), 64 + i)])
     out["ran_mib"] = device_mib(pid)
     out["backend_bytes_resident"] = int(sum(be.memory().values()))
+    if be._rs.sizes:
+        # a hybrid: the server's context checkpoints read its state and write it back after a
+        # wake (slot save/restore too), through copy_seq's host buffers
+        n_pos = int(be._rs_pos[0])
+        st = be.read_state(0, raw=True)
+        out["state_bytes"] = int(st.nbytes)
+        out["state_read_mib"] = device_mib(pid)
+        be.release(Level.ALL)
+        out["released_after_state_read_mib"] = device_mib(pid)
+        be.restore()
+        be.write_state(0, st, n_pos, raw=True)
+        out["state_written_mib"] = device_mib(pid)
+        be.release(Level.ALL)
+        out["released_after_state_write_mib"] = device_mib(pid)
+        be.restore()
     be.release(Level.ALL)
     out["released_mib"] = device_mib(pid)
     out["backend_bytes_released"] = int(sum(be.memory().values()))
@@ -95,6 +114,10 @@ def main() -> int:
         print(f"\n{r['model']}: device open {r['device_open_mib']} MiB, loaded {r['loaded_mib']}, "
               f"ran {r['ran_mib']}, released {r['released_mib']}, pipelines destroyed "
               f"{r['pipelines_destroyed_mib']}, pool trimmed {r['pool_trimmed_mib']}")
+        if "state_bytes" in r:
+            print(f"  recurrent state {r['state_bytes'] / 2**20:.1f} MiB: read {r['state_read_mib']} MiB, released after "
+                  f"{r['released_after_state_read_mib']}, written back {r['state_written_mib']}, released after "
+                  f"{r['released_after_state_write_mib']}")
         common.print_table([{"kernel": x["kernel"], "defines": ",".join(f"{k}={v}" for k, v in x["defines"].items()),
                              "spec": ",".join(f"{k}={v}" for k, v in x["spec"].items()),
                              "freed_mib": x["freed_mib"]} for x in r["pipelines"]])
