@@ -22,6 +22,23 @@
 // the size a specialization constant the loops stay loops and the array is indexed at run
 // time, which a GPU may place in local memory (on NVIDIA sized for every thread the whole
 // device can hold, and kept while the pipeline lives).
+// DP (2, 4 or 8, with DU): the split-lane form, DP adjacent lanes of one subgroup per
+// column. The work group is DP * d lanes, one head (DP = 8 at d = 128 is the 1024-lane
+// limit; one head per group keeps the grid and the early exits as in the other forms):
+// lane l holds part p = l % DP of column j = l / DP, the d / DP rows i = 4 (r DP + p) + c
+// (r < d / (4 DP), c < 4) as d / (4 DP) vec4s, so that the DP lanes of a column read DP
+// adjacent vec4s of the column at once (the state binding is read as vec4s: 16-byte
+// aligned, d a multiple of 4 DP). Per token each lane makes its partial of k.S_col and
+// of q.S_col and a subgroupShuffleXor butterfly over the DP lanes (adjacent, DP dividing
+// the subgroup, so every xor stays within the column) leaves the full sums in each of
+// them, the same value in each (each step adds the same two partials); part 0 writes the
+// output. q and k (and with CONV v) sit in shared memory double-buffered by the token's
+// parity, so a token needs one barrier before its reads, none before its writes (the
+// buffer written was last read two tokens before, behind the previous token's barrier).
+// The lanes l < d load (or with CONV make) the token's q, k, v as lane j does in the
+// other forms; the norms' sums are made over the same NW lanes in the same order
+// (head_sum: wg_sum without the partials of the subgroups past the first NW lanes,
+// which are zeros; a group of 1024 lanes has more subgroups than reduce.glsl's slots).
 #include "common.glsl"
 #ifdef DU
 #define SN DU
@@ -29,6 +46,13 @@
 #else
 #define SN WG
 #define SN_UNROLL
+#endif
+#ifdef DP
+#extension GL_KHR_shader_subgroup_shuffle : require
+#define HD DU                  // the head dim (the work group is DP * HD lanes)
+#define NR (DU / (4 * DP))     // vec4s of its column a lane holds
+#else
+#define HD WG
 #endif
 
 #ifdef CONV
@@ -45,7 +69,11 @@ layout(binding = 4, std430) readonly buffer B { float beta[]; };
 layout(binding = 5, std430) readonly buffer Dt { float dt[]; };
 layout(binding = 6, std430) readonly buffer Ad { float a[]; };
 layout(binding = 7, std430) writeonly buffer O { float o[]; };
+#ifdef DP
+layout(binding = 8, std430) buffer S { vec4 st4[]; };  // the same layout, 4 rows a word
+#else
 layout(binding = 8, std430) buffer S { float st[]; };
+#endif
 DECLARE_STEP(9)
 
 #ifdef GATED_NORM
@@ -67,13 +95,57 @@ layout(push_constant) uniform Push {
 #endif
 } pc;
 
+#ifdef DP
+// [token parity][HD / 4]: value i of buffer b is QS(b, i), vec4 r of it QS4(b, r)
+shared vec4 qs4[2][HD / 4];
+shared vec4 ks4[2][HD / 4];
+#define QS(b, i) qs4[b][(i) >> 2][(i) & 3u]
+#define KS(b, i) ks4[b][(i) >> 2][(i) & 3u]
+#ifdef CONV
+shared float vs[2][HD];
+#endif
+#else
 shared float qs[WG];
 shared float ks[WG];
+#define QS(b, i) qs[i]
+#define KS(b, i) ks[i]
+#endif
 #ifdef GATED_NORM
-shared float os[WG];
+shared float os[HD];
 #endif
 #if defined(GATED_NORM) || defined(CONV)
 #include "reduce.glsl"
+#ifdef DP
+// wg_sum of a value that only the lanes l < NW hold (zeros elsewhere): the same sum,
+// without the slots of the subgroups past them (zeros), so that any work group fits
+float head_sum(float v) {
+    float s = subgroupAdd(v);
+    uint n = (NW + gl_SubgroupSize - 1u) / gl_SubgroupSize;
+    if (subgroupElect() && gl_SubgroupID < n) {
+        red_buf[gl_SubgroupID] = s;
+    }
+    barrier();
+    float r = 0.0;
+    for (uint i = 0u; i < n; i++) {
+        r += red_buf[i];
+    }
+    barrier();
+    return r;
+}
+#define NORM_SUM head_sum
+#else
+#define NORM_SUM wg_sum
+#endif
+#endif
+
+#ifdef DP
+// the sum of v over the DP lanes of a column, in each of them
+float split_sum(float v) {
+    [[unroll]] for (uint x = 1u; x < DP; x <<= 1) {
+        v += subgroupShuffleXor(v, x);
+    }
+    return v;
+}
 #endif
 
 #ifdef CONV
@@ -96,16 +168,17 @@ float conv_at(uint ch, uint t, uint seq, uint i, bool fresh) {
     return acc / (1.0 + exp(-acc));
 }
 
-// 1 / max(|head|, eps) of the head in a shared array, summed as l2_norm.comp sums it
-float l2_scale(uint j, bool of_q) {
+// 1 / max(|head|, eps) of the head in buffer b of a shared array, summed as
+// l2_norm.comp sums it (lane l < NW: the values l, l + NW, ...)
+float l2_scale(uint l, uint b, bool of_q) {
     float ss = 0.0;
-    if (j < NW) {
-        for (uint i = j; i < WG; i += NW) {
-            float u = of_q ? qs[i] : ks[i];
+    if (l < NW) {
+        for (uint i = l; i < HD; i += NW) {
+            float u = of_q ? QS(b, i) : KS(b, i);
             ss += u * u;
         }
     }
-    return 1.0 / max(sqrt(wg_sum(ss)), pc.l2_eps);
+    return 1.0 / max(sqrt(NORM_SUM(ss)), pc.l2_eps);
 }
 #endif
 
@@ -119,39 +192,93 @@ void main() {
     if (t0 > 0u && STEP_SEQ(t0 - 1u) == seq) {
         return;  // not the first token of its run
     }
-    uint j = gl_LocalInvocationID.x;
+    uint l = gl_LocalInvocationID.x;
+#ifdef DP
+    uint j = l / DP;  // the column
+    uint p = l % DP;  // the lane's part of it
+    bool loads = l < HD;  // the lanes that load the token's q, k (v), one value each
+    bool writes = p == 0u;
+#else
+    uint j = l;
+    bool loads = true;
+    bool writes = true;
+#endif
     uint kh = h % pc.n_k;
-    float scale = inversesqrt(float(WG));
-    uint sb = ((seq * pc.n_v + h) * WG + j) * WG;
+    float scale = inversesqrt(float(HD));
     bool fresh = STEP_POS(t0) == 0u;
+#ifdef DP
+    uint sb = ((seq * pc.n_v + h) * HD + j) * (HD / 4u) + p;  // in vec4s; vec4 r at sb + r DP
+    vec4 s[NR];
+    [[unroll]] for (uint r = 0u; r < NR; r++) {
+        s[r] = fresh ? vec4(0.0) : st4[sb + r * DP];
+    }
+#else
+    uint sb = ((seq * pc.n_v + h) * WG + j) * WG;
     float s[SN];
     SN_UNROLL for (uint i = 0u; i < SN; i++) {
         s[i] = fresh ? 0.0 : st[sb + i];
     }
+#endif
     for (uint t = t0; t < step.n_tokens && STEP_SEQ(t) == seq; t++) {
-        barrier();
-#ifdef CONV
-        uint key = pc.n_k * WG;
-        uint ci = min(t - t0, pc.kc - 1u);
-        float qv = conv_at(kh * WG + j, t, seq, ci, fresh);
-        float kv0 = conv_at(key + kh * WG + j, t, seq, ci, fresh);
-        float vv = conv_at(2u * key + h * WG + j, t, seq, ci, fresh);
-        qs[j] = qv;
-        ks[j] = kv0;
-        barrier();
-        float sq = l2_scale(j, true);
-        float sk = l2_scale(j, false);
-        qs[j] = qv * sq * scale;
-        ks[j] = kv0 * sk;
+#ifdef DP
+        uint bf = (t - t0) & 1u;
 #else
-        qs[j] = q[(t * pc.n_k + kh) * WG + j] * scale;
-        ks[j] = k[(t * pc.n_k + kh) * WG + j];
+        uint bf = 0u;
+        barrier();
+#endif
+#ifdef CONV
+        uint key = pc.n_k * HD;
+        uint ci = min(t - t0, pc.kc - 1u);
+        float qv = 0.0;
+        float kv0 = 0.0;
+        float vv = 0.0;
+        if (loads) {
+            qv = conv_at(kh * HD + l, t, seq, ci, fresh);
+            kv0 = conv_at(key + kh * HD + l, t, seq, ci, fresh);
+            vv = conv_at(2u * key + h * HD + l, t, seq, ci, fresh);
+            QS(bf, l) = qv;
+            KS(bf, l) = kv0;
+#ifdef DP
+            vs[bf][l] = vv;
+#endif
+        }
+        barrier();
+        float sq = l2_scale(l, bf, true);
+        float sk = l2_scale(l, bf, false);
+        if (loads) {
+            QS(bf, l) = qv * sq * scale;
+            KS(bf, l) = kv0 * sk;
+        }
+#else
+        if (loads) {
+            QS(bf, l) = q[(t * pc.n_k + kh) * HD + l] * scale;
+            KS(bf, l) = k[(t * pc.n_k + kh) * HD + l];
+        }
 #endif
         barrier();
         float x = alpha[t * pc.n_v + h] + dt[h];
         float sp = x > 20.0 ? x : log(1.0 + exp(x));
         float decay = exp(sp * a[h]);
         float b = 1.0 / (1.0 + exp(-beta[t * pc.n_v + h]));
+#ifdef DP
+        float kv = 0.0;
+        [[unroll]] for (uint r = 0u; r < NR; r++) {
+            s[r] *= decay;
+            kv += dot(s[r], ks4[bf][r * DP + p]);
+        }
+        kv = split_sum(kv);
+#ifdef CONV
+        float delta = (vs[bf][j] - kv) * b;
+#else
+        float delta = (v[(t * pc.n_v + h) * HD + j] - kv) * b;
+#endif
+        float acc = 0.0;
+        [[unroll]] for (uint r = 0u; r < NR; r++) {
+            s[r] += ks4[bf][r * DP + p] * delta;
+            acc += dot(s[r], qs4[bf][r * DP + p]);
+        }
+        acc = split_sum(acc);
+#else
         float kv = 0.0;
         SN_UNROLL for (uint i = 0u; i < SN; i++) {
             s[i] *= decay;
@@ -167,23 +294,36 @@ void main() {
             s[i] += ks[i] * delta;
             acc += s[i] * qs[i];
         }
+#endif
 #ifdef GATED_NORM
-        os[j] = acc;
+        if (writes) {
+            os[j] = acc;
+        }
         barrier();
         float ss = 0.0;
-        if (j < NW) {
-            for (uint i = j; i < WG; i += NW) {
+        if (l < NW) {
+            for (uint i = l; i < HD; i += NW) {
                 ss += os[i] * os[i];
             }
         }
-        float nscale = inversesqrt(wg_sum(ss) / float(WG) + pc.eps);
-        float zv = z[(t * pc.n_v + h) * WG + j];
-        o[(t * pc.n_v + h) * WG + j] = zv / (1.0 + exp(-zv)) * (acc * nscale * nw[j]);
+        float nscale = inversesqrt(NORM_SUM(ss) / float(HD) + pc.eps);
+        if (writes) {
+            float zv = z[(t * pc.n_v + h) * HD + j];
+            o[(t * pc.n_v + h) * HD + j] = zv / (1.0 + exp(-zv)) * (acc * nscale * nw[j]);
+        }
 #else
-        o[(t * pc.n_v + h) * WG + j] = acc;
+        if (writes) {
+            o[(t * pc.n_v + h) * HD + j] = acc;
+        }
 #endif
     }
+#ifdef DP
+    [[unroll]] for (uint r = 0u; r < NR; r++) {
+        st4[sb + r * DP] = s[r];
+    }
+#else
     SN_UNROLL for (uint i = 0u; i < SN; i++) {
         st[sb + i] = s[i];
     }
+#endif
 }
