@@ -6,7 +6,7 @@
 // lanes per (v head, first token of a run); lane j keeps column j of S (d values) in
 // registers, so every product is a lane's own loop over k and q held in shared memory.
 // State [n_seq][n_v][d (column j)][d (row i)]; a run starting at position 0 starts
-// from zeros. d is the work-group size.
+// from zeros. d is the work-group size (DP d in the DP form below).
 // GATED_NORM: each output head is then RMS-normed with the weight nw and multiplied by
 // silu(z) (qwen35's ssm_norm and its gate, rms_norm.comp then swiglu.comp unfused): the
 // sum of squares is made as rms_norm.comp makes it with a work group of NW lanes (lane
@@ -35,6 +35,8 @@
 // output. q and k (and with CONV v) sit in shared memory double-buffered by the token's
 // parity, so a token needs one barrier before its reads, none before its writes (the
 // buffer written was last read two tokens before, behind the previous token's barrier).
+// A token's inputs from memory (alpha, beta, z; q, k, v without CONV) are loaded during
+// the token before it, so that a long run waits on no load of its own per token.
 // The lanes l < d load (or with CONV make) the token's q, k, v as lane j does in the
 // other forms; the norms' sums are made over the same NW lanes in the same order
 // (head_sum: wg_sum without the partials of the subgroups past the first NW lanes,
@@ -96,7 +98,7 @@ layout(push_constant) uniform Push {
 } pc;
 
 #ifdef DP
-// [token parity][HD / 4]: value i of buffer b is QS(b, i), vec4 r of it QS4(b, r)
+// [token parity][HD / 4]: value i of buffer b is QS(b, i), vec4 r of it qs4[b][r]
 shared vec4 qs4[2][HD / 4];
 shared vec4 ks4[2][HD / 4];
 #define QS(b, i) qs4[b][(i) >> 2][(i) & 3u]
@@ -182,6 +184,7 @@ float l2_scale(uint l, uint b, bool of_q) {
 }
 #endif
 
+#ifdef DP
 void main() {
     uint h = gl_WorkGroupID.x;
     uint t0 = gl_WorkGroupID.y;
@@ -193,54 +196,48 @@ void main() {
         return;  // not the first token of its run
     }
     uint l = gl_LocalInvocationID.x;
-#ifdef DP
     uint j = l / DP;  // the column
     uint p = l % DP;  // the lane's part of it
-    bool loads = l < HD;  // the lanes that load the token's q, k (v), one value each
-    bool writes = p == 0u;
-#else
-    uint j = l;
-    bool loads = true;
-    bool writes = true;
-#endif
+    bool loads = l < HD;  // the lanes that load (make) the token's q, k (v), value l each
     uint kh = h % pc.n_k;
     float scale = inversesqrt(float(HD));
     bool fresh = STEP_POS(t0) == 0u;
-#ifdef DP
     uint sb = ((seq * pc.n_v + h) * HD + j) * (HD / 4u) + p;  // in vec4s; vec4 r at sb + r DP
     vec4 s[NR];
     [[unroll]] for (uint r = 0u; r < NR; r++) {
         s[r] = fresh ? vec4(0.0) : st4[sb + r * DP];
     }
-#else
-    uint sb = ((seq * pc.n_v + h) * WG + j) * WG;
-    float s[SN];
-    SN_UNROLL for (uint i = 0u; i < SN; i++) {
-        s[i] = fresh ? 0.0 : st[sb + i];
-    }
+    // token t's inputs, loaded while the token before it is worked on (the loop issues
+    // them before its barrier and first uses them a token later)
+    uint t = t0;
+    float fa = alpha[t * pc.n_v + h];
+    float fb = beta[t * pc.n_v + h];
+#ifdef GATED_NORM
+    float fz = z[(t * pc.n_v + h) * HD + j];
 #endif
-    for (uint t = t0; t < step.n_tokens && STEP_SEQ(t) == seq; t++) {
-#ifdef DP
+#ifndef CONV
+    float fq = loads ? q[(t * pc.n_k + kh) * HD + l] : 0.0;
+    float fk = loads ? k[(t * pc.n_k + kh) * HD + l] : 0.0;
+    float fv = v[(t * pc.n_v + h) * HD + j];
+#endif
+    for (;;) {
         uint bf = (t - t0) & 1u;
-#else
-        uint bf = 0u;
-        barrier();
+        float x = fa + dt[h];
+        float bt = fb;
+#ifdef GATED_NORM
+        float zv = fz;
 #endif
 #ifdef CONV
         uint key = pc.n_k * HD;
         uint ci = min(t - t0, pc.kc - 1u);
         float qv = 0.0;
         float kv0 = 0.0;
-        float vv = 0.0;
         if (loads) {
             qv = conv_at(kh * HD + l, t, seq, ci, fresh);
             kv0 = conv_at(key + kh * HD + l, t, seq, ci, fresh);
-            vv = conv_at(2u * key + h * HD + l, t, seq, ci, fresh);
+            vs[bf][l] = conv_at(2u * key + h * HD + l, t, seq, ci, fresh);
             QS(bf, l) = qv;
             KS(bf, l) = kv0;
-#ifdef DP
-            vs[bf][l] = vv;
-#endif
         }
         barrier();
         float sq = l2_scale(l, bf, true);
@@ -251,34 +248,119 @@ void main() {
         }
 #else
         if (loads) {
-            QS(bf, l) = q[(t * pc.n_k + kh) * HD + l] * scale;
-            KS(bf, l) = k[(t * pc.n_k + kh) * HD + l];
+            QS(bf, l) = fq * scale;
+            KS(bf, l) = fk;
         }
+        float vj = fv;
 #endif
+        uint tn = t + 1u;
+        bool more = tn < step.n_tokens && STEP_SEQ(tn) == seq;
+        if (more) {
+            fa = alpha[tn * pc.n_v + h];
+            fb = beta[tn * pc.n_v + h];
+#ifdef GATED_NORM
+            fz = z[(tn * pc.n_v + h) * HD + j];
+#endif
+#ifndef CONV
+            if (loads) {
+                fq = q[(tn * pc.n_k + kh) * HD + l];
+                fk = k[(tn * pc.n_k + kh) * HD + l];
+            }
+            fv = v[(tn * pc.n_v + h) * HD + j];
+#endif
+        }
         barrier();
-        float x = alpha[t * pc.n_v + h] + dt[h];
+#ifdef CONV
+        float vj = vs[bf][j];
+#endif
         float sp = x > 20.0 ? x : log(1.0 + exp(x));
         float decay = exp(sp * a[h]);
-        float b = 1.0 / (1.0 + exp(-beta[t * pc.n_v + h]));
-#ifdef DP
+        float b = 1.0 / (1.0 + exp(-bt));
         float kv = 0.0;
         [[unroll]] for (uint r = 0u; r < NR; r++) {
             s[r] *= decay;
             kv += dot(s[r], ks4[bf][r * DP + p]);
         }
-        kv = split_sum(kv);
-#ifdef CONV
-        float delta = (vs[bf][j] - kv) * b;
-#else
-        float delta = (v[(t * pc.n_v + h) * HD + j] - kv) * b;
-#endif
+        float delta = (vj - split_sum(kv)) * b;
         float acc = 0.0;
         [[unroll]] for (uint r = 0u; r < NR; r++) {
             s[r] += ks4[bf][r * DP + p] * delta;
             acc += dot(s[r], qs4[bf][r * DP + p]);
         }
         acc = split_sum(acc);
+#ifdef GATED_NORM
+        if (p == 0u) {
+            os[j] = acc;
+        }
+        barrier();
+        float ss = 0.0;
+        if (l < NW) {
+            for (uint i = l; i < HD; i += NW) {
+                ss += os[i] * os[i];
+            }
+        }
+        float nscale = inversesqrt(head_sum(ss) / float(HD) + pc.eps);
+        if (p == 0u) {
+            o[(t * pc.n_v + h) * HD + j] = zv / (1.0 + exp(-zv)) * (acc * nscale * nw[j]);
+        }
 #else
+        if (p == 0u) {
+            o[(t * pc.n_v + h) * HD + j] = acc;
+        }
+#endif
+        if (!more) {
+            break;
+        }
+        t = tn;
+    }
+    [[unroll]] for (uint r = 0u; r < NR; r++) {
+        st4[sb + r * DP] = s[r];
+    }
+}
+#else
+void main() {
+    uint h = gl_WorkGroupID.x;
+    uint t0 = gl_WorkGroupID.y;
+    if (t0 >= step.n_tokens) {
+        return;
+    }
+    uint seq = STEP_SEQ(t0);
+    if (t0 > 0u && STEP_SEQ(t0 - 1u) == seq) {
+        return;  // not the first token of its run
+    }
+    uint j = gl_LocalInvocationID.x;
+    uint kh = h % pc.n_k;
+    float scale = inversesqrt(float(WG));
+    uint sb = ((seq * pc.n_v + h) * WG + j) * WG;
+    bool fresh = STEP_POS(t0) == 0u;
+    float s[SN];
+    SN_UNROLL for (uint i = 0u; i < SN; i++) {
+        s[i] = fresh ? 0.0 : st[sb + i];
+    }
+    for (uint t = t0; t < step.n_tokens && STEP_SEQ(t) == seq; t++) {
+        barrier();
+#ifdef CONV
+        uint key = pc.n_k * WG;
+        uint ci = min(t - t0, pc.kc - 1u);
+        float qv = conv_at(kh * WG + j, t, seq, ci, fresh);
+        float kv0 = conv_at(key + kh * WG + j, t, seq, ci, fresh);
+        float vv = conv_at(2u * key + h * WG + j, t, seq, ci, fresh);
+        qs[j] = qv;
+        ks[j] = kv0;
+        barrier();
+        float sq = l2_scale(j, 0u, true);
+        float sk = l2_scale(j, 0u, false);
+        qs[j] = qv * sq * scale;
+        ks[j] = kv0 * sk;
+#else
+        qs[j] = q[(t * pc.n_k + kh) * WG + j] * scale;
+        ks[j] = k[(t * pc.n_k + kh) * WG + j];
+#endif
+        barrier();
+        float x = alpha[t * pc.n_v + h] + dt[h];
+        float sp = x > 20.0 ? x : log(1.0 + exp(x));
+        float decay = exp(sp * a[h]);
+        float b = 1.0 / (1.0 + exp(-beta[t * pc.n_v + h]));
         float kv = 0.0;
         SN_UNROLL for (uint i = 0u; i < SN; i++) {
             s[i] *= decay;
@@ -294,36 +376,24 @@ void main() {
             s[i] += ks[i] * delta;
             acc += s[i] * qs[i];
         }
-#endif
 #ifdef GATED_NORM
-        if (writes) {
-            os[j] = acc;
-        }
+        os[j] = acc;
         barrier();
         float ss = 0.0;
-        if (l < NW) {
-            for (uint i = l; i < HD; i += NW) {
+        if (j < NW) {
+            for (uint i = j; i < WG; i += NW) {
                 ss += os[i] * os[i];
             }
         }
-        float nscale = inversesqrt(NORM_SUM(ss) / float(HD) + pc.eps);
-        if (writes) {
-            float zv = z[(t * pc.n_v + h) * HD + j];
-            o[(t * pc.n_v + h) * HD + j] = zv / (1.0 + exp(-zv)) * (acc * nscale * nw[j]);
-        }
+        float nscale = inversesqrt(wg_sum(ss) / float(WG) + pc.eps);
+        float zv = z[(t * pc.n_v + h) * WG + j];
+        o[(t * pc.n_v + h) * WG + j] = zv / (1.0 + exp(-zv)) * (acc * nscale * nw[j]);
 #else
-        if (writes) {
-            o[(t * pc.n_v + h) * HD + j] = acc;
-        }
+        o[(t * pc.n_v + h) * WG + j] = acc;
 #endif
     }
-#ifdef DP
-    [[unroll]] for (uint r = 0u; r < NR; r++) {
-        st4[sb + r * DP] = s[r];
-    }
-#else
     SN_UNROLL for (uint i = 0u; i < SN; i++) {
         st[sb + i] = s[i];
     }
-#endif
 }
+#endif

@@ -361,28 +361,32 @@ def test_decode_barriers_per_layer(model_path, monkeypatch: pytest.MonkeyPatch, 
 SMALLER = "delta_conv,moe_down_out,attn_gate"
 
 
-@pytest.mark.parametrize(("preset", "quant", "chunked", "off"),
-                         [("tiny-qwen35", "Q8_0", False, ""), ("tiny-qwen35moe", "Q4_K_M", False, ""),
-                          ("tiny-qwen3moe", "Q8_0", False, ""), ("tiny-qwen35", "Q4_K_M", True, ""),
-                          ("tiny-qwen35moe", "Q8_0", False, SMALLER)])
+@pytest.mark.parametrize(("preset", "quant", "chunked", "off", "split"),
+                         [("tiny-qwen35", "Q8_0", False, "", 0), ("tiny-qwen35moe", "Q4_K_M", False, "", 0),
+                          ("tiny-qwen3moe", "Q8_0", False, "", 0), ("tiny-qwen35", "Q4_K_M", True, "", 0),
+                          ("tiny-qwen35moe", "Q8_0", False, SMALLER, 0), ("tiny-qwen35", "Q8_0", False, "", 4),
+                          ("tiny-qwen35", "Q8_0", False, SMALLER, 2)])
 def test_fused_forwards_equal_the_unfused_lowering(model_path, monkeypatch: pytest.MonkeyPatch, preset: str,
-                                                   quant: str, chunked: bool, off: str) -> None:  # type: ignore[no-untyped-def]
+                                                   quant: str, chunked: bool, off: str, split: int) -> None:  # type: ignore[no-untyped-def]
     """Two sequences, a 43-token prefill (the prefill buckets' fusions, the experts
     grouped there, so the combine ends the FFN; ``chunked``: the delta rule's chunked
     form there, so the conv is ssm_conv_split; ``off``: TRIO_LLM_HYBRID_OFF) and 10 decode
     steps: the logits of TRIO_LLM_HYBRID_FUSE=1 and =0 (the default) agree to float
     rounding (on lavapipe they are the same bits: every fused kernel sums in the
-    unfused kernels' order), and so do the greedy tokens."""
+    unfused kernels' order), and so do the greedy tokens. ``split``: both with
+    TRIO_LLM_DELTA_SPLIT (the delta rule's split-lane form, its fused forms in decode:
+    CONV with GATED_NORM, or with ``off`` GATED_NORM alone)."""
     model = load_gguf(model_path(preset, quant))
     if chunked:
         monkeypatch.setenv("TRIO_LLM_DELTA_CHUNKED", "1")
     monkeypatch.setenv("TRIO_LLM_HYBRID_OFF", off)
+    monkeypatch.setenv("TRIO_LLM_DELTA_SPLIT", str(split))
     logits = {}
     for fuse in ("1", "0"):
         monkeypatch.setenv("TRIO_LLM_HYBRID_FUSE", fuse)
         be = VulkanBackend(model, n_ctx=64, n_seq=2)
         try:
-            assert be._ops.hybrid_fuse == (fuse == "1")
+            assert be._ops.hybrid_fuse == (fuse == "1") and be._ops.delta_split == split
             if fuse == "1":
                 names = {op.kernel.name for op in be.lowered(64) if not isinstance(op, (Barrier, Copy))}
                 # prefill buckets never take delta_conv (the H200's pp512 was slower with
