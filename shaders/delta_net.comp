@@ -216,8 +216,12 @@ void main() {
     float fz = z[(t * pc.n_v + h) * HD + j];
 #endif
 #ifndef CONV
-    float fq = loads ? q[(t * pc.n_k + kh) * HD + l] : 0.0;
-    float fk = loads ? k[(t * pc.n_k + kh) * HD + l] : 0.0;
+    float fq = 0.0;
+    float fk = 0.0;
+    if (loads) {
+        fq = q[(t * pc.n_k + kh) * HD + l];
+        fk = k[(t * pc.n_k + kh) * HD + l];
+    }
     float fv = v[(t * pc.n_v + h) * HD + j];
 #endif
     for (;;) {
