@@ -1223,7 +1223,8 @@ class Ops:
         ``glu`` after the rule, done by the same work group (GATED_NORM). ``conv`` =
         (C, d_conv, eps): q, k and v are then the conv's input qkv [T, C], its weight
         and its state, and the rule makes its q, k, v channels as ``ssm_conv`` phase 0
-        and the L2 norms of q and k would (CONV; the state moves on in phase 1)."""
+        and the L2 norms of q and k would (CONV; the state moves on in phase 1). With
+        ``delta_split`` (DP) each form runs split-lane: DP * d lanes per head."""
         defines: dict[str, object] = {}
         push: tuple[int | float, ...] = (n_k, n_v)
         views: tuple[View, ...] = (q, k, v, alpha, beta, dt, a, o, state, step)
