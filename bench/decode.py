@@ -208,7 +208,12 @@ def prefill_breakdown(be, pp: int, replays: int = 10) -> dict:  # type: ignore[n
     delta-rule dispatches (the gated delta-net layers' share of prefill is the
     difference); the delta rule alone with its barriers, in the chunked form the graph
     uses and in the token-by-token recurrence it replaced (``delta_net.comp``, the
-    decode form) for an A/B. Parts compute garbage; only their time matters."""
+    decode form) for an A/B, and the recurrence alone in each of delta_net.comp's
+    split-lane forms (``delta_recurrent_split<DP>``, DP 0 the one-lane-per-column form;
+    the backend's own, TRIO_LLM_DELTA_SPLIT, is ``delta_recurrent``). Parts compute
+    garbage; only their time matters."""
+    import attrs
+
     from trio_llm.vulkan.graph import Barrier, Dispatch
 
     bucket = 1 << max(0, (pp - 1).bit_length())
@@ -218,6 +223,8 @@ def prefill_breakdown(be, pp: int, replays: int = 10) -> dict:  # type: ignore[n
     work, be._rs.work = be._rs.work, {}  # without its scratch the lowering takes the recurrence
     try:
         recurrent = be.lowered(bucket)
+        splits = {dp: be.lowered(bucket, attrs.evolve(be._ops, delta_split=dp)) for dp in (0, 2, 4, 8)
+                  if dp != be._ops.delta_split and be._ops.subgroup % max(dp, 1) == 0}
     finally:
         be._rs.work = work
 
@@ -230,9 +237,10 @@ def prefill_breakdown(be, pp: int, replays: int = 10) -> dict:  # type: ignore[n
         "delta_chunked": delta_only(ops),
         "delta_recurrent": delta_only(recurrent),
         "all_recurrent": recurrent,
+        **{f"delta_recurrent_split{dp}": delta_only(part) for dp, part in splits.items()},
     }
     # chunked: the graph's own choice (recurrent.chunked_prefill: GPUs yes, CPU drivers no)
-    out: dict = {"tokens": pp, "bucket": bucket, "chunked": bool(work),
+    out: dict = {"tokens": pp, "bucket": bucket, "chunked": bool(work), "delta_split": be._ops.delta_split,
                  "delta_dispatches": sum(isinstance(d, Dispatch) and d.kernel.name in DELTA_KERNELS for d in ops)}
     out |= _time_parts(be, pp, parts, replays)
     out["delta_share"] = 1 - out["without_delta_ms"] / out["all_ms"]

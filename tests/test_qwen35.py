@@ -120,15 +120,20 @@ def test_delta_net_ops_check_shapes_at_build_time() -> None:
 
 @pytest.mark.usefixtures("f32_activations")
 @pytest.mark.vulkan
-def test_vulkan_carries_the_state_as_numpy_does_and_keeps_it_across_release(model) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("split", ["0", "4"], ids=["column", "split4"])
+def test_vulkan_carries_the_state_as_numpy_does_and_keeps_it_across_release(model, monkeypatch,  # type: ignore[no-untyped-def]
+                                                                            split: str) -> None:
     """Two sequences in one batch (one continued in pieces, one fresh), then decode:
     Vulkan's logits equal numpy's; a release at every level (the state copied to the host
-    and back at ``all``, dropped at ``unload``) continues the same."""
+    and back at ``all``, dropped at ``unload``) continues the same. ``split``:
+    TRIO_LLM_DELTA_SPLIT, the delta rule's split-lane form (4 lanes per state column)."""
     from trio_llm.vulkan.backend import VulkanBackend
 
+    monkeypatch.setenv("TRIO_LLM_DELTA_SPLIT", split)
     ref = NumpyBackend(model, n_ctx=32, n_seq=2)
     vk = VulkanBackend(model, n_ctx=32, n_seq=2)
     try:
+        assert vk._ops.delta_split == int(split)
         other = np.array([3, 4, 5, 6, 7], np.int32)
         for be in (ref, vk):
             be.forward([SeqBatch(1, PROMPT[:5], 0), SeqBatch(0, other, 0)])

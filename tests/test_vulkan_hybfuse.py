@@ -15,7 +15,7 @@ import attrs
 import numpy as np
 import pytest
 
-from test_vulkan_deltanet import N_SEQ, _entered, _step
+from test_vulkan_deltanet import DELTA_FORMS, N_SEQ, _entered, _step
 from test_vulkan_kv import attention_inputs, np_attention
 from test_vulkan_ops import Env, make_weights, np_rope, open_env
 from trio_llm.engine.backend import SeqBatch
@@ -76,9 +76,9 @@ def test_ssm_conv_split_equals_the_conv_the_takes_and_the_l2_norms(env: Env, d: 
 @pytest.mark.parametrize(("n_k", "n_v", "d", "conv", "gate"),
                          [(2, 4, 64, False, True), (1, 2, 128, False, True), (2, 4, 64, True, True),
                           (1, 2, 128, True, True), (2, 2, 64, True, False)])
-@pytest.mark.parametrize("unroll", [False, True], ids=["loops", "unrolled"])
+@pytest.mark.parametrize(("unroll", "split"), DELTA_FORMS)
 def test_delta_net_fused_with_its_conv_and_its_gated_norm(env: Env, n_k: int, n_v: int, d: int, conv: bool,
-                                                         gate: bool, unroll: bool) -> None:
+                                                         gate: bool, unroll: bool, split: int) -> None:
     """The rule, fed (``conv``) by the conv of its qkv input with the conv state, split
     and L2-normed in the kernel, and (``gate``) RMS-normed per head and gated by
     silu(z) after it: numpy's conv, L2 norms, rule, norm and gate. The conv state is
@@ -125,7 +125,7 @@ def test_delta_net_fused_with_its_conv_and_its_gated_norm(env: Env, n_k: int, n_
     qkv = [env.put(x), env.put(cw), cv] if conv else [env.put(t) for t in (q, k, v)]
     ov, sv, st = env.zeros(n * n_v * d), env.put(np.ascontiguousarray(state.transpose(0, 1, 3, 2))), \
         env.step(toks, pos, seqs)
-    env.run([attrs.evolve(env.ops, delta_unroll=unroll).delta_net(*qkv, *(env.put(t) for t in (alpha, beta, dt, a)), ov, sv, st, n_k=n_k, n_v=n_v,
+    env.run([attrs.evolve(env.ops, delta_unroll=unroll, delta_split=split).delta_net(*qkv, *(env.put(t) for t in (alpha, beta, dt, a)), ov, sv, st, n_k=n_k, n_v=n_v,
                                d=d, cap=8, gate=(env.put(z), env.put(nw), 1e-6) if gate else None,
                                conv=(c, 4, 1e-6) if conv else None)])
     np.testing.assert_allclose(env.get(ov).reshape(n, -1), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
@@ -361,28 +361,32 @@ def test_decode_barriers_per_layer(model_path, monkeypatch: pytest.MonkeyPatch, 
 SMALLER = "delta_conv,moe_down_out,attn_gate"
 
 
-@pytest.mark.parametrize(("preset", "quant", "chunked", "off"),
-                         [("tiny-qwen35", "Q8_0", False, ""), ("tiny-qwen35moe", "Q4_K_M", False, ""),
-                          ("tiny-qwen3moe", "Q8_0", False, ""), ("tiny-qwen35", "Q4_K_M", True, ""),
-                          ("tiny-qwen35moe", "Q8_0", False, SMALLER)])
+@pytest.mark.parametrize(("preset", "quant", "chunked", "off", "split"),
+                         [("tiny-qwen35", "Q8_0", False, "", 0), ("tiny-qwen35moe", "Q4_K_M", False, "", 0),
+                          ("tiny-qwen3moe", "Q8_0", False, "", 0), ("tiny-qwen35", "Q4_K_M", True, "", 0),
+                          ("tiny-qwen35moe", "Q8_0", False, SMALLER, 0), ("tiny-qwen35", "Q8_0", False, "", 4),
+                          ("tiny-qwen35", "Q8_0", False, SMALLER, 2)])
 def test_fused_forwards_equal_the_unfused_lowering(model_path, monkeypatch: pytest.MonkeyPatch, preset: str,
-                                                   quant: str, chunked: bool, off: str) -> None:  # type: ignore[no-untyped-def]
+                                                   quant: str, chunked: bool, off: str, split: int) -> None:  # type: ignore[no-untyped-def]
     """Two sequences, a 43-token prefill (the prefill buckets' fusions, the experts
     grouped there, so the combine ends the FFN; ``chunked``: the delta rule's chunked
     form there, so the conv is ssm_conv_split; ``off``: TRIO_LLM_HYBRID_OFF) and 10 decode
     steps: the logits of TRIO_LLM_HYBRID_FUSE=1 and =0 (the default) agree to float
     rounding (on lavapipe they are the same bits: every fused kernel sums in the
-    unfused kernels' order), and so do the greedy tokens."""
+    unfused kernels' order), and so do the greedy tokens. ``split``: both with
+    TRIO_LLM_DELTA_SPLIT (the delta rule's split-lane form, its fused forms in decode:
+    CONV with GATED_NORM, or with ``off`` GATED_NORM alone)."""
     model = load_gguf(model_path(preset, quant))
     if chunked:
         monkeypatch.setenv("TRIO_LLM_DELTA_CHUNKED", "1")
     monkeypatch.setenv("TRIO_LLM_HYBRID_OFF", off)
+    monkeypatch.setenv("TRIO_LLM_DELTA_SPLIT", str(split))
     logits = {}
     for fuse in ("1", "0"):
         monkeypatch.setenv("TRIO_LLM_HYBRID_FUSE", fuse)
         be = VulkanBackend(model, n_ctx=64, n_seq=2)
         try:
-            assert be._ops.hybrid_fuse == (fuse == "1")
+            assert be._ops.hybrid_fuse == (fuse == "1") and be._ops.delta_split == split
             if fuse == "1":
                 names = {op.kernel.name for op in be.lowered(64) if not isinstance(op, (Barrier, Copy))}
                 # prefill buckets never take delta_conv (the H200's pp512 was slower with

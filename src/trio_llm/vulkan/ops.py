@@ -362,6 +362,13 @@ class Ops:
     #: unrolled, so that a lane's column of the state can live in registers;
     #: TRIO_LLM_DELTA_UNROLL=1 (off until the H200's bench/pipemem.py and decode A/B say)
     delta_unroll: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_DELTA_UNROLL", "0") == "1")
+    #: delta_net.comp's split-lane form (DP): this many adjacent lanes of a subgroup per
+    #: state column (2, 4 or 8), each holding d / DP of its values in registers, the head
+    #: dim a compile-time constant (DU) as with delta_unroll, which it overrides; a work
+    #: group of DP * d lanes per head instead of d. TRIO_LLM_DELTA_SPLIT=2/4/8; 0: off
+    #: (until the H200's bench/decode.py A/B says)
+    delta_split: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_DELTA_SPLIT", "0")),
+                                   validator=attrs.validators.in_((0, 2, 4, 8)))
     #: prefill buckets' expert products grouped by expert and tiled (moe_group +
     #: moe_matmul); TRIO_LLM_MOE_MATMUL=0 keeps moe_matvec per (token, expert) pair,
     #: the A/B of bench/decode.py's MoE prefill
@@ -1216,7 +1223,8 @@ class Ops:
         ``glu`` after the rule, done by the same work group (GATED_NORM). ``conv`` =
         (C, d_conv, eps): q, k and v are then the conv's input qkv [T, C], its weight
         and its state, and the rule makes its q, k, v channels as ``ssm_conv`` phase 0
-        and the L2 norms of q and k would (CONV; the state moves on in phase 1)."""
+        and the L2 norms of q and k would (CONV; the state moves on in phase 1). With
+        ``delta_split`` (DP) each form runs split-lane: DP * d lanes per head."""
         defines: dict[str, object] = {}
         push: tuple[int | float, ...] = (n_k, n_v)
         views: tuple[View, ...] = (q, k, v, alpha, beta, dt, a, o, state, step)
@@ -1227,11 +1235,24 @@ class Ops:
         if conv is not None:
             defines["CONV"] = 1
             push += (conv[0], conv[1], float(conv[2]))
-        if self.delta_unroll:
+        lanes = d
+        if self.delta_split:
+            dp = self.delta_split
+            # a column's DP lanes in one subgroup (its shuffles); its d / DP values as vec4s
+            # (the state read as vec4s: 16-byte aligned); DP * d lanes within the 1024
+            # invocations NVIDIA and lavapipe allow a work group
+            assert self.kernels.device.limits.has_subgroup(SUBGROUP_SHUFFLE), "delta_split needs subgroup shuffles"
+            assert self.subgroup % dp == 0, f"delta_split {dp} does not divide the subgroup ({self.subgroup})"
+            assert d % (4 * dp) == 0 and dp * d <= 1024, f"delta_split {dp} with head dim {d}"
+            assert state.offset % 16 == 0, state.offset
+            defines["DU"], defines["DP"] = d, dp  # delta_net.comp's split-lane form
+            lanes = dp * d
+        elif self.delta_unroll:
             defines["DU"] = d  # the column in registers (delta_net.comp)
         # the norms' sums as rms_norm.comp and l2_norm.comp make them with norm_wg lanes
-        kern = self.kernels.get("delta_net", n_bindings=len(views), n_push=len(push), local_size=d,
-                                defines=defines or None, spec={1: min(self.norm_wg, d)} if defines.keys() - {"DU"} else None)
+        spec = {1: min(self.norm_wg, d)} if defines.keys() - {"DU", "DP"} else None
+        kern = self.kernels.get("delta_net", n_bindings=len(views), n_push=len(push), local_size=lanes,
+                                defines=defines or None, spec=spec)
         return Dispatch(kern, views, push, (n_v, cap, 1))
 
     def delta_prep(
