@@ -447,6 +447,16 @@ for i in range(4):
     for u in 0 1; do
       stage "pipemem-decode-unroll$u" 90 env TRIO_LLM_DELTA_UNROLL=$u $PY bench/decode.py --model "${PM[0]}" \
         --backends vulkan --pp 512 --tg 128 --repeats 2
+    done
+    # delta_net.comp's split-lane form (TRIO_LLM_DELTA_SPLIT: lanes per state column), decode and pp512
+    for dp in 2 4 8; do
+      stage "pipemem-decode-split$dp" 90 env TRIO_LLM_DELTA_SPLIT=$dp $PY bench/decode.py --model "${PM[0]}" \
+        --backends vulkan --pp 512 --tg 128 --repeats 2
+    done
+    Q9=$(model qwen35-9b Q4_K_M)
+    for dp in 0 4; do
+      stage "pipemem-decode-9b-split$dp" 90 env TRIO_LLM_DELTA_SPLIT=$dp $PY bench/decode.py --model "$Q9" \
+        --backends vulkan --pp 512 --tg 128 --repeats 2
     done ;;
   coldmem2)  # issue 12's cold memory taken apart through the server: qwen35-0.8b without context checkpoints
     stage coldmem-nockpt 120 $PY bench/coldmem.py --model "$(model qwen35-0.8b Q4_K_M)" --backend vulkan \
