@@ -13,7 +13,8 @@
 #   qwen35-35b-a3b Q4_K_M with TRIO_LLM_HYBRID_FUSE=0 and =1 (--breakdown) and =1 with the larger groups
 #   off (TRIO_LLM_HYBRID_OFF); HYB35=0: the 0.8b only; NO8B=1 spares making the 8b; about 6 minutes),
 # batch (batched decode B = 1, 2, 4, 8 alone), residency, handoff, coldmem (issue 12: hybrid models' device memory after POST /sleep?level=all, driver counter too),
-# pipemem (issue 12: the driver memory a released model keeps, pipeline by pipeline),
+# pipemem (issue 12: the driver memory a released model keeps, pipeline by pipeline), coldmem2 (the same through
+#   the server without context checkpoints), verifydelta (the delta rule's forms' tests on the GPU),
 # server, serverpath (bench/serverpath.py, issue 14), sample (its device-sampling tests), scen1b, scen8b, coresident,
 # mvq8 (decode matvecs on int8 activations: their tests, then tune-batch-1b/8b with TRIO_LLM_MATVEC_Q8=0 and 1),
 # e2emoe (qwen35-0.8b, qwen3-30b-a3b, qwen35-35b-a3b through HTTP beside llama-server; NO8B=1 skips the 8b),
@@ -458,6 +459,10 @@ for i in range(4):
       stage "pipemem-decode-9b-split$dp" 90 env TRIO_LLM_DELTA_SPLIT=$dp $PY bench/decode.py --model "$Q9" \
         --backends vulkan --pp 512 --tg 128 --repeats 2
     done ;;
+  verifydelta)  # the delta rule's forms on the GPU (carry .cc: the tests' head dims compile there): the op tests of
+    # every form (loops, DU, DP 2/4/8, fused), the qwen35 model tests (DP 4 is the default since 2026-12-01 night)
+    stage verify-delta 240 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_deltanet.py tests/test_qwen35.py \
+      tests/test_vulkan_hybfuse.py -k "delta or vulkan" ;;
   coldmem2)  # issue 12's cold memory taken apart through the server: qwen35-0.8b without context checkpoints
     stage coldmem-nockpt 120 $PY bench/coldmem.py --model "$(model qwen35-0.8b Q4_K_M)" --backend vulkan \
       --arg=--ctx-checkpoints --arg=0 --log-dir "$RES/coldmem2-logs" ;;

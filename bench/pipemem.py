@@ -15,7 +15,8 @@ model apart, one process per model so that each counter starts from nothing:
 
 For a hybrid, before the release: its recurrent state read (as a context checkpoint is)
 and, after a release and restore, written back (as after a wake), the figure after each
-and after a release that follows each.
+and after a release that follows each. Decode steps sampled on the device (the
+server's path) come before the release, and the graphs are closed after it.
 
 Prints a table and writes one JSON record (``bench/results/pipemem-*.json``). Without
 nvidia-smi (lavapipe) the figures are None and only the pipeline list means anything.
@@ -49,11 +50,25 @@ def one(path: Path, ctx: int) -> dict[str, Any]:
     be: Any = open_backend("vulkan", load_gguf(path), n_ctx=ctx, n_seq=1)
     out["loaded_mib"] = device_mib(pid)
     out["kernels_after_load"] = len(be._kernels._kernels)
+    # the server's warm-up passes first (runtime.warmup_sizes: 1, 2, 4, 8 and 16 tokens at 0)
+    for n in (1, 2, 4, 8, 16):
+        be.forward([SeqBatch(0, np.ones(n, np.int32), 0)])
+    out["warmed_mib"] = device_mib(pid)
     toks = (np.arange(64) * 7 + 11).astype(np.int32) % 1000
     be.forward([SeqBatch(0, toks, 0)])
     for i in range(8):
         be.forward([SeqBatch(0, np.array([5 + i], np.int32), 64 + i)])
     out["ran_mib"] = device_mib(pid)
+    # decode steps sampled on the device, as the server runs them (llama-server's default chain)
+    from trio_llm.engine.devsample import DeviceChain
+
+    pos = 72
+    for _ in range(4):
+        n = min(4, be.decode_steps_max)
+        us = np.full((n, 1), 0.5, np.float32)
+        ids = be.decode([SeqBatch(0, np.array([7], np.int32), pos)], [DeviceChain(0.8, 40, 0.95, 0.05)], us)
+        pos += int(ids.shape[0])
+    out["sampled_mib"] = device_mib(pid)
     out["backend_bytes_resident"] = int(sum(be.memory().values()))
     if be._rs.sizes:
         # a hybrid: the server's context checkpoints read its state and write it back after a
@@ -73,6 +88,11 @@ def one(path: Path, ctx: int) -> dict[str, Any]:
     be.release(Level.ALL)
     out["released_mib"] = device_mib(pid)
     out["backend_bytes_released"] = int(sum(be.memory().values()))
+    # the graphs (their descriptor pools and command buffers) and the sampler's, closed
+    out["graphs"] = sorted(be._graphs)
+    out["sampler_graphs"] = [repr(k) for k in be._sampler._graphs]
+    be._drop_graphs()
+    out["graphs_dropped_mib"] = device_mib(pid)
     kc = be._kernels
     vk = dev.vk
     rows = []
@@ -114,6 +134,8 @@ def main() -> int:
         print(f"\n{r['model']}: device open {r['device_open_mib']} MiB, loaded {r['loaded_mib']}, "
               f"ran {r['ran_mib']}, released {r['released_mib']}, pipelines destroyed "
               f"{r['pipelines_destroyed_mib']}, pool trimmed {r['pool_trimmed_mib']}")
+        print(f"  warmed up (1..16 tokens) {r['warmed_mib']} MiB, sampled decode {r['sampled_mib']} MiB; graphs {r['graphs']}, sampler's {r['sampler_graphs']}; "
+              f"released {r['released_mib']}, graphs closed {r['graphs_dropped_mib']}")
         if "state_bytes" in r:
             print(f"  recurrent state {r['state_bytes'] / 2**20:.1f} MiB: read {r['state_read_mib']} MiB, released after "
                   f"{r['released_after_state_read_mib']}, written back {r['state_written_mib']}, released after "

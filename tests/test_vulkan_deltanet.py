@@ -110,7 +110,7 @@ def test_delta_net_runs_each_sequence_through_its_state(env: Env, n_k: int, n_v:
     dev_state = np.ascontiguousarray(state.transpose(0, 1, 3, 2))  # the kernel keeps column j contiguous
     views = [env.put(t) for t in (q, k, v, alpha, beta, dt, a)]
     o, sv, st = env.zeros(n * n_v * d), env.put(dev_state), env.step(toks, pos, seqs)
-    ops = attrs.evolve(env.ops, delta_unroll=unroll, delta_split=split)
+    ops = attrs.evolve(env.ops, delta_unroll=unroll, delta_split=split, delta_split_auto=False)
     env.run([ops.delta_net(*views, o, sv, st, n_k=n_k, n_v=n_v, d=d, cap=8)])
     np.testing.assert_allclose(env.get(o).reshape(n, -1), want, rtol=1e-4, atol=1e-5)
     got_state = env.get(sv).reshape(N_SEQ, n_v, d, d).transpose(0, 1, 3, 2)

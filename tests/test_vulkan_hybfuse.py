@@ -125,7 +125,7 @@ def test_delta_net_fused_with_its_conv_and_its_gated_norm(env: Env, n_k: int, n_
     qkv = [env.put(x), env.put(cw), cv] if conv else [env.put(t) for t in (q, k, v)]
     ov, sv, st = env.zeros(n * n_v * d), env.put(np.ascontiguousarray(state.transpose(0, 1, 3, 2))), \
         env.step(toks, pos, seqs)
-    env.run([attrs.evolve(env.ops, delta_unroll=unroll, delta_split=split).delta_net(*qkv, *(env.put(t) for t in (alpha, beta, dt, a)), ov, sv, st, n_k=n_k, n_v=n_v,
+    env.run([attrs.evolve(env.ops, delta_unroll=unroll, delta_split=split, delta_split_auto=False).delta_net(*qkv, *(env.put(t) for t in (alpha, beta, dt, a)), ov, sv, st, n_k=n_k, n_v=n_v,
                                d=d, cap=8, gate=(env.put(z), env.put(nw), 1e-6) if gate else None,
                                conv=(c, 4, 1e-6) if conv else None)])
     np.testing.assert_allclose(env.get(ov).reshape(n, -1), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

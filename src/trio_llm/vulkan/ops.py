@@ -365,10 +365,15 @@ class Ops:
     #: delta_net.comp's split-lane form (DP): this many adjacent lanes of a subgroup per
     #: state column (2, 4 or 8), each holding d / DP of its values in registers, the head
     #: dim a compile-time constant (DU) as with delta_unroll, which it overrides; a work
-    #: group of DP * d lanes per head instead of d. TRIO_LLM_DELTA_SPLIT=2/4/8; 0: off
-    #: (until the H200's bench/decode.py A/B says)
-    delta_split: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_DELTA_SPLIT", "0")),
+    #: group of DP * d lanes per head instead of d. TRIO_LLM_DELTA_SPLIT=2/4/8; 0: off.
+    #: 4 by default since the H200's A/B of 2026-12-01 (bench/results/h200-session8/):
+    #: qwen35-0.8b Q4_K_M pp512 / tg128 15,379 / 359 -> 18,533 / 431 tok/s (DP 2: 19,002 /
+    #: 428, 8: 18,278 / 431), qwen35-9b 3,783 / 140 -> 4,034 / 156. By default it
+    #: applies where it fits (``delta_split_auto``: the device's shuffles, the subgroup,
+    #: the head dim) and the plain form runs elsewhere; set by hand, it must fit.
+    delta_split: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_DELTA_SPLIT", "4")),
                                    validator=attrs.validators.in_((0, 2, 4, 8)))
+    delta_split_auto: bool = attrs.field(factory=lambda: "TRIO_LLM_DELTA_SPLIT" not in os.environ)
     #: prefill buckets' expert products grouped by expert and tiled (moe_group +
     #: moe_matmul); TRIO_LLM_MOE_MATMUL=0 keeps moe_matvec per (token, expert) pair,
     #: the A/B of bench/decode.py's MoE prefill
@@ -1236,8 +1241,13 @@ class Ops:
             defines["CONV"] = 1
             push += (conv[0], conv[1], float(conv[2]))
         lanes = d
-        if self.delta_split:
-            dp = self.delta_split
+        dp = self.delta_split
+        if dp and self.delta_split_auto and not (
+            self.kernels.device.limits.has_subgroup(SUBGROUP_SHUFFLE) and self.subgroup % dp == 0
+            and d % (4 * dp) == 0 and dp * d <= 1024 and state.offset % 16 == 0
+        ):
+            dp = 0  # the default where the split-lane form does not fit: the plain form
+        if dp:
             # a column's DP lanes in one subgroup (its shuffles); its d / DP values as vec4s
             # (the state read as vec4s: 16-byte aligned); DP * d lanes within the 1024
             # invocations NVIDIA and lavapipe allow a work group
