@@ -443,14 +443,8 @@ for i in range(4):
     PM=("$(model qwen35-0.8b Q4_K_M)" "$M1")
     PA=(); for m in "${PM[@]}"; do PA+=(--model "$m"); done
     stage pipemem 150 $PY bench/pipemem.py "${PA[@]}"
-    # delta_net.comp's column in registers (TRIO_LLM_DELTA_UNROLL=1): the same counters, then decode A/B
-    stage pipemem-unroll 100 env TRIO_LLM_DELTA_UNROLL=1 $PY bench/pipemem.py --model "${PM[0]}"
-    for u in 0 1; do
-      stage "pipemem-decode-unroll$u" 90 env TRIO_LLM_DELTA_UNROLL=$u $PY bench/decode.py --model "${PM[0]}" \
-        --backends vulkan --pp 512 --tg 128 --repeats 2
-    done
     # delta_net.comp's split-lane form (TRIO_LLM_DELTA_SPLIT: lanes per state column), decode and pp512
-    for dp in 2 4 8; do
+    for dp in 0 2 4 8; do
       stage "pipemem-decode-split$dp" 90 env TRIO_LLM_DELTA_SPLIT=$dp $PY bench/decode.py --model "${PM[0]}" \
         --backends vulkan --pp 512 --tg 128 --repeats 2
     done
@@ -460,7 +454,7 @@ for i in range(4):
         --backends vulkan --pp 512 --tg 128 --repeats 2
     done ;;
   verifydelta)  # the delta rule's forms on the GPU (carry .cc: the tests' head dims compile there): the op tests of
-    # every form (loops, DU, DP 2/4/8, fused), the qwen35 model tests (DP 4 is the default since 2026-12-01 night)
+    # every form (loops, DP 2/4/8, fused), the qwen35 model tests (DP 4 is the default since 2026-12-01 night)
     stage verify-delta 240 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_deltanet.py tests/test_qwen35.py \
       tests/test_vulkan_hybfuse.py -k "delta or vulkan" ;;
   coldmem2)  # issue 12's cold memory taken apart through the server: qwen35-0.8b without context checkpoints

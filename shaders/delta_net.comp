@@ -17,12 +17,7 @@
 // does (its sums over NW lanes): qwen35's conv -> take -> l2_norm before the rule,
 // without a dispatch of their own. The conv state is only read here; ssm_conv.comp's
 // PHASE 1 moves it on after a barrier.
-// DU (= d, a compile-time constant): the column's array is sized by it and its loops are
-// unrolled, so that every index is a constant and the column can live in registers. With
-// the size a specialization constant the loops stay loops and the array is indexed at run
-// time, which a GPU may place in local memory (on NVIDIA sized for every thread the whole
-// device can hold, and kept while the pipeline lives).
-// DP (2, 4 or 8, with DU): the split-lane form, DP adjacent lanes of one subgroup per
+// DP (2, 4 or 8, with DU = d, the head dim as a compile-time constant): the split-lane form, DP adjacent lanes of one subgroup per
 // column. The work group is DP * d lanes, one head (DP = 8 at d = 128 is the 1024-lane
 // limit; one head per group keeps the grid and the early exits as in the other forms):
 // lane l holds part p = l % DP of column j = l / DP, the d / DP rows i = 4 (r DP + p) + c
@@ -42,13 +37,6 @@
 // (head_sum: wg_sum without the partials of the subgroups past the first NW lanes,
 // which are zeros; a group of 1024 lanes has more subgroups than reduce.glsl's slots).
 #include "common.glsl"
-#ifdef DU
-#define SN DU
-#define SN_UNROLL [[unroll]]
-#else
-#define SN WG
-#define SN_UNROLL
-#endif
 #ifdef DP
 #extension GL_KHR_shader_subgroup_shuffle : require
 #define HD DU                  // the head dim (the work group is DP * HD lanes)
@@ -337,8 +325,8 @@ void main() {
     float scale = inversesqrt(float(WG));
     uint sb = ((seq * pc.n_v + h) * WG + j) * WG;
     bool fresh = STEP_POS(t0) == 0u;
-    float s[SN];
-    SN_UNROLL for (uint i = 0u; i < SN; i++) {
+    float s[WG];
+    for (uint i = 0u; i < WG; i++) {
         s[i] = fresh ? 0.0 : st[sb + i];
     }
     for (uint t = t0; t < step.n_tokens && STEP_SEQ(t) == seq; t++) {
@@ -366,7 +354,7 @@ void main() {
         float decay = exp(sp * a[h]);
         float b = 1.0 / (1.0 + exp(-beta[t * pc.n_v + h]));
         float kv = 0.0;
-        SN_UNROLL for (uint i = 0u; i < SN; i++) {
+        for (uint i = 0u; i < WG; i++) {
             s[i] *= decay;
             kv += s[i] * ks[i];
         }
@@ -376,7 +364,7 @@ void main() {
         float delta = (v[(t * pc.n_v + h) * WG + j] - kv) * b;
 #endif
         float acc = 0.0;
-        SN_UNROLL for (uint i = 0u; i < SN; i++) {
+        for (uint i = 0u; i < WG; i++) {
             s[i] += ks[i] * delta;
             acc += s[i] * qs[i];
         }
@@ -396,7 +384,7 @@ void main() {
         o[(t * pc.n_v + h) * WG + j] = acc;
 #endif
     }
-    SN_UNROLL for (uint i = 0u; i < SN; i++) {
+    for (uint i = 0u; i < WG; i++) {
         st[sb + i] = s[i];
     }
 }

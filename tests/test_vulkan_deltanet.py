@@ -72,17 +72,14 @@ def test_ssm_conv_continues_each_sequence_from_its_state(env: Env) -> None:
     np.testing.assert_array_equal(ref_state[1], state[1])  # sequence 1 untouched
 
 
-#: delta_net.comp's forms: (delta_unroll, delta_split)
-DELTA_FORMS = [pytest.param(False, 0, id="loops"), pytest.param(True, 0, id="unrolled"),
-               *(pytest.param(False, dp, id=f"split{dp}") for dp in (2, 4, 8))]
+#: delta_net.comp's forms: delta_split (0: one lane per state column)
+DELTA_FORMS = [pytest.param(0, id="loops"), *(pytest.param(dp, id=f"split{dp}") for dp in (2, 4, 8))]
 
 
-@pytest.mark.parametrize(("unroll", "split"), DELTA_FORMS)
+@pytest.mark.parametrize("split", DELTA_FORMS)
 @pytest.mark.parametrize(("n_k", "n_v", "d"), [(2, 4, 64), (1, 1, 128)])
-def test_delta_net_runs_each_sequence_through_its_state(env: Env, n_k: int, n_v: int, d: int, unroll: bool,
-                                                        split: int) -> None:
-    """Every form of delta_net.comp: the head dim a specialization constant, a
-    compile-time one with the loops unrolled (DU, TRIO_LLM_DELTA_UNROLL=1), and the
+def test_delta_net_runs_each_sequence_through_its_state(env: Env, n_k: int, n_v: int, d: int, split: int) -> None:
+    """Both forms of delta_net.comp: the head dim a specialization constant, and the
     split-lane form with DP lanes per state column (DP, TRIO_LLM_DELTA_SPLIT=DP)."""
     rng = np.random.default_rng(d)
     step, seqs, pos, toks = _step()
@@ -110,7 +107,7 @@ def test_delta_net_runs_each_sequence_through_its_state(env: Env, n_k: int, n_v:
     dev_state = np.ascontiguousarray(state.transpose(0, 1, 3, 2))  # the kernel keeps column j contiguous
     views = [env.put(t) for t in (q, k, v, alpha, beta, dt, a)]
     o, sv, st = env.zeros(n * n_v * d), env.put(dev_state), env.step(toks, pos, seqs)
-    ops = attrs.evolve(env.ops, delta_unroll=unroll, delta_split=split, delta_split_auto=False)
+    ops = attrs.evolve(env.ops, delta_split=split, delta_split_auto=False)
     env.run([ops.delta_net(*views, o, sv, st, n_k=n_k, n_v=n_v, d=d, cap=8)])
     np.testing.assert_allclose(env.get(o).reshape(n, -1), want, rtol=1e-4, atol=1e-5)
     got_state = env.get(sv).reshape(N_SEQ, n_v, d, d).transpose(0, 1, 3, 2)

@@ -76,9 +76,9 @@ def test_ssm_conv_split_equals_the_conv_the_takes_and_the_l2_norms(env: Env, d: 
 @pytest.mark.parametrize(("n_k", "n_v", "d", "conv", "gate"),
                          [(2, 4, 64, False, True), (1, 2, 128, False, True), (2, 4, 64, True, True),
                           (1, 2, 128, True, True), (2, 2, 64, True, False)])
-@pytest.mark.parametrize(("unroll", "split"), DELTA_FORMS)
+@pytest.mark.parametrize("split", DELTA_FORMS)
 def test_delta_net_fused_with_its_conv_and_its_gated_norm(env: Env, n_k: int, n_v: int, d: int, conv: bool,
-                                                         gate: bool, unroll: bool, split: int) -> None:
+                                                         gate: bool, split: int) -> None:
     """The rule, fed (``conv``) by the conv of its qkv input with the conv state, split
     and L2-normed in the kernel, and (``gate``) RMS-normed per head and gated by
     silu(z) after it: numpy's conv, L2 norms, rule, norm and gate. The conv state is
@@ -125,7 +125,7 @@ def test_delta_net_fused_with_its_conv_and_its_gated_norm(env: Env, n_k: int, n_
     qkv = [env.put(x), env.put(cw), cv] if conv else [env.put(t) for t in (q, k, v)]
     ov, sv, st = env.zeros(n * n_v * d), env.put(np.ascontiguousarray(state.transpose(0, 1, 3, 2))), \
         env.step(toks, pos, seqs)
-    env.run([attrs.evolve(env.ops, delta_unroll=unroll, delta_split=split, delta_split_auto=False).delta_net(*qkv, *(env.put(t) for t in (alpha, beta, dt, a)), ov, sv, st, n_k=n_k, n_v=n_v,
+    env.run([attrs.evolve(env.ops, delta_split=split, delta_split_auto=False).delta_net(*qkv, *(env.put(t) for t in (alpha, beta, dt, a)), ov, sv, st, n_k=n_k, n_v=n_v,
                                d=d, cap=8, gate=(env.put(z), env.put(nw), 1e-6) if gate else None,
                                conv=(c, 4, 1e-6) if conv else None)])
     np.testing.assert_allclose(env.get(ov).reshape(n, -1), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -358,14 +358,9 @@ class Ops:
     #: `bench/h200.sh verify` on the H200 (2026-12-01), where it took llama-1b's 8k
     #: prefill through the backend from 1.59 s to 0.85 s
     prefill_cm: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_PREFILL_CM", "1") != "0")
-    #: delta_net.comp with the head dim a compile-time constant (DU) and its loops
-    #: unrolled, so that a lane's column of the state can live in registers;
-    #: TRIO_LLM_DELTA_UNROLL=1 (off until the H200's bench/pipemem.py and decode A/B say)
-    delta_unroll: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_DELTA_UNROLL", "0") == "1")
     #: delta_net.comp's split-lane form (DP): this many adjacent lanes of a subgroup per
     #: state column (2, 4 or 8), each holding d / DP of its values in registers, the head
-    #: dim a compile-time constant (DU) as with delta_unroll, which it overrides; a work
-    #: group of DP * d lanes per head instead of d. TRIO_LLM_DELTA_SPLIT=2/4/8; 0: off.
+    #: dim a compile-time constant (DU); a work group of DP * d lanes per head instead of d. TRIO_LLM_DELTA_SPLIT=2/4/8; 0: off.
     #: 4 by default since the H200's A/B of 2026-12-01 (bench/results/h200-session8/):
     #: qwen35-0.8b Q4_K_M pp512 / tg128 15,379 / 359 -> 18,533 / 431 tok/s (DP 2: 19,002 /
     #: 428, 8: 18,278 / 431), qwen35-9b 3,783 / 140 -> 4,034 / 156. By default it
@@ -1242,28 +1237,34 @@ class Ops:
             push += (conv[0], conv[1], float(conv[2]))
         lanes = d
         dp = self.delta_split
-        if dp and self.delta_split_auto and not (
-            self.kernels.device.limits.has_subgroup(SUBGROUP_SHUFFLE) and self.subgroup % dp == 0
-            and d % (4 * dp) == 0 and dp * d <= 1024 and state.offset % 16 == 0
-        ):
-            dp = 0  # the default where the split-lane form does not fit: the plain form
+        misfit = self._delta_split_misfit(dp, d, state) if dp else None
+        if misfit is not None:
+            # the default where the split-lane form does not fit: the plain form; set by hand, it must
+            assert self.delta_split_auto, misfit
+            dp = 0
         if dp:
-            # a column's DP lanes in one subgroup (its shuffles); its d / DP values as vec4s
-            # (the state read as vec4s: 16-byte aligned); DP * d lanes within the 1024
-            # invocations NVIDIA and lavapipe allow a work group
-            assert self.kernels.device.limits.has_subgroup(SUBGROUP_SHUFFLE), "delta_split needs subgroup shuffles"
-            assert self.subgroup % dp == 0, f"delta_split {dp} does not divide the subgroup ({self.subgroup})"
-            assert d % (4 * dp) == 0 and dp * d <= 1024, f"delta_split {dp} with head dim {d}"
-            assert state.offset % 16 == 0, state.offset
             defines["DU"], defines["DP"] = d, dp  # delta_net.comp's split-lane form
             lanes = dp * d
-        elif self.delta_unroll:
-            defines["DU"] = d  # the column in registers (delta_net.comp)
         # the norms' sums as rms_norm.comp and l2_norm.comp make them with norm_wg lanes
         spec = {1: min(self.norm_wg, d)} if defines.keys() - {"DU", "DP"} else None
         kern = self.kernels.get("delta_net", n_bindings=len(views), n_push=len(push), local_size=lanes,
                                 defines=defines or None, spec=spec)
         return Dispatch(kern, views, push, (n_v, cap, 1))
+
+    def _delta_split_misfit(self, dp: int, d: int, state: View) -> str | None:
+        """Why delta_net.comp's split-lane form cannot run here, or None: a column's DP
+        lanes in one subgroup (its shuffles); its d / DP values as vec4s (the state read
+        as vec4s: 16-byte aligned); DP * d lanes within the 1024 invocations NVIDIA and
+        lavapipe allow a work group."""
+        if not self.kernels.device.limits.has_subgroup(SUBGROUP_SHUFFLE):
+            return "delta_split needs subgroup shuffles"
+        if self.subgroup % dp:
+            return f"delta_split {dp} does not divide the subgroup ({self.subgroup})"
+        if d % (4 * dp) or dp * d > 1024:
+            return f"delta_split {dp} with head dim {d}"
+        if state.offset % 16:
+            return f"delta_split: state offset {state.offset} is not 16-byte aligned"
+        return None
 
     def delta_prep(
         self, q: View, k: View, alpha: View, beta: View, dt: View, a: View, tm: View, pm: View, gc: View,

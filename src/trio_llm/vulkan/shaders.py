@@ -594,8 +594,7 @@ def hybrid_variants() -> Iterable[tuple[str, dict[str, object]]]:
     forms: tuple[dict[str, object], ...] = ({"GATED_NORM": 1}, {"CONV": 1}, {"CONV": 1, "GATED_NORM": 1})
     for d in forms:
         yield "delta_net", d
-    for d in ({}, *forms):  # TRIO_LLM_DELTA_UNROLL=1 at the real models' head dim
-        yield "delta_net", {**d, "DU": 128}
+    for d in ({}, *forms):  # the split-lane form at the real models' head dim
         for dp in (2, 4, 8):  # TRIO_LLM_DELTA_SPLIT=dp there
             yield "delta_net", {**d, "DU": 128, "DP": dp}
     forms = ({"RESID": 1}, {"SHEXP": 1}, {"SHEXP": 1, "RESID": 1})
