@@ -733,6 +733,32 @@ def test_rebind_points_a_recorded_graph_at_new_buffers(env: Env) -> None:
         graph.close()
 
 
+def test_repeated_dispatches_share_one_descriptor_set(env: Env) -> None:
+    """A graph that repeats a dispatch over the same views (a device-sampled graph
+    repeats one forward per step) makes one descriptor set for them: y += x three
+    times in place is 3 dispatches and 1 set, a fourth add over other views a second
+    set; it still computes each step, and a rebind moves the shared set."""
+    n = 257
+    x1, y1 = np.arange(n, dtype=np.float32), np.ones(n, np.float32)
+    xv, yv, zv = env.put(x1), env.put(y1), env.zeros(n)
+    xv2, yv2 = env.put(2 * x1), env.put(-y1)
+    st = env.step([0])
+    add = env.ops.add(xv, yv, yv, st, n=n, stride=n, cap=1)
+    other = env.ops.add(xv, yv, zv, st, n=n, stride=n, cap=1)
+    graph = Graph.record(env.device, [add, Barrier(), add, Barrier(), add, Barrier(), other, Barrier()])
+    try:
+        assert (graph.n_dispatches, graph.n_sets) == (4, 2)
+        graph.run("test")
+        np.testing.assert_array_equal(env.get(yv), y1 + 3 * x1)
+        np.testing.assert_array_equal(env.get(zv), y1 + 4 * x1)
+        graph.rebind({xv.buffer: xv2.buffer, yv.buffer: yv2.buffer})
+        graph.run("test")
+        np.testing.assert_array_equal(env.get(yv2), -y1 + 3 * (2 * x1))
+        np.testing.assert_array_equal(env.get(yv), y1 + 3 * x1)  # the old buffer untouched
+    finally:
+        graph.close()
+
+
 @pytest.mark.parametrize("block", [64, 128, 256])
 def test_hadamard_rotates_each_block_as_numpy(env: Env, block: int) -> None:
     """hadamard.comp against kvtypes.hadamard, in place, only the live rows."""

