@@ -2,7 +2,7 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: verify (the Vulkan correctness tests on the H200), tune7 (the late 2026-12-01 defaults' tests and choices), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), cm2sweep (matmul_cm3's variants: their tests on the GPU, op level against matmul_cm2, pp512 of the best two), prefillcm2 (attn_prefill_cm2's tests, op level and pp8192 A/B), attnsweep (attn_prefill_cm3's variants: their tests on the GPU, op level beside attn_prefill_cm2 at 8k / 32k), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
+# Stages: devinfo (the device's features as the backend sees them), verify (the Vulkan correctness tests on the H200), tune7 (the late 2026-12-01 defaults' tests and choices), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), nv2mm (matmul_nv2 on VK_NV_cooperative_matrix2: its tests, op level beside matmul_cm2, pp512 with TRIO_LLM_MATMUL_NV2=0 / 1), cm2sweep (matmul_cm3's variants: their tests on the GPU, op level against matmul_cm2, pp512 of the best two), prefillcm2 (attn_prefill_cm2's tests, op level and pp8192 A/B), attnsweep (attn_prefill_cm3's variants: their tests on the GPU, op level beside attn_prefill_cm2 at 8k / 32k), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill, the pp512 graph
 #   with grouped expert matmuls against per-pair matvecs; MOE35=1 adds qwen35-35b-a3b's),
@@ -182,6 +182,11 @@ run_tunepp() {
 }
 
 for s in $STAGES; do case $s in
+  devinfo)  # the device as the backend opens it: features (NV cooperative matrices 2 among them), limits
+    stage devinfo 60 $PY -c "import json, logging; logging.basicConfig(level=logging.INFO)
+from trio_llm.vulkan.device import shared_device
+d = shared_device(); print(json.dumps(d.info(), default=str)); print('nv_coopmat2', d.nv_coopmat2, d.nv_coopmat2_max_wg)
+print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
   verify)  # the model equivalence (Vulkan = numpy within 1e-4) on the float32 scalar matmul;
     # the cooperative-matrix matmul (f16 tiles) is checked op by op in test_vulkan_ops.py
     stage verify 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_ops.py tests/test_vulkan_kv.py \
@@ -274,6 +279,26 @@ for s in $STAGES; do case $s in
       for t in 128x128 128x64 64x64; do
         stage "cm2-pp512-$tag-$t" 120 env TRIO_LLM_MATMUL_CM2=1 TRIO_LLM_CM2_TILE=$t $PY bench/decode.py \
           --model "$m" --backends vulkan --pp 512 --tg 8 --repeats 2
+      done
+    done ;;
+  nv2mm)  # matmul_nv2 (VK_NV_cooperative_matrix2, the default where the device has it): its tests on the GPU
+    # (every weight type and tile, ragged edges; the summary's skip line says so where the extension is missing),
+    # then op level beside matmul_cm2 (bench/matmul.py --variants cm2,nv2: llama-1b's products in Q8_0, llama-8b's
+    # in Q4_K and Q6_K, 512 and 2048 tokens; --check holds nv2's y to cm2's, BAD where not), every tile forced at
+    # 512 (Q8_0 / Q4_K), then whole pp512s of both models with TRIO_LLM_MATMUL_NV2=0 (matmul_cm2) and =1.
+    # The prebuilt set (compile-shaders with slangpy installed here) holds every variant the tests ask for.
+    # About 4 minutes
+    stage verify-nv2 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_nv2_matmul.py
+    if [ "${SMALL:-0}" = 1 ]; then SW=(--shapes small --tokens 64 --repeats 1); else SW=(); fi
+    stage nv2mm-ops 150 $PY bench/matmul.py ${SW[@]+"${SW[@]}"} --variants cm2,nv2
+    if [ "${SMALL:-0}" = 1 ]; then SW=(--shapes small --tokens 64 --repeats 1); else SW=(--tokens 512); fi
+    stage nv2mm-tiles 120 $PY bench/matmul.py "${SW[@]}" --types main --variants cm2,nv2 --tiles all
+    wait8b
+    for mq in "$M1:1b-q8" "$M8B:8b-q4km"; do
+      m=${mq%%:*}; tag=${mq##*:}
+      for v in 0 1; do
+        stage "nv2mm-pp512-$tag-nv2$v" 90 env TRIO_LLM_MATMUL_NV2=$v $PY bench/decode.py --model "$m" --backends vulkan \
+          --pp 512 --tg 8 --repeats 2 --pp-breakdown
       done
     done ;;
   cm2sweep)  # matmul_cm3's variants (TRIO_LLM_CM2_VARIANT; carry .cc too: the F16 test variants compile there):
@@ -434,7 +459,7 @@ for i in range(4):
     stage handoff-8b-weights 150 $PY bench/handoff.py --model "$M8B" --backend vulkan --handoffs 30 --sleep-mode weights ;;
   coldmem)  # issue 12: hybrid (and MoE) models resident and after POST /sleep?level=all through trio-llm serve,
     # the backend's bytes and the driver's per-process counter, the same answer and cache_n > 0 after the wake
-    CM=("$(model qwen35-0.8b Q4_K_M)" "$(model qwen35-9b Q4_K_M)" "$M1")
+    CM=("$(model qwen35-0.8b Q4_K_M)"); [ "${COLDMEM_9B:-1}" = 1 ] && CM+=("$(model qwen35-9b Q4_K_M)"); CM+=("$M1")
     [ -f /tmp/m/qwen35-35b-a3b-Q4_K_M.gguf ] && CM+=(/tmp/m/qwen35-35b-a3b-Q4_K_M.gguf)
     MA=(); for m in "${CM[@]}"; do MA+=(--model "$m"); done
     stage coldmem 240 $PY bench/coldmem.py "${MA[@]}" --backend vulkan --log-dir "$RES/coldmem-logs" ;;
@@ -442,7 +467,8 @@ for i in range(4):
     # with the device open, loaded, run, released, then after each pipeline's destruction)
     PM=("$(model qwen35-0.8b Q4_K_M)" "$M1")
     PA=(); for m in "${PM[@]}"; do PA+=(--model "$m"); done
-    stage pipemem 150 $PY bench/pipemem.py "${PA[@]}"
+    stage pipemem 150 env TRIO_LLM_PIPELINE_STATS=1 $PY bench/pipemem.py "${PA[@]}"
+    [ "${PIPEMEM_AB:-1}" = 1 ] || continue
     # delta_net.comp's split-lane form (TRIO_LLM_DELTA_SPLIT: lanes per state column), decode and pp512
     for dp in 0 2 4 8; do
       stage "pipemem-decode-split$dp" 90 env TRIO_LLM_DELTA_SPLIT=$dp $PY bench/decode.py --model "${PM[0]}" \

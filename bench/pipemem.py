@@ -51,8 +51,10 @@ def one(path: Path, ctx: int) -> dict[str, Any]:
     out["loaded_mib"] = device_mib(pid)
     out["kernels_after_load"] = len(be._kernels._kernels)
     # the server's warm-up passes first (runtime.warmup_sizes: 1, 2, 4, 8 and 16 tokens at 0)
+    out["warm_mib"] = {}
     for n in (1, 2, 4, 8, 16):
         be.forward([SeqBatch(0, np.ones(n, np.int32), 0)])
+        out["warm_mib"][n] = device_mib(pid)  # which bucket's first run grows the driver's figure
     out["warmed_mib"] = device_mib(pid)
     toks = (np.arange(64) * 7 + 11).astype(np.int32) % 1000
     be.forward([SeqBatch(0, toks, 0)])
@@ -97,10 +99,17 @@ def one(path: Path, ctx: int) -> dict[str, Any]:
     vk = dev.vk
     rows = []
     last = out["released_mib"]
+    from trio_llm.vulkan.kernels import statistics
+
     for key, k in sorted(kc._kernels.items(), key=lambda kv: repr(kv[0])):
+        try:  # the driver's registers and local memory (TRIO_LLM_PIPELINE_STATS=1)
+            stats = statistics(dev, k)
+        except Exception as exc:  # a diagnosis: report, go on
+            stats = {"error": repr(exc)[:200]}  # type: ignore[dict-item]
         vk.vkDestroyPipeline(dev.handle, k.pipeline, None)
         now = device_mib(pid)
         rows.append({"kernel": k.name, "defines": dict(key[1]), "spec": dict(key[2]), "local_size": k.local_size,
+                     "stats": stats,
                      "mib_after": now, "freed_mib": (last - now) if (last is not None and now is not None) else None})
         last = now
     kc._kernels.clear()  # destroyed above: close() must not destroy them again
@@ -134,6 +143,7 @@ def main() -> int:
         print(f"\n{r['model']}: device open {r['device_open_mib']} MiB, loaded {r['loaded_mib']}, "
               f"ran {r['ran_mib']}, released {r['released_mib']}, pipelines destroyed "
               f"{r['pipelines_destroyed_mib']}, pool trimmed {r['pool_trimmed_mib']}")
+        print(f"  after each warm-up bucket (tokens: MiB) {r['warm_mib']}")
         print(f"  warmed up (1..16 tokens) {r['warmed_mib']} MiB, sampled decode {r['sampled_mib']} MiB; graphs {r['graphs']}, sampler's {r['sampler_graphs']}; "
               f"released {r['released_mib']}, graphs closed {r['graphs_dropped_mib']}")
         if "state_bytes" in r:
@@ -142,7 +152,10 @@ def main() -> int:
                   f"{r['released_after_state_write_mib']}")
         common.print_table([{"kernel": x["kernel"], "defines": ",".join(f"{k}={v}" for k, v in x["defines"].items()),
                              "spec": ",".join(f"{k}={v}" for k, v in x["spec"].items()),
-                             "freed_mib": x["freed_mib"]} for x in r["pipelines"]])
+                             "freed_mib": x["freed_mib"],
+                             "stats": " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                               for k, v in x.get("stats", {}).items())[:160]}
+                            for x in r["pipelines"]])
     path = common.write_result("pipemem", {"model": [str(m) for m in args.model], "ctx": args.ctx},
                                {"rows": results})
     print(f"wrote {path}")

@@ -367,7 +367,8 @@ SMALLER = "delta_conv,moe_down_out,attn_gate"
                           ("tiny-qwen35moe", "Q8_0", False, SMALLER, 0), ("tiny-qwen35", "Q8_0", False, "", 4),
                           ("tiny-qwen35", "Q8_0", False, SMALLER, 2)])
 def test_fused_forwards_equal_the_unfused_lowering(model_path, monkeypatch: pytest.MonkeyPatch, preset: str,
-                                                   quant: str, chunked: bool, off: str, split: int) -> None:  # type: ignore[no-untyped-def]
+                                                   quant: str, chunked: bool, off: str, split: int,
+                                                   f32_activations: None) -> None:  # type: ignore[no-untyped-def]
     """Two sequences, a 43-token prefill (the prefill buckets' fusions, the experts
     grouped there, so the combine ends the FFN; ``chunked``: the delta rule's chunked
     form there, so the conv is ssm_conv_split; ``off``: TRIO_LLM_HYBRID_OFF) and 10 decode
@@ -375,7 +376,10 @@ def test_fused_forwards_equal_the_unfused_lowering(model_path, monkeypatch: pyte
     rounding (on lavapipe they are the same bits: every fused kernel sums in the
     unfused kernels' order), and so do the greedy tokens. ``split``: both with
     TRIO_LLM_DELTA_SPLIT (the delta rule's split-lane form, its fused forms in decode:
-    CONV with GATED_NORM, or with ``off`` GATED_NORM alone)."""
+    CONV with GATED_NORM, or with ``off`` GATED_NORM alone). On f32 decode activations
+    (``f32_activations``): the two sequences' unfused decode matvecs would otherwise read
+    int8 activations where the fused kernels read f32, which moved the H200's logits by
+    0.5-0.8 % (2026-12-04)."""
     model = load_gguf(model_path(preset, quant))
     if chunked:
         monkeypatch.setenv("TRIO_LLM_DELTA_CHUNKED", "1")

@@ -116,6 +116,13 @@ class Device:
     nv_coopmat2: bool = False
     #: cooperativeMatrixWorkgroupScopeMaxWorkgroupSize (0 where nv_coopmat2 is off)
     nv_coopmat2_max_wg: int = 0
+    #: matmul_nv2.comp's further needs, enabled where present: the extension's block loads
+    #: (tensor layouts in ggml blocks) and bufferDeviceAddress (its decode functions take a
+    #: buffer_reference, so its SPIR-V declares PhysicalStorageBufferAddresses)
+    nv_coopmat2_decode: bool = False
+    #: pipelines capture the driver's statistics (VK_KHR_pipeline_executable_properties,
+    #: TRIO_LLM_PIPELINE_STATS=1: registers, local memory; ``kernels.statistics``), a diagnosis
+    pipeline_stats: bool = False
     _fns: dict[str, Any] = attrs.field(factory=dict)
     _closed: bool = False
     # the queue, the fence and the command pool need external synchronization; a
@@ -492,6 +499,8 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
         vk.lib.vkGetPhysicalDeviceProperties2(physical, p2)
         nv_max_wg = int(nv_props[4])  # cooperativeMatrixWorkgroupScopeMaxWorkgroupSize
         nv_coopmat2 = nv_max_wg >= 128
+    # matmul_nv2's decode functions (nv_coopmat2_decode): block loads and bufferDeviceAddress
+    nv_decode = nv_coopmat2 and nv_have["block_loads"] and bool(f12.bufferDeviceAddress)
     if nv_have:
         log.info("VK_NV_cooperative_matrix2 features: %s; workgroup-scope matrices up to %d lanes",
                  ", ".join(n for n, on in nv_have.items() if on) or "none", nv_max_wg)
@@ -507,6 +516,8 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
     want12.shaderInt8 = f12.shaderInt8
     want12.shaderFloat16 = f12.shaderFloat16
     want11.pNext = want12
+    if nv_decode:  # matmul_nv2 only (its decode functions' buffer_reference); no buffer takes an address
+        want12.bufferDeviceAddress = 1
     if coopmat:
         want12.vulkanMemoryModel = 1
         want12.vulkanMemoryModelDeviceScope = f12.vulkanMemoryModelDeviceScope
@@ -520,6 +531,14 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
         want_id.shaderIntegerDotProduct = 1
         want_id.pNext = want12.pNext
         want12.pNext = want_id
+    pipeline_stats = (os.environ.get("TRIO_LLM_PIPELINE_STATS") == "1"
+                      and "VK_KHR_pipeline_executable_properties" in extensions)
+    if pipeline_stats:
+        want_pe = vk.ffi.new("VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR*")
+        want_pe.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PIPELINE_EXECUTABLE_PROPERTIES_FEATURES_KHR
+        want_pe.pipelineExecutableInfo = 1
+        want_pe.pNext = want12.pNext
+        want12.pNext = want_pe
     want = vk.ffi.new("VkPhysicalDeviceFeatures2*")
     want.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2
     want.pNext = want11
@@ -545,6 +564,8 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
         enable.append("VK_NV_cooperative_matrix2")
     if int_dot:
         enable.append("VK_KHR_shader_integer_dot_product")
+    if pipeline_stats:
+        enable.append("VK_KHR_pipeline_executable_properties")
     queue_info = vk.VkDeviceQueueCreateInfo(
         queueFamilyIndex=family, queueCount=1, pQueuePriorities=[1.0]
     )
@@ -610,6 +631,8 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
         int_dot=int_dot,
         nv_coopmat2=nv_coopmat2,
         nv_coopmat2_max_wg=nv_max_wg,
+        pipeline_stats=pipeline_stats,
+        nv_coopmat2_decode=nv_decode,
     )
     log.info(
         "vulkan device: %s (%s, Vulkan %s), storage range %d MiB, subgroup %d, cooperative matrices %s",

@@ -179,8 +179,9 @@ class KernelCache:
             stage = vk.VkPipelineShaderStageCreateInfo(
                 stage=vk.VK_SHADER_STAGE_COMPUTE_BIT, module=module, pName="main", pSpecializationInfo=spec_info
             )
+            flags = vk.VK_PIPELINE_CREATE_CAPTURE_STATISTICS_BIT_KHR if self.device.pipeline_stats else 0
             pipeline = vk.vkCreateComputePipelines(
-                dev, self._pcache, 1, [vk.VkComputePipelineCreateInfo(stage=stage, layout=layout)], None
+                dev, self._pcache, 1, [vk.VkComputePipelineCreateInfo(flags=flags, stage=stage, layout=layout)], None
             )[0]
         self.dirty = True
         return Kernel(name, n_bindings, n_push, local_size, pipeline, layout, set_layout, module)
@@ -198,6 +199,25 @@ class KernelCache:
             vk.vkDestroyDescriptorSetLayout(dev, k.set_layout, None)
             vk.vkDestroyShaderModule(dev, k.module, None)
         self._kernels.clear()
+
+
+def statistics(device: Device, kernel: Kernel) -> dict[str, float]:
+    """The driver's statistics of a pipeline's first executable (register count, local
+    memory and so on, under the driver's own names) where ``device.pipeline_stats``
+    (TRIO_LLM_PIPELINE_STATS=1); else empty. A diagnosis (bench/pipemem.py)."""
+    if not device.pipeline_stats:
+        return {}
+    vk = device.vk
+    ex = vk.VkPipelineExecutableInfoKHR(pipeline=kernel.pipeline, executableIndex=0)
+    out: dict[str, float] = {}
+    with vk_errors("pipeline statistics"):
+        for st in device.fn("vkGetPipelineExecutableStatisticsKHR")(device.handle, ex):
+            name = st.name if isinstance(st.name, str) else vk.ffi.string(st.name).decode()
+            fmt = int(st.format)
+            value = st.value
+            out[name] = (float(value.b32) if fmt == 0 else float(value.i64) if fmt == 1
+                         else float(value.u64) if fmt == 2 else float(value.f64))
+    return out
 
 
 def _ok(vk: Any, result: int) -> None:
