@@ -285,18 +285,21 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
     # (every weight type and tile, ragged edges; the summary's skip line says so where the extension is missing),
     # then op level beside matmul_cm2 (bench/matmul.py --variants cm2,nv2: llama-1b's products in Q8_0, llama-8b's
     # in Q4_K and Q6_K, 512 and 2048 tokens; --check holds nv2's y to cm2's, BAD where not), every tile forced at
-    # 512 (Q8_0 / Q4_K), then whole pp512s of both models with TRIO_LLM_MATMUL_NV2=0 (matmul_cm2) and =1.
+    # 512 (Q8_0 / Q4_K), then whole pp512s of both models with TRIO_LLM_MATMUL_NV2=0 (matmul_cm2), =1 (the default
+    # types: Q8_0 etc., not the K-quants) and =all (every type).
     # The prebuilt set (compile-shaders with slangpy installed here) holds every variant the tests ask for.
-    # About 4 minutes
-    stage verify-nv2 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_nv2_matmul.py
+    # About 6 minutes
+    # (the driver takes seconds to build each workgroup-scope pipeline: about 30 of them, 2-3 minutes)
+    stage verify-nv2 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_nv2_matmul.py
     if [ "${SMALL:-0}" = 1 ]; then SW=(--shapes small --tokens 64 --repeats 1); else SW=(); fi
     stage nv2mm-ops 150 $PY bench/matmul.py ${SW[@]+"${SW[@]}"} --variants cm2,nv2
     if [ "${SMALL:-0}" = 1 ]; then SW=(--shapes small --tokens 64 --repeats 1); else SW=(--tokens 512); fi
-    stage nv2mm-tiles 120 $PY bench/matmul.py "${SW[@]}" --types main --variants cm2,nv2 --tiles all
+    stage nv2mm-tiles 120 $PY bench/matmul.py "${SW[@]}" --types main --variants cm2,nv2 \
+      --tiles all
     wait8b
     for mq in "$M1:1b-q8" "$M8B:8b-q4km"; do
       m=${mq%%:*}; tag=${mq##*:}
-      for v in 0 1; do
+      for v in 0 1 all; do  # all: the K-quants on matmul_nv2 too (by default they keep matmul_cm2)
         stage "nv2mm-pp512-$tag-nv2$v" 90 env TRIO_LLM_MATMUL_NV2=$v $PY bench/decode.py --model "$m" --backends vulkan \
           --pp 512 --tg 8 --repeats 2 --pp-breakdown
       done

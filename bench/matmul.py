@@ -1,7 +1,8 @@
 """The prefill's dense products, op level: one ``Ops.matmul`` (y = W x for every token
 of a chunk) per shape of llama-1b and llama-8b (q / o, k / v, gate / up, down), weight
 type and token count, on each kernel variant: ``cm2`` (matmul_cm2.comp, the default on
-cooperative matrices), the matmul_cm3.comp forms of ``TRIO_LLM_CM2_VARIANT``
+cooperative matrices), ``nv2`` (matmul_nv2.comp, VK_NV_cooperative_matrix2: the default
+where the device has it; its tiles are ``shaders.NV2_TILES``), the matmul_cm3.comp forms of ``TRIO_LLM_CM2_VARIANT``
 (``shaders.CM3_SWEEP`` by default: "v", "v+db+direct", ...), ``cm`` (matmul_cm.comp,
 ``TRIO_LLM_MATMUL_CM2=0``) and ``scalar`` (matmul.comp, devices without cooperative
 matrices); each on the tile the backend picks ("auto") and, with ``--tiles``, on every
@@ -11,6 +12,7 @@ A variant the device cannot run is left out with a line on stderr.
     .venv/bin/python bench/matmul.py                              # the sweep (a GPU)
     .venv/bin/python bench/matmul.py --shapes llama-8b --types Q4_K,Q6_K,Q8_0 --tokens 512 --tiles all
     .venv/bin/python bench/matmul.py --variants cm2,v+db+direct --best 2 --best-out /tmp/best.txt
+    .venv/bin/python bench/matmul.py --variants cm2,nv2 --tiles all      # NVIDIA's cooperative_matrix2
     .venv/bin/python bench/matmul.py --shapes small --emulate --repeats 1   # lavapipe: a dry run
 
 Prints ms per product and TFLOP/s (2 rows n_in tokens / time), then per variant the
@@ -49,7 +51,7 @@ from trio_llm.vulkan.device import shared_device
 from trio_llm.vulkan.graph import Barrier, Copy, Graph, Op
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.memory import Allocator, Buffer, whole
-from trio_llm.vulkan.ops import STEP_BYTES, Ops, cm2_tile, row_bytes
+from trio_llm.vulkan.ops import NV2_QTYPES, STEP_BYTES, Ops, cm2_tile, row_bytes
 
 #: (label, rows, n_in, products of that shape per layer) of each model's dense products
 SHAPES = {
@@ -66,7 +68,7 @@ MODEL_TYPES = {"llama-1b": "Q8_0", "llama-8b": "Q4_K,Q6_K", "small": "Q8_0,Q4_K"
 #: random blocks get sane scales, so the products are finite and ``--check`` can compare
 SCALES = {"Q8_0": (34, (0,)), "Q4_0": (18, (0,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
 #: the kinds besides the matmul_cm3 variants
-BASE_KINDS = ("cm2", "cm", "scalar")
+BASE_KINDS = ("cm2", "nv2", "cm", "scalar")
 
 
 def upload(device: Any, alloc: Allocator, dst: Buffer, data: np.ndarray) -> None:
@@ -99,21 +101,32 @@ def weights(rng: np.random.Generator, qtype: str, nbytes: int) -> tuple[np.ndarr
 
 def kind_ops(base: Ops, kind: str, tile: tuple[int, int] | None, emulate: bool) -> Ops | None:
     """The Ops that run ``kind`` (None: not on this device)."""
-    coop = base.kernels.device.coopmat
+    dev = base.kernels.device
+    coop = dev.coopmat
     if kind == "scalar":
-        return attrs.evolve(base, coopmat=False, matmul_cm2=False, matmul_cm2_emulate=0)
+        return attrs.evolve(base, coopmat=False, matmul_cm2=False, matmul_nv2=False, matmul_cm2_emulate=0)
     if kind == "cm":
-        return attrs.evolve(base, coopmat=True, matmul_cm2=False, matmul_cm2_emulate=0) if coop else None
+        return (attrs.evolve(base, coopmat=True, matmul_cm2=False, matmul_nv2=False, matmul_cm2_emulate=0)
+                if coop else None)
+    if kind == "nv2":  # matmul_nv2 (no emulated form: a device with the NV extension or nothing)
+        if not (coop and dev.nv_coopmat2 and dev.nv_coopmat2_decode):
+            return None
+        return attrs.evolve(base, coopmat=True, matmul_nv2=True, matmul_nv2_types=NV2_QTYPES, matmul_cm2_variant=None,
+                            matmul_cm2_emulate=0, matmul_nv2_tile=tile)
     if not coop and not emulate:
         return None
     v = None if kind == "cm2" else shaders.cm3_variant(kind)
-    return attrs.evolve(base, coopmat=coop, matmul_cm2=True, matmul_cm2_variant=v, matmul_cm2_tile=tile,
-                        matmul_cm2_emulate=32 if emulate and not coop else 0)
+    return attrs.evolve(base, coopmat=coop, matmul_cm2=True, matmul_nv2=False, matmul_cm2_variant=v,
+                        matmul_cm2_tile=tile, matmul_cm2_emulate=32 if emulate and not coop else 0)
 
 
 def chosen_tile(ops: Ops, kind: str, n_rows: int, cap: int) -> str:
     if kind in ("cm", "scalar"):
         return "64x64"
+    if kind == "nv2":
+        plan = ops.nv2_plan("Q8_0", n_rows, cap)
+        assert plan is not None
+        return f"{plan[0]}x{plan[1]}" + (f"k{plan[2]}" if plan[2] != shaders.NV2_BK else "")
     v = ops.matmul_cm2_variant
     sub = ops.matmul_cm2_emulate or ops.subgroup
     bm, bn = ops.matmul_cm2_tile or (cm2_tile(n_rows, cap, ops.matmul_cm2_min_groups) if v is None
@@ -134,11 +147,11 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 print(f"bench/matmul.py: --variants: {exc}", file=sys.stderr)
                 return 2
-    names = {f"{bm}x{bn}": (bm, bn) for bm, bn in shaders.CM3_TILES}
+    names = {f"{bm}x{bn}": (bm, bn) for bm, bn in dict.fromkeys((*shaders.CM3_TILES, *shaders.NV2_TILES))}
     tiles: list[tuple[int, int] | None] = []
     for t in args.tiles.split(","):
         if t in ("auto", "all"):
-            tiles += [None, *(shaders.CM3_TILES if t == "all" else [])]
+            tiles += [None, *(names.values() if t == "all" else [])]
         elif t in names:
             tiles.append(names[t])
         else:
@@ -172,8 +185,9 @@ def run(args: argparse.Namespace) -> int:
                         back = alloc.create(4 * ntok * n_rows, "scratch", "readback") if args.check and finite else None
                         ref: np.ndarray | None = None  # the first kind's y, which the others are held to
                         for kind in kinds:
-                            # cm2 takes its own tiles only; cm and scalar have one
+                            # cm2 and nv2 take their own tiles only; cm and scalar have one
                             kt = ([t for t in tiles if t is None or t in shaders.CM2_TILES] if kind == "cm2" else
+                                  [t for t in tiles if t is None or t in shaders.NV2_TILES] if kind == "nv2" else
                                   [None] if kind in ("cm", "scalar") else tiles)
                             for tile in kt:
                                 ops = kind_ops(base, kind, tile, args.emulate)

@@ -27,6 +27,9 @@ from trio_llm.vulkan.shaders import (
     CM3_TILES,
     GATE_UP,
     NORM_IN,
+    NV2_BK,
+    NV2_LANES,
+    NV2_TILES,
     Q8_MATVEC,
     QTYPES,
     ROPE_OUT,
@@ -45,6 +48,7 @@ from trio_llm.vulkan.shaders import (
     kv_defines,
     matvec_defines,
     moe_coopmat_defines,
+    nv2_defines,
     qtype_defines,
 )
 
@@ -124,6 +128,62 @@ def cm2_tile_env() -> tuple[int, int] | None:
     tiles = {f"{bm}x{bn}": (bm, bn) for bm, bn in CM3_TILES}
     if v not in tiles:
         raise ConfigError(f"TRIO_LLM_CM2_TILE={v!r}: expected one of {', '.join(tiles)}")
+    return tiles[v]
+
+
+#: matmul_nv2: the fewest work groups each tile must give to be chosen over the next
+#: smaller one (about one per SM of a 132-SM H200: a workgroup-scope tile of 128 rows
+#: holds most of an SM); a guess until the H200 times the tiles (TRIO_LLM_NV2_TILE,
+#: bench/h200.sh nv2mm). TRIO_LLM_NV2_MIN_GROUPS sets one bound for all
+NV2_MIN_GROUPS = {(128, 256): 128, (128, 128): 128, (64, 64): 1}
+#: the weight types matmul_nv2.comp decodes (every type of quant.glsl; F16 loads as is)
+NV2_QTYPES = QTYPES
+#: ... and those it takes by default (TRIO_LLM_MATMUL_NV2=1; "all": every one of
+#: NV2_QTYPES). The H200 (2026-12-04, bench/h200.sh nv2mm, op level at 512 tokens, one
+#: layer's products): llama-1b Q8_0 3.60 -> 3.34 ms against matmul_cm2 (whole pp512 GPU
+#: time 16.5 -> 14.2 ms), but llama-8b Q4_K 10.5 -> 13.0 ms and Q6_K 4.7 -> 6.3 ms (its
+#: whole pp512 118 -> 157 ms): the K-quants' per-value decode (the sub-block scale worked
+#: out again for every value) costs more than the driver's pipelining gains, at 2048
+#: tokens less so. So the K-quants and IQ4_XS keep matmul_cm2; the other 32-blocks and
+#: the float types (cheap decodes, as Q8_0's; not timed yet) take matmul_nv2
+NV2_DEFAULT_QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
+
+
+def nv2_types_env() -> tuple[str, ...]:
+    """``TRIO_LLM_MATMUL_NV2``: "0" none, "1" (default) ``NV2_DEFAULT_QTYPES``, "all"
+    ``NV2_QTYPES``, or a comma list of types."""
+    v = os.environ.get("TRIO_LLM_MATMUL_NV2", "1")
+    if v in ("0", "1", "all", ""):
+        return {"0": (), "all": NV2_QTYPES}.get(v, NV2_DEFAULT_QTYPES)
+    types = tuple(t.strip() for t in v.split(","))
+    bad = [t for t in types if t not in NV2_QTYPES]
+    if bad:
+        raise ConfigError(f"TRIO_LLM_MATMUL_NV2={v!r}: not 0, 1, all or weight types ({', '.join(bad)})")
+    return types
+
+
+def nv2_tile(n_rows: int, cap: int, tiles: tuple[tuple[int, int], ...] = NV2_TILES,
+             most: int | None = None) -> tuple[int, int]:
+    """matmul_nv2's tile of (rows, tokens) for an ``n_rows`` x ``cap`` product: the largest
+    of ``tiles`` (``NV2_TILES`` that the device takes) that still gives its
+    ``NV2_MIN_GROUPS`` work groups (or ``most`` for every tile), else the smallest. At 512
+    tokens: llama-1b's 2048-row projections 64x64 (256 groups), its 8192-row FFN 128x256
+    (128); llama-8b's 4096-row projections 128x128 (128), its 14336-row FFN 128x256 (224);
+    at 2048 tokens every one of them 128x256."""
+    for bm, bn in tiles:
+        if math.ceil(n_rows / bm) * math.ceil(cap / bn) >= (most or NV2_MIN_GROUPS[bm, bn]):
+            return bm, bn
+    return tiles[-1]
+
+
+def nv2_tile_env() -> tuple[int, int] | None:
+    """``TRIO_LLM_NV2_TILE`` ("128x128"; empty: ``nv2_tile`` chooses), for timing the tiles."""
+    v = os.environ.get("TRIO_LLM_NV2_TILE", "")
+    if not v:
+        return None
+    tiles = {f"{bm}x{bn}": (bm, bn) for bm, bn in NV2_TILES}
+    if v not in tiles:
+        raise ConfigError(f"TRIO_LLM_NV2_TILE={v!r}: expected one of {', '.join(tiles)}")
     return tiles[v]
 
 
@@ -403,6 +463,24 @@ class Ops:
     #: tests only: matmul_cm2 with its products emulated (CM_EMULATE) for subgroups of
     #: this size (32 or 64; 0: off), on any device
     matmul_cm2_emulate: int = 0
+    #: the dense prefill matmuls on matmul_nv2.comp (VK_NV_cooperative_matrix2:
+    #: workgroup-scope matrices, tensor-addressed loads that decode the weights) ahead of
+    #: matmul_cm2, where ``nv2_plan`` allows it: cooperative matrices on (``coopmat``),
+    #: the device's NV extension with block loads and bufferDeviceAddress
+    #: (``Device.nv_coopmat2_decode``), no ``matmul_cm2_variant`` or emulation asked for.
+    #: TRIO_LLM_MATMUL_NV2=0 keeps matmul_cm2. Passed its tests on the H200 (2026-12-04)
+    matmul_nv2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MATMUL_NV2", "1") != "0")
+    #: the weight types it takes (``nv2_types_env``: ``NV2_DEFAULT_QTYPES`` by default,
+    #: TRIO_LLM_MATMUL_NV2=all every type it decodes); the others stay on matmul_cm2
+    matmul_nv2_types: tuple[str, ...] = attrs.field(factory=nv2_types_env)
+    #: its tile (rows, tokens) for every product; None: ``nv2_tile`` chooses
+    matmul_nv2_tile: tuple[int, int] | None = attrs.field(factory=nv2_tile_env)
+    #: its K per step (32 or 64; TRIO_LLM_NV2_BK)
+    matmul_nv2_bk: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_NV2_BK", "") or NV2_BK),
+                                      validator=attrs.validators.in_((32, 64)))
+    #: ``nv2_tile``'s fewest work groups for every tile (TRIO_LLM_NV2_MIN_GROUPS); None: per tile
+    matmul_nv2_min_groups: int | None = attrs.field(
+        factory=lambda: int(os.environ.get("TRIO_LLM_NV2_MIN_GROUPS", "") or 0) or None)
     #: decode buckets' RMSNorms folded into the matvecs that read them (matvec.comp's
     #: NORM_IN; forward.py's ``find_norm_fusions``): two dispatch stages fewer per layer,
     #: but one load of the norm weight beside each x load. Off unless
@@ -599,18 +677,50 @@ class Ops:
                 return bm, bn
         return fits[-1]
 
+    def nv2_plan(self, qtype: str, n_rows: int, cap: int, *, y_off: int = 0,
+                 y_stride: int | None = None) -> tuple[int, int, int] | None:
+        """matmul_nv2's (BM, BN, BK) for this product, or None where it does not run: not
+        enabled (``matmul_nv2`` and ``coopmat``, a device with ``nv_coopmat2_decode``,
+        neither ``matmul_cm2_variant`` nor ``matmul_cm2_emulate`` set), a weight type not
+        in ``matmul_nv2_types``, y's rows narrower than ``y_off + n_rows`` (its store's tensor
+        layout needs them whole), or no tile whose lanes the device's workgroup-scope
+        matrices take (``Device.nv_coopmat2_max_wg``)."""
+        dev = self.kernels.device
+        if not (self.matmul_nv2 and self.coopmat and dev.nv_coopmat2 and dev.nv_coopmat2_decode):
+            return None
+        if self.matmul_cm2_variant is not None or self.matmul_cm2_emulate or qtype not in self.matmul_nv2_types:
+            return None
+        if y_stride is not None and y_off + n_rows > y_stride:
+            return None
+        tiles = tuple(t for t in NV2_TILES if NV2_LANES[t] <= dev.nv_coopmat2_max_wg)
+        if not tiles:
+            return None
+        forced = self.matmul_nv2_tile
+        if forced is not None and forced not in tiles:
+            raise ConfigError(f"TRIO_LLM_NV2_TILE={forced[0]}x{forced[1]}: {NV2_LANES[forced]} lanes, "
+                              f"{dev.name} takes workgroup-scope matrices up to {dev.nv_coopmat2_max_wg}")
+        bm, bn = forced or nv2_tile(n_rows, cap, tiles, self.matmul_nv2_min_groups)
+        return bm, bn, self.matmul_nv2_bk
+
     def matmul(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
         x_stride: int, y_stride: int, cap: int, y_off: int = 0,
         count_sel: int = COUNT_TOKENS, add: bool = False,
     ) -> Dispatch:
         """The tiled form of ``matvec`` for many tokens (prefill); on cooperative
-        matrices (f16 tiles, f32 accumulators) where the device has them: matmul_cm2
+        matrices (f16 tiles, f32 accumulators) where the device has them: matmul_nv2 where
+        ``nv2_plan`` allows it (NVIDIA's cooperative_matrix2), else matmul_cm2
         when enabled (``matmul_cm2``, subgroups of 32 or 64; matmul_cm3 in the form
         ``matmul_cm2_variant`` where one is set), else matmul_cm."""
         assert n_in % 32 == 0 and x_stride % 4 == 0
         assert self.matmul_cm2_emulate in (0, 32, 64)
         push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add))
+        nv2 = self.nv2_plan(qtype, n_rows, cap, y_off=y_off, y_stride=y_stride)
+        if nv2 is not None:
+            bm, bn, bk = nv2
+            k = self.kernels.get("matmul_nv2", n_bindings=4, n_push=7, local_size=NV2_LANES[bm, bn],
+                                 defines=nv2_defines(qtype, bm, bn, bk))
+            return Dispatch(k, (w, x, y, step), push, (math.ceil(n_rows / bm), math.ceil(cap / bn), 1))
         sub = self.matmul_cm2_emulate or (self.subgroup if self.coopmat and self.matmul_cm2 else 0)
         if sub in (32, 64):
             v = self.matmul_cm2_variant

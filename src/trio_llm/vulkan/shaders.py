@@ -740,10 +740,34 @@ def hybrid_variants() -> Iterable[tuple[str, dict[str, object]]]:
             yield name, {**kv_defines(K_TYPE=code, V_TYPE=code), "OUT_GATE": 1}
 
 
+#: matmul_nv2.comp's tiles of (rows, tokens), the largest first, and the lanes of each
+#: (workgroup-scope matrices: the driver splits the tile over them)
+NV2_TILES = ((128, 256), (128, 128), (64, 64))
+NV2_LANES = {(128, 256): 256, (128, 128): 256, (64, 64): 128}
+#: its K per step (``NV2_BK``; TRIO_LLM_NV2_BK=32 takes the other for timing)
+NV2_BK = 64
+
+
+def nv2_defines(qtype: str, bm: int, bn: int, bk: int = NV2_BK) -> dict[str, object]:
+    """matmul_nv2.comp's variant: the weight type, the tile, K per step."""
+    assert (bm, bn) in NV2_LANES and bk in (32, 64)
+    return {**qtype_defines(qtype), "BM": bm, "BN": bn, "BK": bk}
+
+
+def matmul_nv2_variants() -> Iterable[tuple[str, dict[str, object]]]:
+    """matmul_nv2's prebuilt variants: every weight type on every tile, K steps of 64 and 32
+    (the other of ``NV2_BK``, for timing and the tests; 90 small SPIR-V files, so a GPU
+    without slangpy's compiler runs them all)."""
+    for q in QTYPES:
+        for bm, bn in NV2_TILES:
+            for bk in (64, 32):
+                yield "matmul_nv2", nv2_defines(q, bm, bn, bk)
+
+
 def nv2_variants() -> Iterable[tuple[str, dict[str, object]]]:
     """The VK_NV_cooperative_matrix2 kernels' variants (``NV2_SHADERS``), built by
     ``compile-shaders`` where slangpy's glslang is installed (``nv2_compiler``)."""
-    return iter(())
+    yield from matmul_nv2_variants()
 
 
 def main(argv: list[str]) -> int:

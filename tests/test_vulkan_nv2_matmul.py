@@ -1,0 +1,310 @@
+"""matmul_nv2.comp: the dense prefill product on VK_NV_cooperative_matrix2.
+
+Everywhere slangpy's glslang is installed: every prebuilt variant (``shaders.nv2_variants``)
+compiles and passes ``spirv-val``, and ``Ops``' choice of kernel and tile (pure Python,
+on a stand-in device). On a GPU with the extension (``Device.nv_coopmat2_decode``): the
+op against numpy for every weight type, on every tile, over edges that are whole tiles in
+no dimension (rows, live tokens, n_in), with the live count below the cap, y written at
+an offset into wider rows, x rows wider than n_in, plain and added into a residual.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+
+from test_vulkan_ops import QTYPES, Env, make_weights, open_env
+from trio_llm.errors import ConfigError
+from trio_llm.vulkan import shaders
+from trio_llm.vulkan.ops import NV2_DEFAULT_QTYPES, NV2_MIN_GROUPS, NV2_QTYPES, Ops, nv2_tile
+
+NEEDS_NV2 = "needs VK_NV_cooperative_matrix2 (lavapipe has none)"
+
+env = pytest.fixture(scope="module", name="env")(open_env)
+
+
+def _needs_compiler() -> None:
+    if shaders.nv2_compiler() is None:
+        pytest.skip("slangpy's glslang (the nv extra) is not installed")
+
+
+# -- everywhere: the SPIR-V and the choice -------------------------------------------------
+
+
+def test_nv2_variants_cover_every_type_and_tile() -> None:
+    got = {(d["BM"], d["BN"], d["BK"], next(k for k in d if k.startswith("QTYPE_"))) for n, d in shaders.nv2_variants()
+           if n == "matmul_nv2"}
+    assert got == {(bm, bn, bk, f"QTYPE_{q}") for bm, bn in shaders.NV2_TILES for bk in (32, 64)
+                   for q in shaders.QTYPES}
+    assert set(NV2_QTYPES) == set(shaders.QTYPES)
+
+
+@pytest.mark.parametrize("variant", [d for n, d in shaders.nv2_variants() if n == "matmul_nv2"],
+                         ids=lambda d: "-".join(f"{v}" if k != next(iter(d)) else k[6:] for k, v in d.items()))
+def test_matmul_nv2_variant_compiles_and_validates(variant: dict[str, object], tmp_path: Path) -> None:
+    """Each variant through the project's compile path (slangpy's glslang, spirv-opt),
+    then ``spirv-val`` for Vulkan 1.3; its SPIR-V declares what device.py enables for it
+    (tensor addressing, block loads, PhysicalStorageBufferAddresses)."""
+    _needs_compiler()
+    spv = shaders.spirv("matmul_nv2", variant)
+    path = tmp_path / "m.spv"
+    path.write_bytes(spv)
+    bindir = shaders._cmeel_prefix() / "bin"
+    val = subprocess.run([str(bindir / "spirv-val"), "--target-env", "vulkan1.3", str(path)],
+                         capture_output=True, text=True, check=False)
+    assert val.returncode == 0, val.stderr
+    dis = subprocess.run([str(bindir / "spirv-dis"), str(path)], capture_output=True, text=True, check=False)
+    if dis.returncode == 0:
+        caps = {line.split()[1] for line in dis.stdout.splitlines() if line.strip().startswith("OpCapability")}
+        assert {"CooperativeMatrixTensorAddressingNV", "TensorAddressingNV",
+                "CooperativeMatrixBlockLoadsNV", "PhysicalStorageBufferAddresses"} <= caps
+
+
+def test_nv2_tile_choice() -> None:
+    """The largest tile with its ``NV2_MIN_GROUPS`` work groups: llama-1b's and llama-8b's
+    products at 512 and 2048 tokens, and tiny products on the smallest."""
+    assert nv2_tile(2048, 512) == (64, 64)  # 32 / 64 groups on the larger ones
+    assert nv2_tile(8192, 512) == (128, 256)  # 128
+    assert nv2_tile(4096, 512) == (128, 128)  # 128 (128x256: 64)
+    assert nv2_tile(14336, 512) == (128, 256)
+    assert nv2_tile(1024, 512) == (64, 64)
+    for rows in (512, 1024, 2048, 4096, 8192, 14336):
+        assert nv2_tile(rows, 2048) == ((128, 256) if rows >= 2048 else (128, 128) if rows >= 1024 else (64, 64))
+    assert nv2_tile(100, 16) == (64, 64)
+    assert nv2_tile(4096, 512, most=64) == (128, 256)
+    assert nv2_tile(4096, 512, tiles=((128, 128), (64, 64))) == (128, 128)
+    assert nv2_tile(2048, 512, tiles=((64, 64),)) == (64, 64)
+    assert set(NV2_MIN_GROUPS) == set(shaders.NV2_TILES)
+
+
+@attrs.define
+class _Dev:
+    """What ``Ops.nv2_plan`` and ``Ops.matmul`` read of a device."""
+
+    nv_coopmat2: bool = True
+    nv_coopmat2_decode: bool = True
+    nv_coopmat2_max_wg: int = 256
+    name: str = "stand-in"
+
+
+@attrs.define
+class _Kernels:
+    device: _Dev
+    got: list[tuple[str, dict[str, Any]]] = attrs.field(factory=list)
+
+    def get(self, name: str, **kw: Any) -> Any:
+        self.got.append((name, kw))
+        return name
+
+
+def test_nv2_plan_and_matmul_choice() -> None:
+    """matmul_nv2 first where the device has it (and cooperative matrices are on), for
+    every weight type; matmul_cm2 elsewhere, as before."""
+    k = _Kernels(_Dev())
+    ops = Ops(k, subgroup=32, coopmat=True, matmul_nv2=True, matmul_nv2_tile=None, matmul_nv2_bk=64,
+              matmul_nv2_min_groups=None, matmul_cm2_variant=None,
+              matmul_nv2_types=NV2_DEFAULT_QTYPES)  # type: ignore[arg-type]
+    # by default the types with cheap decodes; the K-quants and IQ4_XS stay on matmul_cm2
+    for q in shaders.QTYPES:
+        assert (ops.nv2_plan(q, 8192, 512) is not None) == (q in NV2_DEFAULT_QTYPES)
+    ops = attrs.evolve(ops, matmul_nv2_types=NV2_QTYPES)  # TRIO_LLM_MATMUL_NV2=all
+    assert ops.nv2_plan("Q4_K", 4096, 512) == (128, 128, 64)
+    for q in shaders.QTYPES:
+        assert ops.nv2_plan(q, 8192, 512) == (128, 256, 64)
+    d = ops.matmul("Q8_0", None, None, None, None, n_in=2048, n_rows=8192, x_stride=2048,  # type: ignore[arg-type]
+                   y_stride=8192, cap=512, add=True)
+    assert d.kernel == "matmul_nv2" and d.groups == (64, 2, 1)
+    assert d.push == (2048, 8192, 2048, 8192, 0, 0, 1)
+    assert k.got[-1][1]["local_size"] == 256 and k.got[-1][1]["defines"] == shaders.nv2_defines("Q8_0", 128, 256)
+    d = ops.matmul("Q6_K", None, None, None, None, n_in=2048, n_rows=2048, x_stride=2048,  # type: ignore[arg-type]
+                   y_stride=2048, cap=512)
+    assert d.kernel == "matmul_nv2" and d.groups == (32, 8, 1) and k.got[-1][1]["local_size"] == 128
+    # y rows narrower than y_off + n_rows: matmul_cm2's
+    assert ops.nv2_plan("Q8_0", 2048, 512, y_off=8, y_stride=2048) is None
+    assert ops.nv2_plan("Q8_0", 2048, 512, y_off=8, y_stride=2056) is not None
+    d = ops.matmul("Q8_0", None, None, None, None, n_in=2048, n_rows=2048, x_stride=2048,  # type: ignore[arg-type]
+                   y_stride=2048, y_off=8, cap=512)
+    assert d.kernel == "matmul_cm2"
+    # off: the flag, no cooperative matrices, the device lacking a part, cm3 or emulation asked for
+    assert attrs.evolve(ops, matmul_nv2=False).nv2_plan("Q8_0", 2048, 512) is None
+    assert attrs.evolve(ops, coopmat=False).nv2_plan("Q8_0", 2048, 512) is None
+    assert attrs.evolve(ops, matmul_cm2_variant=shaders.cm3_variant("v")).nv2_plan("Q8_0", 2048, 512) is None
+    assert attrs.evolve(ops, matmul_cm2_emulate=32).nv2_plan("Q8_0", 2048, 512) is None
+    for dev in (_Dev(nv_coopmat2=False), _Dev(nv_coopmat2_decode=False), _Dev(nv_coopmat2_max_wg=64)):
+        assert attrs.evolve(ops, kernels=_Kernels(dev)).nv2_plan("Q8_0", 8192, 512) is None
+    # a device whose workgroup-scope matrices stop at 128 lanes: 64x64 only
+    small = attrs.evolve(ops, kernels=_Kernels(_Dev(nv_coopmat2_max_wg=128)))
+    assert small.nv2_plan("Q8_0", 8192, 2048) == (64, 64, 64)
+    with pytest.raises(ConfigError, match="TRIO_LLM_NV2_TILE"):
+        attrs.evolve(small, matmul_nv2_tile=(128, 128)).nv2_plan("Q8_0", 8192, 2048)
+    # forced tile, K step and min groups
+    assert attrs.evolve(ops, matmul_nv2_tile=(64, 64), matmul_nv2_bk=32).nv2_plan("Q8_0", 8192, 2048) == (64, 64, 32)
+    assert attrs.evolve(ops, matmul_nv2_min_groups=1).nv2_plan("Q8_0", 128, 16) == (128, 256, 64)
+
+
+def test_nv2_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    k = _Kernels(_Dev())
+    monkeypatch.setenv("TRIO_LLM_MATMUL_NV2", "0")
+    monkeypatch.setenv("TRIO_LLM_NV2_TILE", "128x128")
+    monkeypatch.setenv("TRIO_LLM_NV2_BK", "32")
+    monkeypatch.setenv("TRIO_LLM_NV2_MIN_GROUPS", "64")
+    ops = Ops(k)  # type: ignore[arg-type]
+    assert not ops.matmul_nv2 and ops.matmul_nv2_tile == (128, 128) and ops.matmul_nv2_bk == 32
+    assert ops.matmul_nv2_min_groups == 64
+    monkeypatch.delenv("TRIO_LLM_MATMUL_NV2")
+    monkeypatch.delenv("TRIO_LLM_NV2_TILE")
+    monkeypatch.delenv("TRIO_LLM_NV2_BK")
+    ops = Ops(k)  # type: ignore[arg-type]
+    assert ops.matmul_nv2 and ops.matmul_nv2_tile is None and ops.matmul_nv2_bk == shaders.NV2_BK
+    assert ops.matmul_nv2_types == NV2_DEFAULT_QTYPES
+    monkeypatch.setenv("TRIO_LLM_MATMUL_NV2", "all")
+    assert Ops(k).matmul_nv2_types == NV2_QTYPES  # type: ignore[arg-type]
+    monkeypatch.setenv("TRIO_LLM_MATMUL_NV2", "Q4_K,Q6_K")
+    assert Ops(k).matmul_nv2_types == ("Q4_K", "Q6_K")  # type: ignore[arg-type]
+    monkeypatch.setenv("TRIO_LLM_MATMUL_NV2", "Q9")
+    with pytest.raises(ConfigError, match="TRIO_LLM_MATMUL_NV2"):
+        Ops(k)  # type: ignore[arg-type]
+    monkeypatch.delenv("TRIO_LLM_MATMUL_NV2")
+    monkeypatch.setenv("TRIO_LLM_NV2_TILE", "128x64")
+    with pytest.raises(ConfigError, match="TRIO_LLM_NV2_TILE"):
+        Ops(k)  # type: ignore[arg-type]
+
+
+def test_no_nv2_without_the_extension(env: Env) -> None:
+    """A device without the extension (lavapipe) never gets matmul_nv2, whatever is asked."""
+    if env.device.nv_coopmat2_decode:
+        pytest.skip("the device has VK_NV_cooperative_matrix2: the GPU tests below cover it")
+    ops = attrs.evolve(env.ops, coopmat=env.device.coopmat, matmul_nv2=True)
+    assert ops.nv2_plan("Q8_0", 8192, 512) is None
+
+
+# -- on a GPU with the extension ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nv2(env: Env) -> Iterator[Ops]:
+    if not (env.device.nv_coopmat2 and env.device.nv_coopmat2_decode and env.device.coopmat):
+        pytest.skip(NEEDS_NV2)
+    # (no compiler needed: compile-shaders prebuilds every variant these tests ask for)
+    yield attrs.evolve(env.ops, coopmat=True, matmul_nv2=True, matmul_nv2_types=NV2_QTYPES, matmul_cm2_variant=None,
+                       matmul_cm2_emulate=0)
+
+
+def _nv2_case(env: Env, ops: Ops, qtype: str, *, rows: int, cols: int, ntok: int, cap: int,
+              x_pad: int = 8, y_pad: int = 20, y_off: int = 12, seed: int = 5) -> None:
+    """``ops.matmul`` (which must run matmul_nv2) against numpy on f16-rounded weights and
+    activations: x rows of ``cols + x_pad`` floats (x_stride), y rows of ``rows + y_pad``
+    with the product in columns [y_off, y_off + rows); plain into a y of ``cap`` rows
+    (every other value, the rows past the live tokens included, must stay untouched)
+    and added into a residual (mode 1: the same, plus the residual; the rest untouched)."""
+    raw, ref = make_weights(qtype, rows, cols, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    xs = cols + x_pad
+    x = rng.standard_normal((ntok, xs)).astype(np.float32)
+    x[:, cols:] = np.nan  # past n_in: never read
+    ys = rows + y_pad
+    resid = rng.standard_normal((cap, ys)).astype(np.float32)
+    # the tokens past the live count: NaN in x (never read), 7 in y (never written)
+    xfull = np.full((cap, xs), np.nan, np.float32)
+    xfull[:ntok] = x
+    w, xv = env.put(raw), env.put(xfull)
+    y = env.put(np.full(cap * ys, 7.0, np.float32))
+    y2 = env.put(resid)
+    st = env.step(list(range(ntok)))
+    args = {"n_in": cols, "n_rows": rows, "x_stride": xs, "y_stride": ys, "y_off": y_off, "cap": cap}
+    d = ops.matmul(qtype, w, xv, y, st, **args)
+    assert d.kernel.name == "matmul_nv2"
+    env.run([d, ops.matmul(qtype, w, xv, y2, st, **args, add=True)])
+    f16 = np.float16
+    xin = x[:, :cols]
+    want = xin.astype(f16).astype(np.float64) @ ref.astype(f16).astype(np.float64).T
+    scale = np.abs(want).max()
+    got = env.get(y).reshape(cap, ys)
+    np.testing.assert_allclose(got[:ntok, y_off : y_off + rows], want, atol=2e-5 * scale, rtol=0)
+    outside = np.ones((cap, ys), bool)
+    outside[:ntok, y_off : y_off + rows] = False
+    assert np.all(got[outside] == 7.0), "matmul_nv2 wrote outside its rows / live tokens"
+    got2 = env.get(y2).reshape(cap, ys)
+    np.testing.assert_allclose(got2[:ntok, y_off : y_off + rows], want + resid[:ntok, y_off : y_off + rows],
+                               atol=2e-5 * scale, rtol=0)
+    assert np.array_equal(got2[outside], resid[outside]), "matmul_nv2 (mode 1) wrote outside"
+    # and within f16's rounding of the exact product
+    np.testing.assert_allclose(got[:ntok, y_off : y_off + rows], xin @ ref.T, atol=5e-3 * scale, rtol=0)
+
+
+TILE_IDS = [f"{bm}x{bn}" for bm, bn in shaders.NV2_TILES]
+
+
+#: every weight type on 128x128, the benchmark files' types (and F16) on the other tiles
+#: too (each variant is a pipeline the driver takes seconds to build)
+TYPE_TILES = [(q, (128, 128)) for q in QTYPES] + [(q, t) for q in ("Q8_0", "Q4_K", "Q6_K", "F16")
+                                                   for t in shaders.NV2_TILES if t != (128, 128)]
+
+
+@pytest.mark.parametrize(("qtype", "tile"), TYPE_TILES, ids=[f"{q}-{t[0]}x{t[1]}" for q, t in TYPE_TILES])
+def test_matmul_nv2_types_and_edges(env: Env, nv2: Ops, qtype: str, tile: tuple[int, int]) -> None:
+    """Every weight type (on 128x128; the main ones on every tile): 200 rows and 150 live tokens of a 320-token cap
+    (whole tiles in neither; the token tiles past 150 return at once), 512 inputs (K
+    steps of 64: the interior tiles take the unclamped loads, the edge ones the clamped)."""
+    ops = attrs.evolve(nv2, matmul_nv2_tile=tile)
+    _nv2_case(env, ops, qtype, rows=200, cols=512, ntok=150, cap=320)
+
+
+#: n_in not a multiple of the K step (every load clamped along K; Q8_0's rows then start
+#: two bytes off a 4-byte word), K steps of 32, and the legacy 32-blocks at odd counts
+EDGE_K = [("Q8_0", 160, 64), ("Q8_0", 96, 64), ("Q8_0", 160, 32), ("Q4_0", 288, 64), ("IQ4_NL", 224, 64),
+          ("Q5_1", 96, 32), ("F16", 200 - 8, 64), ("F32", 96, 64), ("Q4_K", 768, 32), ("Q6_K", 256, 32)]
+
+
+#: ... each on the tiles in turn
+EDGE_K_TILES = [(q, c, b, shaders.NV2_TILES[i % len(shaders.NV2_TILES)]) for i, (q, c, b) in enumerate(EDGE_K)]
+
+
+@pytest.mark.parametrize(("qtype", "cols", "bk", "tile"), EDGE_K_TILES,
+                         ids=[f"{q}-{c}-k{b}-{t[0]}x{t[1]}" for q, c, b, t in EDGE_K_TILES])
+def test_matmul_nv2_ragged_k(env: Env, nv2: Ops, qtype: str, cols: int, bk: int, tile: tuple[int, int]) -> None:
+    """n_in not a multiple of the K step (every load clamped along K)."""
+    ops = attrs.evolve(nv2, matmul_nv2_tile=tile, matmul_nv2_bk=bk)
+    _nv2_case(env, ops, qtype, rows=136, cols=cols, ntok=70, cap=130, x_pad=4, y_off=3, y_pad=5)
+
+
+@pytest.mark.parametrize("tile", shaders.NV2_TILES, ids=TILE_IDS)
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "F16"])
+def test_matmul_nv2_whole_tiles(env: Env, nv2: Ops, qtype: str, tile: tuple[int, int]) -> None:
+    """Rows, live tokens and n_in whole tiles of every size (every work group on the
+    unclamped loads), x and y rows exactly n_in and n_rows wide, y_off 0."""
+    ops = attrs.evolve(nv2, matmul_nv2_tile=tile)
+    _nv2_case(env, ops, qtype, rows=256, cols=512, ntok=256, cap=256, x_pad=0, y_pad=0, y_off=0)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+def test_matmul_nv2_small_batch(env: Env, nv2: Ops, qtype: str) -> None:
+    """A prefill bucket barely past the matvecs: 9 live tokens of 16, 40 rows (the
+    tile ``nv2_tile`` picks: 64x64), one K step."""
+    _nv2_case(env, nv2, qtype, rows=40, cols=256, ntok=9, cap=16, y_off=1, y_pad=3)
+
+
+@pytest.mark.parametrize(("qtype", "rows", "cols", "ntok"), [("Q8_0", 2048, 2048, 512), ("Q4_K", 1024, 4096, 512),
+                                                             ("Q6_K", 4096, 1024, 300)])
+def test_matmul_nv2_model_shapes(env: Env, nv2: Ops, qtype: str, rows: int, cols: int, ntok: int) -> None:
+    """Products of a real model's size on the tile the backend picks (many K steps, many
+    work groups), within the same bounds."""
+    _nv2_case(env, nv2, qtype, rows=rows, cols=cols, ntok=ntok, cap=512, x_pad=0, y_pad=0, y_off=0, seed=9)
+
+
+def test_matmul_nv2_is_the_default(env: Env, nv2: Ops) -> None:
+    """With cooperative matrices on (as the backend builds Ops), the dense products take
+    matmul_nv2; TRIO_LLM_MATMUL_NV2=0 (``matmul_nv2=False``) gives matmul_cm2 back."""
+    base = attrs.evolve(env.ops, coopmat=True)
+    a = {"n_in": 512, "n_rows": 256, "x_stride": 512, "y_stride": 256, "cap": 64}
+    w, xv, y, st = env.zeros(256 * 512, np.uint16), env.zeros(64 * 512), env.zeros(64 * 256), env.step([0] * 64)
+    if not Ops(env.ops.kernels).matmul_nv2:
+        pytest.skip("TRIO_LLM_MATMUL_NV2=0 in the environment")
+    assert base.matmul("F16", w, xv, y, st, **a).kernel.name == "matmul_nv2"
+    assert attrs.evolve(base, matmul_nv2=False).matmul("F16", w, xv, y, st, **a).kernel.name == "matmul_cm2"
