@@ -2,7 +2,7 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: devinfo (the device's features as the backend sees them), verify (the Vulkan correctness tests on the H200), tune7 (the late 2026-12-01 defaults' tests and choices), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), nv2mm (matmul_nv2 on VK_NV_cooperative_matrix2: its tests, op level beside matmul_cm2, pp512 with TRIO_LLM_MATMUL_NV2=0 / 1), cm2sweep (matmul_cm3's variants: their tests on the GPU, op level against matmul_cm2, pp512 of the best two), prefillcm2 (attn_prefill_cm2's tests, op level and pp8192 A/B), attnsweep (attn_prefill_cm3's variants: their tests on the GPU, op level beside attn_prefill_cm2 at 8k / 32k), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
+# Stages: devinfo (the device's features as the backend sees them), verify (the Vulkan correctness tests on the H200), tune7 (the late 2026-12-01 defaults' tests and choices), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), nv2mm (matmul_nv2 on VK_NV_cooperative_matrix2: its tests, op level beside matmul_cm2, pp512 with TRIO_LLM_MATMUL_NV2=0 / 1), cm2sweep (matmul_cm3's variants: their tests on the GPU, op level against matmul_cm2, pp512 of the best two), prefillcm2 (attn_prefill_cm2's tests, op level and pp8192 A/B), nv2attn (attn_prefill_nv2 on NVIDIA's cooperative_matrix2: its tests on the GPU, op level beside attn_prefill_cm2 with its tiles, pp8192 A/B), attnsweep (attn_prefill_cm3's variants: their tests on the GPU, op level beside attn_prefill_cm2 at 8k / 32k), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill, the pp512 graph
 #   with grouped expert matmuls against per-pair matvecs; MOE35=1 adds qwen35-35b-a3b's),
@@ -265,6 +265,29 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
       ${ASW[@]+"${ASW[@]}"} --variants "$AVC" --kernels "prefill_cm2$AK"
     stage attnsweep-g3 120 $PY bench/prefill.py --shape ${AS:-gemma3-4b} --lengths $AL1 --types f16,q8_0 --repeats 1 \
       ${ASW[@]+"${ASW[@]}"} --variants "$AVC" --kernels "prefill_cm$AK" ;;
+  nv2attn)  # attn_prefill_nv2 (VK_NV_cooperative_matrix2; its variants prebuilt by compile-shaders where slangpy is
+    # installed here, so no .cc): the device's NV coopmat2 features as device.py logs them, its tests on the GPU,
+    # op level beside attn_prefill_cm2 (llama-1b at 8k and 32k in f16, unsplit and split in 4 as the forward pass
+    # splits 32k, 32k in q8_0, llama-8b at 8k; at 8k its tiles and forms too: NV2S="ROWSxKEYSxLANES:FORM,..."),
+    # then a whole pp8192 of llama-1b with TRIO_LLM_PREFILL_NV2=0 and =1. About 5 minutes (NO8B=1: the 8b file is
+    # not used)
+    stage nv2attn-devinfo 60 $PY -c "import logging; logging.basicConfig(level=logging.INFO)
+from trio_llm.vulkan.device import shared_device
+d = shared_device(); print('nv_coopmat2', d.nv_coopmat2, 'max_wg', d.nv_coopmat2_max_wg, 'shared', d.limits.max_shared_memory)"
+    stage verify-nv2attn 240 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_nv2_attn.py
+    NV2S=${NV2S:-64x64x128:pf+mma,64x32x128:pf,128x64x256:pf,64x64x256:pf,64x64x128:staged,64x64x128:direct,128x64x256:direct}
+    NK=$(for v in ${NV2S//,/ }; do printf ',nv2_%s' "$v"; done)
+    if [ "${SMALL:-0}" = 1 ]; then NL1=512; NL2=1024; NS1=tiny; NS8=tiny; else NL1=8192; NL2=32768; NS1=llama-1b; NS8=llama-8b; fi
+    stage nv2attn-1b 120 $PY bench/prefill.py --shape $NS1 --lengths $NL1 --types f16 --repeats 1 --splits 4 \
+      --nv2 "$NV2S" --kernels "prefill_cm2,prefill_nv2$NK"
+    stage nv2attn-1b-32k 120 $PY bench/prefill.py --shape $NS1 --lengths $NL2 --types f16,q8_0 --repeats 1 --splits 4 \
+      --kernels prefill_cm2,prefill_cm2_split4,prefill_nv2,prefill_nv2_split4
+    stage nv2attn-8b 90 $PY bench/prefill.py --shape $NS8 --lengths $NL1 --types f16 --repeats 1 --splits 4 \
+      --nv2 "$NV2S" --kernels "prefill_cm2,prefill_nv2$NK"
+    for nv in 0 1; do
+      stage "nv2attn-pp8192-1b-nv2-$nv" 120 env TRIO_LLM_PREFILL_NV2=$nv $PY bench/decode.py --model "$M1" \
+        --backends vulkan --pp 8192 --tg 8 --repeats 2
+    done ;;
   prefillcm2)  # attn_prefill_cm2 alone (carry .cc): its tests on the GPU, op level beside attn_prefill_cm, pp8192 A/B
     run_prefillcm2 ;;
   cm2)  # matmul_cm2 alone (issue 13 item 3; carry .cc: the emulated test variants): its tests on the real

@@ -6,7 +6,9 @@ each followed by a barrier, for the per-(head, token) ``attention`` kernel and t
 its tile sizes, its staged form, its keys split over 2 or 4 work groups plus the
 combine; ``prefill_cm2*``: attn_prefill_cm2.comp, each subgroup owning its rows, with its
 keys per tile and split the same way; ``cm3_<variant>*``: attn_prefill_cm3.comp in each of
-``--variants`` (TRIO_LLM_PREFILL_CM2_VARIANT's spellings), split the same way; ``prefill`` / ``prefill_cm`` is what the forward pass runs up to 8k of
+``--variants`` (TRIO_LLM_PREFILL_CM2_VARIANT's spellings), split the same way;
+``prefill_nv2*``: attn_prefill_nv2.comp (NVIDIA's cooperative_matrix2) as planned, and
+``nv2_<tile>:<form>`` for each of ``--nv2``, split the same way; ``prefill`` / ``prefill_cm`` is what the forward pass runs up to 8k of
 context, split in 2 at 16k and in 4 from 32k, which only the coopmat kernel's
 ``_split2`` / ``_split4`` rows here time).
 This is the part of a prefill that grows with the square of the prompt (issue 13:
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     alloc = Allocator(device)
     kernels = KernelCache(device)
     base = Ops(kernels, subgroup=device.limits.subgroup_size, prefill_cm2=False,
-               prefill_cm2_variant=None)  # each kind sets its own
+               prefill_cm2_variant=None, prefill_nv2=False)  # each kind sets its own
     kinds = {"attention": base.attention}
     for r in (int(x) for x in args.rows.split(",")):
         kinds[f"prefill_r{r}" if r else "prefill"] = attrs.evolve(base, prefill_rows=r).attention_prefill
@@ -110,6 +112,24 @@ def run(args: argparse.Namespace) -> int:
                 kinds[f"cm3_{spec}"] = c3.attention_prefill
             else:
                 print(f"no cm3_{spec}: attn_prefill_cm3 {spec} does not fit head_dim {hd} here", file=sys.stderr)
+    # attn_prefill_nv2 (VK_NV_cooperative_matrix2, TRIO_LLM_PREFILL_NV2): its plan as
+    # prefill_nv2 (and _split<n> below), and each of --nv2 ("ROWSxKEYSxLANES:FORM") as
+    # nv2_<spec>, where the device has the extension and the plan takes the tile
+    nv2_kinds: dict[str, Ops] = {}
+    if device.nv_coopmat2:
+        nv2 = attrs.evolve(base, coopmat=True, prefill_nv2=True)
+        if nv2.prefill_nv2_plan(n_head, n_kv, hd) is not None:
+            nv2_kinds["prefill_nv2"] = nv2
+        for spec in filter(None, args.nv2.split(",")):
+            tile, _, form = spec.partition(":")
+            r, k, w = (int(x) for x in tile.split("x"))
+            n2 = attrs.evolve(nv2, prefill_nv2_tile=(r, k, w), prefill_nv2_form=form or "pf")
+            if n2.prefill_nv2_plan(n_head, n_kv, hd) is not None:
+                nv2_kinds[f"nv2_{spec}"] = n2
+            else:
+                print(f"no nv2_{spec}: attn_prefill_nv2 does not take it for head_dim {hd} here", file=sys.stderr)
+        for name2, n2 in nv2_kinds.items():
+            kinds[name2] = n2.attention_prefill
     chosen = args.kernels.split(",") if args.kernels else []  # [] = every kernel in kinds
     rows = []
     rng = np.random.default_rng(0)
@@ -175,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
                         kinds[f"prefill_cm2_split{n}"] = functools.partial(split_ops, cm=cm2)
                     for name3, c3 in cm3_kinds.items():
                         kinds[f"{name3}_split{n}"] = functools.partial(split_ops, cm=c3)
+                    for name2, n2 in nv2_kinds.items():
+                        kinds[f"{name2}_split{n}"] = functools.partial(split_ops, cm=n2)
                 base_s = None
                 for name in chosen or list(kinds):
                     if name not in kinds:
@@ -225,6 +247,9 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(ATTN_SWEEP),
                     help="attn_prefill_cm3 variants to time as cm3_<variant> (TRIO_LLM_PREFILL_CM2_VARIANT specs; "
                          "empty: none)")
+    ap.add_argument("--nv2", default="",
+                    help="attn_prefill_nv2 tiles and forms to time as nv2_<spec> beside prefill_nv2 (its plan): "
+                         "ROWSxKEYSxLANES:FORM, e.g. 64x64x128:pf,128x64x256:direct")
     ap.add_argument("--old-max", type=int, default=8192, help="longest prompt the old attention kernel runs")
     ap.add_argument("--splits", default="2,4", help="key splits of the coopmat kernel to try (with the combine)")
     ap.add_argument("--emulate", action="store_true",

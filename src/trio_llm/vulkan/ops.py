@@ -8,6 +8,7 @@ count comes from the step buffer at run time and the extra work groups return at
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -49,6 +50,7 @@ from trio_llm.vulkan.shaders import (
     matvec_defines,
     moe_coopmat_defines,
     nv2_defines,
+    nv2_ready,
     qtype_defines,
 )
 
@@ -367,6 +369,90 @@ def attn_variant_env() -> AttnVariant | None:
         raise ConfigError(f"TRIO_LLM_PREFILL_CM2_VARIANT={spec!r}: {exc}") from None
 
 
+#: attn_prefill_nv2.comp's forms (``TRIO_LLM_PREFILL_NV2_FORM``): "pf" stages K and V
+#: through shared memory with the next tile loaded into registers during this one,
+#: "staged" the same without the registers (each tile loaded at its start), "direct"
+#: reads f16 caches by tensor-addressed loads (other cache types stay "pf"); each may
+#: end in "+mma": the rows' sums of P by a product with ones instead of a row reduction
+PREFILL_NV2_FORMS = ("pf", "staged", "direct")
+#: the head dims attn_prefill_nv2 takes (its workgroup-scope matrices are R x head_dim)
+PREFILL_NV2_HEADS = (64, 128, 256)
+
+
+@attrs.frozen
+class Nv2AttnPlan:
+    """attn_prefill_nv2's choice for one shape: query rows per work group, keys per
+    tile, lanes, and the form (PF: the next tile's K and V in registers; direct: K and V
+    by tensor-addressed loads from an f16 cache)."""
+
+    rows: int
+    keys: int
+    lanes: int
+    pf: bool
+    direct: bool
+    mma_sum: bool = False
+
+
+def prefill_nv2_shared(head_dim: int, rows: int, keys: int, direct: bool = False) -> int:
+    """Bytes of shared memory attn_prefill_nv2.comp declares (its arrays, in order: the
+    K and V tiles in f16 with rows of head_dim + 8 unless direct, each row's visible key
+    range, the tokens' positions, sequences and flags counted for one head per work
+    group); the driver's own staging of workgroup-scope matrices comes on top. 64 rows:
+    36,096 bytes for head_dim 128 and 64 keys, 19,712 for 64 and 64, 35,072 for 256 and 32."""
+    return (0 if direct else 2 * 2 * keys * (head_dim + 8)) + 8 * rows + 12 * rows
+
+
+def prefill_nv2_default(head_dim: int) -> tuple[int, int, int]:
+    """attn_prefill_nv2's (rows, keys per tile, lanes) unless forced: 64 query rows and
+    64 keys on 4 warps up to head_dim 128; 32 keys on 8 warps at 256 (its R x 256
+    output and Q would not fit 4 warps' registers). Not yet timed on a GPU."""
+    return (64, 64, 128) if head_dim <= 128 else (64, 32, 256)
+
+
+def prefill_nv2_tile_env() -> tuple[int, int, int] | None:
+    """``TRIO_LLM_PREFILL_NV2_TILE``: "ROWSxKEYSxLANES" (e.g. "64x64x128"; empty: the
+    plan's), for timing the tiles on a GPU."""
+    v = os.environ.get("TRIO_LLM_PREFILL_NV2_TILE", "")
+    if not v:
+        return None
+    try:
+        r, k, w = (int(x) for x in v.lower().split("x"))
+    except ValueError:
+        raise ConfigError(f"TRIO_LLM_PREFILL_NV2_TILE={v!r}: expected ROWSxKEYSxLANES, e.g. 64x64x128") from None
+    if r not in (32, 64, 128) or k not in (32, 64) or w % 32 or not 32 <= w <= 1024:
+        raise ConfigError(f"TRIO_LLM_PREFILL_NV2_TILE={v!r}: rows 32/64/128, keys 32/64, lanes a multiple of 32")
+    return r, k, w
+
+
+def nv2_attn_defines(k_code: int, v_code: int, direct: bool = False) -> dict[str, object]:
+    """attn_prefill_nv2.comp's defines: the cache types, NV2_DIRECT for the f16 form."""
+    return {**kv_defines(K_TYPE=k_code, V_TYPE=v_code), **({"NV2_DIRECT": 1} if direct else {})}
+
+
+@functools.lru_cache(maxsize=64)
+def _nv2_attn_ready(k_code: int, v_code: int, direct: bool) -> bool:
+    return nv2_ready("attn_prefill_nv2", nv2_attn_defines(k_code, v_code, direct))
+
+
+def nv2_form_ok(form: str) -> bool:
+    """Whether ``form`` is one of ``PREFILL_NV2_FORMS``, optionally with "+mma"."""
+    base, _, extra = form.partition("+")
+    return base in PREFILL_NV2_FORMS and extra in ("", "mma")
+
+
+def _nv2_form_check(form: str) -> None:
+    if not nv2_form_ok(form):
+        raise ValueError(f"attn_prefill_nv2 form {form!r}: one of {', '.join(PREFILL_NV2_FORMS)}, optionally +mma")
+
+
+def prefill_nv2_form_env() -> str:
+    v = os.environ.get("TRIO_LLM_PREFILL_NV2_FORM", "") or "pf"
+    if not nv2_form_ok(v):
+        raise ConfigError(f"TRIO_LLM_PREFILL_NV2_FORM={v!r}: expected one of {', '.join(PREFILL_NV2_FORMS)}, "
+                          "optionally with +mma")
+    return v
+
+
 def attention_part_floats(cap: int, n_head: int, head_dim: int, n_split: int) -> int:
     """float32 values of the partials buffer ``attention_decode`` needs for ``cap``
     tokens: per (token, head, split) head_dim outputs plus the running max and sum."""
@@ -525,6 +611,18 @@ class Ops:
     #: run (any head_dim up to 256: the knob is explicit), emulated with
     #: ``prefill_cm2_emulate``
     prefill_cm2_variant: AttnVariant | None = attrs.field(factory=attn_variant_env)
+    #: attn_prefill_nv2.comp (VK_NV_cooperative_matrix2: the work group's query rows as
+    #: workgroup-scope matrices, the softmax on the accumulators by row reductions and
+    #: per-element functions) ahead of every other prefill attention kernel, where
+    #: ``prefill_nv2_plan`` allows it: cooperative matrices on (``coopmat``) and the
+    #: device's ``nv_coopmat2``; TRIO_LLM_PREFILL_NV2=0 turns it off. Not yet run on a GPU
+    #: (bench/h200.sh nv2attn)
+    prefill_nv2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_PREFILL_NV2", "1") != "0")
+    #: its (rows, keys per tile, lanes) for every shape; None: ``prefill_nv2_default``
+    prefill_nv2_tile: tuple[int, int, int] | None = attrs.field(factory=prefill_nv2_tile_env)
+    #: its form (``PREFILL_NV2_FORMS``; TRIO_LLM_PREFILL_NV2_FORM)
+    prefill_nv2_form: str = attrs.field(factory=prefill_nv2_form_env,
+                                        validator=lambda _i, _a, v: _nv2_form_check(v))
     #: decode buckets' matvecs of ``Q8_MATVEC`` weights on int8 activations (llama.cpp's
     #: q8_1 "MMVQ": quantize_q8.comp once per input, matvec.comp's X_Q8 form), for
     #: buckets of at least ``matvec_q8_min`` columns (the quantize is a dispatch stage
@@ -986,6 +1084,36 @@ class Ops:
                 return sub, keys, rows, qsh
         return None
 
+    def prefill_nv2_plan(self, n_head: int, n_head_kv: int, head_dim: int, k_type: str = "f16",
+                         v_type: str = "f16") -> Nv2AttnPlan | None:
+        """attn_prefill_nv2.comp's plan (``Nv2AttnPlan``) for this shape and cache, or None
+        where it does not run: not enabled (``prefill_nv2`` with ``coopmat`` on a device
+        with ``nv_coopmat2``), an explicit other kernel asked for (a
+        ``prefill_cm2_variant``, an emulated one), a head group that is not a power of
+        two, a head_dim not in ``PREFILL_NV2_HEADS``, more lanes than the device's
+        workgroup-scope matrices take (``nv_coopmat2_max_wg``), or more shared memory
+        (``prefill_nv2_shared``) than its reported limit. The tile is
+        ``prefill_nv2_tile``, else ``prefill_nv2_default``'s; the form
+        ``prefill_nv2_form`` ("direct" only for f16 K and V; "pf" otherwise)."""
+        dev = self.kernels.device
+        if not (self.prefill_nv2 and self.coopmat and dev.nv_coopmat2):
+            return None
+        if self.prefill_cm2_variant is not None or self.prefill_cm2_emulate or self.prefill_cm_emulate:
+            return None
+        g = heads_per_group(n_head, n_head_kv)
+        if g & (g - 1) or head_dim not in PREFILL_NV2_HEADS:
+            return None
+        rows, keys, lanes = self.prefill_nv2_tile or prefill_nv2_default(head_dim)
+        if rows % g or lanes > dev.nv_coopmat2_max_wg or lanes % 32:
+            return None
+        form, _, extra = self.prefill_nv2_form.partition("+")
+        direct = form == "direct" and k_type == "f16" and v_type == "f16"
+        if prefill_nv2_shared(head_dim, rows, keys, direct) > dev.limits.max_shared_memory:
+            return None
+        if not _nv2_attn_ready(_kv(k_type).code, _kv(v_type).code, direct):
+            return None  # neither prebuilt nor a compiler here (mixed K / V types without slangpy)
+        return Nv2AttnPlan(rows, keys, lanes, pf=form != "staged", direct=direct, mma_sum=extra == "mma")
+
     def prefill_cm2_ok(self, n_head: int, n_head_kv: int, head_dim: int) -> bool:
         """Whether ``attention_prefill`` takes attn_prefill_cm2.comp (``prefill_cm2_plan``)."""
         return self.prefill_cm2_plan(n_head, n_head_kv, head_dim) is not None
@@ -1008,7 +1136,9 @@ class Ops:
         on that tile, so that a device without them checks the rest of it (with
         ``prefill_cm2_emulate`` set: attn_prefill_cm2.comp's emulated form on it).
         attn_prefill_cm2.comp takes the place of attn_prefill_cm.comp where
-        ``prefill_cm2_plan`` allows (same arguments, grid, partials and results).
+        ``prefill_cm2_plan`` allows (same arguments, grid, partials and results), and
+        attn_prefill_nv2.comp (NVIDIA's cooperative_matrix2) the place of all of them
+        where ``prefill_nv2_plan`` allows (likewise).
 
         ``n_split`` > 1 (``prefill_splits``) splits
         each query tile's keys over that many work groups (at least ``min_tiles`` tiles
@@ -1024,6 +1154,15 @@ class Ops:
         ml_off = cap * n_head * n_split * head_dim
         assert n_split == 1 or (part is not None
                                 and part.size >= 4 * attention_part_floats(cap, n_head, head_dim, n_split))
+        nv2 = self.prefill_nv2_plan(n_head, n_head_kv, head_dim, kt.name, vt.name) if emulate_cm is None else None
+        if nv2 is not None:
+            g = heads_per_group(n_head, n_head_kv)
+            k = self.kernels.get("attn_prefill_nv2", n_bindings=6, n_push=12, local_size=nv2.lanes,
+                                 defines=nv2_attn_defines(kt.code, vt.code, nv2.direct),
+                                 spec={1: g, 2: nv2.rows // g, 3: head_dim, 5: nv2.keys, 6: int(nv2.pf),
+                                       7: int(nv2.mma_sum)})
+            return Dispatch(k, (q, k_cache, v_cache, o, step, o if part is None else part),
+                            (*push, n_split, min_tiles, ml_off), (math.ceil(cap / (nv2.rows // g)), n_head // g, n_split))
         v3 = self.prefill_cm2_variant
         if v3 is not None and (emulate_cm is None or self.prefill_cm2_emulate):
             plan3 = self.prefill_cm3_plan(n_head, n_head_kv, head_dim,

@@ -255,17 +255,20 @@ def nv2_compiler() -> Path | None:
 
 def _flatten(path: Path, defines: dict[str, str]) -> str:
     """The source with its ``#include "..."`` lines replaced by the files (recursively,
-    each once) and the defines placed right after ``#version``."""
-    seen: set[Path] = set()
+    each time, as glslangValidator's includes: kv_read.glsl is included once per cache,
+    the headers guard themselves; an include cycle is refused) and the defines placed
+    right after ``#version``."""
+    open_: list[Path] = []
 
     def expand(p: Path) -> str:
-        if p in seen:
-            return ""
-        seen.add(p)
+        if p in open_:
+            raise ShaderCompileError(f"{path.name}: {p.name} includes itself")
+        open_.append(p)
         out = []
         for line in p.read_text().splitlines():
             m = _INCLUDE.match(line)
             out.append(expand(p.parent / m.group(1)) if m else line)
+        open_.pop()
         return "\n".join(out)
 
     text = expand(path)
@@ -764,10 +767,31 @@ def matmul_nv2_variants() -> Iterable[tuple[str, dict[str, object]]]:
                 yield "matmul_nv2", nv2_defines(q, bm, bn, bk)
 
 
+def attn_nv2_variants() -> Iterable[tuple[str, dict[str, object]]]:
+    """attn_prefill_nv2's prebuilt variants: K and V of one cache type, each of
+    ``KV_CODES``, and the f16 cache's tensor-addressed form (NV2_DIRECT); tiles, head dims
+    and the register prefetch are specialization constants. Mixed K / V types compile on
+    demand where the compiler is installed (``nv2_ready``), else attn_prefill_cm2 runs."""
+    for code in KV_CODES:
+        yield "attn_prefill_nv2", kv_defines(K_TYPE=code, V_TYPE=code)
+    yield "attn_prefill_nv2", {**kv_defines(K_TYPE=1, V_TYPE=1), "NV2_DIRECT": 1}
+
+
+def nv2_ready(name: str, defines: dict[str, object] | None = None) -> bool:
+    """Whether ``spirv(name, defines)`` of an ``NV2_SHADERS`` kernel can answer here: its
+    compiler is installed (``nv2_compiler``) or the variant was prebuilt (the writable
+    cache, or the set a wheel ships); a device without slangpy runs only those."""
+    if nv2_compiler() is not None:
+        return True
+    file = f"{name}-{cache_key(name, defines)}.spv"
+    return (cache_dir() / file).exists() or (PACKAGED_SHADERS / "build" / file).exists()
+
+
 def nv2_variants() -> Iterable[tuple[str, dict[str, object]]]:
     """The VK_NV_cooperative_matrix2 kernels' variants (``NV2_SHADERS``), built by
     ``compile-shaders`` where slangpy's glslang is installed (``nv2_compiler``)."""
     yield from matmul_nv2_variants()
+    yield from attn_nv2_variants()
 
 
 def main(argv: list[str]) -> int:
