@@ -193,7 +193,7 @@ def pp_kernels(be, pp: int, replays: int = 10) -> dict:  # type: ignore[no-untyp
     # output head is one matvec, for the last token only)
     per_tok = cfg.n_layer * (cfg.n_embd * (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim
                              + cfg.n_head * cfg.head_dim * cfg.n_embd + 3 * cfg.n_embd * cfg.n_ff)
-    mm = [k for k in ("matmul_cm3", "matmul_cm2", "matmul_cm", "matmul") if f"only_{k}_ms" in out]
+    mm = [k for k in ("matmul_nv2", "matmul_cm3", "matmul_cm2", "matmul_cm", "matmul") if f"only_{k}_ms" in out]
     if mm and not cfg.n_expert:
         out["matmul_tflops"] = 2 * per_tok * pp / (out[f"only_{mm[0]}_ms"] / 1e3) / 1e12
     return out

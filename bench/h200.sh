@@ -2,7 +2,8 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: devinfo (the device's features as the backend sees them), verify (the Vulkan correctness tests on the H200), tune7 (the late 2026-12-01 defaults' tests and choices), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), nv2mm (matmul_nv2 on VK_NV_cooperative_matrix2: its tests, op level beside matmul_cm2, pp512 with TRIO_LLM_MATMUL_NV2=0 / 1), cm2sweep (matmul_cm3's variants: their tests on the GPU, op level against matmul_cm2, pp512 of the best two), prefillcm2 (attn_prefill_cm2's tests, op level and pp8192 A/B), nv2attn (attn_prefill_nv2 on NVIDIA's cooperative_matrix2: its tests on the GPU, op level beside attn_prefill_cm2 with its tiles, pp8192 A/B), attnsweep (attn_prefill_cm3's variants: their tests on the GPU, op level beside attn_prefill_cm2 at 8k / 32k), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
+# Stages: devinfo (the device's features as the backend sees them), nv2gate (the NV coopmat2 kernels' tests on
+# their defaults; a failing kernel is turned off for the later stages, e2e among them), verify (the Vulkan correctness tests on the H200), tune7 (the late 2026-12-01 defaults' tests and choices), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), nv2mm (matmul_nv2 on VK_NV_cooperative_matrix2: its tests, op level beside matmul_cm2, pp512 with TRIO_LLM_MATMUL_NV2=0 / 1), cm2sweep (matmul_cm3's variants: their tests on the GPU, op level against matmul_cm2, pp512 of the best two), prefillcm2 (attn_prefill_cm2's tests, op level and pp8192 A/B), nv2attn (attn_prefill_nv2 on NVIDIA's cooperative_matrix2: its tests on the GPU, op level beside attn_prefill_cm2 with its tiles, pp8192 A/B), attnsweep (attn_prefill_cm3's variants: their tests on the GPU, op level beside attn_prefill_cm2 at 8k / 32k), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill, the pp512 graph
 #   with grouped expert matmuls against per-pair matvecs; MOE35=1 adds qwen35-35b-a3b's),
@@ -98,7 +99,8 @@ stage() { # name timeout command...
   local name=$1 limit=$2; shift 2
   say "stage $name"
   timeout -k 10 "$limit" "$@" > "$RES/$name.log" 2>&1
-  say "stage $name rc=$?"; tail -n 25 "$RES/$name.log" >> "$OUT/summary.txt"; pack
+  LAST_RC=$?
+  say "stage $name rc=$LAST_RC"; tail -n 25 "$RES/$name.log" >> "$OUT/summary.txt"; pack
 }
 wait8b() { [ -n "$M8" ] && wait $M8 2>/dev/null; M8B=/tmp/m/$B8-Q4_K_M.gguf; }
 # the dense prefill matmuls, matmul_cm (TRIO_LLM_MATMUL_CM2=0) against matmul_cm2 (the default): whole pp512s of
@@ -265,6 +267,20 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
       ${ASW[@]+"${ASW[@]}"} --variants "$AVC" --kernels "prefill_cm2$AK"
     stage attnsweep-g3 120 $PY bench/prefill.py --shape ${AS:-gemma3-4b} --lengths $AL1 --types f16,q8_0 --repeats 1 \
       ${ASW[@]+"${ASW[@]}"} --variants "$AVC" --kernels "prefill_cm$AK" ;;
+  nv2gate)  # the NV cooperative-matrix-2 kernels' GPU tests on what the defaults run (attn_prefill_nv2's default
+    # form and tile over head dims, GQA, cache types, sequences, windows, splits, long prompts, the model; matmul_nv2's
+    # default types), then attention op level at 32k beside attn_prefill_cm2. A kernel whose tests fail is turned off
+    # (TRIO_LLM_PREFILL_NV2=0 / TRIO_LLM_MATMUL_NV2=0) for the stages after this one (e2e), and the summary says so
+    stage verify-nv2gate-attn 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_nv2_attn.py -k \
+      "(head_dims or every_kv or straddle or window or split or long_prompt or against_numpy or through_the_backend) and not direct"
+    if [ "$LAST_RC" != 0 ]; then export TRIO_LLM_PREFILL_NV2=0; say "attn_prefill_nv2 OFF for what follows (rc=$LAST_RC)"; fi
+    stage verify-nv2gate-mm 75 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_nv2_matmul.py -k \
+      "Q8_0 or F16 or Q4_0 or small_batch or model_shapes or default"
+    if [ "$LAST_RC" != 0 ]; then export TRIO_LLM_MATMUL_NV2=0; say "matmul_nv2 OFF for what follows (rc=$LAST_RC)"; fi
+    if [ "${TRIO_LLM_PREFILL_NV2:-1}" = 1 ]; then
+      stage nv2gate-attn-32k 75 $PY bench/prefill.py --shape llama-1b --lengths 32768 --types f16 --repeats 1 --splits 4 \
+        --kernels prefill_cm2,prefill_cm2_split4,prefill_nv2,prefill_nv2_split4
+    fi ;;
   nv2attn)  # attn_prefill_nv2 (VK_NV_cooperative_matrix2; its variants prebuilt by compile-shaders where slangpy is
     # installed here, so no .cc): the device's NV coopmat2 features as device.py logs them, its tests on the GPU,
     # op level beside attn_prefill_cm2 (llama-1b at 8k and 32k in f16, unsplit and split in 4 as the forward pass

@@ -52,16 +52,24 @@ needs_compiler = pytest.mark.skipif(shaders.nv2_compiler() is None,
                                     reason="slangpy (the nv extra, part of the test extra) is not installed")
 
 
-def test_flatten_inlines_includes_once_and_defines_after_version(tmp_path: Path) -> None:
+def test_flatten_inlines_every_include_and_puts_defines_after_version(tmp_path: Path) -> None:
+    """Each ``#include`` is replaced by the file where it stands, again where it is
+    included again (kv_read.glsl is included once for K and once for V, with other
+    macros); a file that includes itself, a cycle, and a source without ``#version`` on
+    its first line are one ShaderCompileError."""
     (tmp_path / "a.glsl").write_text('#include "b.glsl"\nconst int A = 1;\n')
     (tmp_path / "b.glsl").write_text("const int B = 2;\n")
     (tmp_path / "k.comp").write_text('#version 450\n#include "a.glsl"\n#include "b.glsl"\nvoid main() {}\n')
     text = shaders._flatten(tmp_path / "k.comp", {"X": "3", "STEP_CAP": "512"})
     assert text.splitlines() == ["#version 450", "#define STEP_CAP 512", "#define X 3",
-                                 "const int B = 2;", "const int A = 1;", "", "void main() {}"]
+                                 "const int B = 2;", "const int A = 1;", "const int B = 2;", "void main() {}"]
     (tmp_path / "bad.comp").write_text("void main() {}\n")
     with pytest.raises(ShaderCompileError, match="#version"):
         shaders._flatten(tmp_path / "bad.comp", {})
+    (tmp_path / "c.glsl").write_text('#include "c.glsl"\n')
+    (tmp_path / "cycle.comp").write_text('#version 450\n#include "c.glsl"\n')
+    with pytest.raises(ShaderCompileError, match="includes itself"):
+        shaders._flatten(tmp_path / "cycle.comp", {})
 
 
 @needs_compiler

@@ -454,8 +454,10 @@ async def test_another_user_cannot_open_a_private_arena_but_a_group_member_can(t
         pytest.skip("no Python interpreter that another user may run")
     top = tmp_path / "top"
     top.mkdir()
-    for p in (tmp_path, tmp_path.parent, tmp_path.parent.parent):
-        p.chmod(p.stat().st_mode | 0o011)  # let nobody reach the arenas below
+    for p in (tmp_path, *tmp_path.parents):  # let nobody reach the arenas below (up to pytest's own
+        p.chmod(p.stat().st_mode | 0o011)  # base directory: a pytest-xdist worker adds a level)
+        if p.name.startswith("pytest-of-"):
+            break
     private = top / "private"
     private.mkdir()
     private.chmod(0o755)  # enterable by all, as a /tmp/arena often is

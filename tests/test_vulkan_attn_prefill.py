@@ -65,8 +65,9 @@ def ops(request: pytest.FixtureRequest, env: Env) -> Ops:
     if not env.device.coopmat:
         pytest.skip(f"{env.device.name} reports no 16x16x16 f16 cooperative matrices (lavapipe has none)")
     cm3 = request.param in CM3_FIXTURE
+    # prefill_nv2 off: these rows test the KHR kernels (attn_prefill_nv2 has its own file)
     return attrs.evolve(env.ops, coopmat=True, prefill_cm=True, prefill_cm_stage=request.param == "coopmat-staged",
-                        prefill_cm2=request.param == "coopmat2" or cm3,
+                        prefill_nv2=False, prefill_cm2=request.param == "coopmat2" or cm3,
                         prefill_cm2_variant=attn_variant(CM3_FIXTURE[request.param]) if cm3 else None)
 
 

@@ -213,7 +213,7 @@ def test_matmul_on_cooperative_matrices(env: Env, qtype: str) -> None:
     accumulation; edges, live-token masking and add as the scalar path."""
     if not env.device.coopmat:
         pytest.skip(f"{env.device.name} reports no 16x16x16 f16 cooperative matrices (lavapipe has none)")
-    ops = attrs.evolve(env.ops, coopmat=True)
+    ops = attrs.evolve(env.ops, coopmat=True, matmul_nv2=False)
     rows, cols, ntok = 100, 512, 70
     raw, ref = make_weights(qtype, rows, cols, seed=3)
     rng = np.random.default_rng(4)
@@ -425,7 +425,7 @@ def test_matmul_cm2_on_cooperative_matrices(env: Env, qtype: str, cols: int, til
         pytest.skip(f"{env.device.name} reports no 16x16x16 f16 cooperative matrices (lavapipe has none)")
     if env.ops.subgroup not in (32, 64):
         pytest.skip(f"matmul_cm2 is built for subgroups of 32 or 64, not {env.ops.subgroup}")
-    ops = attrs.evolve(env.ops, coopmat=True, matmul_cm2=True, matmul_cm2_tile=tile)
+    ops = attrs.evolve(env.ops, coopmat=True, matmul_cm2=True, matmul_cm2_tile=tile, matmul_nv2=False)
     _cm2_case(env, ops, qtype, rows=200, cols=cols, ntok=150, cap=192)
 
 
@@ -455,7 +455,8 @@ def test_matmul_cm3_on_cooperative_matrices(env: Env, case: tuple[str, tuple[int
     need, limit = shaders.cm3_shared(*tile, env.ops.subgroup, vk), env.device.limits.max_shared_memory
     if need > limit:
         pytest.skip(f"{spec} on {tile[0]}x{tile[1]} needs {need} bytes of shared memory, {env.device.name} has {limit}")
-    ops = attrs.evolve(env.ops, coopmat=True, matmul_cm2=True, matmul_cm2_tile=tile, matmul_cm2_variant=v)
+    ops = attrs.evolve(env.ops, coopmat=True, matmul_cm2=True, matmul_cm2_tile=tile, matmul_cm2_variant=v,
+                       matmul_nv2=False)
     _cm2_case(env, ops, qtype, rows=300 if tile[0] == 256 else 200, cols=cols, ntok=150, cap=192)
 
 
