@@ -18,7 +18,8 @@ serve: install-serve
 test: install-test
 	$(VENV)/bin/ruff check src tests bench scenarios
 	$(VENV)/bin/mypy
-	$(VENV)/bin/python -m pytest -q -ra
+	$(VENV)/bin/python -m pytest -q -ra -n auto --dist loadfile -m "not serial"
+	$(VENV)/bin/python -m pytest -q -ra -m serial
 
 install: install-test
 

@@ -68,3 +68,18 @@ def f32_activations(monkeypatch: pytest.MonkeyPatch) -> None:
     the logits of the tiny models by up to a few percent; test_vulkan_mvq8.py holds that
     path to numpy within its bound, and the llama.cpp agreement tests run the default."""
     monkeypatch.setenv("TRIO_LLM_MATVEC_Q8", "0")
+
+
+#: test files whose checks include wall-clock figures of real processes (hand-off and
+#: wait times under the arena's quantum, scenario timelines, kills mid-flight): ``make
+#: test`` runs them alone, after the rest has run on every core (pytest-xdist), so the
+#: other half of the suite does not load the machine under their timings
+SERIAL_FILES = frozenset({"test_scenarios_ci.py", "test_faults.py", "test_arena_servers.py", "test_arena_quantum.py",
+                          "test_arbiter_servers.py", "test_server_residency.py", "test_scenario_runner.py"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)

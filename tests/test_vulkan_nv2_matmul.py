@@ -103,6 +103,25 @@ class _Kernels:
         return name
 
 
+def test_nv2_plan_needs_the_variant_prebuilt_or_a_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without slangpy (no compiler) matmul_nv2 runs only where its variant was prebuilt;
+    else the product goes to matmul_cm2 instead of failing to compile."""
+    k = _Kernels(_Dev())
+    ops = Ops(k, subgroup=32, coopmat=True, matmul_nv2=True, matmul_nv2_tile=None, matmul_nv2_bk=64,
+              matmul_nv2_min_groups=None, matmul_cm2_variant=None,
+              matmul_nv2_types=NV2_DEFAULT_QTYPES)  # type: ignore[arg-type]
+    monkeypatch.setattr(shaders, "nv2_compiler", lambda: None)
+    monkeypatch.setenv("TRIO_LLM_SHADER_CACHE", str(tmp_path))
+    monkeypatch.setattr(shaders, "PACKAGED_SHADERS", tmp_path / "none")
+    assert ops.nv2_plan("Q8_0", 8192, 512) is None
+    d = ops.matmul("Q8_0", None, None, None, None, n_in=2048, n_rows=8192, x_stride=2048,  # type: ignore[arg-type]
+                   y_stride=8192, cap=512)
+    assert d.kernel == "matmul_cm2"
+    defines = shaders.nv2_defines("Q8_0", 128, 256, 64)
+    (tmp_path / f"matmul_nv2-{shaders.cache_key('matmul_nv2', defines)}.spv").write_bytes(b"prebuilt")
+    assert ops.nv2_plan("Q8_0", 8192, 512) == (128, 256, 64)
+
+
 def test_nv2_plan_and_matmul_choice() -> None:
     """matmul_nv2 first where the device has it (and cooperative matrices are on), for
     every weight type; matmul_cm2 elsewhere, as before."""

@@ -782,8 +782,9 @@ class Ops:
         enabled (``matmul_nv2`` and ``coopmat``, a device with ``nv_coopmat2_decode``,
         neither ``matmul_cm2_variant`` nor ``matmul_cm2_emulate`` set), a weight type not
         in ``matmul_nv2_types``, y's rows narrower than ``y_off + n_rows`` (its store's tensor
-        layout needs them whole), or no tile whose lanes the device's workgroup-scope
-        matrices take (``Device.nv_coopmat2_max_wg``)."""
+        layout needs them whole), no tile whose lanes the device's workgroup-scope
+        matrices take (``Device.nv_coopmat2_max_wg``), or a variant neither prebuilt nor
+        compilable here (``shaders.nv2_ready``: slangpy not installed)."""
         dev = self.kernels.device
         if not (self.matmul_nv2 and self.coopmat and dev.nv_coopmat2 and dev.nv_coopmat2_decode):
             return None
@@ -799,6 +800,8 @@ class Ops:
             raise ConfigError(f"TRIO_LLM_NV2_TILE={forced[0]}x{forced[1]}: {NV2_LANES[forced]} lanes, "
                               f"{dev.name} takes workgroup-scope matrices up to {dev.nv_coopmat2_max_wg}")
         bm, bn = forced or nv2_tile(n_rows, cap, tiles, self.matmul_nv2_min_groups)
+        if not nv2_ready("matmul_nv2", nv2_defines(qtype, bm, bn, self.matmul_nv2_bk)):
+            return None  # neither prebuilt nor compilable here (no slangpy): matmul_cm2
         return bm, bn, self.matmul_nv2_bk
 
     def matmul(
