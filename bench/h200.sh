@@ -271,13 +271,13 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
     # form and tile over head dims, GQA, cache types, sequences, windows, splits, long prompts, the model; matmul_nv2's
     # default types), then attention op level at 32k beside attn_prefill_cm2. A kernel whose tests fail is turned off
     # (TRIO_LLM_PREFILL_NV2=0 / TRIO_LLM_MATMUL_NV2=0) for the stages after this one (e2e), and the summary says so
-    stage verify-nv2gate-attn 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_nv2_attn.py -k \
+    stage verify-nv2gate-attn ${NV2GATE_S:-150} $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_nv2_attn.py -k \
       "(head_dims or every_kv or straddle or window or split or long_prompt or against_numpy or through_the_backend) and not direct"
     if [ "$LAST_RC" != 0 ]; then export TRIO_LLM_PREFILL_NV2=0; say "attn_prefill_nv2 OFF for what follows (rc=$LAST_RC)"; fi
-    stage verify-nv2gate-mm 75 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_nv2_matmul.py -k \
+    stage verify-nv2gate-mm ${NV2GATE_MM_S:-75} $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_nv2_matmul.py -k \
       "Q8_0 or F16 or Q4_0 or small_batch or model_shapes or default"
     if [ "$LAST_RC" != 0 ]; then export TRIO_LLM_MATMUL_NV2=0; say "matmul_nv2 OFF for what follows (rc=$LAST_RC)"; fi
-    if [ "${TRIO_LLM_PREFILL_NV2:-1}" = 1 ]; then
+    if [ "${TRIO_LLM_PREFILL_NV2:-1}" = 1 ] && [ "${NV2GATE_OPS:-1}" = 1 ]; then
       stage nv2gate-attn-32k 75 $PY bench/prefill.py --shape llama-1b --lengths 32768 --types f16 --repeats 1 --splits 4 \
         --kernels prefill_cm2,prefill_cm2_split4,prefill_nv2,prefill_nv2_split4
     fi ;;
