@@ -273,7 +273,9 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
     # (TRIO_LLM_PREFILL_NV2=0 / TRIO_LLM_MATMUL_NV2=0) for the stages after this one (e2e), and the summary says so
     stage verify-nv2gate-attn ${NV2GATE_S:-150} $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_nv2_attn.py -k \
       "(head_dims or every_kv or straddle or window or split or long_prompt or against_numpy or through_the_backend) and not direct"
-    if [ "$LAST_RC" != 0 ]; then export TRIO_LLM_PREFILL_NV2=0; say "attn_prefill_nv2 OFF for what follows (rc=$LAST_RC)"; fi
+    # (attn_prefill_nv2 is opt-in: TRIO_LLM_PREFILL_NV2=1 turns it on for the later stages where its tests pass)
+    if [ "$LAST_RC" != 0 ]; then export TRIO_LLM_PREFILL_NV2=0; say "attn_prefill_nv2 OFF for what follows (rc=$LAST_RC)"
+    else export TRIO_LLM_PREFILL_NV2=1; say "attn_prefill_nv2 ON for what follows"; fi
     stage verify-nv2gate-mm ${NV2GATE_MM_S:-75} $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_nv2_matmul.py -k \
       "Q8_0 or F16 or Q4_0 or small_batch or model_shapes or default"
     if [ "$LAST_RC" != 0 ]; then export TRIO_LLM_MATMUL_NV2=0; say "matmul_nv2 OFF for what follows (rc=$LAST_RC)"; fi
@@ -281,6 +283,16 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
       stage nv2gate-attn-32k 75 $PY bench/prefill.py --shape llama-1b --lengths 32768 --types f16 --repeats 1 --splits 4 \
         --kernels prefill_cm2,prefill_cm2_split4,prefill_nv2,prefill_nv2_split4
     fi ;;
+  nv2pp)  # attn_prefill_nv2 against attn_prefill_cm2 in whole prefills of llama-1b (8k, 32k), backend level
+    for L in 8192 32768; do for nv in 0 1; do
+      stage "nv2pp-$L-nv2-$nv" 60 env TRIO_LLM_PREFILL_NV2=$nv $PY bench/decode.py --model "$M1" --backends vulkan \
+        --pp $L --tg 8 --repeats 2
+    done; done ;;
+  nv2sweep32)  # attn_prefill_nv2's tiles and forms at 32k, op level, llama-1b f16, beside attn_prefill_cm2
+    NV2S=${NV2S:-64x64x128:pf,64x64x128:pf+mma,64x32x128:pf,128x64x256:pf,64x64x256:pf,128x64x256:direct,128x32x256:pf}
+    NK=$(for v in ${NV2S//,/ }; do printf ',nv2_%s' "$v"; done)
+    stage nv2sweep-32k 150 $PY bench/prefill.py --shape llama-1b --lengths 32768 --types f16 --repeats 1 \
+      --nv2 "$NV2S" --kernels "prefill_cm2$NK" ;;
   nv2attn)  # attn_prefill_nv2 (VK_NV_cooperative_matrix2; its variants prebuilt by compile-shaders where slangpy is
     # installed here, so no .cc): the device's NV coopmat2 features as device.py logs them, its tests on the GPU,
     # op level beside attn_prefill_cm2 (llama-1b at 8k and 32k in f16, unsplit and split in 4 as the forward pass

@@ -100,10 +100,10 @@ def test_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     variant taken as prebuilt: ``nv2_ready`` is the device's side)."""
     monkeypatch.setattr(ops_module, "_nv2_attn_ready", lambda *_: True)
     ops = stand_in()
-    assert ops.prefill_nv2_plan(32, 8, 64) == Nv2AttnPlan(64, 64, 128, pf=True, direct=False)
-    assert ops.prefill_nv2_plan(32, 8, 128) == Nv2AttnPlan(64, 64, 128, pf=True, direct=False)
+    assert ops.prefill_nv2_plan(32, 8, 64) == Nv2AttnPlan(64, 32, 128, pf=True, direct=False)
+    assert ops.prefill_nv2_plan(32, 8, 128) == Nv2AttnPlan(64, 32, 128, pf=True, direct=False)
     assert ops.prefill_nv2_plan(8, 4, 256) == Nv2AttnPlan(64, 32, 256, pf=True, direct=False)
-    assert [prefill_nv2_default(hd) for hd in (64, 128, 256)] == [(64, 64, 128), (64, 64, 128), (64, 32, 256)]
+    assert [prefill_nv2_default(hd) for hd in (64, 128, 256)] == [(64, 32, 128), (64, 32, 128), (64, 32, 256)]
     assert stand_in(nv2=False).prefill_nv2_plan(32, 8, 64) is None  # no NV cooperative matrices 2
     assert attrs.evolve(ops, coopmat=False).prefill_nv2_plan(32, 8, 64) is None
     assert attrs.evolve(ops, prefill_nv2=False).prefill_nv2_plan(32, 8, 64) is None  # TRIO_LLM_PREFILL_NV2=0
@@ -116,31 +116,34 @@ def test_plan(monkeypatch: pytest.MonkeyPatch) -> None:
         assert ops.prefill_nv2_plan(8, 2, hd) is None
     assert stand_in(max_wg=128).prefill_nv2_plan(8, 4, 256) is None  # 256 lanes asked for
     assert stand_in(max_wg=128).prefill_nv2_plan(8, 4, 128) is not None
-    assert stand_in(shared=32768).prefill_nv2_plan(8, 4, 128) is None  # 36,096 bytes
+    assert stand_in(shared=16384).prefill_nv2_plan(8, 4, 128) is None  # 18,688 bytes (32 keys)
     assert prefill_nv2_shared(128, 64, 64) == 36096 and prefill_nv2_shared(64, 64, 64) == 19712
     assert prefill_nv2_shared(256, 64, 32) == 35072 and prefill_nv2_shared(128, 64, 64, direct=True) == 1280
     forced = attrs.evolve(ops, prefill_nv2_tile=(128, 32, 256))
     assert forced.prefill_nv2_plan(8, 2, 64) == Nv2AttnPlan(128, 32, 256, pf=True, direct=False)
     for form in PREFILL_NV2_FORMS:
         f = attrs.evolve(ops, prefill_nv2_form=form)
-        assert f.prefill_nv2_plan(8, 2, 64) == Nv2AttnPlan(64, 64, 128, pf=form != "staged", direct=form == "direct")
+        assert f.prefill_nv2_plan(8, 2, 64) == Nv2AttnPlan(64, 32, 128, pf=form != "staged", direct=form == "direct")
         assert not f.prefill_nv2_plan(8, 2, 64, "q8_0", "q8_0").direct  # type: ignore[union-attr]
         assert not f.prefill_nv2_plan(8, 2, 64, "f16", "q8_0").direct  # type: ignore[union-attr]
     mma = attrs.evolve(ops, prefill_nv2_form="direct+mma")
-    assert mma.prefill_nv2_plan(8, 2, 64) == Nv2AttnPlan(64, 64, 128, pf=True, direct=True, mma_sum=True)
-    assert mma.prefill_nv2_plan(8, 2, 64, "q8_0", "q8_0") == Nv2AttnPlan(64, 64, 128, pf=True, direct=False,
+    assert mma.prefill_nv2_plan(8, 2, 64) == Nv2AttnPlan(64, 32, 128, pf=True, direct=True, mma_sum=True)
+    assert mma.prefill_nv2_plan(8, 2, 64, "q8_0", "q8_0") == Nv2AttnPlan(64, 32, 128, pf=True, direct=False,
                                                                           mma_sum=True)
     with pytest.raises(ValueError):
         attrs.evolve(ops, prefill_nv2_form="pf+fast")
 
 
 def test_env_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TRIO_LLM_PREFILL_NV2 (on by default), TRIO_LLM_PREFILL_NV2_TILE, ..._FORM."""
+    """TRIO_LLM_PREFILL_NV2 (off by default until its GPU tests have all run; =1 on),
+    TRIO_LLM_PREFILL_NV2_TILE, ..._FORM."""
     for var in ("TRIO_LLM_PREFILL_NV2", "TRIO_LLM_PREFILL_NV2_TILE", "TRIO_LLM_PREFILL_NV2_FORM"):
         monkeypatch.delenv(var, raising=False)
     kernels = SimpleNamespace(device=None)
-    assert Ops(kernels).prefill_nv2 and Ops(kernels).prefill_nv2_tile is None  # type: ignore[arg-type]
+    assert not Ops(kernels).prefill_nv2 and Ops(kernels).prefill_nv2_tile is None  # type: ignore[arg-type]
     assert Ops(kernels).prefill_nv2_form == "pf"  # type: ignore[arg-type]
+    monkeypatch.setenv("TRIO_LLM_PREFILL_NV2", "1")
+    assert Ops(kernels).prefill_nv2  # type: ignore[arg-type]
     monkeypatch.setenv("TRIO_LLM_PREFILL_NV2", "0")
     monkeypatch.setenv("TRIO_LLM_PREFILL_NV2_TILE", "128x32x256")
     monkeypatch.setenv("TRIO_LLM_PREFILL_NV2_FORM", "direct")
@@ -356,7 +359,7 @@ def test_prefill_against_numpy(env: Env, model_path) -> None:  # type: ignore[no
     ref = NumpyBackend(model, n_ctx=64, n_seq=2, **F32_KV)
     vk = VulkanBackend(model, n_ctx=64, n_seq=2, **F32_KV)
     try:
-        vk._ops = _own_matmuls(vk._ops)
+        vk._ops = attrs.evolve(_own_matmuls(vk._ops), prefill_nv2=True)  # off by default (TRIO_LLM_PREFILL_NV2)
         _prefill_within_f16(vk, ref, "attn_prefill_nv2",
                             ("attn_prefill", "attn_prefill_cm", "attn_prefill_cm2", "attn_prefill_cm3"),
                             [[SeqBatch(0, np.array([7], np.int32), 52)]])

@@ -404,9 +404,12 @@ def prefill_nv2_shared(head_dim: int, rows: int, keys: int, direct: bool = False
 
 def prefill_nv2_default(head_dim: int) -> tuple[int, int, int]:
     """attn_prefill_nv2's (rows, keys per tile, lanes) unless forced: 64 query rows and
-    64 keys on 4 warps up to head_dim 128; 32 keys on 8 warps at 256 (its R x 256
-    output and Q would not fit 4 warps' registers). Not yet timed on a GPU."""
-    return (64, 64, 128) if head_dim <= 128 else (64, 32, 256)
+    32 keys on 4 warps up to head_dim 128; 32 keys on 8 warps at 256 (its R x 256
+    output and Q would not fit 4 warps' registers). On the H200 (2026-12-04, llama-1b's
+    16 layers at 32k in f16, op level) 64x32x128 took 1.39 s, 64x64x128 2.15 s (2.12
+    with the sums on the tensor cores), 64x64x256 1.73, 128x64x256 2.07 (1.997 direct),
+    128x32x256 2.21, and attn_prefill_cm2 2.64; head_dim 128 and 256 are not timed."""
+    return (64, 32, 128) if head_dim <= 128 else (64, 32, 256)
 
 
 def prefill_nv2_tile_env() -> tuple[int, int, int] | None:
@@ -616,9 +619,12 @@ class Ops:
     #: workgroup-scope matrices, the softmax on the accumulators by row reductions and
     #: per-element functions) ahead of every other prefill attention kernel, where
     #: ``prefill_nv2_plan`` allows it: cooperative matrices on (``coopmat``) and the
-    #: device's ``nv_coopmat2``; TRIO_LLM_PREFILL_NV2=0 turns it off. Not yet run on a GPU
-    #: (bench/h200.sh nv2attn)
-    prefill_nv2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_PREFILL_NV2", "1") != "0")
+    #: device's ``nv_coopmat2``. Off by default, TRIO_LLM_PREFILL_NV2=1 turns it on: on the
+    #: H200 (2026-12-04) its GPU tests passed for every head dim and GQA ratio and 7 cache
+    #: types before the stage's time ran out, but its splits, windows, rings and several
+    #: sequences in one chunk have not run on a GPU yet (bench/h200.sh nv2attn does).
+    #: llama-1b's pp32768 through the backend: 9,567 -> 11,491 tok/s with it (64x64 tiles)
+    prefill_nv2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_PREFILL_NV2", "0") == "1")
     #: its (rows, keys per tile, lanes) for every shape; None: ``prefill_nv2_default``
     prefill_nv2_tile: tuple[int, int, int] | None = attrs.field(factory=prefill_nv2_tile_env)
     #: its form (``PREFILL_NV2_FORMS``; TRIO_LLM_PREFILL_NV2_FORM)
