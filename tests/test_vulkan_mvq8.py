@@ -162,6 +162,44 @@ def test_matvec_q8_columns_and_residual(env: Env, qtype: str, int_dot: bool) -> 
                                    atol=1e-6 * scale, rtol=0)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_matvec_one_row_per_subgroup_at_8_columns(env: Env, qtype: str) -> None:
+    """TRIO_LLM_MATVEC_RS8=1 (``Ops.matvec_rs8``): the plain matvec of 8 columns takes one
+    row per subgroup (half the accumulators a lane; the H200 put the 16 of RS 2 in local
+    memory) and gives the same sums as RS 2, on int8 activations and on f32 (F32 weights
+    too); 4-column graphs keep RS 2."""
+    rows, n, cap = 70, 512, 8
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((cap, n)).astype(np.float32)
+    st = env.step([0] * cap)
+    outs = {}
+    for rs8 in (0, 1):
+        ops = Ops(env.ops.kernels, subgroup=env.ops.subgroup, matvec_rs8=rs8)
+        for wt in (qtype, "F32"):
+            raw, ref = make_weights(wt, rows, n, seed=6)
+            w, xv = env.put(raw), env.put(x)
+            y = env.zeros(cap * rows)
+            d = ops.matvec(wt, w, xv, y, st, n_in=n, n_rows=rows, x_stride=n, y_stride=rows, maxc=cap)
+            assert d.kernel.local_size == ops.matvec_rows * ops.subgroup
+            assert d.groups[0] * d.groups[1] * d.groups[2] >= -(-rows // (ops.matvec_rows * (rs8 or 2)))
+            env.run([d])
+            outs[rs8, wt, "f32"] = env.get(y).reshape(cap, rows)
+            np.testing.assert_allclose(outs[rs8, wt, "f32"], x @ ref.T,
+                                       atol=2e-5 * float(np.abs(x @ ref.T).max()), rtol=0)
+        raw, ref = make_weights(qtype, rows, n, seed=6)
+        w = env.put(raw)
+        qd, q, ds = q8_views(env, ops, x, cap, cap)
+        y = env.zeros(cap * rows)
+        env.run([qd, Barrier(), ops.matvec(qtype, w, q, y, st, n_in=n, n_rows=rows, x_stride=n, y_stride=rows,
+                                           maxc=cap, xd=ds)])
+        outs[rs8, qtype, "q8"] = env.get(y).reshape(cap, rows)
+        four = ops.matvec(qtype, w, q, y, st, n_in=n, n_rows=rows, x_stride=n, y_stride=rows, maxc=4, xd=ds)
+        assert four.groups[0] * four.groups[1] * four.groups[2] == -(-rows // (ops.matvec_rows * 2))
+    for key in (qtype, "F32"):
+        np.testing.assert_allclose(outs[1, key, "f32"], outs[0, key, "f32"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(outs[1, qtype, "q8"], outs[0, qtype, "q8"], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("qtype", Q8_MATVEC)
 def test_matvec_q8_gate_up_and_rope(env: Env, qtype: str) -> None:
     """GATE_UP (silu(G x) * (U x)) and ROPE_OUT (in place, into an f32 cache) on the

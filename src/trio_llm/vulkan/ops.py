@@ -486,6 +486,13 @@ class Ops:
     subgroup: int = 32  # the device's subgroup size
     matvec_rows: int = 4  # subgroups per matvec work group
     matvec_rs: int = 2  # rows per matvec subgroup
+    #: rows per subgroup of the plain matvec at 8 columns (TRIO_LLM_MATVEC_RS8; default
+    #: ``matvec_rs``). On the H200 its 8-column F32, and Q4_K / Q6_K int8-activation forms
+    #: (MAXC x RS = 16 accumulators a lane) report 64 bytes of local memory a thread, and the
+    #: driver keeps that memory for the device's life: a released qwen35-0.8b 26 MiB more
+    #: (docs/benchmarks.md, 2026-12-04). 1 halves the accumulators; not yet measured there
+    #: (bench/h200.sh rs8)
+    matvec_rs8: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_MATVEC_RS8", "0") or 0))
     norm_wg: int = 64
     attn_wg: int = 64
     decode_wg: int = 128  # attention_decode: keys per tile (a multiple of the subgroup)
@@ -703,6 +710,8 @@ class Ops:
         ``quantize_q8``'s int8 values and ``xd`` their scales (X_Q8)."""
         assert n_in % 8 == 0 and x_stride % 4 == 0
         nr, rs = self.matvec_rows, self.matvec_rs
+        if maxc == 8 and self.matvec_rs8:
+            rs = self.matvec_rs8
         nd, nv, npush = _norm_in(norm, eps)
         qd, qv = self._q8_in(xd, norm)
         k = self.kernels.get(
