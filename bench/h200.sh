@@ -73,6 +73,9 @@ else
   PY=python3
 fi
 export PYTHONUNBUFFERED=1
+# pytest-xdist where the carried wheels have it: the GPU test stages of the workgroup-scope kernels spend most
+# of their time in the driver's pipeline builds (seconds each on the H200), which 8 processes do side by side
+XD=(); $PY -c "import xdist" 2>/dev/null && XD=(-n 8)
 # SMALL=1: the same stages on tiny models, to check the script anywhere
 if [ "${SMALL:-0}" = 1 ]; then B1=tiny; B8=tiny-qwen3; else B1=llama-1b; B8=llama-8b; fi
 
@@ -272,12 +275,12 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
     # form and tile over head dims, GQA, cache types, sequences, windows, splits, long prompts, the model; matmul_nv2's
     # default types), then attention op level at 32k beside attn_prefill_cm2. A kernel whose tests fail is turned off
     # (TRIO_LLM_PREFILL_NV2=0 / TRIO_LLM_MATMUL_NV2=0) for the stages after this one (e2e), and the summary says so
-    stage verify-nv2gate-attn ${NV2GATE_S:-150} $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_nv2_attn.py -k \
+    stage verify-nv2gate-attn ${NV2GATE_S:-150} $PY -m pytest -q -p no:cacheprovider -rs ${XD[@]+"${XD[@]}"} tests/test_vulkan_nv2_attn.py -k \
       "(head_dims or every_kv or straddle or window or split or long_prompt or against_numpy or through_the_backend) and not direct"
     # (attn_prefill_nv2 is opt-in: TRIO_LLM_PREFILL_NV2=1 turns it on for the later stages where its tests pass)
     if [ "$LAST_RC" != 0 ]; then export TRIO_LLM_PREFILL_NV2=0; say "attn_prefill_nv2 OFF for what follows (rc=$LAST_RC)"
     else export TRIO_LLM_PREFILL_NV2=1; say "attn_prefill_nv2 ON for what follows"; fi
-    stage verify-nv2gate-mm ${NV2GATE_MM_S:-75} $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_nv2_matmul.py -k \
+    stage verify-nv2gate-mm ${NV2GATE_MM_S:-75} $PY -m pytest -q -p no:cacheprovider -rs ${XD[@]+"${XD[@]}"} tests/test_vulkan_nv2_matmul.py -k \
       "Q8_0 or F16 or Q4_0 or small_batch or model_shapes or default"
     if [ "$LAST_RC" != 0 ]; then export TRIO_LLM_MATMUL_NV2=0; say "matmul_nv2 OFF for what follows (rc=$LAST_RC)"; fi
     if [ "${TRIO_LLM_PREFILL_NV2:-1}" = 1 ] && [ "${NV2GATE_OPS:-1}" = 1 ]; then
@@ -312,7 +315,7 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
     stage nv2attn-devinfo 60 $PY -c "import logging; logging.basicConfig(level=logging.INFO)
 from trio_llm.vulkan.device import shared_device
 d = shared_device(); print('nv_coopmat2', d.nv_coopmat2, 'max_wg', d.nv_coopmat2_max_wg, 'shared', d.limits.max_shared_memory)"
-    stage verify-nv2attn 240 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_nv2_attn.py
+    stage verify-nv2attn 240 $PY -m pytest -q -p no:cacheprovider -rs ${XD[@]+"${XD[@]}"} tests/test_vulkan_nv2_attn.py
     NV2S=${NV2S:-64x64x128:pf+mma,64x32x128:pf,128x64x256:pf,64x64x256:pf,64x64x128:staged,64x64x128:direct,128x64x256:direct}
     NK=$(for v in ${NV2S//,/ }; do printf ',nv2_%s' "$v"; done)
     if [ "${SMALL:-0}" = 1 ]; then NL1=512; NL2=1024; NS1=tiny; NS8=tiny; else NL1=8192; NL2=32768; NS1=llama-1b; NS8=llama-8b; fi
