@@ -354,7 +354,7 @@ d = shared_device(); print('nv_coopmat2', d.nv_coopmat2, 'max_wg', d.nv_coopmat2
     # The prebuilt set (compile-shaders with slangpy installed here) holds every variant the tests ask for.
     # About 6 minutes
     # (the driver takes seconds to build each workgroup-scope pipeline: about 30 of them, 2-3 minutes)
-    stage verify-nv2 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_nv2_matmul.py
+    stage verify-nv2 300 $PY -m pytest -q -p no:cacheprovider -rs ${XD[@]+"${XD[@]}"} tests/test_vulkan_nv2_matmul.py
     if [ "${SMALL:-0}" = 1 ]; then SW=(--shapes small --tokens 64 --repeats 1); else SW=(); fi
     stage nv2mm-ops 150 $PY bench/matmul.py ${SW[@]+"${SW[@]}"} --variants cm2,nv2
     if [ "${SMALL:-0}" = 1 ]; then SW=(--shapes small --tokens 64 --repeats 1); else SW=(--tokens 512); fi
