@@ -417,6 +417,18 @@ def _raw_struct(vk: Any, s_type: int, n_words: int, next_ptr: Any = None) -> Any
     return buf
 
 
+def _chain_after(vk: Any, head: Any, struct: str, s_type: int, **fields: int) -> Any:
+    """A new ``struct`` with ``fields`` set, linked into ``head``'s pNext chain right
+    after it; the caller keeps the returned object alive until the chain is used."""
+    node = vk.ffi.new(f"{struct}*")
+    node.sType = s_type
+    for name, value in fields.items():
+        setattr(node, name, value)
+    node.pNext = head.pNext
+    head.pNext = node
+    return node
+
+
 #: VkComponentTypeKHR and VkScopeKHR values
 _F16, _F32, _SUBGROUP = 0, 1, 3
 
@@ -525,20 +537,17 @@ def _create_logical(vk: Any, instance: Any, physical: Any) -> Device:
         want_cmf.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR
         want_cmf.cooperativeMatrix = 1
         want12.pNext = want_cmf
+    keep: list[Any] = []  # the chained structures live until the device is made
     if int_dot:
-        want_id = vk.ffi.new("VkPhysicalDeviceShaderIntegerDotProductFeatures*")
-        want_id.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_FEATURES
-        want_id.shaderIntegerDotProduct = 1
-        want_id.pNext = want12.pNext
-        want12.pNext = want_id
+        keep.append(_chain_after(vk, want12, "VkPhysicalDeviceShaderIntegerDotProductFeatures",
+                                 vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_FEATURES,
+                                 shaderIntegerDotProduct=1))
     pipeline_stats = (os.environ.get("TRIO_LLM_PIPELINE_STATS") == "1"
                       and "VK_KHR_pipeline_executable_properties" in extensions)
     if pipeline_stats:
-        want_pe = vk.ffi.new("VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR*")
-        want_pe.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PIPELINE_EXECUTABLE_PROPERTIES_FEATURES_KHR
-        want_pe.pipelineExecutableInfo = 1
-        want_pe.pNext = want12.pNext
-        want12.pNext = want_pe
+        keep.append(_chain_after(vk, want12, "VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR",
+                                 vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PIPELINE_EXECUTABLE_PROPERTIES_FEATURES_KHR,
+                                 pipelineExecutableInfo=1))
     want = vk.ffi.new("VkPhysicalDeviceFeatures2*")
     want.sType = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2
     want.pNext = want11

@@ -121,16 +121,21 @@ def cm2_tile(n_rows: int, cap: int, most: int | None = None) -> tuple[int, int]:
     return CM2_TILES[-1]
 
 
+def _tile_env(var: str, known: tuple[tuple[int, int], ...]) -> tuple[int, int] | None:
+    """A forced matmul tile from ``var`` ("128x64"; empty or unset: None), one of ``known``."""
+    v = os.environ.get(var, "")
+    if not v:
+        return None
+    tiles = {f"{bm}x{bn}": (bm, bn) for bm, bn in known}
+    if v not in tiles:
+        raise ConfigError(f"{var}={v!r}: expected one of {', '.join(tiles)}")
+    return tiles[v]
+
+
 def cm2_tile_env() -> tuple[int, int] | None:
     """``TRIO_LLM_CM2_TILE`` ("128x64"; empty: ``cm2_tile`` chooses), for timing the
     tiles one by one on a GPU; the 256 tiles of ``CM3_TILES`` too (matmul_cm3's sweep)."""
-    v = os.environ.get("TRIO_LLM_CM2_TILE", "")
-    if not v:
-        return None
-    tiles = {f"{bm}x{bn}": (bm, bn) for bm, bn in CM3_TILES}
-    if v not in tiles:
-        raise ConfigError(f"TRIO_LLM_CM2_TILE={v!r}: expected one of {', '.join(tiles)}")
-    return tiles[v]
+    return _tile_env("TRIO_LLM_CM2_TILE", CM3_TILES)
 
 
 #: matmul_nv2: the fewest work groups each tile must give to be chosen over the next
@@ -180,13 +185,7 @@ def nv2_tile(n_rows: int, cap: int, tiles: tuple[tuple[int, int], ...] = NV2_TIL
 
 def nv2_tile_env() -> tuple[int, int] | None:
     """``TRIO_LLM_NV2_TILE`` ("128x128"; empty: ``nv2_tile`` chooses), for timing the tiles."""
-    v = os.environ.get("TRIO_LLM_NV2_TILE", "")
-    if not v:
-        return None
-    tiles = {f"{bm}x{bn}": (bm, bn) for bm, bn in NV2_TILES}
-    if v not in tiles:
-        raise ConfigError(f"TRIO_LLM_NV2_TILE={v!r}: expected one of {', '.join(tiles)}")
-    return tiles[v]
+    return _tile_env("TRIO_LLM_NV2_TILE", NV2_TILES)
 
 
 def cm2_variant_env() -> Cm3Variant | None:
