@@ -103,6 +103,37 @@ class _Kernels:
         return name
 
 
+def test_a_refused_nv2_pipeline_falls_back_to_cm2(caplog: pytest.LogCaptureFixture) -> None:
+    """A driver that lists the extension but refuses matmul_nv2's pipeline: the product
+    runs on matmul_cm2, and so does every later one (no second attempt); an out-of-memory
+    error is not taken for a refusal."""
+    from trio_llm.errors import BackendError, DeviceOutOfMemory
+
+    class Refusing(_Kernels):
+        error: Exception = BackendError("create pipeline matmul_nv2: VkErrorUnknown")
+
+        def get(self, name: str, **kw: Any) -> Any:
+            if name == "matmul_nv2":
+                raise self.error
+            return super().get(name, **kw)
+
+    k = Refusing(_Dev())
+    ops = Ops(k, subgroup=32, coopmat=True, matmul_nv2=True, matmul_nv2_tile=None, matmul_nv2_bk=64,
+              matmul_nv2_min_groups=None, matmul_cm2_variant=None,
+              matmul_nv2_types=NV2_DEFAULT_QTYPES)  # type: ignore[arg-type]
+    kw: dict[str, Any] = dict(n_in=2048, n_rows=8192, x_stride=2048, y_stride=8192, cap=512)
+    with caplog.at_level("WARNING"):
+        d = ops.matmul("Q8_0", None, None, None, None, **kw)  # type: ignore[arg-type]
+    assert d.kernel == "matmul_cm2" and not ops.matmul_nv2
+    assert "matmul_nv2 unavailable" in caplog.text
+    assert ops.matmul("Q8_0", None, None, None, None, **kw).kernel == "matmul_cm2"  # type: ignore[arg-type]
+    oom = Refusing(_Dev())
+    oom.error = DeviceOutOfMemory("create pipeline matmul_nv2: VkErrorOutOfDeviceMemory")
+    with pytest.raises(DeviceOutOfMemory):
+        attrs.evolve(ops, kernels=oom, matmul_nv2=True).matmul("Q8_0", None, None, None, None,  # type: ignore[arg-type]
+                                                               **kw)
+
+
 def test_nv2_plan_needs_the_variant_prebuilt_or_a_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Without slangpy (no compiler) matmul_nv2 runs only where its variant was prebuilt;
     else the product goes to matmul_cm2 instead of failing to compile."""

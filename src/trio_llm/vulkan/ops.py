@@ -9,6 +9,7 @@ count comes from the step buffer at run time and the extra work groups return at
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 
@@ -17,7 +18,13 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from trio_llm.errors import ConfigError
+from trio_llm.errors import (
+    BackendError,
+    ConfigError,
+    DeviceLost,
+    DeviceOutOfMemory,
+    ShaderCompileError,
+)
 from trio_llm.model.kvtypes import KVType, kv_type
 from trio_llm.vulkan.device import SUBGROUP_SHUFFLE
 from trio_llm.vulkan.graph import Dispatch
@@ -53,6 +60,8 @@ from trio_llm.vulkan.shaders import (
     nv2_ready,
     qtype_defines,
 )
+
+log = logging.getLogger(__name__)
 
 #: the step buffer: [n_tokens, n_out, 0, 0] then tokens, positions, seq ids, output rows
 STEP_HEADER = 4
@@ -834,9 +843,18 @@ class Ops:
         nv2 = self.nv2_plan(qtype, n_rows, cap, y_off=y_off, y_stride=y_stride)
         if nv2 is not None:
             bm, bn, bk = nv2
-            k = self.kernels.get("matmul_nv2", n_bindings=4, n_push=7, local_size=NV2_LANES[bm, bn],
-                                 defines=nv2_defines(qtype, bm, bn, bk))
-            return Dispatch(k, (w, x, y, step), push, (math.ceil(n_rows / bm), math.ceil(cap / bn), 1))
+            try:
+                k = self.kernels.get("matmul_nv2", n_bindings=4, n_push=7, local_size=NV2_LANES[bm, bn],
+                                     defines=nv2_defines(qtype, bm, bn, bk))
+            except (ShaderCompileError, BackendError) as exc:
+                if isinstance(exc, (DeviceOutOfMemory, DeviceLost)):
+                    raise
+                # a driver that lists the extension but refuses this pipeline (it has been
+                # tried on one GPU, the H200): matmul_cm2 for this and every later product
+                log.warning("matmul_nv2 unavailable (%s): the prefill products run on matmul_cm2", exc)
+                self.matmul_nv2 = False
+            else:
+                return Dispatch(k, (w, x, y, step), push, (math.ceil(n_rows / bm), math.ceil(cap / bn), 1))
         sub = self.matmul_cm2_emulate or (self.subgroup if self.coopmat and self.matmul_cm2 else 0)
         if sub in (32, 64):
             v = self.matmul_cm2_variant
