@@ -92,6 +92,34 @@ def stand_in(nv2: bool = True, max_wg: int = 1024, shared: int = 49152) -> Ops:
                prefill_nv2_tile=None, prefill_nv2_form="pf", prefill_cm2_variant=None)
 
 
+def test_a_refused_pipeline_falls_back_to_the_khr_kernels(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A driver that lists the extension but refuses attn_prefill_nv2's pipeline: that
+    prefill runs on attn_prefill_cm2 (a warning), and later ones do not try again."""
+    from trio_llm.errors import BackendError
+
+    monkeypatch.setattr(ops_module, "_nv2_attn_ready", lambda *_: True)
+    asked: list[str] = []
+
+    def get(name: str, **kw: object) -> str:
+        asked.append(name)
+        if name == "attn_prefill_nv2":
+            raise BackendError("create pipeline attn_prefill_nv2: VkErrorUnknown")
+        return name
+
+    ops = stand_in()
+    ops.kernels.get = get  # type: ignore[attr-defined]
+    kw: dict[str, object] = dict(n_head=32, n_head_kv=8, head_dim=64, n_ctx=4096, q_stride=2048, o_stride=2048,
+                                 cap=512, k_type="f16", v_type="f16")
+    with caplog.at_level("WARNING"):
+        d = ops.attention_prefill(None, None, None, None, None, **kw)  # type: ignore[arg-type]
+    assert d.kernel == "attn_prefill_cm2" and not ops.prefill_nv2
+    assert "attn_prefill_nv2 unavailable" in caplog.text
+    asked.clear()
+    assert ops.attention_prefill(None, None, None, None, None, **kw).kernel == "attn_prefill_cm2"  # type: ignore[arg-type]
+    assert "attn_prefill_nv2" not in asked
+
+
 def test_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where attn_prefill_nv2 runs: enabled (``prefill_nv2``, ``coopmat``, the device's
     ``nv_coopmat2``), no other kernel asked for explicitly, power-of-two head groups, head

@@ -1193,12 +1193,21 @@ class Ops:
         nv2 = self.prefill_nv2_plan(n_head, n_head_kv, head_dim, kt.name, vt.name) if emulate_cm is None else None
         if nv2 is not None:
             g = heads_per_group(n_head, n_head_kv)
-            k = self.kernels.get("attn_prefill_nv2", n_bindings=6, n_push=12, local_size=nv2.lanes,
-                                 defines=nv2_attn_defines(kt.code, vt.code, nv2.direct),
-                                 spec={1: g, 2: nv2.rows // g, 3: head_dim, 5: nv2.keys, 6: int(nv2.pf),
-                                       7: int(nv2.mma_sum)})
-            return Dispatch(k, (q, k_cache, v_cache, o, step, o if part is None else part),
-                            (*push, n_split, min_tiles, ml_off), (math.ceil(cap / (nv2.rows // g)), n_head // g, n_split))
+            try:
+                k = self.kernels.get("attn_prefill_nv2", n_bindings=6, n_push=12, local_size=nv2.lanes,
+                                     defines=nv2_attn_defines(kt.code, vt.code, nv2.direct),
+                                     spec={1: g, 2: nv2.rows // g, 3: head_dim, 5: nv2.keys, 6: int(nv2.pf),
+                                           7: int(nv2.mma_sum)})
+            except (ShaderCompileError, BackendError) as exc:
+                if isinstance(exc, (DeviceOutOfMemory, DeviceLost)):
+                    raise
+                # as matmul_nv2: a driver that refuses the pipeline gets the KHR kernels
+                log.warning("attn_prefill_nv2 unavailable (%s): prefill attention runs on the KHR kernels", exc)
+                self.prefill_nv2 = False
+            else:
+                return Dispatch(k, (q, k_cache, v_cache, o, step, o if part is None else part),
+                                (*push, n_split, min_tiles, ml_off),
+                                (math.ceil(cap / (nv2.rows // g)), n_head // g, n_split))
         v3 = self.prefill_cm2_variant
         if v3 is not None and (emulate_cm is None or self.prefill_cm2_emulate):
             plan3 = self.prefill_cm3_plan(n_head, n_head_kv, head_dim,
