@@ -21,6 +21,8 @@ a GPU; ``test_cm3_*`` its emulated form here."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import numpy as np
 import pytest
@@ -33,6 +35,7 @@ from trio_llm.model.gguf import load_gguf
 from trio_llm.model.kvtypes import KV_TYPES
 from trio_llm.vulkan.backend import VulkanBackend
 from trio_llm.vulkan.graph import Barrier, Op
+from trio_llm.vulkan.memory import View
 from trio_llm.vulkan.ops import (
     PREFILL_CM2_KEYS,
     Ops,
@@ -98,14 +101,39 @@ def batch(*runs: tuple[int, int, int]) -> tuple[list[int], list[int]]:
     return pos, seq
 
 
-def check(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int], seq: list[int], n_ctx: int,
-          k_type: str = "f16", v_type: str | None = None, n_swa: int = 0, scale: float | None = None,
-          seed: int = 0, cap: int | None = None, emulate: tuple[int, int] | None = None,
-          n_split: int = 1) -> None:
+@attrs.frozen
+class PrefillRun:
+    """What ``run_prefill`` ran and what to hold it to."""
+
+    kernel: str  # the prefill attention kernel Ops chose
+    got: np.ndarray  # [ntok, n_head, hd]
+    q: np.ndarray
+    kh: np.ndarray  # the caches as numpy reads them
+    vh: np.ndarray
+    scale: float
+
+    def assert_f16_products(self, pos: list[int], seq: list[int], n_kv: int, n_swa: int) -> None:
+        """The output against numpy over f16-rounded q * scale, K and V (the products of
+        the cooperative-matrix kernels), within 2e-3 of V's largest value."""
+        f16 = np.float16
+        want = np_attention((self.q * np.float32(self.scale)).astype(f16), self.kh.astype(f16),
+                            self.vh.astype(f16), pos, seq, n_kv, n_swa, 1.0)
+        np.testing.assert_allclose(self.got, want, atol=2e-3 * np.abs(self.vh).max(), rtol=0)
+
+
+def run_prefill(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int], seq: list[int], n_ctx: int,
+                k_type: str = "f16", v_type: str | None = None, n_swa: int = 0, scale: float | None = None,
+                seed: int = 0, cap: int | None = None, emulate: tuple[int, int] | None = None, n_split: int = 1,
+                caches: Callable[[View, View], None] | None = None) -> PrefillRun:
+    """``ops.attention_prefill`` (then ``attention_combine`` where split) over random q and
+    caches (``attention_inputs``; ``caches`` may write into the K and V views first), the
+    output and the partials starting as NaN."""
     v_type = k_type if v_type is None else v_type
     ntok, n_seq = len(pos), max(seq) + 1
     q, kc, kh, vc, vh = attention_inputs(env, ntok=ntok, n_seq=n_seq, n_ctx=n_ctx, n_head=n_head, n_kv=n_kv,
                                          hd=hd, k_type=k_type, v_type=v_type, seed=seed)
+    if caches is not None:
+        caches(kc, vc)
     qv, o = env.put(q), env.put(np.full(q.size, np.nan, np.float32))
     st = env.step([0] * ntok, pos, seq)
     s = 1.0 / np.sqrt(hd) if scale is None else scale
@@ -118,21 +146,27 @@ def check(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int]
     if n_split > 1:
         run += [Barrier(), ops.attention_combine(part, o, st, n_head=n_head, head_dim=hd, n_split=n_split,
                                                  o_stride=n_head * hd, cap=cap)]
+    env.run(run)
+    return PrefillRun(run[0].kernel.name, env.get(o).reshape(q.shape), q, kh, vh, float(s))  # type: ignore[union-attr]
+
+
+def check(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int], seq: list[int], n_ctx: int,
+          k_type: str = "f16", v_type: str | None = None, n_swa: int = 0, scale: float | None = None,
+          seed: int = 0, cap: int | None = None, emulate: tuple[int, int] | None = None,
+          n_split: int = 1) -> None:
+    r = run_prefill(env, ops, hd=hd, n_head=n_head, n_kv=n_kv, pos=pos, seq=seq, n_ctx=n_ctx, k_type=k_type,
+                    v_type=v_type, n_swa=n_swa, scale=scale, seed=seed, cap=cap, emulate=emulate, n_split=n_split)
+    q, kh, vh, s, got = r.q, r.kh, r.vh, r.scale, r.got
     cm2 = ops.prefill_cm2_emulate > 0 or ops.prefill_cm2_ok(n_head, n_kv, hd)
     # attn_prefill_cm3 in place of cm2 where a variant is set (TRIO_LLM_PREFILL_CM2_VARIANT)
     cm3 = (ops.prefill_cm2_emulate > 0 or ops.coopmat) and ops.prefill_cm3_plan(
         n_head, n_kv, hd, rows=emulate[0] * emulate[1] if emulate else 0) is not None
-    name = run[0].kernel.name  # type: ignore[attr-defined]
+    name = r.kernel
     assert name == ("attn_prefill_cm3" if cm3 else "attn_prefill_cm2") if cm2 or cm3 else name not in (
         "attn_prefill_cm2", "attn_prefill_cm3")
     cm2 = cm2 or cm3
-    env.run(run)
-    got = env.get(o).reshape(q.shape)
     if emulate or cm2 or (ops.coopmat and ops.prefill_cm_ok(n_head, n_kv, hd)):
-        f16 = np.float16
-        want = np_attention((q * np.float32(s)).astype(f16), kh.astype(f16), vh.astype(f16), pos, seq, n_kv,
-                            n_swa, 1.0)
-        np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(vh).max(), rtol=0)
+        r.assert_f16_products(pos, seq, n_kv, n_swa)
     else:
         want = np_attention(q, kh, vh, pos, seq, n_kv, n_swa, s)
         np.testing.assert_allclose(got, want, atol=3e-5 * np.abs(vh).max(), rtol=0)

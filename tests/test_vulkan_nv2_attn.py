@@ -17,8 +17,6 @@ backend against attn_prefill_cm2's.
 
 from __future__ import annotations
 
-import subprocess
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,8 +24,8 @@ import attrs
 import numpy as np
 import pytest
 
-from test_vulkan_attn_prefill import batch, np_attention
-from test_vulkan_kv import attention_inputs
+from test_nv2_compiler import needs_compiler, validate_spirv
+from test_vulkan_attn_prefill import batch, run_prefill
 from test_vulkan_model import F32_KV, _prefill_within_f16
 from test_vulkan_ops import Env, open_env
 from trio_llm.engine.backend import SeqBatch
@@ -38,12 +36,11 @@ from trio_llm.model.kvtypes import KV_TYPES
 from trio_llm.vulkan import ops as ops_module
 from trio_llm.vulkan import shaders
 from trio_llm.vulkan.backend import VulkanBackend
-from trio_llm.vulkan.graph import Barrier, Op
+from trio_llm.vulkan.memory import View
 from trio_llm.vulkan.ops import (
     PREFILL_NV2_FORMS,
     Nv2AttnPlan,
     Ops,
-    attention_part_floats,
     heads_per_group,
     prefill_nv2_default,
     prefill_nv2_shared,
@@ -60,20 +57,12 @@ def attn_variants() -> list[dict[str, object]]:
     return [d for name, d in shaders.nv2_variants() if name == "attn_prefill_nv2"]
 
 
-@pytest.mark.skipif(shaders.nv2_compiler() is None, reason="slangpy's glslang is not installed (the nv extra)")
+@needs_compiler
 @pytest.mark.parametrize("defines", attn_variants(), ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
-def test_variants_compile_and_validate(defines: dict[str, object]) -> None:
+def test_variants_compile_and_validate(defines: dict[str, object], tmp_path: Path) -> None:
     """Each variant ``compile-shaders`` prebuilds (every cache type, and the f16 cache's
     tensor-addressed form) compiles and is valid SPIR-V for Vulkan 1.3."""
-    spv = shaders.spirv("attn_prefill_nv2", defines)
-    _exe, opt, env = shaders._tools()
-    val = opt.parent / "spirv-val"
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "k.spv"
-        path.write_bytes(spv)
-        proc = subprocess.run([str(val), "--target-env", "vulkan1.3", str(path)], capture_output=True, text=True,
-                              env=env, check=False)
-    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "CooperativeMatrixReductionsNV" in validate_spirv(shaders.spirv("attn_prefill_nv2", defines), tmp_path)
 
 
 def test_prebuilt_set() -> None:
@@ -208,12 +197,10 @@ def check(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int]
     """attn_prefill_nv2 (asserted to be the kernel chosen) against numpy over f16-rounded
     q * scale, K and V. ``nan_past``: each sequence's cache rows past its last position
     hold NaN (f16 caches: what a fresh allocation may hold), which no output may see."""
-    v_type = k_type if v_type is None else v_type
-    ntok, n_seq = len(pos), max(seq) + 1
-    q, kc, kh, vc, vh = attention_inputs(env, ntok=ntok, n_seq=n_seq, n_ctx=n_ctx, n_head=n_head, n_kv=n_kv,
-                                         hd=hd, k_type=k_type, v_type=v_type, seed=seed)
-    if nan_past:
-        assert k_type == v_type == "f16"
+    n_seq = max(seq) + 1
+
+    def nan_rows(kc: View, vc: View) -> None:
+        assert k_type == (v_type or k_type) == "f16"
         last = {s: max(p for p, t in zip(pos, seq, strict=True) if t == s) for s in set(seq)}
         for view in (kc, vc):
             assert view.buffer.array is not None
@@ -222,24 +209,12 @@ def check(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int]
             for sq, p in last.items():
                 if p + 1 < n_ctx:
                     rows[sq, p + 1:] = 0x7E00  # f16 NaN
-    qv, o = env.put(q), env.put(np.full(q.size, np.nan, np.float32))
-    st = env.step([0] * ntok, pos, seq)
-    s = 1.0 / np.sqrt(hd) if scale is None else scale
-    cap = cap or ntok
-    part = env.put(np.full(attention_part_floats(cap, n_head, hd, n_split), np.nan, np.float32))
-    run: list[Op] = [ops.attention_prefill(
-        qv, kc, vc, o, st, n_head=n_head, n_head_kv=n_kv, head_dim=hd, n_ctx=n_ctx, q_stride=n_head * hd,
-        o_stride=n_head * hd, cap=cap, scale=s, k_type=k_type, v_type=v_type, n_swa=n_swa, part=part,
-        n_split=n_split, min_tiles=1)]
-    assert run[0].kernel.name == "attn_prefill_nv2"  # type: ignore[union-attr]
-    if n_split > 1:
-        run += [Barrier(), ops.attention_combine(part, o, st, n_head=n_head, head_dim=hd, n_split=n_split,
-                                                 o_stride=n_head * hd, cap=cap)]
-    env.run(run)
-    got = env.get(o).reshape(q.shape)
-    f16 = np.float16
-    want = np_attention((q * np.float32(s)).astype(f16), kh.astype(f16), vh.astype(f16), pos, seq, n_kv, n_swa, 1.0)
-    np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(vh).max(), rtol=0)
+
+    r = run_prefill(env, ops, hd=hd, n_head=n_head, n_kv=n_kv, pos=pos, seq=seq, n_ctx=n_ctx, k_type=k_type,
+                    v_type=v_type, n_swa=n_swa, scale=scale, seed=seed, cap=cap, n_split=n_split,
+                    caches=nan_rows if nan_past else None)
+    assert r.kernel == "attn_prefill_nv2"
+    r.assert_f16_products(pos, seq, n_kv, n_swa)
 
 
 def rows_of(ops: Ops, n_head: int, n_kv: int, hd: int) -> tuple[int, int]:

@@ -10,7 +10,6 @@ an offset into wider rows, x rows wider than n_in, plain and added into a residu
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import attrs
 import numpy as np
 import pytest
 
+from test_nv2_compiler import needs_compiler, validate_spirv
 from test_vulkan_ops import QTYPES, Env, make_weights, open_env
 from trio_llm.errors import ConfigError
 from trio_llm.vulkan import shaders
@@ -27,11 +27,6 @@ from trio_llm.vulkan.ops import NV2_DEFAULT_QTYPES, NV2_MIN_GROUPS, NV2_QTYPES, 
 NEEDS_NV2 = "needs VK_NV_cooperative_matrix2 (lavapipe has none)"
 
 env = pytest.fixture(scope="module", name="env")(open_env)
-
-
-def _needs_compiler() -> None:
-    if shaders.nv2_compiler() is None:
-        pytest.skip("slangpy's glslang (the nv extra) is not installed")
 
 
 # -- everywhere: the SPIR-V and the choice -------------------------------------------------
@@ -45,25 +40,16 @@ def test_nv2_variants_cover_every_type_and_tile() -> None:
     assert set(NV2_QTYPES) == set(shaders.QTYPES)
 
 
+@needs_compiler
 @pytest.mark.parametrize("variant", [d for n, d in shaders.nv2_variants() if n == "matmul_nv2"],
                          ids=lambda d: "-".join(f"{v}" if k != next(iter(d)) else k[6:] for k, v in d.items()))
 def test_matmul_nv2_variant_compiles_and_validates(variant: dict[str, object], tmp_path: Path) -> None:
     """Each variant through the project's compile path (slangpy's glslang, spirv-opt),
     then ``spirv-val`` for Vulkan 1.3; its SPIR-V declares what device.py enables for it
     (tensor addressing, block loads, PhysicalStorageBufferAddresses)."""
-    _needs_compiler()
-    spv = shaders.spirv("matmul_nv2", variant)
-    path = tmp_path / "m.spv"
-    path.write_bytes(spv)
-    bindir = shaders._cmeel_prefix() / "bin"
-    val = subprocess.run([str(bindir / "spirv-val"), "--target-env", "vulkan1.3", str(path)],
-                         capture_output=True, text=True, check=False)
-    assert val.returncode == 0, val.stderr
-    dis = subprocess.run([str(bindir / "spirv-dis"), str(path)], capture_output=True, text=True, check=False)
-    if dis.returncode == 0:
-        caps = {line.split()[1] for line in dis.stdout.splitlines() if line.strip().startswith("OpCapability")}
-        assert {"CooperativeMatrixTensorAddressingNV", "TensorAddressingNV",
-                "CooperativeMatrixBlockLoadsNV", "PhysicalStorageBufferAddresses"} <= caps
+    caps = validate_spirv(shaders.spirv("matmul_nv2", variant), tmp_path)
+    assert {"CooperativeMatrixTensorAddressingNV", "TensorAddressingNV",
+            "CooperativeMatrixBlockLoadsNV", "PhysicalStorageBufferAddresses"} <= caps
 
 
 def test_nv2_tile_choice() -> None:
@@ -226,12 +212,13 @@ def test_nv2_env(monkeypatch: pytest.MonkeyPatch) -> None:
         Ops(k)  # type: ignore[arg-type]
 
 
-def test_no_nv2_without_the_extension(env: Env) -> None:
-    """A device without the extension (lavapipe) never gets matmul_nv2, whatever is asked."""
-    if env.device.nv_coopmat2_decode:
-        pytest.skip("the device has VK_NV_cooperative_matrix2: the GPU tests below cover it")
-    ops = attrs.evolve(env.ops, coopmat=env.device.coopmat, matmul_nv2=True)
-    assert ops.nv2_plan("Q8_0", 8192, 512) is None
+def test_nv2_follows_the_device(env: Env) -> None:
+    """matmul_nv2 where the device has the extension with its decode functions (and
+    cooperative matrices), never elsewhere (lavapipe), whatever is asked."""
+    dev = env.device
+    ops = attrs.evolve(env.ops, coopmat=dev.coopmat, matmul_nv2=True)
+    has = dev.coopmat and dev.nv_coopmat2 and dev.nv_coopmat2_decode
+    assert (ops.nv2_plan("Q8_0", 8192, 512) is not None) == has
 
 
 # -- on a GPU with the extension ------------------------------------------------------------
@@ -348,13 +335,12 @@ def test_matmul_nv2_model_shapes(env: Env, nv2: Ops, qtype: str, rows: int, cols
     _nv2_case(env, nv2, qtype, rows=rows, cols=cols, ntok=ntok, cap=512, x_pad=0, y_pad=0, y_off=0, seed=9)
 
 
-def test_matmul_nv2_is_the_default(env: Env, nv2: Ops) -> None:
+def test_matmul_nv2_is_the_default(env: Env, nv2: Ops, monkeypatch: pytest.MonkeyPatch) -> None:
     """With cooperative matrices on (as the backend builds Ops), the dense products take
     matmul_nv2; TRIO_LLM_MATMUL_NV2=0 (``matmul_nv2=False``) gives matmul_cm2 back."""
-    base = attrs.evolve(env.ops, coopmat=True)
+    monkeypatch.delenv("TRIO_LLM_MATMUL_NV2", raising=False)
+    base = Ops(env.ops.kernels, subgroup=env.ops.subgroup, coopmat=True)
     a = {"n_in": 512, "n_rows": 256, "x_stride": 512, "y_stride": 256, "cap": 64}
     w, xv, y, st = env.zeros(256 * 512, np.uint16), env.zeros(64 * 512), env.zeros(64 * 256), env.step([0] * 64)
-    if not Ops(env.ops.kernels).matmul_nv2:
-        pytest.skip("TRIO_LLM_MATMUL_NV2=0 in the environment")
     assert base.matmul("F16", w, xv, y, st, **a).kernel.name == "matmul_nv2"
     assert attrs.evolve(base, matmul_nv2=False).matmul("F16", w, xv, y, st, **a).kernel.name == "matmul_cm2"
