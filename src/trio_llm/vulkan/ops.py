@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import os
+from typing import Any
 
 import attrs
 import numpy as np
@@ -23,12 +24,11 @@ from trio_llm.errors import (
     ConfigError,
     DeviceLost,
     DeviceOutOfMemory,
-    ShaderCompileError,
 )
 from trio_llm.model.kvtypes import KVType, kv_type
 from trio_llm.vulkan.device import SUBGROUP_SHUFFLE
 from trio_llm.vulkan.graph import Dispatch
-from trio_llm.vulkan.kernels import KernelCache
+from trio_llm.vulkan.kernels import Kernel, KernelCache
 from trio_llm.vulkan.memory import View
 from trio_llm.vulkan.shaders import (
     CM2_TILES,
@@ -827,6 +827,24 @@ class Ops:
             return None  # neither prebuilt nor compilable here (no slangpy): matmul_cm2
         return bm, bn, self.matmul_nv2_bk
 
+    def _nv2_kernel(self, name: str, instead: str, **get: Any) -> Kernel | None:
+        """The pipeline of an NV cooperative-matrix-2 kernel (``name``: matmul_nv2 or
+        attn_prefill_nv2), or None where the driver lists the extension but refuses it
+        (only the H200 has run these): that kernel is turned off for this and every later
+        dispatch (``instead`` runs), with a warning. Running out of memory, or losing the
+        device, is not a refusal and raises."""
+        try:
+            return self.kernels.get(name, **get)
+        except (DeviceOutOfMemory, DeviceLost):
+            raise
+        except BackendError as exc:  # ShaderCompileError among them
+            log.warning("%s unavailable (%s): %s run instead", name, exc, instead)
+            if name == "matmul_nv2":
+                self.matmul_nv2 = False
+            else:
+                self.prefill_nv2 = False
+            return None
+
     def matmul(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
         x_stride: int, y_stride: int, cap: int, y_off: int = 0,
@@ -843,17 +861,9 @@ class Ops:
         nv2 = self.nv2_plan(qtype, n_rows, cap, y_off=y_off, y_stride=y_stride)
         if nv2 is not None:
             bm, bn, bk = nv2
-            try:
-                k = self.kernels.get("matmul_nv2", n_bindings=4, n_push=7, local_size=NV2_LANES[bm, bn],
-                                     defines=nv2_defines(qtype, bm, bn, bk))
-            except (ShaderCompileError, BackendError) as exc:
-                if isinstance(exc, (DeviceOutOfMemory, DeviceLost)):
-                    raise
-                # a driver that lists the extension but refuses this pipeline (it has been
-                # tried on one GPU, the H200): matmul_cm2 for this and every later product
-                log.warning("matmul_nv2 unavailable (%s): the prefill products run on matmul_cm2", exc)
-                self.matmul_nv2 = False
-            else:
+            k = self._nv2_kernel("matmul_nv2", "matmul_cm2", n_bindings=4, n_push=7,
+                                 local_size=NV2_LANES[bm, bn], defines=nv2_defines(qtype, bm, bn, bk))
+            if k is not None:
                 return Dispatch(k, (w, x, y, step), push, (math.ceil(n_rows / bm), math.ceil(cap / bn), 1))
         sub = self.matmul_cm2_emulate or (self.subgroup if self.coopmat and self.matmul_cm2 else 0)
         if sub in (32, 64):
@@ -1193,18 +1203,11 @@ class Ops:
         nv2 = self.prefill_nv2_plan(n_head, n_head_kv, head_dim, kt.name, vt.name) if emulate_cm is None else None
         if nv2 is not None:
             g = heads_per_group(n_head, n_head_kv)
-            try:
-                k = self.kernels.get("attn_prefill_nv2", n_bindings=6, n_push=12, local_size=nv2.lanes,
-                                     defines=nv2_attn_defines(kt.code, vt.code, nv2.direct),
-                                     spec={1: g, 2: nv2.rows // g, 3: head_dim, 5: nv2.keys, 6: int(nv2.pf),
-                                           7: int(nv2.mma_sum)})
-            except (ShaderCompileError, BackendError) as exc:
-                if isinstance(exc, (DeviceOutOfMemory, DeviceLost)):
-                    raise
-                # as matmul_nv2: a driver that refuses the pipeline gets the KHR kernels
-                log.warning("attn_prefill_nv2 unavailable (%s): prefill attention runs on the KHR kernels", exc)
-                self.prefill_nv2 = False
-            else:
+            k = self._nv2_kernel("attn_prefill_nv2", "the KHR kernels", n_bindings=6, n_push=12,
+                                 local_size=nv2.lanes, defines=nv2_attn_defines(kt.code, vt.code, nv2.direct),
+                                 spec={1: g, 2: nv2.rows // g, 3: head_dim, 5: nv2.keys, 6: int(nv2.pf),
+                                       7: int(nv2.mma_sum)})
+            if k is not None:
                 return Dispatch(k, (q, k_cache, v_cache, o, step, o if part is None else part),
                                 (*push, n_split, min_tiles, ml_off),
                                 (math.ceil(cap / (nv2.rows // g)), n_head // g, n_split))
