@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import hashlib
 import importlib.util
 import os
@@ -235,6 +236,7 @@ _nv2_lock = threading.Lock()  # glslang's process state is not meant for concurr
 _nv2_lib: list[ctypes.CDLL] = []
 
 
+@functools.lru_cache(maxsize=1)  # asked at every NV2 plan (Ops.nv2_plan per product), found once
 def nv2_compiler() -> Path | None:
     """slangpy's ``libslang-glslang-*.so`` (found without importing slangpy, in this
     interpreter's packages or a folder on ``sys.path``), or None when not installed."""
@@ -777,13 +779,21 @@ def attn_nv2_variants() -> Iterable[tuple[str, dict[str, object]]]:
     yield "attn_prefill_nv2", {**kv_defines(K_TYPE=1, V_TYPE=1), "NV2_DIRECT": 1}
 
 
+@functools.lru_cache(maxsize=512)
+def _nv2_key(name: str, defines: tuple[tuple[str, object], ...], _shaders: Path) -> str:
+    """``cache_key`` (which reads and hashes the sources) once per variant and shader
+    folder: ``nv2_ready`` asks it for every product a graph lowers where slangpy is not
+    installed."""
+    return cache_key(name, dict(defines))
+
+
 def nv2_ready(name: str, defines: dict[str, object] | None = None) -> bool:
     """Whether ``spirv(name, defines)`` of an ``NV2_SHADERS`` kernel can answer here: its
     compiler is installed (``nv2_compiler``) or the variant was prebuilt (the writable
     cache, or the set a wheel ships); a device without slangpy runs only those."""
     if nv2_compiler() is not None:
         return True
-    file = f"{name}-{cache_key(name, defines)}.spv"
+    file = f"{name}-{_nv2_key(name, tuple(sorted((defines or {}).items())), shader_dir())}.spv"
     return (cache_dir() / file).exists() or (PACKAGED_SHADERS / "build" / file).exists()
 
 
