@@ -26,9 +26,11 @@ true``) for the time to first token: request sent -> first SSE ``data:`` event (
 to ``--ttft-max`` tokens when given: beyond, it is about ``prompt_ms`` anyway). The
 prompt is random ordinary token ids (GGUF token type NORMAL, fixed seed, BOS first,
 the same ids for every server), or ``"hello " * (n - 1)`` with ``--text-prompts``; a
-server that answers an id prompt with HTTP 5xx (the prebuilt Vulkan llama-server does,
-on odd tokens of random-weight models) is retried with the text prompt for that row and
-the record says so. ``--clients K``: a server with ``-np K``, K concurrent requests of a
+server that answers an id prompt with HTTP 5xx is retried with the text prompt for that
+row and the record says so. The servers of ``--ban-partial-utf8`` (default the Vulkan
+llama-server, which answers HTTP 500 when a random-weight model's answer is not valid
+UTF-8) get a ``logit_bias`` that bans the tokens that are not whole UTF-8 alone (the
+record counts them): the same prefill, and as many tokens decoded at the same depths. ``--clients K``: a server with ``-np K``, K concurrent requests of a
 ``--client-prompt``-token prompt x 128 tokens; aggregate tok/s = tokens generated ÷
 wall time of the round.
 
@@ -119,6 +121,33 @@ class Prompts:
         self.bos = int(bos) if bos is not None and add_bos is not False else None
         self.seed = seed
         self.word = word
+        self._path = path
+        self._partial: list[int] | None = None
+
+    def partial_utf8(self) -> list[int]:
+        """The ids whose text alone is not whole UTF-8 (byte-level BPE's single bytes of
+        0x80 and up and merges that split a character; SentencePiece's byte-fallback
+        tokens <0x80>..<0xFF>). Banned through ``logit_bias`` for the servers of
+        ``--ban-partial-utf8``: the October 2026 llama-server parses every answer with its
+        chat parser, which fails on invalid UTF-8 with HTTP 500, and a random-weight model
+        emits such tokens. With them banned, every answer is a concatenation of whole
+        UTF-8 pieces. Read through trio-llm's tokenizer (the token pieces as bytes)."""
+        if self._partial is None:
+            import gguf
+
+            from trio_llm.model.tokenizer import Tokenizer
+
+            reader = gguf.GGUFReader(str(self._path), "r")
+            md = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+            tok = Tokenizer.from_metadata(md)
+            bad = []
+            for t in range(tok.n_vocab):
+                try:
+                    tok.token_to_piece(t).decode("utf-8")
+                except UnicodeDecodeError:
+                    bad.append(t)
+            self._partial = bad
+        return self._partial
 
     def ids(self, n: int, index: int) -> list[int]:
         rng = np.random.default_rng([self.seed, n, index])
@@ -193,20 +222,24 @@ class Server:
 # -- requests ---------------------------------------------------------------------
 
 
-def body(prompt: list[int] | str, n_predict: int, stream: bool) -> dict[str, Any]:
-    return {"prompt": prompt, "n_predict": n_predict, "stream": stream, "cache_prompt": False,
-            "ignore_eos": True, "temperature": 0}
+def body(prompt: list[int] | str, n_predict: int, stream: bool, ban: list[int] | None = None) -> dict[str, Any]:
+    b: dict[str, Any] = {"prompt": prompt, "n_predict": n_predict, "stream": stream, "cache_prompt": False,
+                         "ignore_eos": True, "temperature": 0}
+    if ban:
+        b["logit_bias"] = [[t, False] for t in ban]
+    return b
 
 
 def http_error(r: httpx.Response) -> str:
     return f"HTTP {r.status_code}: {r.text[:300]}"
 
 
-def complete(c: httpx.Client, prompt: list[int] | str, n_predict: int, timeout: float) -> dict[str, Any]:
+def complete(c: httpx.Client, prompt: list[int] | str, n_predict: int, timeout: float,
+             ban: list[int] | None = None) -> dict[str, Any]:
     """One non-streamed /completion; its timings plus the client's wall time."""
     t0 = common.now()
     try:
-        r = c.post("/completion", json=body(prompt, n_predict, False), timeout=timeout)
+        r = c.post("/completion", json=body(prompt, n_predict, False, ban), timeout=timeout)
     except httpx.TimeoutException as e:
         raise BudgetExhausted(f"request cut after {timeout:.0f} s") from e
     wall = common.now() - t0
@@ -219,14 +252,15 @@ def complete(c: httpx.Client, prompt: list[int] | str, n_predict: int, timeout: 
     return {**{k: float(t[k]) for k in TIMING_KEYS}, "wall_s": wall}
 
 
-def stream(c: httpx.Client, prompt: list[int] | str, n_predict: int, timeout: float) -> dict[str, Any]:
+def stream(c: httpx.Client, prompt: list[int] | str, n_predict: int, timeout: float,
+           ban: list[int] | None = None) -> dict[str, Any]:
     """One streamed /completion: time to the first SSE data event, wall time, events."""
     t0 = common.now()
     ttft: float | None = None
     events = 0
     last: dict[str, Any] = {}
     try:
-        with c.stream("POST", "/completion", json=body(prompt, n_predict, True), timeout=timeout) as r:
+        with c.stream("POST", "/completion", json=body(prompt, n_predict, True, ban), timeout=timeout) as r:
             if r.status_code != 200:
                 r.read()
                 raise httpx.HTTPStatusError(http_error(r), request=r.request, response=r)
@@ -276,6 +310,16 @@ class Run:
 
     def left(self) -> float:
         return self.deadline - common.now()
+
+    def ban(self, server: str, prompts: Prompts, out: dict[str, Any]) -> list[int] | None:
+        """``--ban-partial-utf8``: the ids this server's requests ban (``Prompts.partial_utf8``),
+        their count kept in ``out``; None for the other servers. Prefill is the same work;
+        decode generates as many tokens at the same depths, other ones."""
+        if server not in self.args.ban_partial_utf8:
+            return None
+        ids = prompts.partial_utf8()
+        out["banned_partial_utf8"] = len(ids)
+        return ids
 
     def request_timeout(self) -> float:
         return max(1.0, min(self.args.request_timeout, self.left()))
@@ -357,12 +401,13 @@ class Run:
     def row(self, s: Server, prompts: Prompts, n: int, text: bool) -> dict[str, Any]:
         a = self.args
         out: dict[str, Any] = {"prompt_tokens_asked": n}
+        ban = self.ban(s.name, prompts, out)
         with httpx.Client(base_url=s.url) as c:
             def ask(index: int, fn: Callable[..., dict[str, Any]]) -> dict[str, Any]:
                 nonlocal text
                 p: list[int] | str = prompts.text(n) if text else prompts.ids(n, index)
                 try:
-                    return fn(c, p, a.n_predict, self.request_timeout())
+                    return fn(c, p, a.n_predict, self.request_timeout(), ban)
                 except httpx.HTTPStatusError as e:
                     if text or e.response.status_code < 500:
                         raise ServerFailed(str(e)) from e
@@ -370,7 +415,7 @@ class Run:
                     print(f"e2e: {s.name}: id prompt refused ({str(e)[:120]}); text prompts for this row",
                           file=sys.stderr, flush=True)
                     text = True
-                    return fn(c, prompts.text(n), a.n_predict, self.request_timeout())
+                    return fn(c, prompts.text(n), a.n_predict, self.request_timeout(), ban)
 
             if a.warmups:  # --warmups 0: a 128k row is minutes per request
                 out["warmup"] = ask(0, complete)
@@ -395,12 +440,14 @@ class Run:
         rounds: list[dict[str, Any]] = []
         errors: list[str] = []
         out_fallback = ""
+        out: dict[str, Any] = {"clients": k, "prompt_tokens_asked": n}
+        ban = self.ban(s.name, prompts, out)
 
         def one(i: int, r: int, results: list[Any]) -> None:
             try:
                 with httpx.Client(base_url=s.url) as c:
                     p: list[int] | str = prompts.text(n) if text else prompts.ids(n, 1000 * r + i)
-                    results[i] = complete(c, p, a.n_predict, self.request_timeout())
+                    results[i] = complete(c, p, a.n_predict, self.request_timeout(), ban)
             except Exception as e:  # reported in the record; the round is not counted
                 errors.append(f"client {i}: {e}"[:300])
 
@@ -425,8 +472,7 @@ class Run:
                 rounds.append({"wall_s": wall, "requests": results,
                                "aggregate_tps": sum(x["predicted_n"] for x in results) / wall})
             r += 1
-        out: dict[str, Any] = {"clients": k, "prompt_tokens_asked": n, "rounds": rounds,
-                               "prompt_kind": "text" if text else "ids"}
+        out.update(rounds=rounds, prompt_kind="text" if text else "ids")
         if out_fallback:
             out["fallback_to_text"] = out_fallback
         if errors:
@@ -538,15 +584,16 @@ class Run:
             return
         result["starts"].append(info)
         try:
+            prompts: Prompts = job["prompt_maker"]
+            ban = self.ban(server, prompts, result)
             with httpx.Client(base_url=srv.url) as c:
-                prompts: Prompts = job["prompt_maker"]
                 p: list[int] | str = prompts.text(a.mem_prompt) if a.text_prompts else prompts.ids(a.mem_prompt, 0)
                 try:
-                    r = complete(c, p, 16, self.request_timeout())
+                    r = complete(c, p, 16, self.request_timeout(), ban)
                 except httpx.HTTPStatusError as e:  # the Vulkan llama-server's invalid-UTF-8 500
                     if e.response.status_code < 500:
                         raise
-                    r = complete(c, prompts.text(a.mem_prompt), 16, self.request_timeout())
+                    r = complete(c, prompts.text(a.mem_prompt), 16, self.request_timeout(), ban)
             mib = device_mib(srv.proc.pid)
             result["memory"] = {"ctx": ctx, "device_mib": mib, "ready_device_mib": info.get("device_mib_ready"),
                                 "answer": r}
@@ -717,6 +764,11 @@ def main() -> int:
                     help="the streamed request (time to first token) only for prompts up to this length (0: all); "
                          "for long prompts it is about prompt_ms and costs a whole request more")
     ap.add_argument("--n-predict", type=int, default=128)
+    ap.add_argument("--ban-partial-utf8", type=lambda v: [x for x in v.split(",") if x], default=["vulkan"],
+                    metavar="SERVERS",
+                    help="comma list of servers (trio, vulkan, cuda) whose requests ban, through logit_bias, the "
+                         "tokens that are not whole UTF-8 alone (default vulkan: the prebuilt Vulkan llama-server "
+                         "answers HTTP 500 to a random-weight model's invalid UTF-8; '' for none)")
     ap.add_argument("--text-prompts", action="store_true", help='prompts of plain text ("hello " * n) for every server')
     ap.add_argument("--text-word", default="hello",
                     help="the word of text prompts, repeated with spaces (default hello; a random-weight model "

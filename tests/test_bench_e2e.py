@@ -1,0 +1,56 @@
+"""bench/e2e.py's token ban for the llama-servers that answer HTTP 500 to invalid UTF-8.
+
+The October 2026 llama-server parses every answer with its chat parser and fails with
+"does not match the expected Content-only format" when a random-weight model emits
+tokens that are not whole UTF-8 (reproduced with the prebuilt Vulkan llama-server on
+lavapipe). ``Prompts.partial_utf8`` lists those tokens from the GGUF vocabulary; these
+tests hold it to the vocabulary's own bytes, read without trio-llm's tokenizer.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import e2e  # noqa: E402  (bench/ is scripts, not a package)
+
+
+def _vocab(path: Path) -> tuple[list[str], list[int]]:
+    r = gguf.GGUFReader(str(path), "r")
+    return list(r.fields["tokenizer.ggml.tokens"].contents()), list(r.fields["tokenizer.ggml.token_type"].contents())
+
+
+def test_spm_bans_exactly_the_high_byte_tokens(tiny_spm_model: Path) -> None:
+    tokens, types = _vocab(tiny_spm_model)
+    high = {i for i, (t, k) in enumerate(zip(tokens, types, strict=True))
+            if k == int(gguf.TokenType.BYTE) and int(t[3:5], 16) >= 0x80}
+    assert len(high) == 128
+    assert set(e2e.Prompts(tiny_spm_model, 0, "hello").partial_utf8()) == high
+
+
+def test_byte_level_bans_lone_high_bytes_and_nothing_whole(tiny_model: Path) -> None:
+    from trio_llm.model.vocab import gpt2_byte_chars
+
+    tokens, _ = _vocab(tiny_model)
+    chars = gpt2_byte_chars()  # byte b is written as chars[b] in a byte-level BPE vocabulary
+    index = {t: i for i, t in enumerate(tokens)}
+    banned = set(e2e.Prompts(tiny_model, 0, "hello").partial_utf8())
+    lone_high = {index[chars[b]] for b in range(0x80, 0x100)}
+    assert lone_high <= banned
+    ascii_ids = {index[chars[b]] for b in range(0x20, 0x7F)}
+    assert not ascii_ids & banned
+    to_byte = {c: b for b, c in enumerate(chars)}
+    for i in banned:  # every banned token's bytes are invalid alone
+        raw = bytes(to_byte[c] for c in tokens[i])
+        with pytest.raises(UnicodeDecodeError):
+            raw.decode("utf-8")
+
+
+def test_the_ban_goes_into_the_request_body() -> None:
+    b = e2e.body([1, 2, 3], 8, False, [300, 301])
+    assert b["logit_bias"] == [[300, False], [301, False]]
+    assert "logit_bias" not in e2e.body([1, 2, 3], 8, False)
