@@ -2,8 +2,8 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: devinfo (the device's features as the backend sees them), rs8 (issue 12: the 8-column matvec at one
-# row per subgroup, its local memory and batched decode A/B), nv2pp / nv2sweep32 (attn_prefill_nv2 A/B, its tiles), nv2gate (the NV coopmat2 kernels' tests on
+# Stages: devinfo (the device's features as the backend sees them), localmem or rs8 (issue 12: the 8-column
+# matvecs' local memory: unrolled in the SPIR-V and/or one row per subgroup, pipemem and batched decode A/B, then coldmem), nv2pp / nv2sweep32 (attn_prefill_nv2 A/B, its tiles), nv2gate (the NV coopmat2 kernels' tests on
 # their defaults; a failing kernel is turned off for the later stages, e2e among them), verify (the Vulkan correctness tests on the H200), tune7 (the late 2026-12-01 defaults' tests and choices), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), nv2mm (matmul_nv2 on VK_NV_cooperative_matrix2: its tests, op level beside matmul_cm2, pp512 with TRIO_LLM_MATMUL_NV2=0 / 1), cm2sweep (matmul_cm3's variants: their tests on the GPU, op level against matmul_cm2, pp512 of the best two), prefillcm2 (attn_prefill_cm2's tests, op level and pp8192 A/B), nv2attn (attn_prefill_nv2 on NVIDIA's cooperative_matrix2: its tests on the GPU, op level beside attn_prefill_cm2 with its tiles, pp8192 A/B), attnsweep (attn_prefill_cm3's variants: their tests on the GPU, op level beside attn_prefill_cm2 at 8k / 32k), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill, the pp512 graph
@@ -287,15 +287,31 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
       stage nv2gate-attn-32k 75 $PY bench/prefill.py --shape llama-1b --lengths 32768 --types f16 --repeats 1 --splits 4 \
         --kernels prefill_cm2,prefill_cm2_split4,prefill_nv2,prefill_nv2_split4
     fi ;;
-  rs8)  # issue 12's cold memory: the plain 8-column matvec at one row per subgroup (TRIO_LLM_MATVEC_RS8=1): the
-    # driver's local memory per pipeline and a released qwen35-0.8b's figure (pipemem), then batched decode at
-    # B = 4, 8 of qwen35-0.8b and llama-1b both ways (RS8=0 is today's default)
+  rs8|localmem)  # issue 12's cold memory: the 8-column matvecs that kept 64 bytes a thread of local memory, which the
+    # driver holds for the device's life. Forms (LM_FORMS): base (today's), unroll8 (TRIO_LLM_MATVEC_UNROLL=8: the
+    # column count and rows per subgroup fixed, every loop over them unrolled in the SPIR-V, no array left), rs8
+    # (TRIO_LLM_MATVEC_RS8=1: one row per subgroup at 8 columns) and both. Per form: pipemem on qwen35-0.8b (its
+    # "local memory above the floor" lines), batched decode of qwen35-0.8b and llama-1b at B = 1, 4, 8; then
+    # coldmem through the server (the driver's counter, issue 12's <= 5 %) for the first form with no local memory
     Q08=$(model qwen35-0.8b Q4_K_M)
-    stage rs8-pipemem 150 env TRIO_LLM_MATVEC_RS8=1 TRIO_LLM_PIPELINE_STATS=1 $PY bench/pipemem.py --model "$Q08"
-    for rs in 0 1; do for m in "$Q08" "$M1"; do
-      stage "rs8-batch-$(basename "$m" .gguf)-rs8-$rs" 90 env TRIO_LLM_MATVEC_RS8=$rs $PY bench/decode.py --model "$m" \
-        --backends vulkan --pp 64 --tg 64 --repeats 2 --batch-sizes 4,8
-    done; done ;;
+    LM_FORMS=${LM_FORMS:-base unroll8 rs8 unroll8+rs8}
+    lm_env() { LE=(); case $1 in *unroll8*) LE+=(TRIO_LLM_MATVEC_UNROLL=8) ;; esac
+      case $1 in *rs8*) LE+=(TRIO_LLM_MATVEC_RS8=1) ;; esac; }
+    for f in $LM_FORMS; do
+      lm_env "$f"
+      stage "localmem-pipemem-$f" 90 env ${LE[@]+"${LE[@]}"} TRIO_LLM_PIPELINE_STATS=1 $PY bench/pipemem.py --model "$Q08"
+      for m in "$Q08" "$M1"; do
+        stage "localmem-batch-$(basename "$m" .gguf)-$f" 90 env ${LE[@]+"${LE[@]}"} $PY bench/decode.py --model "$m" \
+          --backends vulkan --pp 64 --tg 64 --repeats 2 --batch-sizes 1,4,8
+      done
+    done
+    for f in $LM_FORMS; do
+      grep -q "every pipeline at the floor" "$RES/localmem-pipemem-$f.log" || continue
+      lm_env "$f"
+      stage "localmem-coldmem-$f" 150 env ${LE[@]+"${LE[@]}"} $PY bench/coldmem.py --model "$Q08" --model "$M1" \
+        --backend vulkan --log-dir "$RES/coldmem-logs-$f"
+      break
+    done ;;
   nv2pp)  # attn_prefill_nv2 against attn_prefill_cm2 in whole prefills of llama-1b (8k, 32k), backend level
     for L in 8192 32768; do for nv in 0 1; do
       stage "nv2pp-$L-nv2-$nv" 60 env TRIO_LLM_PREFILL_NV2=$nv $PY bench/decode.py --model "$M1" --backends vulkan \

@@ -120,6 +120,29 @@ def one(path: Path, ctx: int) -> dict[str, Any]:
     return out
 
 
+def exact(v: object) -> str:
+    """A statistic as the driver gave it: whole numbers in full (the H200's "Local Memory
+    Size" is 2**36 plus the bytes a thread, which ``%g`` rounds away)."""
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def local_memory(pipelines: list[dict[str, Any]], key: str = "Local Memory Size") -> list[str]:
+    """The pipelines whose local memory is above the smallest any pipeline reports (the
+    H200 reports a 2**36 base for all): one line each with the bytes above it, or one
+    line saying there are none."""
+    sizes = [x["stats"].get(key) for x in pipelines if isinstance(x.get("stats", {}).get(key), float)]
+    if not sizes:
+        return [f"  no pipeline reports {key!r}"]
+    floor = min(sizes)
+    out = [f"  local memory above the floor ({exact(floor)}): {x['kernel']} "
+           f"{','.join(f'{k}={v}' for k, v in x['defines'].items())} "
+           f"spec {','.join(f'{k}={v}' for k, v in x['spec'].items())}: {exact(x['stats'][key] - floor)} bytes"
+           for x in pipelines if isinstance(x.get("stats", {}).get(key), float) and x["stats"][key] > floor]
+    return out or [f"  local memory: every pipeline at the floor ({exact(floor)})"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", action="append", required=True, type=Path)
@@ -153,9 +176,10 @@ def main() -> int:
         common.print_table([{"kernel": x["kernel"], "defines": ",".join(f"{k}={v}" for k, v in x["defines"].items()),
                              "spec": ",".join(f"{k}={v}" for k, v in x["spec"].items()),
                              "freed_mib": x["freed_mib"],
-                             "stats": " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                                               for k, v in x.get("stats", {}).items())[:160]}
+                             "stats": " ".join(f"{k}={exact(v)}" for k, v in x.get("stats", {}).items())[:160]}
                             for x in r["pipelines"]])
+        for line in local_memory(r["pipelines"]):
+            print(line)
     path = common.write_result("pipemem", {"model": [str(m) for m in args.model], "ctx": args.ctx},
                                {"rows": results})
     print(f"wrote {path}")

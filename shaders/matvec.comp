@@ -144,11 +144,25 @@ layout(push_constant) uniform Push {
 #endif
 } pc;
 
+// FIXED_MAXC, FIXED_RS (with FULL_UNROLL, shaders.py): the column count and rows per
+// subgroup as constants of the SPIR-V instead of specialization constants, so that the
+// compile unrolls every loop over them and the accumulators are values, not an array the
+// driver may keep in local memory (on the H200 the 8-column F32, Q4_K and Q6_K int8
+// forms reported 64 bytes a thread of it, held for the device's life: issue 12's cold
+// memory). TRIO_LLM_MATVEC_UNROLL picks the column counts (Ops.matvec_unroll)
+#if defined(FIXED_MAXC)
+const uint MAXC = FIXED_MAXC;
+#else
 layout(constant_id = 1) const uint MAXC = 8;
+#endif
 layout(constant_id = 2) const uint NR = 4;  // subgroups per work group
 // rows per subgroup: each x value a lane loads serves RS rows (the loads of x from
 // L1 otherwise outnumber the weight bytes four to one)
+#if defined(FIXED_RS)
+const uint RS = FIXED_RS;
+#else
 layout(constant_id = 3) const uint RS = 2;
+#endif
 
 #include "quant.glsl"
 #if defined(ROPE_OUT)

@@ -10,6 +10,8 @@ in f32 (quantize_q8.comp says why).
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 
@@ -20,8 +22,17 @@ from trio_llm.engine.reference import NumpyBackend
 from trio_llm.model.gguf import load_gguf
 from trio_llm.vulkan.backend import VulkanBackend
 from trio_llm.vulkan.graph import Barrier, Dispatch
-from trio_llm.vulkan.ops import ROPE_NORMAL, Ops
-from trio_llm.vulkan.shaders import Q8_MATVEC
+from trio_llm.vulkan.ops import ROPE_NORMAL, Ops, _unroll_env
+from trio_llm.vulkan.shaders import (
+    FULL_UNROLL,
+    GATE_UP,
+    NORM_IN,
+    Q8_MATVEC,
+    ROPE_OUT,
+    kv_defines,
+    matvec_defines,
+    spirv,
+)
 
 pytestmark = pytest.mark.vulkan
 
@@ -198,6 +209,95 @@ def test_matvec_one_row_per_subgroup_at_8_columns(env: Env, qtype: str) -> None:
     for key in (qtype, "F32"):
         np.testing.assert_allclose(outs[1, key, "f32"], outs[0, key, "f32"], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(outs[1, qtype, "q8"], outs[0, qtype, "q8"], rtol=1e-6, atol=1e-6)
+
+
+def _function_variables(spv: bytes) -> int:
+    """How many OpVariable (opcode 59) of storage class Function (7) a module declares:
+    the arrays (and the odd scalar spirv-opt left in memory) a driver may keep in a
+    thread's local memory."""
+    words = struct.unpack(f"<{len(spv) // 4}I", spv)
+    i, n = 5, 0  # past the header
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        n += op == 59 and words[i + 3] == 7
+        i += count
+    return n
+
+
+@pytest.mark.parametrize("qtype", ["F32", *Q8_MATVEC])
+def test_matvec_unrolled_variants_keep_no_arrays(qtype: str) -> None:
+    """``Ops.matvec_unroll`` (FIXED_MAXC, FIXED_RS, FULL_UNROLL): every form of matvec at
+    8 columns, f32 and int8 activations, RS 1 and 2, compiles to SPIR-V without a single
+    Function-storage variable, where the specialization-constant form keeps the
+    accumulators (and more) as arrays for the driver to unroll or not."""
+    forms: list[tuple[dict[str, object], tuple[int, ...]]] = [
+        ({}, (1, 2)), (dict(GATE_UP), (2,)), ({**ROPE_OUT, **kv_defines(KV_TYPE=1)}, (2,)), (dict(NORM_IN), (1, 2))]
+    for form, rss in forms:
+        for x8 in ({}, {"X_Q8": 1, "INT_DOT": 1}, {"X_Q8": 1}):
+            if x8 and (qtype == "F32" or "NORM_IN" in form):
+                continue
+            base = {**matvec_defines(qtype), **form, **x8}
+            assert _function_variables(spirv("matvec", base)) >= 1
+            for rs in rss:
+                fixed = {**base, "FIXED_MAXC": "8u", "FIXED_RS": f"{rs}u", FULL_UNROLL: 1}
+                assert _function_variables(spirv("matvec", fixed)) == 0, (base, rs)
+
+
+def test_matvec_unroll_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRIO_LLM_MATVEC_UNROLL: a comma list of the column counts 1, 2, 4, 8; anything else
+    is refused in one line."""
+    monkeypatch.setenv("TRIO_LLM_MATVEC_UNROLL", "8, 2")
+    assert _unroll_env() == {2, 8}
+    monkeypatch.setenv("TRIO_LLM_MATVEC_UNROLL", "")
+    assert _unroll_env() == frozenset()
+    for bad in ("3", "8,x"):
+        monkeypatch.setenv("TRIO_LLM_MATVEC_UNROLL", bad)
+        with pytest.raises(ValueError, match="TRIO_LLM_MATVEC_UNROLL"):
+            _unroll_env()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+def test_matvec_unrolled_same_sums(env: Env, qtype: str) -> None:
+    """The unrolled variants (``Ops.matvec_unroll`` at 4 and 8 columns, with RS8 0 and 1)
+    give the specialization-constant form's sums: plain on f32 and int8 activations (F32
+    weights too), GATE_UP and ROPE_OUT into an f16 cache on int8, with 5 columns live of
+    8 (the columns past the live count left alone)."""
+    rows, n, cap, live, n_ctx, hd = 64, 512, 8, 5, 16, 16
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((cap, n)).astype(np.float32)
+    st = env.step([0] * live, np.arange(live), np.zeros(live, np.int64))
+    factors = env.put(np.ones(hd // 2, np.float32))
+    outs: dict[tuple[object, ...], np.ndarray] = {}
+    for unroll, rs8 in ((frozenset(), 0), (frozenset({4, 8}), 0), (frozenset({8}), 1)):
+        ops = Ops(env.ops.kernels, subgroup=env.ops.subgroup, matvec_rs8=rs8, matvec_unroll=unroll)
+        for maxc in (4, 8):
+            for wt in (qtype, "F32"):
+                raw, _ = make_weights(wt, rows, n, seed=10)
+                w, xv, y = env.put(raw), env.put(x), env.put(np.full(cap * rows, 7.0, np.float32))
+                kw0 = dict(n_in=n, n_rows=rows, x_stride=n, y_stride=rows, maxc=maxc)
+                d = ops.matvec(wt, w, xv, y, st, **kw0)  # type: ignore[arg-type]
+                plain = Ops(env.ops.kernels, subgroup=env.ops.subgroup, matvec_rs8=rs8, matvec_unroll=frozenset())
+                assert (d.kernel is plain.matvec(wt, w, xv, y, st, **kw0).kernel) == (maxc not in unroll)  # type: ignore[arg-type]
+                env.run([d])
+                outs[unroll, rs8, maxc, wt, "f32"] = env.get(y)
+            raw, _ = make_weights(qtype, 2 * rows, n, seed=10)
+            w, wr = env.put(raw), env.put(raw[:rows])
+            qd, q, ds = q8_views(env, ops, x, cap, live)
+            y, g, kc = (env.put(np.full(cap * rows, 7.0, np.float32)), env.put(np.full(cap * rows, 7.0, np.float32)),
+                        env.zeros(n_ctx * rows))
+            kw = dict(n_in=n, n_rows=rows, x_stride=n, y_stride=rows, maxc=maxc, xd=ds)
+            env.run([qd, Barrier(), ops.matvec(qtype, w, q, y, st, **kw),  # type: ignore[arg-type]
+                     ops.matvec_gate_up(qtype, w, q, g, st, row_a=0, row_b=rows, **kw),  # type: ignore[arg-type]
+                     ops.matvec_rope(qtype, wr, q, kc, st, factors, head_dim=hd, rope=True, theta=10000.0,
+                                     to_cache=True, n_ctx=n_ctx, kv_type="f16", **kw)])  # type: ignore[arg-type]
+            for name, view in (("q8", y), ("gate_up", g), ("rope", kc)):
+                outs[unroll, rs8, maxc, qtype, name] = env.get(view)
+    for (unroll, rs8, *rest), got in outs.items():
+        want = outs[(frozenset(), 0, *rest)]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()),
+                                   err_msg=f"unroll {sorted(unroll)} rs8 {rs8} {rest}")
+        if rest[-1] != "rope":
+            assert (got.reshape(cap, rows)[live:] == 7.0).all()
 
 
 @pytest.mark.parametrize("qtype", Q8_MATVEC)

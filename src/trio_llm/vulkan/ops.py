@@ -33,6 +33,7 @@ from trio_llm.vulkan.memory import View
 from trio_llm.vulkan.shaders import (
     CM2_TILES,
     CM3_TILES,
+    FULL_UNROLL,
     GATE_UP,
     NORM_IN,
     NV2_BK,
@@ -481,6 +482,18 @@ def _check_head(t: KVType, head_dim: int, what: str) -> None:
         raise ValueError(f"{what} cache type {t.name} needs head_dim a multiple of {t.block}, not {head_dim}")
 
 
+def _unroll_env() -> frozenset[int]:
+    """TRIO_LLM_MATVEC_UNROLL's column counts (``Ops.matvec_unroll``)."""
+    raw = os.environ.get("TRIO_LLM_MATVEC_UNROLL", "").strip()
+    try:
+        counts = frozenset(int(x) for x in raw.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"TRIO_LLM_MATVEC_UNROLL={raw!r}: a comma list of column counts (1, 2, 4, 8)") from None
+    if not counts <= {1, 2, 4, 8}:
+        raise ValueError(f"TRIO_LLM_MATVEC_UNROLL={raw!r}: column counts are 1, 2, 4 and 8")
+    return counts
+
+
 def grid(n: int, limit: int = 65535) -> tuple[int, int, int]:
     """Work groups for ``n`` flat groups, folded into y past the x limit."""
     n = max(1, n)
@@ -501,6 +514,14 @@ class Ops:
     #: (docs/benchmarks.md, 2026-12-04). 1 halves the accumulators; not yet measured there
     #: (bench/h200.sh rs8)
     matvec_rs8: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_MATVEC_RS8", "0") or 0))
+    #: column counts whose matvecs (every form) are compiled with the column count and
+    #: rows per subgroup fixed and every loop over them unrolled before the driver sees
+    #: them (TRIO_LLM_MATVEC_UNROLL, a comma list such as ``8`` or ``1,2,4,8``; default
+    #: none). The other suspect for those 64 bytes: with both as specialization
+    #: constants the driver unrolls the column loop or not as it likes, and where it does
+    #: not, the accumulators are an array indexed at run time. Not yet measured on the
+    #: H200 (bench/h200.sh rs8)
+    matvec_unroll: frozenset[int] = attrs.field(factory=lambda: _unroll_env())
     norm_wg: int = 64
     attn_wg: int = 64
     decode_wg: int = 128  # attention_decode: keys per tile (a multiple of the subgroup)
@@ -679,6 +700,12 @@ class Ops:
         """Whether a decode bucket's product of ``qtype`` weights reads int8 activations."""
         return self.matvec_q8 and qtype in Q8_MATVEC and self.matvec_q8_min <= bucket <= 8
 
+    def _unrolled(self, maxc: int, rs: int) -> dict[str, object]:
+        """The FULL_UNROLL defines of a matvec at ``maxc`` columns (``matvec_unroll``)."""
+        if maxc not in self.matvec_unroll:
+            return {}
+        return {"FIXED_MAXC": f"{maxc}u", "FIXED_RS": f"{rs}u", FULL_UNROLL: 1}
+
     def _q8_in(self, xd: View | None, norm: View | None) -> tuple[dict[str, object], tuple[View, ...]]:
         """The X_Q8 part of a matvec variant: (defines, the scales' binding), empty for
         f32 activations."""
@@ -724,7 +751,7 @@ class Ops:
         qd, qv = self._q8_in(xd, norm)
         k = self.kernels.get(
             "matvec", n_bindings=4 + len(nv) + len(qv), n_push=7 + len(npush), local_size=nr * self.subgroup,
-            defines={**matvec_defines(qtype), **nd, **qd}, spec={1: maxc, 2: nr, 3: rs},
+            defines={**matvec_defines(qtype), **nd, **qd, **self._unrolled(maxc, rs)}, spec={1: maxc, 2: nr, 3: rs},
         )
         push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add), *npush)
         return Dispatch(k, (w, x, y, step, *nv, *qv), push, grid(math.ceil(n_rows / (nr * rs))))
@@ -752,7 +779,8 @@ class Ops:
         qd, qv = self._q8_in(xd, norm)
         k = self.kernels.get(
             "matvec", n_bindings=5 + len(nv) + len(qv), n_push=13 + len(npush), local_size=nr * self.subgroup,
-            defines={**matvec_defines(qtype), **ROPE_OUT, **kv_defines(KV_TYPE=t), **nd, **qd},
+            defines={**matvec_defines(qtype), **ROPE_OUT, **kv_defines(KV_TYPE=t), **nd, **qd,
+                     **self._unrolled(maxc, rs)},
             spec={1: maxc, 2: nr, 3: rs},
         )
         push = (n_in, n_rows, x_stride, y_stride, y_off, COUNT_TOKENS, 0,
@@ -772,7 +800,8 @@ class Ops:
         qd, qv = self._q8_in(xd, norm)
         k = self.kernels.get(
             "matvec", n_bindings=4 + len(nv) + len(qv), n_push=9 + len(npush), local_size=nr * self.subgroup,
-            defines={**matvec_defines(qtype), **GATE_UP, **nd, **qd}, spec={1: maxc, 2: nr, 3: 2},
+            defines={**matvec_defines(qtype), **GATE_UP, **nd, **qd, **self._unrolled(maxc, 2)},
+            spec={1: maxc, 2: nr, 3: 2},
         )
         push = (n_in, n_rows, x_stride, y_stride, 0, COUNT_TOKENS, 0, row_a, row_b, *npush)
         return Dispatch(k, (w, x, y, step, *nv, *qv), push, grid(math.ceil(n_rows / nr)))

@@ -84,6 +84,14 @@ _FLAGS = (_PREAMBLE, "glslangValidator", "-V", "--target-env", "vulkan1.2", "-S"
           "spirv-opt", "-O", "--target-env=vulkan1.2")
 _FLAGS_CM = (_PREAMBLE, "glslangValidator", "-V", "--target-env", "vulkan1.3", "-S", "comp", "-g0",
              "spirv-opt", "-O", "--target-env=vulkan1.3")
+#: A variant defined with this (any value) gets a second pass, ``spirv-opt --loop-unroll
+#: -O``. The -O recipe leaves [[unroll]] loops of a constant trip count rolled when they
+#: are not yet in the form its unroller takes (matvec.comp's column loops, whose bodies
+#: hold the row loop and a branch); the second pass unrolls them, and its scalar
+#: replacement then turns the arrays they indexed (matvec's accumulators) into values, so
+#: no driver has to decide whether to unroll or to keep an array in local memory
+FULL_UNROLL = "FULL_UNROLL"
+_FLAGS_UNROLL = ("spirv-opt", "--loop-unroll", "-O")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
@@ -158,6 +166,8 @@ def cache_key(name: str, defines: dict[str, object] | None = None) -> str:
     for k, v in sorted(variant_defines(defines).items()):
         h.update(f"-D{k}={v}".encode())
     flags = _FLAGS_NV2 if name in NV2_SHADERS else _FLAGS_CM if name in COOPMAT_SHADERS else _FLAGS
+    if defines and FULL_UNROLL in defines:
+        flags = (*flags, *_FLAGS_UNROLL)
     h.update(" ".join(flags).encode())
     return h.hexdigest()[:20]
 
@@ -314,16 +324,20 @@ def _compile_nv2(name: str, defines: dict[str, object] | None, src: Path, out: s
 
 
 def _compile_commands(name: str, defines: dict[str, object] | None, src: Path, out: str) -> tuple[list[list[str]], dict[str, str]]:
-    """glslangValidator to SPIR-V, then spirv-opt -O in place."""
+    """glslangValidator to SPIR-V, then spirv-opt -O in place (and ``FULL_UNROLL``'s
+    second pass)."""
     exe, opt, env = _tools()
     env_name = "vulkan1.3" if name in COOPMAT_SHADERS else "vulkan1.2"
     flags = [f"-D{k}={v}" for k, v in sorted(variant_defines(defines).items())]
-    return [
+    commands = [
         [str(exe), "-V", "--target-env", env_name, "-S", "comp", "-g0", "--quiet", "--preamble-text", _PREAMBLE, f"-I{shader_dir()}",
          *flags,
          str(src), "-o", out],
         [str(opt), "-O", f"--target-env={env_name}", out, "-o", out],
-    ], env
+    ]
+    if defines and FULL_UNROLL in defines:
+        commands.append([str(opt), *_FLAGS_UNROLL[1:], f"--target-env={env_name}", out, "-o", out])
+    return commands, env
 
 
 def spirv(name: str, defines: dict[str, object] | None = None) -> bytes:
