@@ -47,6 +47,7 @@ from trio_llm.vulkan.forward import (
     Activations,
     KVCache,
     build_ops,
+    dequant_scratch,
     fusion_groups,
     moe_map_bytes,
     plan_buffers,
@@ -218,6 +219,7 @@ class VulkanBackend:
         if moe_bytes := moe_map_bytes(self._ir, self._cap):  # the prefill buckets' expert grouping
             extra["moe_map"] = (moe_bytes, "compute", "device")
         extra.update(q8_scratch(self._ir, self._weights, self._ops))  # TRIO_LLM_MATVEC_Q8=1's int8 activations
+        extra.update(dequant_scratch(self._ir, self._weights, self._ops, self._cap))  # TRIO_LLM_MATMUL_DEQUANT
         self._act = Activations(self._alloc, self._plan, self._width, self._cap, out_cap, consts, extra=extra)
         self._sampler = DeviceSampler(device, self._ops, self._act, self.lowered)
         # several steps per submit run past a stop the host finds afterwards: only where

@@ -90,6 +90,22 @@ def q8_scratch(graph: Graph, weights: WeightStore, ops: Ops) -> dict[str, tuple[
             "q8d": (MATVEC_MAX_COLS * n // 32 * 8, "compute", "device")}
 
 
+def dequant_scratch(graph: Graph, weights: WeightStore, ops: Ops, cap: int) -> dict[str, tuple[int, str, str]]:
+    """The buffer ("wdq") into which the prefill buckets decode a weight piece to f16
+    before its product (``Ops.matmul_dequant``), for ``Activations.extra``: the largest
+    piece of a token-row product whose type qualifies at the largest bucket; none when
+    nothing does. The products that make logits (output rows) are left alone: the head
+    is the largest matrix and reads few rows."""
+    if not ops.dequants_any(cap):
+        return {}
+    size = max((2 * (r1 - r0) * int(node.inputs[1].shape[1])
+                for node in graph.nodes
+                if node.op == "linear" and node.inputs[0].shape[0] != OUTPUTS
+                and ops.dequants(weights.slots[node.inputs[1].name].qtype, cap)
+                for r0, r1 in weights.piece_rows(node.inputs[1].name)), default=0)
+    return {"wdq": (size, "compute", "device")} if size else {}
+
+
 @attrs.frozen
 class Fusion:
     """Consecutive work of the graph that one dispatch does where a bucket's lowering
@@ -880,6 +896,17 @@ class _Lowering:
         qtype = self.weights.slots[w.name].qtype
         y = self.view(target)
         ds: list[Op] = []
+        if sel == COUNT_TOKENS and self.ops.dequants(qtype, cap) and "wdq" in self.act.bufs:
+            # each piece to f16 rows, then its product on those (Ops.matmul_dequant)
+            wdq = self.act.view("wdq")
+            for piece, r0, r1 in self.weights.pieces(w.name):
+                self.emit([self.ops.dequant_f16(qtype, piece, wdq, n_in=n_in, n_rows=r1 - r0)], [], ["wdq"])
+                self.emit([self.ops.matmul("F16", wdq, self.view(x), y, self.st, n_in=n_in, n_rows=r1 - r0,
+                                           x_stride=n_in, y_stride=n_out, cap=cap, y_off=r0, count_sel=sel,
+                                           add=add_node is not None)],
+                          [self.slot(x), "wdq"] + ([self.slot(target)] if add_node is not None else []),
+                          [self.slot(target)])
+            return
         for piece, r0, r1 in self.weights.pieces(w.name):
             if cap <= MATVEC_MAX_COLS:
                 ds.append(self.ops.matvec(qtype, piece, self.matvec_x(x, nkw), y, self.st, n_in=n_in,

@@ -179,6 +179,27 @@ def nv2_types_env() -> tuple[str, ...]:
     return types
 
 
+#: the weight types ``TRIO_LLM_MATMUL_DEQUANT=1`` decodes to f16 before a prefill product:
+#: the K-quants and IQ4_XS (super-blocks of 256 with per-sub-block scales)
+DEQUANT_DEFAULT_QTYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+
+
+def dequant_types_env() -> frozenset[str]:
+    """``TRIO_LLM_MATMUL_DEQUANT``: "0" or unset none, "1" ``DEQUANT_DEFAULT_QTYPES``, or a
+    comma list of weight types (``Ops.matmul_dequant``)."""
+    v = os.environ.get("TRIO_LLM_MATMUL_DEQUANT", "0").strip()
+    if v in ("0", ""):
+        return frozenset()
+    if v == "1":
+        return frozenset(DEQUANT_DEFAULT_QTYPES)
+    types = frozenset(t.strip() for t in v.split(","))
+    bad = sorted(t for t in types if t not in QTYPES or t == "F16")
+    if bad:
+        raise ConfigError(f"TRIO_LLM_MATMUL_DEQUANT={v!r}: not 0, 1 or weight types other than F16 "
+                          f"({', '.join(bad)})")
+    return types
+
+
 def nv2_tile(n_rows: int, cap: int, tiles: tuple[tuple[int, int], ...] = NV2_TILES,
              most: int | None = None) -> tuple[int, int]:
     """matmul_nv2's tile of (rows, tokens) for an ``n_rows`` x ``cap`` product: the largest
@@ -522,6 +543,14 @@ class Ops:
     #: not, the accumulators are an array indexed at run time. Not yet measured on the
     #: H200 (bench/h200.sh rs8)
     matvec_unroll: frozenset[int] = attrs.field(factory=lambda: _unroll_env())
+    #: weight types whose prefill products (``matmul_dequant_min`` tokens or more) first
+    #: decode the weights to f16 rows in a scratch buffer (``dequant_f16``), then multiply
+    #: those as F16 (TRIO_LLM_MATMUL_DEQUANT, ``dequant_types_env``; default none: on the
+    #: H200 matmul_nv2's in-load decode made the K-quants slower than matmul_cm2, and
+    #: this is the other way to give them its F16 path, not yet measured there)
+    matmul_dequant: frozenset[str] = attrs.field(factory=dequant_types_env)
+    matmul_dequant_min: int = attrs.field(
+        factory=lambda: int(os.environ.get("TRIO_LLM_MATMUL_DEQUANT_MIN", "128") or 128))
     norm_wg: int = 64
     attn_wg: int = 64
     decode_wg: int = 128  # attention_decode: keys per tile (a multiple of the subgroup)
@@ -927,6 +956,23 @@ class Ops:
         else:
             k = self.kernels.get("matmul", n_bindings=4, n_push=7, local_size=256, defines=qtype_defines(qtype))
         return Dispatch(k, (w, x, y, step), push, (math.ceil(n_rows / 64), math.ceil(cap / 64), 1))
+
+    def dequant_f16(self, qtype: str, w: View, y: View, *, n_in: int, n_rows: int) -> Dispatch:
+        """y = the ``n_rows`` x ``n_in`` weight rows of ``w`` as f16 (dequant_f16.comp),
+        for a prefill product that reads them as F16 (``matmul_dequant``)."""
+        assert n_in % 8 == 0 and y.size >= 2 * n_rows * n_in
+        k = self.kernels.get("dequant_f16", n_bindings=2, n_push=2, local_size=self.elem_wg,
+                             defines=qtype_defines(qtype))
+        return Dispatch(k, (w, y), (n_in, n_rows), grid(math.ceil(n_rows * n_in // 8 / self.elem_wg)))
+
+    def dequants_any(self, cap: int) -> bool:
+        """Whether some weight type's prefill products of ``cap`` tokens would."""
+        return bool(self.matmul_dequant) and cap > 8 and cap >= self.matmul_dequant_min
+
+    def dequants(self, qtype: str, cap: int) -> bool:
+        """Whether a prefill product of ``cap`` tokens on ``qtype`` goes through
+        ``dequant_f16`` (``matmul_dequant``)."""
+        return qtype in self.matmul_dequant and self.dequants_any(cap)
 
     def get_rows(
         self, qtype: str, w: View, y: View, step: View, *, n_in: int, y_stride: int, cap: int,

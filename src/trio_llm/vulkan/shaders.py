@@ -60,7 +60,7 @@ QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", 
           "Q6_K", "IQ4_NL", "IQ4_XS")
 
 #: shaders with one variant per weight type
-QUANT_SHADERS = ("matvec", "matmul", "get_rows", "moe_matvec", "moe_matmul")
+QUANT_SHADERS = ("matvec", "matmul", "get_rows", "moe_matvec", "moe_matmul", "dequant_f16")
 #: matvec with rope and the KV-cache write in its epilogue (see matvec.comp)
 ROPE_OUT = {"ROPE_OUT": 1}
 #: matvec of the FFN's gate and up at once, SwiGLU in the epilogue

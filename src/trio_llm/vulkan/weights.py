@@ -252,13 +252,12 @@ class WeightStore:
         assert buf is not None, "weights are not resident"
         return View(buf, slot.offset, slot.nbytes)
 
-    def pieces(self, name: str) -> list[tuple[View, int, int]]:
-        """(view, first row, end row) ranges of a matrix, each bindable on its own."""
+    def piece_rows(self, name: str) -> list[tuple[int, int]]:
+        """(first row, end row) of each piece ``pieces`` binds, resident or not."""
         slot = self.slots[name]
-        view = self.view(name)
         limit = self.alloc.device.limits.max_storage_buffer_range
         if slot.nbytes <= limit:
-            return [(view, 0, slot.shape[0])]
+            return [(0, slot.shape[0])]
         rb = row_bytes(slot.qtype, slot.shape[-1])
         # each piece must start on the storage offset alignment: rows in multiples of m
         align = self.alloc.device.limits.min_storage_offset_alignment
@@ -266,8 +265,13 @@ class WeightStore:
         per = (limit // rb) // m * m
         if per == 0:
             raise BackendError(f"{name}: a row of {rb} bytes cannot be bound within {limit} bytes")
-        out = []
-        for r0 in range(0, slot.shape[0], per):
-            r1 = min(slot.shape[0], r0 + per)
-            out.append((view.sub(r0 * rb, (r1 - r0) * rb), r0, r1))
-        return out
+        return [(r0, min(slot.shape[0], r0 + per)) for r0 in range(0, slot.shape[0], per)]
+
+    def pieces(self, name: str) -> list[tuple[View, int, int]]:
+        """(view, first row, end row) ranges of a matrix, each bindable on its own."""
+        rows = self.piece_rows(name)
+        view = self.view(name)
+        if len(rows) == 1:
+            return [(view, *rows[0])]
+        rb = row_bytes(self.slots[name].qtype, self.slots[name].shape[-1])
+        return [(view.sub(r0 * rb, (r1 - r0) * rb), r0, r1) for r0, r1 in rows]
