@@ -316,6 +316,12 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
   dequant)  # issue 13's K-quant prefill: TRIO_LLM_MATMUL_DEQUANT=1 (each K-quant piece decoded to f16 rows by
     # dequant_f16.comp, then matmul_nv2's F16 path) against today's matmul_cm2, whole prefills of llama-8b Q4_K_M at
     # 512 and 4096 tokens (the breakdown at 512 says what the decode pass costs), then qwen35-9b Q4_K_M at 512
+    # llama-1b Q8_0 too (TRIO_LLM_MATMUL_DEQUANT=Q8_0): matmul_nv2 decodes Q8_0 in its loads; is F16 after a
+    # decode pass faster? (its pp512 is 10.3 of 14.2 ms in matmul_nv2, 2026-12-04)
+    for dq in 0 Q8_0; do
+      stage "dequant-1b-pp512-dq$dq" 90 env TRIO_LLM_MATMUL_DEQUANT=$dq $PY bench/decode.py --model "$M1" \
+        --backends vulkan --pp 512 --tg 8 --repeats 3 --pp-breakdown
+    done
     wait8b
     Q9=$(model qwen35-9b Q4_K_M)
     for mq in "$M8B:8b:512,4096" "$Q9:q9b:512"; do
