@@ -14,7 +14,9 @@
 //     are (no decode function, the binding read through an f16 alias);
 //   * B (BK x BN, f16) from the f32 activations: x is a token-major tensor (live tokens
 //     x n_in, row stride x_stride) in blocks of 1 x 4 (one vec4), read through a
-//     transposing view (tokens become columns) and converted by decodeX;
+//     transposing view (tokens become columns) and converted by decodeX. With X_F16,
+//     binding 1 is instead to_f16.comp's f16 copy of the live rows (n_in apart), loaded
+//     as it is (no decode function), as llama.cpp's coopmat2 products read theirs;
 //   * acc = A * B + acc at workgroup scope: the staging through shared memory, the
 //     pipelining of the loads and the split of the product over the subgroups are the
 //     driver's, not ours.
@@ -43,7 +45,11 @@ layout(binding = 0, std430) readonly buffer W16 { uint16_t w16[]; };
 #if defined(QTYPE_F16)
 layout(binding = 0, std430) readonly buffer WH { float16_t wh[]; };  // the same words, as f16
 #endif
+#if defined(X_F16)
+layout(binding = 1, std430) readonly buffer XH { float16_t xh[]; };
+#else
 layout(binding = 1, std430) readonly buffer X { vec4 x4[]; };
+#endif
 layout(binding = 2, std430) buffer Y { float y[]; };
 DECLARE_STEP(3)
 
@@ -166,6 +172,11 @@ float16_t decodeW(const in WBlock bl, const in uint blockCoords[2], const in uin
     return float16_t(dq1(bl, coordInBlock[1]));
 }
 
+#if defined(X_F16)
+#define XB 1u  // B's tensor blocks: single values
+#define X_ROW pc.n_in
+#define LOAD_B(m, layout, view) coopMatLoadTensorNV(m, xh, 0u, layout, view)
+#else
 // four activations (one vec4 of a token's row): the decode of B's blocks of 1 x 4
 layout(buffer_reference, std430, buffer_reference_align = 16) readonly buffer XBlock {
     vec4 v;
@@ -174,6 +185,10 @@ layout(buffer_reference, std430, buffer_reference_align = 16) readonly buffer XB
 float16_t decodeX(const in XBlock bl, const in uint blockCoords[2], const in uint coordInBlock[2]) {
     return float16_t(bl.v[coordInBlock[1]]);
 }
+#define XB 4u
+#define X_ROW (pc.x_stride >> 2)
+#define LOAD_B(m, layout, view) coopMatLoadTensorNV(m, x4, 0u, layout, view, decodeX)
+#endif
 
 #if defined(QTYPE_F16)
 #define LOAD_A(m, layout) coopMatLoadTensorNV(m, wh, 0u, layout)
@@ -195,9 +210,9 @@ void main() {
     wc = setTensorLayoutBlockSizeNV(wc, 1, QK);
     wc = setTensorLayoutDimensionNV(wc, pc.n_rows, pc.n_in);
     tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> xc = createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
-    xc = setTensorLayoutBlockSizeNV(xc, 1, 4);
+    xc = setTensorLayoutBlockSizeNV(xc, 1, XB);
     xc = setTensorLayoutDimensionNV(xc, ntok, pc.n_in);
-    xc = setTensorLayoutStrideNV(xc, pc.x_stride >> 2, 1);
+    xc = setTensorLayoutStrideNV(xc, X_ROW, 1);
     tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> yc = createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
     yc = setTensorLayoutDimensionNV(yc, ntok, pc.y_off + pc.n_rows);
     yc = setTensorLayoutStrideNV(yc, pc.y_stride, 1);
@@ -218,14 +233,14 @@ void main() {
         w = setTensorLayoutBlockSizeNV(w, 1, QK);
         w = setTensorLayoutDimensionNV(w, pc.n_rows, pc.n_in);
         tensorLayoutNV<2> x = createTensorLayoutNV(2);
-        x = setTensorLayoutBlockSizeNV(x, 1, 4);
+        x = setTensorLayoutBlockSizeNV(x, 1, XB);
         x = setTensorLayoutDimensionNV(x, ntok, pc.n_in);
-        x = setTensorLayoutStrideNV(x, pc.x_stride >> 2, 1);
+        x = setTensorLayoutStrideNV(x, X_ROW, 1);
         for (uint kb = 0; kb < pc.n_in; kb += BK) {
             coopmat<float16_t, gl_ScopeWorkgroup, BM, BK, gl_MatrixUseA> ma;
             coopmat<float16_t, gl_ScopeWorkgroup, BK, BN, gl_MatrixUseB> mb;
             LOAD_A(ma, sliceTensorLayoutNV(w, m0, BM, kb, BK));
-            coopMatLoadTensorNV(mb, x4, 0u, sliceTensorLayoutNV(x, n0, BN, kb, BK), tr, decodeX);
+            LOAD_B(mb, sliceTensorLayoutNV(x, n0, BN, kb, BK), tr);
             acc = coopMatMulAdd(ma, mb, acc);
         }
     } else {
@@ -233,7 +248,7 @@ void main() {
             coopmat<float16_t, gl_ScopeWorkgroup, BM, BK, gl_MatrixUseA> ma;
             coopmat<float16_t, gl_ScopeWorkgroup, BK, BN, gl_MatrixUseB> mb;
             LOAD_A(ma, sliceTensorLayoutNV(wc, m0, BM, kb, BK));
-            coopMatLoadTensorNV(mb, x4, 0u, sliceTensorLayoutNV(xc, n0, BN, kb, BK), tr, decodeX);
+            LOAD_B(mb, sliceTensorLayoutNV(xc, n0, BN, kb, BK), tr);
             acc = coopMatMulAdd(ma, mb, acc);
         }
     }

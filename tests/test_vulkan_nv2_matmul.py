@@ -22,6 +22,7 @@ from test_nv2_compiler import needs_compiler, validate_spirv
 from test_vulkan_ops import QTYPES, Env, make_weights, open_env
 from trio_llm.errors import ConfigError
 from trio_llm.vulkan import shaders
+from trio_llm.vulkan.graph import Barrier
 from trio_llm.vulkan.ops import NV2_DEFAULT_QTYPES, NV2_MIN_GROUPS, NV2_QTYPES, Ops, nv2_tile
 
 NEEDS_NV2 = "needs VK_NV_cooperative_matrix2 (lavapipe has none)"
@@ -33,10 +34,11 @@ env = pytest.fixture(scope="module", name="env")(open_env)
 
 
 def test_nv2_variants_cover_every_type_and_tile() -> None:
-    got = {(d["BM"], d["BN"], d["BK"], next(k for k in d if k.startswith("QTYPE_"))) for n, d in shaders.nv2_variants()
-           if n == "matmul_nv2"}
-    assert got == {(bm, bn, bk, f"QTYPE_{q}") for bm, bn in shaders.NV2_TILES for bk in (32, 64)
-                   for q in shaders.QTYPES}
+    got = {(d["BM"], d["BN"], d["BK"], next(k for k in d if k.startswith("QTYPE_")), "X_F16" in d)
+           for n, d in shaders.nv2_variants() if n == "matmul_nv2"}
+    assert got == ({(bm, bn, bk, f"QTYPE_{q}", False) for bm, bn in shaders.NV2_TILES for bk in (32, 64)
+                    for q in shaders.QTYPES}
+                   | {(bm, bn, shaders.NV2_BK, f"QTYPE_{q}", True) for bm, bn in shaders.NV2_TILES for q in shaders.QTYPES})
     assert set(NV2_QTYPES) == set(shaders.QTYPES)
 
 
@@ -46,10 +48,13 @@ def test_nv2_variants_cover_every_type_and_tile() -> None:
 def test_matmul_nv2_variant_compiles_and_validates(variant: dict[str, object], tmp_path: Path) -> None:
     """Each variant through the project's compile path (slangpy's glslang, spirv-opt),
     then ``spirv-val`` for Vulkan 1.3; its SPIR-V declares what device.py enables for it
-    (tensor addressing, block loads, PhysicalStorageBufferAddresses)."""
+    (tensor addressing, block loads, PhysicalStorageBufferAddresses); F16 weights on
+    f16 activations (X_F16) have no decode function, so no block loads and no buffer
+    pointers either."""
     caps = validate_spirv(shaders.spirv("matmul_nv2", variant), tmp_path)
-    assert {"CooperativeMatrixTensorAddressingNV", "TensorAddressingNV",
-            "CooperativeMatrixBlockLoadsNV", "PhysicalStorageBufferAddresses"} <= caps
+    assert {"CooperativeMatrixTensorAddressingNV", "TensorAddressingNV"} <= caps
+    decodes = not ("QTYPE_F16" in variant and "X_F16" in variant)
+    assert ({"CooperativeMatrixBlockLoadsNV", "PhysicalStorageBufferAddresses"} <= caps) == decodes
 
 
 def test_nv2_tile_choice() -> None:
@@ -234,12 +239,13 @@ def nv2(env: Env) -> Iterator[Ops]:
 
 
 def _nv2_case(env: Env, ops: Ops, qtype: str, *, rows: int, cols: int, ntok: int, cap: int,
-              x_pad: int = 8, y_pad: int = 20, y_off: int = 12, seed: int = 5) -> None:
+              x_pad: int = 8, y_pad: int = 20, y_off: int = 12, seed: int = 5, x16: bool = False) -> None:
     """``ops.matmul`` (which must run matmul_nv2) against numpy on f16-rounded weights and
     activations: x rows of ``cols + x_pad`` floats (x_stride), y rows of ``rows + y_pad``
     with the product in columns [y_off, y_off + rows); plain into a y of ``cap`` rows
     (every other value, the rows past the live tokens included, must stay untouched)
-    and added into a residual (mode 1: the same, plus the residual; the rest untouched)."""
+    and added into a residual (mode 1: the same, plus the residual; the rest untouched).
+    ``x16``: the X_F16 variant on ``to_f16``'s copy of x (``Ops.nv2_x16``), the same bounds."""
     raw, ref = make_weights(qtype, rows, cols, seed=seed)
     rng = np.random.default_rng(seed + 1)
     xs = cols + x_pad
@@ -254,10 +260,18 @@ def _nv2_case(env: Env, ops: Ops, qtype: str, *, rows: int, cols: int, ntok: int
     y = env.put(np.full(cap * ys, 7.0, np.float32))
     y2 = env.put(resid)
     st = env.step(list(range(ntok)))
-    args = {"n_in": cols, "n_rows": rows, "x_stride": xs, "y_stride": ys, "y_off": y_off, "cap": cap}
+    args: dict[str, Any] = {"n_in": cols, "n_rows": rows, "x_stride": xs, "y_stride": ys, "y_off": y_off, "cap": cap}
+    pre: list[Any] = []
+    if x16:
+        ops = attrs.evolve(ops, nv2_x16=True)
+        assert ops.x16_plan(qtype, rows, cap, y_off=y_off, y_stride=ys)
+        xh = env.put(np.full(cap * cols // 2, 0x7E007E00, np.uint32))  # f16 NaNs: rows past the live count
+        pre = [ops.to_f16(xv, xh, st, n_in=cols, x_stride=xs, cap=cap), Barrier()]
+        args["xh"] = xh
     d = ops.matmul(qtype, w, xv, y, st, **args)
     assert d.kernel.name == "matmul_nv2"
-    env.run([d, ops.matmul(qtype, w, xv, y2, st, **args, add=True)])
+    assert (d.views[1] is args["xh"]) if x16 else (d.views[1] is xv)
+    env.run([*pre, d, ops.matmul(qtype, w, xv, y2, st, **args, add=True)])
     f16 = np.float16
     xin = x[:, :cols]
     want = xin.astype(f16).astype(np.float64) @ ref.astype(f16).astype(np.float64).T
@@ -335,6 +349,64 @@ def test_matmul_nv2_model_shapes(env: Env, nv2: Ops, qtype: str, rows: int, cols
     _nv2_case(env, nv2, qtype, rows=rows, cols=cols, ntok=ntok, cap=512, x_pad=0, y_pad=0, y_off=0, seed=9)
 
 
+#: matmul_nv2 on f16 activations (TRIO_LLM_NV2_X16): the main types on every tile, ragged
+#: edges, n_in not a multiple of the K step, and a model's shape
+X16_CASES = ([(q, t, dict(rows=200, cols=512, ntok=150, cap=320)) for q in ("Q8_0", "F16", "Q4_K")
+              for t in shaders.NV2_TILES]
+             + [("Q6_K", (128, 128), dict(rows=136, cols=768, ntok=70, cap=130, x_pad=4, y_off=3, y_pad=5)),
+                ("Q8_0", (64, 64), dict(rows=136, cols=160, ntok=70, cap=130, x_pad=4, y_off=3, y_pad=5)),
+                ("F16", (128, 256), dict(rows=256, cols=512, ntok=256, cap=256, x_pad=0, y_pad=0, y_off=0)),
+                ("Q8_0", None, dict(rows=2048, cols=2048, ntok=512, cap=512, x_pad=0, y_pad=0, y_off=0, seed=9))])
+
+
+@pytest.mark.parametrize(("qtype", "tile", "shape"), X16_CASES,
+                         ids=[f"{q}-{t[0]}x{t[1]}-{s['cols']}" if t else f"{q}-auto-{s['cols']}" for q, t, s in X16_CASES])
+def test_matmul_nv2_x16(env: Env, nv2: Ops, qtype: str, tile: tuple[int, int] | None, shape: dict[str, int]) -> None:
+    """The X_F16 variant reads to_f16's copy of the live rows (NaN past them: never read)
+    and gives the f32-activation product's results within the same bounds."""
+    ops = attrs.evolve(nv2, matmul_nv2_tile=tile)
+    _nv2_case(env, ops, qtype, **shape, x16=True)  # type: ignore[arg-type]
+
+
+def test_to_f16_equals_numpy(env: Env) -> None:
+    """Everywhere (lavapipe too): the live rows of x, ``x_stride`` floats apart, as f16
+    rows n_in apart (numpy's rounding, within 1 ulp), nothing past the live rows written."""
+    rng = np.random.default_rng(3)
+    cap, live, n, xs = 24, 17, 96, 104
+    x = (rng.standard_normal((cap, xs)) * 40).astype(np.float32)
+    x[:, n:] = np.nan
+    xh = env.put(np.full(cap * n // 2, 0x7E007E00, np.uint32))
+    env.run([env.ops.to_f16(env.put(x), xh, env.step(list(range(live))), n_in=n, x_stride=xs, cap=cap)])
+    got = env.get(xh, np.uint32).view(np.float16).reshape(cap, n)
+    np.testing.assert_array_max_ulp(got[:live], x[:live, :n].astype(np.float16), maxulp=1)
+    assert (env.get(xh, np.uint32).reshape(cap, n // 2)[live:] == 0x7E007E00).all()
+
+
+@needs_compiler
+def test_x16_plan_and_choice() -> None:
+    """``x16_plan`` holds only where ``nv2_x16`` is on and matmul_nv2 runs the product;
+    there ``matmul`` given ``xh`` takes the X_F16 variant and binds xh in x's place, and
+    every other product (or one without ``xh``) reads x."""
+    k = _Kernels(_Dev())
+    ops = Ops(k, subgroup=32, coopmat=True, matmul_nv2=True, matmul_nv2_tile=None, matmul_nv2_bk=64,
+              matmul_nv2_min_groups=None, matmul_cm2_variant=None, nv2_x16=False,
+              matmul_nv2_types=NV2_DEFAULT_QTYPES)  # type: ignore[arg-type]
+    kw: dict[str, Any] = dict(n_in=2048, n_rows=8192, x_stride=2048, y_stride=8192, cap=512)
+    assert ops.nv2_plan("Q8_0", 8192, 512) is not None and not ops.x16_plan("Q8_0", 8192, 512)
+    assert ops.matmul("Q8_0", "w", "x", "y", "st", **kw, xh="xh").views[1] == "x"  # type: ignore[arg-type]
+    on = attrs.evolve(ops, nv2_x16=True)
+    assert on.x16_plan("Q8_0", 8192, 512)
+    d = on.matmul("Q8_0", "w", "x", "y", "st", **kw, xh="xh")  # type: ignore[arg-type]
+    assert d.kernel == "matmul_nv2" and d.views == ("w", "xh", "y", "st")
+    assert k.got[-1][1]["defines"] == shaders.nv2_defines("Q8_0", 128, 256, x16=True)
+    assert on.matmul("Q8_0", "w", "x", "y", "st", **kw).views[1] == "x"  # type: ignore[arg-type]
+    assert not attrs.evolve(on, matmul_nv2=False).x16_plan("Q8_0", 8192, 512)
+    assert not on.x16_plan("Q4_K", 8192, 512)  # a type matmul_nv2 does not take by default
+    d = on.matmul("Q4_K", "w", "x", "y", "st", **kw, xh="xh")  # type: ignore[arg-type]
+    assert d.kernel == "matmul_cm2" and d.views[1] == "x"
+    assert not on.x16_plan("Q8_0", 2048, 512, y_off=8, y_stride=2048)  # y rows too narrow: no nv2
+
+
 def test_matmul_nv2_is_the_default(env: Env, nv2: Ops, monkeypatch: pytest.MonkeyPatch) -> None:
     """With cooperative matrices on (as the backend builds Ops), the dense products take
     matmul_nv2; TRIO_LLM_MATMUL_NV2=0 (``matmul_nv2=False``) gives matmul_cm2 back."""
@@ -344,3 +416,37 @@ def test_matmul_nv2_is_the_default(env: Env, nv2: Ops, monkeypatch: pytest.Monke
     w, xv, y, st = env.zeros(256 * 512, np.uint16), env.zeros(64 * 512), env.zeros(64 * 256), env.step([0] * 64)
     assert base.matmul("F16", w, xv, y, st, **a).kernel.name == "matmul_nv2"
     assert attrs.evolve(base, matmul_nv2=False).matmul("F16", w, xv, y, st, **a).kernel.name == "matmul_cm2"
+
+
+def test_prefill_on_f16_activations_through_the_backend(env: Env, nv2: Ops, model_path,  # type: ignore[no-untyped-def]
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRIO_LLM_NV2_X16=1 through the backend: the 32-token bucket converts each distinct
+    product input once (to_f16) and its matmul_nv2 products read that copy; prefills of a
+    Q8_0 file (plain, and with its Q8_0 decoded to f16 rows first: TRIO_LLM_MATMUL_DEQUANT)
+    against numpy's logits within the f16 rounding."""
+    from test_vulkan_model import F32_KV, _prefill_within_f16
+    from trio_llm.engine.reference import NumpyBackend
+    from trio_llm.graph import OUTPUTS
+    from trio_llm.model.gguf import load_gguf
+    from trio_llm.vulkan.backend import VulkanBackend
+    from trio_llm.vulkan.graph import Dispatch
+
+    monkeypatch.setenv("TRIO_LLM_NV2_X16", "1")
+    monkeypatch.setenv("TRIO_LLM_MATMUL_DEQUANT_MIN", "16")
+    model = load_gguf(model_path("tiny-qwen3", "Q8_0"))
+    for dequant in ("0", "Q8_0"):
+        monkeypatch.setenv("TRIO_LLM_MATMUL_DEQUANT", dequant)
+        ref = NumpyBackend(model, n_ctx=64, n_seq=2, **F32_KV)
+        vk = VulkanBackend(model, n_ctx=64, n_seq=2, **F32_KV)
+        try:
+            ops = [op for op in vk.lowered(32) if isinstance(op, Dispatch)]
+            conv = [op for op in ops if op.kernel.name == "to_f16"]
+            inputs = {n.inputs[0].id for n in vk._ir.nodes if n.op == "linear" and n.inputs[0].shape[0] != OUTPUTS}
+            assert 0 < len(conv) <= len(inputs)
+            xh = vk._act.bufs["xh"]
+            mm = [op for op in ops if op.kernel.name == "matmul_nv2"]
+            assert mm and all(op.views[1].buffer is xh for op in mm)
+            _prefill_within_f16(vk, ref, "to_f16", (), [])
+        finally:
+            vk.close()
+            ref.close()

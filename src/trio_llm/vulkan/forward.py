@@ -106,6 +106,21 @@ def dequant_scratch(graph: Graph, weights: WeightStore, ops: Ops, cap: int) -> d
     return {"wdq": (size, "compute", "device")} if size else {}
 
 
+def x16_scratch(graph: Graph, ops: Ops, cap: int) -> dict[str, tuple[int, str, str]]:
+    """The buffer ("xh") into which the prefill buckets convert a product's input to f16
+    for matmul_nv2 (``Ops.nv2_x16``), for ``Activations.extra``: ``cap`` rows of the
+    widest token-row product input; none when the option is off, the device has no NV
+    cooperative matrices 2, or there is no prefill bucket."""
+    dev = ops.kernels.device
+    if not (ops.nv2_x16 and ops.matmul_nv2 and ops.coopmat and dev.nv_coopmat2 and dev.nv_coopmat2_decode):
+        return {}
+    if cap <= MATVEC_MAX_COLS:
+        return {}
+    n = max((int(node.inputs[1].shape[1]) for node in graph.nodes
+             if node.op == "linear" and node.inputs[0].shape[0] != OUTPUTS), default=0)
+    return {"xh": (2 * cap * n, "compute", "device")} if n else {}
+
+
 @attrs.frozen
 class Fusion:
     """Consecutive work of the graph that one dispatch does where a bucket's lowering
@@ -516,6 +531,7 @@ class _Lowering:
     _norm_q8: dict[int, Node] = attrs.field(factory=dict)  # linear id -> the rms_norm its quantize does
     _grouped: int = -1  # the routing whose grouping the moe map holds now
     _q8_holds: int = -1  # the value whose int8 form the q8 scratch holds now
+    _xh_holds: int = -1  # the value whose f16 form the xh scratch holds now (Ops.nv2_x16)
     _hyb: dict[int, Fusion] = attrs.field(factory=dict)  # the node that lowers a fused group -> the group
     # the level scheduler (Ops.hybrid_fuse): dispatches by barrier level, and per hazard
     # key the level of its last writer and the highest level that reads it
@@ -900,24 +916,44 @@ class _Lowering:
             # each piece to f16 rows, then its product on those (Ops.matmul_dequant)
             wdq = self.act.view("wdq")
             for piece, r0, r1 in self.weights.pieces(w.name):
+                xh = self.x16_input(x, "F16", r1 - r0, cap, r0, n_out, sel)
                 self.emit([self.ops.dequant_f16(qtype, piece, wdq, n_in=n_in, n_rows=r1 - r0)], [], ["wdq"])
                 self.emit([self.ops.matmul("F16", wdq, self.view(x), y, self.st, n_in=n_in, n_rows=r1 - r0,
                                            x_stride=n_in, y_stride=n_out, cap=cap, y_off=r0, count_sel=sel,
-                                           add=add_node is not None)],
-                          [self.slot(x), "wdq"] + ([self.slot(target)] if add_node is not None else []),
+                                           add=add_node is not None, xh=xh)],
+                          [self.slot(x), "wdq"] + (["xh"] if xh is not None else [])
+                          + ([self.slot(target)] if add_node is not None else []),
                           [self.slot(target)])
             return
+        x16 = False
         for piece, r0, r1 in self.weights.pieces(w.name):
             if cap <= MATVEC_MAX_COLS:
                 ds.append(self.ops.matvec(qtype, piece, self.matvec_x(x, nkw), y, self.st, n_in=n_in,
                                           n_rows=r1 - r0, x_stride=n_in, y_stride=n_out, y_off=r0, count_sel=sel,
                                           add=add_node is not None, maxc=cap, **nkw))  # type: ignore[arg-type]
             else:
+                xh = self.x16_input(x, qtype, r1 - r0, cap, r0, n_out, sel)
+                x16 |= xh is not None
                 ds.append(self.ops.matmul(qtype, piece, self.view(x), y, self.st, n_in=n_in, n_rows=r1 - r0,
                                           x_stride=n_in, y_stride=n_out, cap=cap, y_off=r0, count_sel=sel,
-                                          add=add_node is not None))
-        reads = self.matvec_reads(x, nkw) + ([self.slot(target)] if add_node is not None else [])
+                                          add=add_node is not None, xh=xh))
+        reads = (self.matvec_reads(x, nkw) + (["xh"] if x16 else [])
+                 + ([self.slot(target)] if add_node is not None else []))
         self.emit(ds, reads, [self.slot(target)])
+
+    def x16_input(self, x: Tensor, qtype: str, n_rows: int, cap: int, y_off: int, y_stride: int,
+                  sel: int) -> View | None:
+        """The xh scratch holding x's live rows in f16 for a product that reads them so
+        (``Ops.x16_plan``), converted (``to_f16``) when it holds another value; None for a
+        product that reads x itself."""
+        if "xh" not in self.act.bufs or not self.ops.x16_plan(qtype, n_rows, cap, y_off=y_off, y_stride=y_stride):
+            return None
+        if self._xh_holds != x.id:
+            n_in = x.width
+            self.emit([self.ops.to_f16(self.view(x), self.act.view("xh"), self.st, n_in=n_in, x_stride=n_in,
+                                       cap=cap, count_sel=sel)], [self.slot(x)], ["xh"])
+            self._xh_holds = x.id
+        return self.act.view("xh")
 
     def op_add(self, node: Node) -> None:
         a, b = node.inputs

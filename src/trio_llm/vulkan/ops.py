@@ -549,6 +549,10 @@ class Ops:
     #: H200 matmul_nv2's in-load decode made the K-quants slower than matmul_cm2, and
     #: this is the other way to give them its F16 path, not yet measured there)
     matmul_dequant: frozenset[str] = attrs.field(factory=dequant_types_env)
+    #: matmul_nv2 reads f16 activations made once per product input by ``to_f16`` (its
+    #: X_F16 variant; TRIO_LLM_NV2_X16=1), as llama.cpp's coopmat2 products do, instead
+    #: of converting x in every row tile's loads (decodeX). Off until measured on the H200
+    nv2_x16: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_NV2_X16", "0") == "1")
     matmul_dequant_min: int = attrs.field(
         factory=lambda: int(os.environ.get("TRIO_LLM_MATMUL_DEQUANT_MIN", "128") or 128))
     norm_wg: int = 64
@@ -903,26 +907,46 @@ class Ops:
                 self.prefill_nv2 = False
             return None
 
+    def x16_plan(self, qtype: str, n_rows: int, cap: int, *, y_off: int = 0, y_stride: int | None = None) -> bool:
+        """Whether this product runs matmul_nv2 on f16 activations (``nv2_x16``; its X_F16
+        variant prebuilt or compilable here), so that its input is worth a ``to_f16``."""
+        if not self.nv2_x16:
+            return False
+        plan = self.nv2_plan(qtype, n_rows, cap, y_off=y_off, y_stride=y_stride)
+        return plan is not None and nv2_ready("matmul_nv2", nv2_defines(qtype, *plan, x16=True))
+
+    def to_f16(self, x: View, xh: View, step: View, *, n_in: int, x_stride: int, cap: int,
+               count_sel: int = COUNT_TOKENS) -> Dispatch:
+        """xh = the live rows of x (f32, ``x_stride`` floats apart) as f16 rows ``n_in``
+        apart (to_f16.comp): matmul_nv2's activations with ``nv2_x16``."""
+        assert n_in % 8 == 0 and x_stride % 4 == 0 and xh.size >= 2 * cap * n_in
+        k = self.kernels.get("to_f16", n_bindings=3, n_push=3, local_size=self.elem_wg)
+        return Dispatch(k, (x, xh, step), (n_in, x_stride, count_sel), grid(math.ceil(cap * n_in // 8 / self.elem_wg)))
+
     def matmul(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
         x_stride: int, y_stride: int, cap: int, y_off: int = 0,
-        count_sel: int = COUNT_TOKENS, add: bool = False,
+        count_sel: int = COUNT_TOKENS, add: bool = False, xh: View | None = None,
     ) -> Dispatch:
         """The tiled form of ``matvec`` for many tokens (prefill); on cooperative
         matrices (f16 tiles, f32 accumulators) where the device has them: matmul_nv2 where
         ``nv2_plan`` allows it (NVIDIA's cooperative_matrix2), else matmul_cm2
         when enabled (``matmul_cm2``, subgroups of 32 or 64; matmul_cm3 in the form
-        ``matmul_cm2_variant`` where one is set), else matmul_cm."""
+        ``matmul_cm2_variant`` where one is set), else matmul_cm. ``xh``: the live rows
+        of x as ``to_f16`` made them, which matmul_nv2 reads instead of x where
+        ``x16_plan`` holds (every other kernel reads x)."""
         assert n_in % 32 == 0 and x_stride % 4 == 0
         assert self.matmul_cm2_emulate in (0, 32, 64)
         push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add))
         nv2 = self.nv2_plan(qtype, n_rows, cap, y_off=y_off, y_stride=y_stride)
         if nv2 is not None:
             bm, bn, bk = nv2
+            x16 = xh is not None and self.x16_plan(qtype, n_rows, cap, y_off=y_off, y_stride=y_stride)
             k = self._nv2_kernel("matmul_nv2", "matmul_cm2", n_bindings=4, n_push=7,
-                                 local_size=NV2_LANES[bm, bn], defines=nv2_defines(qtype, bm, bn, bk))
+                                 local_size=NV2_LANES[bm, bn], defines=nv2_defines(qtype, bm, bn, bk, x16=x16))
             if k is not None:
-                return Dispatch(k, (w, x, y, step), push, (math.ceil(n_rows / bm), math.ceil(cap / bn), 1))
+                xin = xh if x16 and xh is not None else x
+                return Dispatch(k, (w, xin, y, step), push, (math.ceil(n_rows / bm), math.ceil(cap / bn), 1))
         sub = self.matmul_cm2_emulate or (self.subgroup if self.coopmat and self.matmul_cm2 else 0)
         if sub in (32, 64):
             v = self.matmul_cm2_variant

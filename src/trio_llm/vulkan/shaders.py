@@ -69,7 +69,7 @@ GATE_UP = {"GATE_UP": 1}
 NORM_IN = {"NORM_IN": 1}
 #: shaders with a single variant (for f32 caches; the KV readers and writers have one
 #: per cache type, see all_variants)
-PLAIN_SHADERS = ("rms_norm", "rope", "attention", "attn_decode", "attn_decode2", "attn_prefill", "swiglu", "add", "scale", "hadamard", "argmax",
+PLAIN_SHADERS = ("rms_norm", "to_f16", "rope", "attention", "attn_decode", "attn_decode2", "attn_prefill", "swiglu", "add", "scale", "hadamard", "argmax",
                  "sample", "transpose", "attn_combine",
                  "moe_topk", "moe_group", "moe_combine", "take", "l2_norm", "gate_rows", "rope_partial", "delta_net",
                  "delta_prep", "delta_chunk", "quantize_q8")
@@ -767,20 +767,23 @@ NV2_LANES = {(128, 256): 256, (128, 128): 256, (64, 64): 128}
 NV2_BK = 64
 
 
-def nv2_defines(qtype: str, bm: int, bn: int, bk: int = NV2_BK) -> dict[str, object]:
-    """matmul_nv2.comp's variant: the weight type, the tile, K per step."""
+def nv2_defines(qtype: str, bm: int, bn: int, bk: int = NV2_BK, x16: bool = False) -> dict[str, object]:
+    """matmul_nv2.comp's variant: the weight type, the tile, K per step, and (``x16``)
+    the activations as to_f16.comp's f16 rows (X_F16)."""
     assert (bm, bn) in NV2_LANES and bk in (32, 64)
-    return {**qtype_defines(qtype), "BM": bm, "BN": bn, "BK": bk}
+    return {**qtype_defines(qtype), "BM": bm, "BN": bn, "BK": bk, **({"X_F16": 1} if x16 else {})}
 
 
 def matmul_nv2_variants() -> Iterable[tuple[str, dict[str, object]]]:
     """matmul_nv2's prebuilt variants: every weight type on every tile, K steps of 64 and 32
-    (the other of ``NV2_BK``, for timing and the tests; 90 small SPIR-V files, so a GPU
-    without slangpy's compiler runs them all)."""
+    (the other of ``NV2_BK``, for timing and the tests), and on f16 activations (X_F16,
+    ``Ops.nv2_x16``) with K steps of 64: 135 small SPIR-V files, so a GPU without
+    slangpy's compiler runs them all."""
     for q in QTYPES:
         for bm, bn in NV2_TILES:
             for bk in (64, 32):
                 yield "matmul_nv2", nv2_defines(q, bm, bn, bk)
+            yield "matmul_nv2", nv2_defines(q, bm, bn, NV2_BK, x16=True)
 
 
 def attn_nv2_variants() -> Iterable[tuple[str, dict[str, object]]]:
