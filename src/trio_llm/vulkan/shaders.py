@@ -730,6 +730,24 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
         yield "matvec", {**g, **GATE_UP}
         yield "matvec", {**g, **ROPE_OUT, **kv_defines(KV_TYPE=1)}
     yield from hybrid_variants()
+    yield from unrolled_variants()
+
+
+def unrolled_variants() -> Iterable[tuple[str, dict[str, object]]]:
+    """The 8-column matvecs as ``Ops.matvec_unroll`` asks for them (TRIO_LLM_MATVEC_UNROLL=8;
+    FIXED_MAXC, FIXED_RS, FULL_UNROLL), so the H200's A/B (``bench/h200.sh localmem``)
+    needs no compiler there: F32 and the int8-activation types, plain at one and two rows
+    per subgroup, GATE_UP and ROPE_OUT (in place, into f16 and q8_0 caches) at two, each
+    on f32 and on int8 activations."""
+    for q in ("F32", *Q8_MATVEC):
+        for x8 in ({}, {"X_Q8": 1, "INT_DOT": 1}) if q in Q8_MATVEC else ({},):
+            base = {**matvec_defines(q), **x8}
+            fixed = {"FIXED_MAXC": "8u", FULL_UNROLL: 1}
+            for rs in (1, 2):
+                yield "matvec", {**base, **fixed, "FIXED_RS": f"{rs}u"}
+            yield "matvec", {**base, **GATE_UP, **fixed, "FIXED_RS": "2u"}
+            for code in (0, 1, 3):
+                yield "matvec", {**base, **ROPE_OUT, **kv_defines(KV_TYPE=code), **fixed, "FIXED_RS": "2u"}
 
 
 def hybrid_variants() -> Iterable[tuple[str, dict[str, object]]]:
