@@ -20,7 +20,7 @@ from trio_llm.graph import OUTPUTS
 from trio_llm.model.gguf import load_gguf
 from trio_llm.vulkan.backend import VulkanBackend
 from trio_llm.vulkan.graph import Dispatch
-from trio_llm.vulkan.ops import DEQUANT_DEFAULT_QTYPES, dequant_types_env
+from trio_llm.vulkan.ops import DEQUANT_DEFAULT_QTYPES, dequant_types_env, env_int
 from trio_llm.vulkan.shaders import QTYPES
 
 pytestmark = pytest.mark.vulkan
@@ -52,6 +52,16 @@ def test_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("TRIO_LLM_MATMUL_DEQUANT", bad)
         with pytest.raises(ConfigError, match="TRIO_LLM_MATMUL_DEQUANT"):
             dequant_types_env()
+    # the integer settings (env_int): unset or empty is the default, a non-integer one line
+    monkeypatch.delenv("TRIO_LLM_MATMUL_DEQUANT_MIN", raising=False)
+    assert env_int("TRIO_LLM_MATMUL_DEQUANT_MIN", 128) == 128
+    monkeypatch.setenv("TRIO_LLM_MATMUL_DEQUANT_MIN", " 64 ")
+    assert env_int("TRIO_LLM_MATMUL_DEQUANT_MIN", 128) == 64
+    monkeypatch.setenv("TRIO_LLM_MATMUL_DEQUANT_MIN", "")
+    assert env_int("TRIO_LLM_MATMUL_DEQUANT_MIN", 128) == 128
+    monkeypatch.setenv("TRIO_LLM_MATMUL_DEQUANT_MIN", "abc")
+    with pytest.raises(ConfigError, match="TRIO_LLM_MATMUL_DEQUANT_MIN='abc': not an integer"):
+        env_int("TRIO_LLM_MATMUL_DEQUANT_MIN", 128)
 
 
 def test_prefill_through_f16_rows(model_path, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]

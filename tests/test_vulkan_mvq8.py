@@ -19,6 +19,7 @@ from test_vulkan_model import F32_KV, N_CTX, PROMPTS
 from test_vulkan_ops import Env, make_weights, np_rope, open_env
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.reference import NumpyBackend
+from trio_llm.errors import ConfigError
 from trio_llm.model.gguf import load_gguf
 from trio_llm.vulkan.backend import VulkanBackend
 from trio_llm.vulkan.graph import Barrier, Dispatch
@@ -252,7 +253,7 @@ def test_matvec_unroll_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _unroll_env() == frozenset()
     for bad in ("3", "8,x"):
         monkeypatch.setenv("TRIO_LLM_MATVEC_UNROLL", bad)
-        with pytest.raises(ValueError, match="TRIO_LLM_MATVEC_UNROLL"):
+        with pytest.raises(ConfigError, match="TRIO_LLM_MATVEC_UNROLL"):
             _unroll_env()
 
 

@@ -503,15 +503,27 @@ def _check_head(t: KVType, head_dim: int, what: str) -> None:
         raise ValueError(f"{what} cache type {t.name} needs head_dim a multiple of {t.block}, not {head_dim}")
 
 
+def env_int(name: str, default: int) -> int:
+    """An integer setting from the environment (unset or empty: ``default``); anything
+    else than an integer is a ConfigError, one line, not a traceback."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: not an integer") from None
+
+
 def _unroll_env() -> frozenset[int]:
     """TRIO_LLM_MATVEC_UNROLL's column counts (``Ops.matvec_unroll``)."""
     raw = os.environ.get("TRIO_LLM_MATVEC_UNROLL", "").strip()
     try:
         counts = frozenset(int(x) for x in raw.split(",") if x.strip())
     except ValueError:
-        raise ValueError(f"TRIO_LLM_MATVEC_UNROLL={raw!r}: a comma list of column counts (1, 2, 4, 8)") from None
+        raise ConfigError(f"TRIO_LLM_MATVEC_UNROLL={raw!r}: a comma list of column counts (1, 2, 4, 8)") from None
     if not counts <= {1, 2, 4, 8}:
-        raise ValueError(f"TRIO_LLM_MATVEC_UNROLL={raw!r}: column counts are 1, 2, 4 and 8")
+        raise ConfigError(f"TRIO_LLM_MATVEC_UNROLL={raw!r}: column counts are 1, 2, 4 and 8")
     return counts
 
 
@@ -534,7 +546,7 @@ class Ops:
     #: driver keeps that memory for the device's life: a released qwen35-0.8b 26 MiB more
     #: (docs/benchmarks.md, 2026-12-04). 1 halves the accumulators; not yet measured there
     #: (bench/h200.sh rs8)
-    matvec_rs8: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_MATVEC_RS8", "0") or 0))
+    matvec_rs8: int = attrs.field(factory=lambda: env_int("TRIO_LLM_MATVEC_RS8", 0))
     #: column counts whose matvecs (every form) are compiled with the column count and
     #: rows per subgroup fixed and every loop over them unrolled before the driver sees
     #: them (TRIO_LLM_MATVEC_UNROLL, a comma list such as ``8`` or ``1,2,4,8``; default
@@ -554,7 +566,7 @@ class Ops:
     #: of converting x in every row tile's loads (decodeX). Off until measured on the H200
     nv2_x16: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_NV2_X16", "0") == "1")
     matmul_dequant_min: int = attrs.field(
-        factory=lambda: int(os.environ.get("TRIO_LLM_MATMUL_DEQUANT_MIN", "128") or 128))
+        factory=lambda: env_int("TRIO_LLM_MATMUL_DEQUANT_MIN", 128))
     norm_wg: int = 64
     attn_wg: int = 64
     decode_wg: int = 128  # attention_decode: keys per tile (a multiple of the subgroup)
@@ -584,7 +596,7 @@ class Ops:
     #: 428, 8: 18,278 / 431), qwen35-9b 3,783 / 140 -> 4,034 / 156. By default it
     #: applies where it fits (``delta_split_auto``: the device's shuffles, the subgroup,
     #: the head dim) and the plain form runs elsewhere; set by hand, it must fit.
-    delta_split: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_DELTA_SPLIT", "4")),
+    delta_split: int = attrs.field(factory=lambda: env_int("TRIO_LLM_DELTA_SPLIT", 4),
                                    validator=attrs.validators.in_((0, 2, 4, 8)))
     delta_split_auto: bool = attrs.field(factory=lambda: "TRIO_LLM_DELTA_SPLIT" not in os.environ)
     #: prefill buckets' expert products grouped by expert and tiled (moe_group +
@@ -597,7 +609,7 @@ class Ops:
     #: qwen35-35b-a3b from 256, the tiny presets from 32. On lavapipe the crossover is
     #: about 16 (docs/vulkan.md); on a GPU it is a guess until the H200's
     #: bench/decode.py --moe-prefill-sizes gives it (TRIO_LLM_MOE_MIN sets it)
-    moe_grouped_min: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_MOE_MIN", "8")))
+    moe_grouped_min: int = attrs.field(factory=lambda: env_int("TRIO_LLM_MOE_MIN", 8))
     #: the cooperative-matrix form of moe_matmul where the device has them;
     #: TRIO_LLM_MOE_CM=0 turns it off (passed `bench/h200.sh verify` on the H200,
     #: 2026-12-01; lavapipe runs it only emulated)
@@ -614,7 +626,7 @@ class Ops:
     #: ``cm2_tile``'s fewest work groups for every tile (TRIO_LLM_CM2_MIN_GROUPS, for timing
     #: the choice); None: ``CM2_MIN_GROUPS``' per tile
     matmul_cm2_min_groups: int | None = attrs.field(
-        factory=lambda: int(os.environ.get("TRIO_LLM_CM2_MIN_GROUPS", "") or 0) or None)
+        factory=lambda: env_int("TRIO_LLM_CM2_MIN_GROUPS", 0) or None)
     #: the products on matmul_cm3.comp in this form instead of matmul_cm2.comp (None;
     #: TRIO_LLM_CM2_VARIANT, ``cm2_variant_env``), where matmul_cm2 would run
     matmul_cm2_variant: Cm3Variant | None = attrs.field(factory=cm2_variant_env)
@@ -635,11 +647,11 @@ class Ops:
     #: its tile (rows, tokens) for every product; None: ``nv2_tile`` chooses
     matmul_nv2_tile: tuple[int, int] | None = attrs.field(factory=nv2_tile_env)
     #: its K per step (32 or 64; TRIO_LLM_NV2_BK)
-    matmul_nv2_bk: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_NV2_BK", "") or NV2_BK),
+    matmul_nv2_bk: int = attrs.field(factory=lambda: env_int("TRIO_LLM_NV2_BK", NV2_BK),
                                       validator=attrs.validators.in_((32, 64)))
     #: ``nv2_tile``'s fewest work groups for every tile (TRIO_LLM_NV2_MIN_GROUPS); None: per tile
     matmul_nv2_min_groups: int | None = attrs.field(
-        factory=lambda: int(os.environ.get("TRIO_LLM_NV2_MIN_GROUPS", "") or 0) or None)
+        factory=lambda: env_int("TRIO_LLM_NV2_MIN_GROUPS", 0) or None)
     #: decode buckets' RMSNorms folded into the matvecs that read them (matvec.comp's
     #: NORM_IN; forward.py's ``find_norm_fusions``): two dispatch stages fewer per layer,
     #: but one load of the norm weight beside each x load. Off unless
@@ -675,7 +687,7 @@ class Ops:
     prefill_cm2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_PREFILL_CM2", "1") != "0")
     #: its keys per tile (16, 32 or 64); 0: ``PREFILL_CM2_PREFER``'s where its shared
     #: memory fits the device's reported limit, else the most of ``PREFILL_CM2_KEYS`` that fit
-    prefill_cm2_keys: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_PREFILL_CM2_KEYS", "") or 0))
+    prefill_cm2_keys: int = attrs.field(factory=lambda: env_int("TRIO_LLM_PREFILL_CM2_KEYS", 0))
     #: tests only: attn_prefill_cm2 with its products emulated (CM_EMULATE) for subgroups
     #: of this size (32 or 64; 0: off) on any device, taking precedence over the rest
     prefill_cm2_emulate: int = 0
@@ -708,7 +720,7 @@ class Ops:
     #: 21.78 ms per step on f32 activations, 4.48 / 6.08 / 9.59 ms on int8; llama-1b Q8_0
     #: 2.07 / 2.83 / 4.63 -> 2.01 / 2.57 / 4.08 ms
     matvec_q8: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MATVEC_Q8", "1") != "0")
-    matvec_q8_min: int = attrs.field(factory=lambda: int(os.environ.get("TRIO_LLM_MATVEC_Q8_MIN", "2")))
+    matvec_q8_min: int = attrs.field(factory=lambda: env_int("TRIO_LLM_MATVEC_Q8_MIN", 2))
     #: X_Q8 multiplies with dotPacked4x8EXT (INT_DOT) where the device reports integer
     #: dot products (None: ask the device); False: the plain int math (tests)
     int_dot: bool | None = None
