@@ -419,7 +419,7 @@ def test_matmul_nv2_is_the_default(env: Env, nv2: Ops, monkeypatch: pytest.Monke
 
 
 def test_prefill_on_f16_activations_through_the_backend(env: Env, nv2: Ops, model_path,  # type: ignore[no-untyped-def]
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+                                                        monkeypatch: pytest.MonkeyPatch, f32_activations: None) -> None:
     """TRIO_LLM_NV2_X16=1 through the backend: the 32-token bucket converts each distinct
     product input once (to_f16) and its matmul_nv2 products read that copy; prefills of a
     Q8_0 file (plain, and with its Q8_0 decoded to f16 rows first: TRIO_LLM_MATMUL_DEQUANT)
@@ -450,3 +450,45 @@ def test_prefill_on_f16_activations_through_the_backend(env: Env, nv2: Ops, mode
         finally:
             vk.close()
             ref.close()
+
+
+def test_x16_lowering_converts_each_input_once(model_path, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+                                              f32_activations: None) -> None:
+    """Everywhere (lavapipe too), with ``x16_plan`` forced true and the xh scratch made
+    though the device has no matmul_nv2: the 32-token bucket converts each distinct
+    token-row product input once, before its first product, and the products (which
+    here read x, as every kernel but matmul_nv2 does) give numpy's logits as before;
+    the decode buckets convert nothing."""
+    from test_vulkan_model import F32_KV, PROMPTS
+    from trio_llm.engine.backend import SeqBatch
+    from trio_llm.engine.reference import NumpyBackend
+    from trio_llm.graph import OUTPUTS
+    from trio_llm.model.gguf import load_gguf
+    from trio_llm.vulkan import backend as vkbackend
+    from trio_llm.vulkan.backend import VulkanBackend
+    from trio_llm.vulkan.graph import Dispatch
+
+    def scratch(graph: Any, ops: Ops, cap: int) -> dict[str, tuple[int, str, str]]:
+        n = max(int(nd.inputs[1].shape[1]) for nd in graph.nodes if nd.op == "linear")
+        return {"xh": (2 * cap * n, "compute", "device")}
+
+    monkeypatch.setattr(vkbackend, "x16_scratch", scratch)
+    monkeypatch.setattr(Ops, "x16_plan", lambda self, *a, **k: True)
+    model = load_gguf(model_path("tiny-qwen3", "Q8_0"))
+    ref = NumpyBackend(model, n_ctx=64, n_seq=2, **F32_KV)
+    vk = VulkanBackend(model, n_ctx=64, n_seq=2, **F32_KV)
+    try:
+        ops = vk.lowered(32)
+        conv = [i for i, op in enumerate(ops) if isinstance(op, Dispatch) and op.kernel.name == "to_f16"]
+        inputs = [nd.inputs[0] for nd in vk._ir.nodes if nd.op == "linear" and nd.inputs[0].shape[0] != OUTPUTS]
+        assert len(conv) == len({t.id for t in inputs}) and len(inputs) > len(conv)
+        xh = vk._act.bufs["xh"]
+        assert all(ops[i].views[1].buffer is xh for i in conv)
+        for bucket in (1, 8):
+            assert not any(isinstance(op, Dispatch) and op.kernel.name == "to_f16" for op in vk.lowered(bucket))
+        batch = [SeqBatch(0, PROMPTS[0], 0), SeqBatch(1, PROMPTS[1], 0)]
+        want, got = ref.forward(batch), vk.forward(batch)
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+    finally:
+        vk.close()
+        ref.close()
