@@ -2,8 +2,8 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: devinfo (the device's features as the backend sees them), x16 (issue 13: matmul_nv2 on f16 activations,
-# TRIO_LLM_NV2_X16: its tests, then pp512/pp8192 A/B), dequant (issue 13: K-quant prefill
+# Stages: devinfo (the device's features as the backend sees them), x16 (issue 13: the prefill products on f16
+# activations, TRIO_LLM_MATMUL_X16: their tests, then pp512/pp8192 A/B), dequant (issue 13: K-quant prefill
 # products through f16 rows, TRIO_LLM_MATMUL_DEQUANT A/B), localmem or rs8 (issue 12: the 8-column
 # matvecs' local memory: unrolled in the SPIR-V and/or one row per subgroup, pipemem and batched decode A/B, then coldmem), nv2pp / nv2sweep32 (attn_prefill_nv2 A/B, its tiles), nv2gate (the NV coopmat2 kernels' tests on
 # their defaults; a failing kernel is turned off for the later stages, e2e among them), verify (the Vulkan correctness tests on the H200), tune7 (the late 2026-12-01 defaults' tests and choices), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), nv2mm (matmul_nv2 on VK_NV_cooperative_matrix2: its tests, op level beside matmul_cm2, pp512 with TRIO_LLM_MATMUL_NV2=0 / 1), cm2sweep (matmul_cm3's variants: their tests on the GPU, op level against matmul_cm2, pp512 of the best two), prefillcm2 (attn_prefill_cm2's tests, op level and pp8192 A/B), nv2attn (attn_prefill_nv2 on NVIDIA's cooperative_matrix2: its tests on the GPU, op level beside attn_prefill_cm2 with its tiles, pp8192 A/B), attnsweep (attn_prefill_cm3's variants: their tests on the GPU, op level beside attn_prefill_cm2 at 8k / 32k), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
@@ -314,22 +314,23 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
         --backend vulkan --log-dir "$RES/coldmem-logs-$f"
       break
     done ;;
-  x16)  # issue 13: matmul_nv2 on f16 activations (TRIO_LLM_NV2_X16=1: to_f16.comp once per product input, the X_F16
-    # variant loads them as they are, as llama.cpp's coopmat2 products do): its GPU tests, then whole pp512s of
-    # llama-1b Q8_0 and llama-8b Q4_K_M with X16 off / on, the 8b also with its K-quants through f16 rows
-    # (TRIO_LLM_MATMUL_DEQUANT=1), and pp8192 of the 1b both ways. The A/B only where the tests pass
+  x16)  # issue 13: the prefill products on f16 activations (TRIO_LLM_MATMUL_X16=1: to_f16.comp once per product
+    # input; matmul_nv2's and matmul_cm2's X_F16 variants read them as they are, as llama.cpp's coopmat2 products do):
+    # their GPU tests, then whole pp512s of llama-1b Q8_0 (matmul_nv2) and llama-8b Q4_K_M (K-quants on matmul_cm2,
+    # and through f16 rows on matmul_nv2 with TRIO_LLM_MATMUL_DEQUANT=1) with X16 off / on, and pp8192 of the 1b
+    # both ways. The A/B only where the tests pass
     stage verify-x16 150 $PY -m pytest -q -p no:cacheprovider -rs ${XD[@]+"${XD[@]}"} tests/test_vulkan_nv2_matmul.py \
-      -k "x16 or f16_activations"
+      tests/test_vulkan_ops.py -k "(x16 or f16_activations) and not emulated"
     [ "$LAST_RC" = 0 ] || { say "x16: tests failed (rc=$LAST_RC), no A/B"; continue; }
     for x in 0 1; do
-      stage "x16-1b-pp512-x$x" 90 env TRIO_LLM_NV2_X16=$x $PY bench/decode.py --model "$M1" --backends vulkan \
+      stage "x16-1b-pp512-x$x" 90 env TRIO_LLM_MATMUL_X16=$x $PY bench/decode.py --model "$M1" --backends vulkan \
         --pp 512 --tg 8 --repeats 3 --pp-breakdown
-      stage "x16-1b-pp8192-x$x" 90 env TRIO_LLM_NV2_X16=$x $PY bench/decode.py --model "$M1" --backends vulkan \
+      stage "x16-1b-pp8192-x$x" 90 env TRIO_LLM_MATMUL_X16=$x $PY bench/decode.py --model "$M1" --backends vulkan \
         --pp 8192 --tg 8 --repeats 2
     done
     wait8b
     for x in 0 1; do for dq in 0 1; do
-      stage "x16-8b-pp512-x$x-dq$dq" 120 env TRIO_LLM_NV2_X16=$x TRIO_LLM_MATMUL_DEQUANT=$dq $PY bench/decode.py \
+      stage "x16-8b-pp512-x$x-dq$dq" 120 env TRIO_LLM_MATMUL_X16=$x TRIO_LLM_MATMUL_DEQUANT=$dq $PY bench/decode.py \
         --model "$M8B" --backends vulkan --pp 512 --tg 8 --repeats 3 --pp-breakdown
     done; done ;;
   dequant)  # issue 13's K-quant prefill: TRIO_LLM_MATMUL_DEQUANT=1 (each K-quant piece decoded to f16 rows by

@@ -40,7 +40,12 @@
 #include "common.glsl"
 
 layout(binding = 0, std430) readonly buffer W16 { uint16_t w16[]; };
+#if defined(X_F16)
+// to_f16.comp's copy of x's live rows, n_in halves apart: eight halves a word (Ops.matmul_x16)
+layout(binding = 1, std430) readonly buffer XH { uvec4 xh8[]; };
+#else
 layout(binding = 1, std430) readonly buffer X { vec4 x4[]; };
+#endif
 layout(binding = 2, std430) buffer Y { float y[]; };
 DECLARE_STEP(3)
 
@@ -97,11 +102,19 @@ void fetch(uint kb, uint lk, uint a_row[A_LD], bool a_live[A_LD], uint b_at[B_LD
         apre[2u * i + 1u] = mix(f16vec4(0.0), hi, bvec4(a_live[i]));
     }
     [[unroll]] for (uint i = 0; i < B_LD; i++) {
+#if defined(X_F16)
+        uvec4 h = xh8[b_at[i] + (kb >> 3)];
+        f16vec4 xa = f16vec4(unpackFloat2x16(h.x), unpackFloat2x16(h.y));
+        f16vec4 xb = f16vec4(unpackFloat2x16(h.z), unpackFloat2x16(h.w));
+        bpre[2u * i] = mix(f16vec4(0.0), xa, bvec4(b_live[i]));
+        bpre[2u * i + 1u] = mix(f16vec4(0.0), xb, bvec4(b_live[i]));
+#else
         uint xi = b_at[i] + (kb >> 2);
         vec4 xa = x4[xi];
         vec4 xb = x4[xi + 1u];
         bpre[2u * i] = mix(f16vec4(0.0), f16vec4(xa), bvec4(b_live[i]));
         bpre[2u * i + 1u] = mix(f16vec4(0.0), f16vec4(xb), bvec4(b_live[i]));
+#endif
     }
 }
 
@@ -141,7 +154,11 @@ void main() {
     [[unroll]] for (uint i = 0; i < B_LD; i++) {
         uint t = n0 + (tid >> 2) + (NT / 4u) * i;
         b_live[i] = t < ntok;
+#if defined(X_F16)
+        b_at[i] = (min(t, ntok - 1u) * pc.n_in + lk) >> 3;  // uvec4 words of 8 halves
+#else
         b_at[i] = (min(t, ntok - 1u) * pc.x_stride + lk) >> 2;
+#endif
     }
 
     uint sg = SG_ID;

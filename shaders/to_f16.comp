@@ -1,6 +1,6 @@
 #version 450
 // The live rows of x (f32, x_stride floats apart) as f16 rows n_in apart: the activations
-// of a prefill product that matmul_nv2 then loads as they are (X_F16, Ops.nv2_x16), as
+// of a prefill product that matmul_nv2 then loads as they are (X_F16, Ops.matmul_x16), as
 // llama.cpp's coopmat2 products read f16 activations converted by a pass of their own,
 // instead of converting every value again in every row tile. One lane per eight values.
 #include "common.glsl"

@@ -245,7 +245,7 @@ def _nv2_case(env: Env, ops: Ops, qtype: str, *, rows: int, cols: int, ntok: int
     with the product in columns [y_off, y_off + rows); plain into a y of ``cap`` rows
     (every other value, the rows past the live tokens included, must stay untouched)
     and added into a residual (mode 1: the same, plus the residual; the rest untouched).
-    ``x16``: the X_F16 variant on ``to_f16``'s copy of x (``Ops.nv2_x16``), the same bounds."""
+    ``x16``: the X_F16 variant on ``to_f16``'s copy of x (``Ops.matmul_x16``), the same bounds."""
     raw, ref = make_weights(qtype, rows, cols, seed=seed)
     rng = np.random.default_rng(seed + 1)
     xs = cols + x_pad
@@ -263,7 +263,7 @@ def _nv2_case(env: Env, ops: Ops, qtype: str, *, rows: int, cols: int, ntok: int
     args: dict[str, Any] = {"n_in": cols, "n_rows": rows, "x_stride": xs, "y_stride": ys, "y_off": y_off, "cap": cap}
     pre: list[Any] = []
     if x16:
-        ops = attrs.evolve(ops, nv2_x16=True)
+        ops = attrs.evolve(ops, matmul_x16=True)
         assert ops.x16_plan(qtype, rows, cap, y_off=y_off, y_stride=ys)
         xh = env.put(np.full(cap * cols // 2, 0x7E007E00, np.uint32))  # f16 NaNs: rows past the live count
         pre = [ops.to_f16(xv, xh, st, n_in=cols, x_stride=xs, cap=cap), Barrier()]
@@ -349,7 +349,7 @@ def test_matmul_nv2_model_shapes(env: Env, nv2: Ops, qtype: str, rows: int, cols
     _nv2_case(env, nv2, qtype, rows=rows, cols=cols, ntok=ntok, cap=512, x_pad=0, y_pad=0, y_off=0, seed=9)
 
 
-#: matmul_nv2 on f16 activations (TRIO_LLM_NV2_X16): the main types on every tile, ragged
+#: matmul_nv2 on f16 activations (TRIO_LLM_MATMUL_X16): the main types on every tile, ragged
 #: edges, n_in not a multiple of the K step, and a model's shape
 X16_CASES = ([(q, t, dict(rows=200, cols=512, ntok=150, cap=320)) for q in ("Q8_0", "F16", "Q4_K")
               for t in shaders.NV2_TILES]
@@ -361,7 +361,7 @@ X16_CASES = ([(q, t, dict(rows=200, cols=512, ntok=150, cap=320)) for q in ("Q8_
 
 @pytest.mark.parametrize(("qtype", "tile", "shape"), X16_CASES,
                          ids=[f"{q}-{t[0]}x{t[1]}-{s['cols']}" if t else f"{q}-auto-{s['cols']}" for q, t, s in X16_CASES])
-def test_matmul_nv2_x16(env: Env, nv2: Ops, qtype: str, tile: tuple[int, int] | None, shape: dict[str, int]) -> None:
+def test_matmul_matmul_x16(env: Env, nv2: Ops, qtype: str, tile: tuple[int, int] | None, shape: dict[str, int]) -> None:
     """The X_F16 variant reads to_f16's copy of the live rows (NaN past them: never read)
     and gives the f32-activation product's results within the same bounds."""
     ops = attrs.evolve(nv2, matmul_nv2_tile=tile)
@@ -384,17 +384,17 @@ def test_to_f16_equals_numpy(env: Env) -> None:
 
 @needs_compiler
 def test_x16_plan_and_choice() -> None:
-    """``x16_plan`` holds only where ``nv2_x16`` is on and matmul_nv2 runs the product;
+    """``x16_plan`` holds only where ``matmul_x16`` is on and matmul_nv2 runs the product;
     there ``matmul`` given ``xh`` takes the X_F16 variant and binds xh in x's place, and
     every other product (or one without ``xh``) reads x."""
     k = _Kernels(_Dev())
     ops = Ops(k, subgroup=32, coopmat=True, matmul_nv2=True, matmul_nv2_tile=None, matmul_nv2_bk=64,
-              matmul_nv2_min_groups=None, matmul_cm2_variant=None, nv2_x16=False,
+              matmul_nv2_min_groups=None, matmul_cm2_variant=None, matmul_x16=False,
               matmul_nv2_types=NV2_DEFAULT_QTYPES)  # type: ignore[arg-type]
     kw: dict[str, Any] = dict(n_in=2048, n_rows=8192, x_stride=2048, y_stride=8192, cap=512)
     assert ops.nv2_plan("Q8_0", 8192, 512) is not None and not ops.x16_plan("Q8_0", 8192, 512)
     assert ops.matmul("Q8_0", "w", "x", "y", "st", **kw, xh="xh").views[1] == "x"  # type: ignore[arg-type]
-    on = attrs.evolve(ops, nv2_x16=True)
+    on = attrs.evolve(ops, matmul_x16=True)
     assert on.x16_plan("Q8_0", 8192, 512)
     d = on.matmul("Q8_0", "w", "x", "y", "st", **kw, xh="xh")  # type: ignore[arg-type]
     assert d.kernel == "matmul_nv2" and d.views == ("w", "xh", "y", "st")
@@ -420,7 +420,7 @@ def test_matmul_nv2_is_the_default(env: Env, nv2: Ops, monkeypatch: pytest.Monke
 
 def test_prefill_on_f16_activations_through_the_backend(env: Env, nv2: Ops, model_path,  # type: ignore[no-untyped-def]
                                                         monkeypatch: pytest.MonkeyPatch, f32_activations: None) -> None:
-    """TRIO_LLM_NV2_X16=1 through the backend: the 32-token bucket converts each distinct
+    """TRIO_LLM_MATMUL_X16=1 through the backend: the 32-token bucket converts each distinct
     product input once (to_f16) and its matmul_nv2 products read that copy; prefills of a
     Q8_0 file (plain, and with its Q8_0 decoded to f16 rows first: TRIO_LLM_MATMUL_DEQUANT)
     against numpy's logits within the f16 rounding."""
@@ -431,7 +431,7 @@ def test_prefill_on_f16_activations_through_the_backend(env: Env, nv2: Ops, mode
     from trio_llm.vulkan.backend import VulkanBackend
     from trio_llm.vulkan.graph import Dispatch
 
-    monkeypatch.setenv("TRIO_LLM_NV2_X16", "1")
+    monkeypatch.setenv("TRIO_LLM_MATMUL_X16", "1")
     monkeypatch.setenv("TRIO_LLM_MATMUL_DEQUANT_MIN", "16")
     model = load_gguf(model_path("tiny-qwen3", "Q8_0"))
     for dequant in ("0", "Q8_0"):
@@ -452,15 +452,14 @@ def test_prefill_on_f16_activations_through_the_backend(env: Env, nv2: Ops, mode
             ref.close()
 
 
-def test_x16_lowering_converts_each_input_once(model_path, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
-                                              f32_activations: None) -> None:
-    """Everywhere (lavapipe too), with ``x16_plan`` forced true and the xh scratch made
-    though the device has no matmul_nv2: the 32-token bucket converts each distinct
-    token-row product input once, before its first product, and the products (which
-    here read x, as every kernel but matmul_nv2 does) give numpy's logits as before;
-    the decode buckets convert nothing."""
-    from test_vulkan_model import F32_KV, PROMPTS
-    from trio_llm.engine.backend import SeqBatch
+def test_x16_lowering_on_emulated_cm2(model_path, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+                                     f32_activations: None) -> None:
+    """Everywhere (lavapipe too), through the backend with TRIO_LLM_MATMUL_X16=1 and every
+    dense product on matmul_cm2 (emulated; the xh scratch made, which x16_scratch does
+    only where cooperative matrices are on): the 32-token bucket converts each distinct
+    token-row product input once, each matmul_cm2 reads that copy, the decode buckets
+    convert nothing, and prefills give numpy's logits within the f16 rounding."""
+    from test_vulkan_model import F32_KV, _prefill_within_f16
     from trio_llm.engine.reference import NumpyBackend
     from trio_llm.graph import OUTPUTS
     from trio_llm.model.gguf import load_gguf
@@ -473,22 +472,22 @@ def test_x16_lowering_converts_each_input_once(model_path, monkeypatch: pytest.M
         return {"xh": (2 * cap * n, "compute", "device")}
 
     monkeypatch.setattr(vkbackend, "x16_scratch", scratch)
-    monkeypatch.setattr(Ops, "x16_plan", lambda self, *a, **k: True)
-    model = load_gguf(model_path("tiny-qwen3", "Q8_0"))
+    monkeypatch.setenv("TRIO_LLM_MATMUL_X16", "1")
+    model = load_gguf(model_path("tiny-qwen3", "Q4_K_M"))
     ref = NumpyBackend(model, n_ctx=64, n_seq=2, **F32_KV)
     vk = VulkanBackend(model, n_ctx=64, n_seq=2, **F32_KV)
+    vk._ops.matmul_cm2_emulate = 32
     try:
-        ops = vk.lowered(32)
-        conv = [i for i, op in enumerate(ops) if isinstance(op, Dispatch) and op.kernel.name == "to_f16"]
+        ops = [op for op in vk.lowered(32) if isinstance(op, Dispatch)]
+        conv = [op for op in ops if op.kernel.name == "to_f16"]
         inputs = [nd.inputs[0] for nd in vk._ir.nodes if nd.op == "linear" and nd.inputs[0].shape[0] != OUTPUTS]
         assert len(conv) == len({t.id for t in inputs}) and len(inputs) > len(conv)
         xh = vk._act.bufs["xh"]
-        assert all(ops[i].views[1].buffer is xh for i in conv)
+        mm = [op for op in ops if op.kernel.name == "matmul_cm2"]
+        assert len(mm) >= len(inputs) and all(op.views[1].buffer is xh for op in mm)
         for bucket in (1, 8):
             assert not any(isinstance(op, Dispatch) and op.kernel.name == "to_f16" for op in vk.lowered(bucket))
-        batch = [SeqBatch(0, PROMPTS[0], 0), SeqBatch(1, PROMPTS[1], 0)]
-        want, got = ref.forward(batch), vk.forward(batch)
-        np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+        _prefill_within_f16(vk, ref, "to_f16", ("matmul",), [])
     finally:
         vk.close()
         ref.close()

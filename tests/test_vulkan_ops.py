@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import gguf
@@ -238,12 +239,12 @@ def test_matmul_on_cooperative_matrices(env: Env, qtype: str) -> None:
     np.testing.assert_allclose(got[:ntok], x @ ref.T, atol=5e-3 * scale, rtol=0)
 
 
-def _cm2_case(env: Env, ops: Ops, qtype: str, rows: int, cols: int, ntok: int, cap: int) -> None:
+def _cm2_case(env: Env, ops: Ops, qtype: str, rows: int, cols: int, ntok: int, cap: int, x16: bool = False) -> None:
     """matmul_cm2 through ``ops.matmul`` against numpy on f16-rounded weights and
     activations, into columns [12, 12 + rows) of output rows of rows + 20 (a piece of a
     larger matrix, ``y_off``): plain into a y with room for ``cap`` tokens (every other
     value, the rows past the live tokens included, must stay untouched) and added into
-    a residual."""
+    a residual. ``x16``: its X_F16 form on ``to_f16``'s copy of x (``Ops.matmul_x16``)."""
     raw, ref = make_weights(qtype, rows, cols, seed=5)
     rng = np.random.default_rng(6)
     x = rng.standard_normal((ntok, cols)).astype(np.float32)
@@ -253,10 +254,18 @@ def _cm2_case(env: Env, ops: Ops, qtype: str, rows: int, cols: int, ntok: int, c
     y = env.put(np.full(cap * ys, 7.0, np.float32))
     y2 = env.put(resid)
     st = env.step(list(range(ntok)))
-    args = {"n_in": cols, "n_rows": rows, "x_stride": cols, "y_stride": ys, "y_off": yo, "cap": cap}
+    args: dict[str, Any] = {"n_in": cols, "n_rows": rows, "x_stride": cols, "y_stride": ys, "y_off": yo, "cap": cap}
+    pre: list[Any] = []
+    if x16:
+        ops = attrs.evolve(ops, matmul_x16=True)
+        assert ops.x16_plan(qtype, rows, cap, y_off=yo, y_stride=ys)
+        xh = env.put(np.full(cap * cols // 2, 0x7E007E00, np.uint32))  # f16 NaNs past the live rows
+        pre = [ops.to_f16(xv, xh, st, n_in=cols, x_stride=cols, cap=cap), Barrier()]
+        args["xh"] = xh
     d = ops.matmul(qtype, w, xv, y, st, **args)
     assert d.kernel.name == ("matmul_cm2" if ops.matmul_cm2_variant is None else "matmul_cm3")
-    env.run([d, ops.matmul(qtype, w, xv, y2, st, **args, add=True)])
+    assert d.views[1] is (args["xh"] if x16 else xv)
+    env.run([*pre, d, ops.matmul(qtype, w, xv, y2, st, **args, add=True)])
     f16 = np.float16
     want = x.astype(f16).astype(np.float64) @ ref.astype(f16).astype(np.float64).T
     scale = np.abs(want).max()
@@ -293,6 +302,15 @@ def test_matmul_cm2_emulated(env: Env, qtype: str, cols: int, sub: int, tile: tu
     three token tiles."""
     ops = attrs.evolve(env.ops, matmul_cm2_emulate=sub, matmul_cm2_tile=tile)
     _cm2_case(env, ops, qtype, rows=200, cols=cols, ntok=150, cap=192)
+
+
+@pytest.mark.parametrize("tile", shaders.CM2_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize(("qtype", "cols"), [("Q8_0", 512), ("Q8_0", 160), ("Q4_K", 512), ("F16", 256)])
+def test_matmul_cm2_emulated_on_f16_activations(env: Env, qtype: str, cols: int, tile: tuple[int, int]) -> None:
+    """The X_F16 form (TRIO_LLM_MATMUL_X16): the same products and bounds from to_f16's
+    copy of the live rows (NaN past them: never read), every tile."""
+    ops = attrs.evolve(env.ops, matmul_cm2_emulate=32, matmul_cm2_tile=tile)
+    _cm2_case(env, ops, qtype, rows=200, cols=cols, ntok=150, cap=192, x16=True)
 
 
 def test_matmul_cm2_emulated_small_batch(env: Env) -> None:
@@ -427,6 +445,16 @@ def test_matmul_cm2_on_cooperative_matrices(env: Env, qtype: str, cols: int, til
         pytest.skip(f"matmul_cm2 is built for subgroups of 32 or 64, not {env.ops.subgroup}")
     ops = attrs.evolve(env.ops, coopmat=True, matmul_cm2=True, matmul_cm2_tile=tile, matmul_nv2=False)
     _cm2_case(env, ops, qtype, rows=200, cols=cols, ntok=150, cap=192)
+
+
+@pytest.mark.parametrize("tile", shaders.CM2_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize(("qtype", "cols"), [("Q8_0", 512), ("Q8_0", 160), ("Q4_K", 512), ("Q6_K", 512)])
+def test_matmul_cm2_x16_on_cooperative_matrices(env: Env, qtype: str, cols: int, tile: tuple[int, int]) -> None:
+    """matmul_cm2's X_F16 form (TRIO_LLM_MATMUL_X16) on real cooperative matrices."""
+    if not env.device.coopmat or env.ops.subgroup not in (32, 64):
+        pytest.skip(f"{env.device.name}: no 16x16x16 f16 cooperative matrices with subgroups of 32 or 64")
+    ops = attrs.evolve(env.ops, coopmat=True, matmul_cm2=True, matmul_cm2_tile=tile, matmul_nv2=False)
+    _cm2_case(env, ops, qtype, rows=200, cols=cols, ntok=150, cap=192, x16=True)
 
 
 #: matmul_cm3 on a GPU: every variant of the sweep on every tile in the prebuilt types

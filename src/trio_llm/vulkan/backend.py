@@ -221,7 +221,7 @@ class VulkanBackend:
             extra["moe_map"] = (moe_bytes, "compute", "device")
         extra.update(q8_scratch(self._ir, self._weights, self._ops))  # TRIO_LLM_MATVEC_Q8=1's int8 activations
         extra.update(dequant_scratch(self._ir, self._weights, self._ops, self._cap))  # TRIO_LLM_MATMUL_DEQUANT
-        extra.update(x16_scratch(self._ir, self._ops, self._cap))  # TRIO_LLM_NV2_X16
+        extra.update(x16_scratch(self._ir, self._ops, self._cap))  # TRIO_LLM_MATMUL_X16
         self._act = Activations(self._alloc, self._plan, self._width, self._cap, out_cap, consts, extra=extra)
         self._sampler = DeviceSampler(device, self._ops, self._act, self.lowered)
         # several steps per submit run past a stop the host finds afterwards: only where

@@ -108,13 +108,13 @@ def dequant_scratch(graph: Graph, weights: WeightStore, ops: Ops, cap: int) -> d
 
 def x16_scratch(graph: Graph, ops: Ops, cap: int) -> dict[str, tuple[int, str, str]]:
     """The buffer ("xh") into which the prefill buckets convert a product's input to f16
-    for matmul_nv2 (``Ops.nv2_x16``), for ``Activations.extra``: ``cap`` rows of the
-    widest token-row product input; none when the option is off, the device has no NV
-    cooperative matrices 2, or there is no prefill bucket."""
+    (``Ops.matmul_x16``), for ``Activations.extra``: ``cap`` rows of the widest
+    token-row product input; none when the option is off, no kernel that reads f16
+    activations runs here (matmul_nv2, matmul_cm2), or there is no prefill bucket."""
     dev = ops.kernels.device
-    if not (ops.nv2_x16 and ops.matmul_nv2 and ops.coopmat and dev.nv_coopmat2 and dev.nv_coopmat2_decode):
-        return {}
-    if cap <= MATVEC_MAX_COLS:
+    nv2 = ops.matmul_nv2 and ops.coopmat and dev.nv_coopmat2 and dev.nv_coopmat2_decode
+    cm2 = ops.coopmat and ops.matmul_cm2 and ops.subgroup in (32, 64) and ops.matmul_cm2_variant is None
+    if not ops.matmul_x16 or not (nv2 or cm2) or cap <= MATVEC_MAX_COLS:
         return {}
     n = max((int(node.inputs[1].shape[1]) for node in graph.nodes
              if node.op == "linear" and node.inputs[0].shape[0] != OUTPUTS), default=0)
@@ -531,7 +531,7 @@ class _Lowering:
     _norm_q8: dict[int, Node] = attrs.field(factory=dict)  # linear id -> the rms_norm its quantize does
     _grouped: int = -1  # the routing whose grouping the moe map holds now
     _q8_holds: int = -1  # the value whose int8 form the q8 scratch holds now
-    _xh_holds: int = -1  # the value whose f16 form the xh scratch holds now (Ops.nv2_x16)
+    _xh_holds: int = -1  # the value whose f16 form the xh scratch holds now (Ops.matmul_x16)
     _hyb: dict[int, Fusion] = attrs.field(factory=dict)  # the node that lowers a fused group -> the group
     # the level scheduler (Ops.hybrid_fuse): dispatches by barrier level, and per hazard
     # key the level of its last writer and the highest level that reads it

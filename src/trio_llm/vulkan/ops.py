@@ -561,10 +561,11 @@ class Ops:
     #: H200 matmul_nv2's in-load decode made the K-quants slower than matmul_cm2, and
     #: this is the other way to give them its F16 path, not yet measured there)
     matmul_dequant: frozenset[str] = attrs.field(factory=dequant_types_env)
-    #: matmul_nv2 reads f16 activations made once per product input by ``to_f16`` (its
-    #: X_F16 variant; TRIO_LLM_NV2_X16=1), as llama.cpp's coopmat2 products do, instead
-    #: of converting x in every row tile's loads (decodeX). Off until measured on the H200
-    nv2_x16: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_NV2_X16", "0") == "1")
+    #: the prefill products read f16 activations made once per product input by
+    #: ``to_f16`` (the X_F16 variants of matmul_nv2 and matmul_cm2; TRIO_LLM_MATMUL_X16=1),
+    #: as llama.cpp's coopmat2 products do, instead of converting x in every row tile's
+    #: loads. Off until measured on the H200
+    matmul_x16: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MATMUL_X16", "0") == "1")
     matmul_dequant_min: int = attrs.field(
         factory=lambda: env_int("TRIO_LLM_MATMUL_DEQUANT_MIN", 128))
     norm_wg: int = 64
@@ -920,17 +921,26 @@ class Ops:
             return None
 
     def x16_plan(self, qtype: str, n_rows: int, cap: int, *, y_off: int = 0, y_stride: int | None = None) -> bool:
-        """Whether this product runs matmul_nv2 on f16 activations (``nv2_x16``; its X_F16
-        variant prebuilt or compilable here), so that its input is worth a ``to_f16``."""
-        if not self.nv2_x16:
+        """Whether this product reads f16 activations (``matmul_x16``), so that its input
+        is worth a ``to_f16``: on matmul_nv2 (its X_F16 variant prebuilt or compilable
+        here) or on matmul_cm2's own form (not a matmul_cm3 variant); the other kernels
+        read x."""
+        if not self.matmul_x16:
             return False
         plan = self.nv2_plan(qtype, n_rows, cap, y_off=y_off, y_stride=y_stride)
-        return plan is not None and nv2_ready("matmul_nv2", nv2_defines(qtype, *plan, x16=True))
+        if plan is not None:
+            return nv2_ready("matmul_nv2", nv2_defines(qtype, *plan, x16=True))
+        return self._cm2_sub() in (32, 64) and self.matmul_cm2_variant is None
+
+    def _cm2_sub(self) -> int:
+        """The subgroup size matmul_cm2 is laid out for here (emulated or real); 0 where
+        it does not run."""
+        return self.matmul_cm2_emulate or (self.subgroup if self.coopmat and self.matmul_cm2 else 0)
 
     def to_f16(self, x: View, xh: View, step: View, *, n_in: int, x_stride: int, cap: int,
                count_sel: int = COUNT_TOKENS) -> Dispatch:
         """xh = the live rows of x (f32, ``x_stride`` floats apart) as f16 rows ``n_in``
-        apart (to_f16.comp): matmul_nv2's activations with ``nv2_x16``."""
+        apart (to_f16.comp): the products' activations with ``matmul_x16``."""
         assert n_in % 8 == 0 and x_stride % 4 == 0 and xh.size >= 2 * cap * n_in
         k = self.kernels.get("to_f16", n_bindings=3, n_push=3, local_size=self.elem_wg)
         return Dispatch(k, (x, xh, step), (n_in, x_stride, count_sel), grid(math.ceil(cap * n_in // 8 / self.elem_wg)))
@@ -945,8 +955,8 @@ class Ops:
         ``nv2_plan`` allows it (NVIDIA's cooperative_matrix2), else matmul_cm2
         when enabled (``matmul_cm2``, subgroups of 32 or 64; matmul_cm3 in the form
         ``matmul_cm2_variant`` where one is set), else matmul_cm. ``xh``: the live rows
-        of x as ``to_f16`` made them, which matmul_nv2 reads instead of x where
-        ``x16_plan`` holds (every other kernel reads x)."""
+        of x as ``to_f16`` made them, which matmul_nv2 and matmul_cm2 read instead of x
+        where ``x16_plan`` holds (every other kernel reads x)."""
         assert n_in % 32 == 0 and x_stride % 4 == 0
         assert self.matmul_cm2_emulate in (0, 32, 64)
         push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add))
@@ -959,7 +969,7 @@ class Ops:
             if k is not None:
                 xin = xh if x16 and xh is not None else x
                 return Dispatch(k, (w, xin, y, step), push, (math.ceil(n_rows / bm), math.ceil(cap / bn), 1))
-        sub = self.matmul_cm2_emulate or (self.subgroup if self.coopmat and self.matmul_cm2 else 0)
+        sub = self._cm2_sub()
         if sub in (32, 64):
             v = self.matmul_cm2_variant
             emu = bool(self.matmul_cm2_emulate)
@@ -983,6 +993,10 @@ class Ops:
             else:
                 bm, bn = self.matmul_cm2_tile or cm2_tile(n_rows, cap, self.matmul_cm2_min_groups)
                 _, _, lanes = cm2_layout(bm, bn, sub)
+                if xh is not None and self.matmul_x16:
+                    k = self.kernels.get("matmul_cm2", n_bindings=4, n_push=7, local_size=lanes,
+                                         defines=cm2_defines(qtype, sub, bm, bn, emulate=emu, x16=True))
+                    return Dispatch(k, (w, xh, y, step), push, (math.ceil(n_rows / bm), math.ceil(cap / bn), 1))
                 k = self.kernels.get("matmul_cm2", n_bindings=4, n_push=7, local_size=lanes,
                                      defines=cm2_defines(qtype, sub, bm, bn, emulate=emu))
             return Dispatch(k, (w, x, y, step), push, (math.ceil(n_rows / bm), math.ceil(cap / bn), 1))

@@ -430,12 +430,14 @@ def cm2_layout(bm: int, bn: int, subgroup: int) -> tuple[int, int, int]:
     return tm, tn, lanes
 
 
-def cm2_defines(qtype: str, subgroup: int, bm: int, bn: int, emulate: bool = False) -> dict[str, object]:
+def cm2_defines(qtype: str, subgroup: int, bm: int, bn: int, emulate: bool = False,
+                x16: bool = False) -> dict[str, object]:
     """matmul_cm2.comp's variant: the weight type, the tile, the subgroup size its layout
-    is built for, and CM_EMULATE (tests: the products done by plain lanes)."""
+    is built for, CM_EMULATE (tests: the products done by plain lanes), and (``x16``)
+    the activations as to_f16.comp's f16 rows (X_F16)."""
     tm, tn, _ = cm2_layout(bm, bn, subgroup)
     return {**qtype_defines(qtype), "BM": bm, "BN": bn, "TM": tm, "TN": tn, "SG": subgroup,
-            **({"CM_EMULATE": 1} if emulate else {})}
+            **({"CM_EMULATE": 1} if emulate else {}), **({"X_F16": 1} if x16 else {})}
 
 
 #: matmul_cm3.comp's tiles: matmul_cm2's and the two of 256 (TRIO_LLM_CM2_TILE forces one;
@@ -677,6 +679,8 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
             yield "moe_matmul_cm", moe_coopmat_defines(q, sub)
             for bm, bn in CM2_TILES:
                 yield "matmul_cm2", cm2_defines(q, sub, bm, bn)
+                if sub == 32:  # on f16 activations (TRIO_LLM_MATMUL_X16), for the H200's A/B
+                    yield "matmul_cm2", cm2_defines(q, sub, bm, bn, x16=True)
     for q in QTYPES:
         yield "matvec", {**qtype_defines(q), **ROPE_OUT}
         yield "matvec", {**qtype_defines(q), **GATE_UP}
@@ -795,7 +799,7 @@ def nv2_defines(qtype: str, bm: int, bn: int, bk: int = NV2_BK, x16: bool = Fals
 def matmul_nv2_variants() -> Iterable[tuple[str, dict[str, object]]]:
     """matmul_nv2's prebuilt variants: every weight type on every tile, K steps of 64 and 32
     (the other of ``NV2_BK``, for timing and the tests), and on f16 activations (X_F16,
-    ``Ops.nv2_x16``) with K steps of 64: 135 small SPIR-V files, so a GPU without
+    ``Ops.matmul_x16``) with K steps of 64: 135 small SPIR-V files, so a GPU without
     slangpy's compiler runs them all."""
     for q in QTYPES:
         for bm, bn in NV2_TILES:
