@@ -384,9 +384,9 @@ def test_to_f16_equals_numpy(env: Env) -> None:
 
 @needs_compiler
 def test_x16_plan_and_choice() -> None:
-    """``x16_plan`` holds only where ``matmul_x16`` is on and matmul_nv2 runs the product;
-    there ``matmul`` given ``xh`` takes the X_F16 variant and binds xh in x's place, and
-    every other product (or one without ``xh``) reads x."""
+    """``x16_plan`` holds only where ``matmul_x16`` is on and matmul_nv2 or matmul_cm2's
+    own form runs the product; there ``matmul`` given ``xh`` takes the X_F16 variant and
+    binds xh in x's place, and every other product (or one without ``xh``) reads x."""
     k = _Kernels(_Dev())
     ops = Ops(k, subgroup=32, coopmat=True, matmul_nv2=True, matmul_nv2_tile=None, matmul_nv2_bk=64,
               matmul_nv2_min_groups=None, matmul_cm2_variant=None, matmul_x16=False,
@@ -400,11 +400,16 @@ def test_x16_plan_and_choice() -> None:
     assert d.kernel == "matmul_nv2" and d.views == ("w", "xh", "y", "st")
     assert k.got[-1][1]["defines"] == shaders.nv2_defines("Q8_0", 128, 256, x16=True)
     assert on.matmul("Q8_0", "w", "x", "y", "st", **kw).views[1] == "x"  # type: ignore[arg-type]
-    assert not attrs.evolve(on, matmul_nv2=False).x16_plan("Q8_0", 8192, 512)
-    assert not on.x16_plan("Q4_K", 8192, 512)  # a type matmul_nv2 does not take by default
+    # a type matmul_nv2 does not take by default: matmul_cm2's X_F16 form
+    assert on.x16_plan("Q4_K", 8192, 512)
     d = on.matmul("Q4_K", "w", "x", "y", "st", **kw, xh="xh")  # type: ignore[arg-type]
-    assert d.kernel == "matmul_cm2" and d.views[1] == "x"
-    assert not on.x16_plan("Q8_0", 2048, 512, y_off=8, y_stride=2048)  # y rows too narrow: no nv2
+    assert d.kernel == "matmul_cm2" and d.views[1] == "xh" and k.got[-1][1]["defines"]["X_F16"] == 1
+    assert attrs.evolve(on, matmul_nv2=False).x16_plan("Q8_0", 8192, 512)  # on matmul_cm2
+    # neither kernel, or a matmul_cm3 variant: x itself
+    off = attrs.evolve(on, matmul_nv2=False, matmul_cm2=False)
+    assert not off.x16_plan("Q4_K", 8192, 512)
+    assert off.matmul("Q4_K", "w", "x", "y", "st", **kw, xh="xh").views[1] == "x"  # type: ignore[arg-type]
+    assert not attrs.evolve(on, matmul_cm2_variant=shaders.cm3_variant("v")).x16_plan("Q4_K", 8192, 512)
 
 
 def test_matmul_nv2_is_the_default(env: Env, nv2: Ops, monkeypatch: pytest.MonkeyPatch) -> None:
