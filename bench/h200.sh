@@ -292,13 +292,15 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
   rs8|localmem)  # issue 12's cold memory: the 8-column matvecs that kept 64 bytes a thread of local memory, which the
     # driver holds for the device's life. Forms (LM_FORMS): base (today's), unroll8 (TRIO_LLM_MATVEC_UNROLL=8: the
     # column count and rows per subgroup fixed, every loop over them unrolled in the SPIR-V, no array left), rs8
-    # (TRIO_LLM_MATVEC_RS8=1: one row per subgroup at 8 columns) and both. Per form: pipemem on qwen35-0.8b (its
+    # (TRIO_LLM_MATVEC_RS8=1: one row per subgroup at 8 columns), both, and split8 (TRIO_LLM_MATVEC_SPLIT8=1: the
+    # 8-column bucket as two 4-column dispatches, no 8-column pipeline at all). Per form: pipemem on qwen35-0.8b (its
     # "local memory above the floor" lines), batched decode of qwen35-0.8b and llama-1b at B = 1, 4, 8; then
     # coldmem through the server (the driver's counter, issue 12's <= 5 %) for the first form with no local memory
     Q08=$(model qwen35-0.8b Q4_K_M)
-    LM_FORMS=${LM_FORMS:-base unroll8 rs8 unroll8+rs8}
+    LM_FORMS=${LM_FORMS:-base unroll8 rs8 unroll8+rs8 split8}
     lm_env() { LE=(); case $1 in *unroll8*) LE+=(TRIO_LLM_MATVEC_UNROLL=8) ;; esac
-      case $1 in *rs8*) LE+=(TRIO_LLM_MATVEC_RS8=1) ;; esac; }
+      case $1 in *rs8*) LE+=(TRIO_LLM_MATVEC_RS8=1) ;; esac
+      case $1 in *split8*) LE+=(TRIO_LLM_MATVEC_SPLIT8=1) ;; esac; }
     for f in $LM_FORMS; do
       lm_env "$f"
       stage "localmem-pipemem-$f" 90 env ${LE[@]+"${LE[@]}"} TRIO_LLM_PIPELINE_STATS=1 $PY bench/pipemem.py --model "$Q08"

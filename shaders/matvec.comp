@@ -163,6 +163,10 @@ const uint RS = FIXED_RS;
 #else
 layout(constant_id = 3) const uint RS = 2;
 #endif
+// the step's first column this dispatch serves (Ops.matvec_split8: an 8-column bucket as
+// two 4-column dispatches, the second with COL0 = 4 and x, y and the int8 scales bound
+// 4 columns on): its live count and the positions and sequences it reads start there
+layout(constant_id = 4) const uint COL0 = 0;
 
 #include "quant.glsl"
 #if defined(ROPE_OUT)
@@ -204,7 +208,8 @@ const uint ONES = 0x01010101u;
 #endif
 
 void main() {
-    uint ncols = min(STEP_COUNT(pc.count_sel), MAXC);
+    uint live = STEP_COUNT(pc.count_sel);
+    uint ncols = live > COL0 ? min(live - COL0, MAXC) : 0u;
     uint lane = gl_SubgroupInvocationID;
     uint sg = gl_SubgroupSize;
     // The loop also covers a driver that runs fewer, wider subgroups than planned.
@@ -551,7 +556,7 @@ void main() {
                     float a = subgroupAdd(acc[c * RS + k]) NORM_S(c);
                     float b = subgroupAdd(acc[c * RS + k + 1u]) NORM_S(c);
                     uint row = pc.y_off + row0 + k;  // even: the pair is (row, row + 1)
-                    uint pos = STEP_POS(c);
+                    uint pos = STEP_POS(COL0 + c);
                     if (pc.rope == 1u) {  // the same arithmetic as rope.comp
                         uint i = (row % pc.head_dim) / 2u;
                         float freq = exp2(-2.0 * float(i) / float(pc.head_dim) * pc.log2_theta) / factors[i];
@@ -563,7 +568,7 @@ void main() {
                         a = a2;
                     }
                     if (subgroupElect() && row0 + k < pc.n_rows) {
-                        uint crow = STEP_SEQ(c) * pc.n_ctx + pos % pc.n_ctx;
+                        uint crow = STEP_SEQ(COL0 + c) * pc.n_ctx + pos % pc.n_ctx;
                         if (pc.to_cache == 0u) {
                             y[c * pc.y_stride + row] = a;
                             y[c * pc.y_stride + row + 1u] = b;
@@ -607,7 +612,7 @@ void main() {
         [[unroll]] for (uint k = 0; k < 32u; k++) {
             v[k] = blk[c * 32u + k];
         }
-        uint crow = STEP_SEQ(c) * pc.n_ctx + STEP_POS(c) % pc.n_ctx;
+        uint crow = STEP_SEQ(COL0 + c) * pc.n_ctx + STEP_POS(COL0 + c) % pc.n_ctx;
         kv_store_block(KT, crow * kv_row_words(KT, pc.kv_dim), (pc.y_off + first) / 32u, v);
     }
 #endif

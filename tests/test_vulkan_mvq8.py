@@ -11,6 +11,7 @@ in f32 (quantize_q8.comp says why).
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -298,6 +299,64 @@ def test_matvec_unrolled_same_sums(env: Env, qtype: str) -> None:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()),
                                    err_msg=f"unroll {sorted(unroll)} rs8 {rs8} {rest}")
         if rest[-1] != "rope":
+            assert (got.reshape(cap, rows)[live:] == 7.0).all()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
+def test_matvec_split8_same_results(env: Env, qtype: str) -> None:
+    """TRIO_LLM_MATVEC_SPLIT8 (``Ops.col_split``): an 8-column bucket as two 4-column
+    dispatches, the second at COL0 = 4 on views 4 columns on, gives the single
+    dispatch's results with 6 of 8 columns live (the second dispatch's 2 and its 2 dead
+    ones): plain on f32 (F32 weights too) and int8 activations, GATE_UP, ROPE_OUT in
+    place and into f16 and q8_0 caches at the step's own positions and sequences (which
+    the second dispatch reads from column 4 on)."""
+    rows, n, cap, live, n_ctx, hd = 64, 512, 8, 6, 24, 32
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((cap, n)).astype(np.float32)
+    pos, seq = np.array([0, 5, 9, 3, 17, 2]), np.array([0, 1, 1, 0, 1, 0])
+    st = env.step([0] * live, pos, seq)
+    factors = env.put(np.linspace(1.0, 2.0, hd // 2).astype(np.float32))
+    outs: dict[tuple[object, ...], np.ndarray] = {}
+    for split in (False, True):
+        ops = Ops(env.ops.kernels, subgroup=env.ops.subgroup, matvec_split8=split, matvec_unroll=frozenset())
+        parts = ops.col_split(cap, x_stride=n, y_stride=rows, x8=True)
+        assert parts == (((0, 4), (4, 4)) if split else ((0, 8),))
+        for wt in (qtype, "F32"):
+            raw, _ = make_weights(wt, rows, n, seed=12)
+            w, xv, y = env.put(raw), env.put(x), env.put(np.full(cap * rows, 7.0, np.float32))
+            env.run([ops.matvec(wt, w, xv, y, st, n_in=n, n_rows=rows, x_stride=n, y_stride=rows, maxc=mc, col0=c0)
+                     for c0, mc in parts])
+            outs[split, wt, "f32"] = env.get(y)
+        raw, _ = make_weights(qtype, 2 * rows, n, seed=12)
+        w, wr = env.put(raw), env.put(raw[:rows])
+        qd, q, ds = q8_views(env, ops, x, cap, live)
+        y, g, yr = (env.put(np.full(cap * rows, 7.0, np.float32)) for _ in range(3))
+        kc16, kc8 = env.zeros(2 * n_ctx * rows // 2, np.uint32), env.zeros(2 * n_ctx * rows // 32 * 9, np.uint32)
+        kw = dict(n_in=n, n_rows=rows, x_stride=n, y_stride=rows, xd=ds)
+        rk = dict(head_dim=hd, rope=True, theta=10000.0, **kw)
+        run: list[Any] = [qd, Barrier()]
+        for c0, mc in parts:
+            run += [ops.matvec(qtype, w, q, y, st, maxc=mc, col0=c0, **kw),  # type: ignore[arg-type]
+                    ops.matvec_gate_up(qtype, w, q, g, st, row_a=0, row_b=rows, maxc=mc, col0=c0, **kw),  # type: ignore[arg-type]
+                    ops.matvec_rope(qtype, wr, q, yr, st, factors, maxc=mc, col0=c0, **rk),  # type: ignore[arg-type]
+                    ops.matvec_rope(qtype, wr, q, kc16, st, factors, to_cache=True, n_ctx=n_ctx, kv_type="f16",
+                                    maxc=mc, col0=c0, **rk),  # type: ignore[arg-type]
+                    ops.matvec_rope(qtype, wr, q, kc8, st, factors, to_cache=True, n_ctx=n_ctx, kv_type="q8_0",
+                                    maxc=mc, col0=c0, **rk)]  # type: ignore[arg-type]
+        env.run(run)
+        for name, view in (("q8", y), ("gate_up", g), ("rope", yr)):
+            outs[split, qtype, name] = env.get(view)
+        outs[split, qtype, "f16 cache"] = env.get(kc16, np.uint32)
+        outs[split, qtype, "q8_0 cache"] = env.get(kc8, np.uint32)
+    for (split, *rest), got in outs.items():
+        if not split:
+            continue
+        want = outs[(False, *rest)]
+        if rest[-1].endswith("cache"):
+            np.testing.assert_array_equal(got, want, err_msg=str(rest))
+            assert got.any()
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(np.abs(want).max()), err_msg=str(rest))
             assert (got.reshape(cap, rows)[live:] == 7.0).all()
 
 

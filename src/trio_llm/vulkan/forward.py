@@ -928,9 +928,10 @@ class _Lowering:
         x16 = False
         for piece, r0, r1 in self.weights.pieces(w.name):
             if cap <= MATVEC_MAX_COLS:
-                ds.append(self.ops.matvec(qtype, piece, self.matvec_x(x, nkw), y, self.st, n_in=n_in,
-                                          n_rows=r1 - r0, x_stride=n_in, y_stride=n_out, y_off=r0, count_sel=sel,
-                                          add=add_node is not None, maxc=cap, **nkw))  # type: ignore[arg-type]
+                for c0, mc in self.ops.col_split(cap, x_stride=n_in, y_stride=n_out, x8="xd" in nkw):
+                    ds.append(self.ops.matvec(qtype, piece, self.matvec_x(x, nkw), y, self.st, n_in=n_in,
+                                              n_rows=r1 - r0, x_stride=n_in, y_stride=n_out, y_off=r0, count_sel=sel,
+                                              add=add_node is not None, maxc=mc, col0=c0, **nkw))  # type: ignore[arg-type]
             else:
                 xh = self.x16_input(x, qtype, r1 - r0, cap, r0, n_out, sel)
                 x16 |= xh is not None
@@ -1021,13 +1022,15 @@ class _Lowering:
             w = lin.inputs[1]
             n_rows = int(w.shape[0])
             dst, key = (self.view(node.out), self.slot(node.out)) if cache is None else (cache[0], cache[1])
-            d = self.ops.matvec_rope(self.weights.slots[w.name].qtype, self.weights.view(w.name),
-                                     self.matvec_x(src, nkw), dst, self.st, factors, n_in=int(w.shape[1]), n_rows=n_rows,
-                                     x_stride=src.width, y_stride=n_rows, head_dim=hd, rope=True, theta=theta,
-                                     to_cache=cache is not None, n_ctx=cache[2].rows if cache else 0,
-                                     maxc=self.bucket, kv_type=cache[3] if cache else "f32",
-                                     **nkw)  # type: ignore[arg-type]
-            self.emit([d], self.matvec_reads(src, nkw), [key])
+            ds = [self.ops.matvec_rope(self.weights.slots[w.name].qtype, self.weights.view(w.name),
+                                       self.matvec_x(src, nkw), dst, self.st, factors, n_in=int(w.shape[1]),
+                                       n_rows=n_rows, x_stride=src.width, y_stride=n_rows, head_dim=hd, rope=True,
+                                       theta=theta, to_cache=cache is not None, n_ctx=cache[2].rows if cache else 0,
+                                       maxc=mc, col0=c0, kv_type=cache[3] if cache else "f32",
+                                       **nkw)  # type: ignore[arg-type]
+                  for c0, mc in self.ops.col_split(self.bucket, x_stride=src.width, y_stride=n_rows, x8="xd" in nkw,
+                                                   to_cache=cache is not None)]
+            self.emit(ds, self.matvec_reads(src, nkw), [key])
             return
         mode = ROPE_NORMAL if node.attr("mode") == "normal" else ROPE_NEOX
         if cache is None:
@@ -1071,12 +1074,15 @@ class _Lowering:
             src, nkw = self.matvec_in(lin)
             w = lin.inputs[1]
             n_rows = int(w.shape[0])
-            d = self.ops.matvec_rope(self.weights.slots[w.name].qtype, self.weights.view(w.name),
-                                     self.matvec_x(src, nkw), vc, self.st, self.act.view(next(iter(self.rope_buf.values()))),
-                                     n_in=int(w.shape[1]), n_rows=n_rows, x_stride=src.width, y_stride=n_rows,
-                                     head_dim=hd, rope=False, theta=10000.0, to_cache=True, n_ctx=m.rows,
-                                     maxc=self.bucket, kv_type=vt, **nkw)  # type: ignore[arg-type]
-            self.emit([d], self.matvec_reads(src, nkw), [("v", node.layer)])
+            ds = [self.ops.matvec_rope(self.weights.slots[w.name].qtype, self.weights.view(w.name),
+                                       self.matvec_x(src, nkw), vc, self.st,
+                                       self.act.view(next(iter(self.rope_buf.values()))), n_in=int(w.shape[1]),
+                                       n_rows=n_rows, x_stride=src.width, y_stride=n_rows, head_dim=hd, rope=False,
+                                       theta=10000.0, to_cache=True, n_ctx=m.rows, maxc=mc, col0=c0, kv_type=vt,
+                                       **nkw)  # type: ignore[arg-type]
+                  for c0, mc in self.ops.col_split(self.bucket, x_stride=src.width, y_stride=n_rows, x8="xd" in nkw,
+                                                   to_cache=True)]
+            self.emit(ds, self.matvec_reads(src, nkw), [("v", node.layer)])
         else:
             self._store(v, vc, ("v", node.layer), m, nkv, hd, vt)
         common = dict(n_head=nh, n_head_kv=nkv, head_dim=hd, n_ctx=m.rows, q_stride=q.width,
@@ -1142,10 +1148,12 @@ class _Lowering:
             lg, _, (view, row_a, row_b) = fused
             x, nkw = self.matvec_in(lg)
             w = lg.inputs[1]
-            d = self.ops.matvec_gate_up(self.weights.slots[w.name].qtype, view, self.matvec_x(x, nkw),
-                                        self.view(node.out), self.st, n_in=int(w.shape[1]), n_rows=n, row_a=row_a, row_b=row_b,
-                                        x_stride=x.width, y_stride=n, maxc=cap, **nkw)  # type: ignore[arg-type]
-            self.emit([d], self.matvec_reads(x, nkw), [self.slot(node.out)])
+            ds = [self.ops.matvec_gate_up(self.weights.slots[w.name].qtype, view, self.matvec_x(x, nkw),
+                                          self.view(node.out), self.st, n_in=int(w.shape[1]), n_rows=n, row_a=row_a,
+                                          row_b=row_b, x_stride=x.width, y_stride=n, maxc=mc, col0=c0,
+                                          **nkw)  # type: ignore[arg-type]
+                  for c0, mc in self.ops.col_split(cap, x_stride=x.width, y_stride=n, x8="xd" in nkw)]
+            self.emit(ds, self.matvec_reads(x, nkw), [self.slot(node.out)])
             return
         d = self.ops.glu(self.view(g), self.view(u), self.view(node.out), self.st, n=n, stride=n, cap=cap,
                          act=node.attr("act"), count_sel=sel)

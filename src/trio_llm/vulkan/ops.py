@@ -555,6 +555,12 @@ class Ops:
     #: not, the accumulators are an array indexed at run time. Not yet measured on the
     #: H200 (bench/h200.sh rs8)
     matvec_unroll: frozenset[int] = attrs.field(factory=lambda: _unroll_env())
+    #: an 8-column bucket's matvecs as two 4-column dispatches (``col_split``; COL0 = 4
+    #: for the second, its views 4 columns on), so no 8-column pipeline exists: the
+    #: fallback for issue 12's local memory if neither ``matvec_unroll`` nor
+    #: ``matvec_rs8`` removes it (TRIO_LLM_MATVEC_SPLIT8=1; each weight read twice at 5 to 8
+    #: live columns). Not yet measured on the H200
+    matvec_split8: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_MATVEC_SPLIT8", "0") == "1")
     #: weight types whose prefill products (``matmul_dequant_min`` tokens or more) first
     #: decode the weights to f16 rows in a scratch buffer (``dequant_f16``), then multiply
     #: those as F16 (TRIO_LLM_MATMUL_DEQUANT, ``dequant_types_env``; default none: on the
@@ -746,6 +752,37 @@ class Ops:
         """Whether a decode bucket's product of ``qtype`` weights reads int8 activations."""
         return self.matvec_q8 and qtype in Q8_MATVEC and self.matvec_q8_min <= bucket <= 8
 
+    def col_split(self, maxc: int, *, x_stride: int, y_stride: int, x8: bool,
+                  to_cache: bool = False) -> tuple[tuple[int, int], ...]:
+        """The (first column, columns) of each dispatch a matvec of ``maxc`` columns
+        lowers to: ((0, 4), (4, 4)) for 8 with ``matvec_split8`` where the second
+        dispatch's views (x, y unless the product writes the KV cache, the int8 scales)
+        start on the device's storage offset alignment, else ((0, maxc),)."""
+        if not (self.matvec_split8 and maxc == 8):
+            return ((0, maxc),)
+        offs = [4 * x_stride * (1 if x8 else 4)] + ([] if to_cache else [16 * y_stride]) + ([x_stride] if x8 else [])
+        align = self.kernels.device.limits.min_storage_offset_alignment
+        if any(o % align for o in offs):
+            return ((0, maxc),)
+        return ((0, 4), (4, 4))
+
+    def _columns(self, col0: int, x: View, y: View, xd: View | None, *, x_stride: int, y_stride: int,
+                 to_cache: bool = False) -> tuple[View, View, View | None]:
+        """x, y and the int8 scales of a dispatch that starts at column ``col0``
+        (``col_split``): each bound ``col0`` columns on (y not where it is the cache)."""
+        if not col0:
+            return x, y, xd
+
+        def on(v: View, n: int) -> View:
+            return v.sub(n, v.size - n)
+
+        x = on(x, col0 * x_stride * (1 if xd is not None else 4))
+        if not to_cache:
+            y = on(y, col0 * y_stride * 4)
+        if xd is not None:
+            xd = on(xd, col0 * x_stride // 32 * 8)
+        return x, y, xd
+
     def _unrolled(self, maxc: int, rs: int) -> dict[str, object]:
         """The FULL_UNROLL defines of a matvec at ``maxc`` columns (``matvec_unroll``)."""
         if maxc not in self.matvec_unroll:
@@ -783,21 +820,24 @@ class Ops:
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
         x_stride: int, y_stride: int, y_off: int = 0, count_sel: int = COUNT_TOKENS,
         add: bool = False, maxc: int = 8, norm: View | None = None, eps: float = 0.0,
-        xd: View | None = None,
+        xd: View | None = None, col0: int = 0,
     ) -> Dispatch:
         """y[c, y_off + r] (+)= W[r] . x[c] for the live columns c (at most ``maxc``);
         with ``norm`` (an f32 weight of ``n_in``) the product reads x[c]'s RMSNorm
         times that weight instead of x[c] (``_norm_in``); with ``xd`` x is
-        ``quantize_q8``'s int8 values and ``xd`` their scales (X_Q8)."""
+        ``quantize_q8``'s int8 values and ``xd`` their scales (X_Q8). ``col0``: the
+        step's columns from ``col0`` on (``col_split``)."""
         assert n_in % 8 == 0 and x_stride % 4 == 0
         nr, rs = self.matvec_rows, self.matvec_rs
         if maxc == 8 and self.matvec_rs8:
             rs = self.matvec_rs8
+        x, y, xd = self._columns(col0, x, y, xd, x_stride=x_stride, y_stride=y_stride)
         nd, nv, npush = _norm_in(norm, eps)
         qd, qv = self._q8_in(xd, norm)
         k = self.kernels.get(
             "matvec", n_bindings=4 + len(nv) + len(qv), n_push=7 + len(npush), local_size=nr * self.subgroup,
-            defines={**matvec_defines(qtype), **nd, **qd, **self._unrolled(maxc, rs)}, spec={1: maxc, 2: nr, 3: rs},
+            defines={**matvec_defines(qtype), **nd, **qd, **self._unrolled(maxc, rs)},
+            spec={1: maxc, 2: nr, 3: rs, **({4: col0} if col0 else {})},
         )
         push = (n_in, n_rows, x_stride, y_stride, y_off, count_sel, int(add), *npush)
         return Dispatch(k, (w, x, y, step, *nv, *qv), push, grid(math.ceil(n_rows / (nr * rs))))
@@ -807,6 +847,7 @@ class Ops:
         n_rows: int, x_stride: int, y_stride: int, head_dim: int, rope: bool, theta: float,
         to_cache: bool = False, n_ctx: int = 0, y_off: int = 0, maxc: int = 8,
         kv_type: str = "f32", norm: View | None = None, eps: float = 0.0, xd: View | None = None,
+        col0: int = 0,
     ) -> Dispatch:
         """``matvec`` of a q, k or v projection that finishes rope.comp's work itself:
         the output rows rotated in llama's adjacent pairs (``rope``) at each token's
@@ -821,13 +862,14 @@ class Ops:
             assert 32 % rs == 0 and n_rows % 32 == 0 and y_off % 32 == 0 and maxc <= 8
             _check_head(t, head_dim, "the")
             nr = 32 // rs
+        x, y, xd = self._columns(col0, x, y, xd, x_stride=x_stride, y_stride=y_stride, to_cache=to_cache)
         nd, nv, npush = _norm_in(norm, eps)
         qd, qv = self._q8_in(xd, norm)
         k = self.kernels.get(
             "matvec", n_bindings=5 + len(nv) + len(qv), n_push=13 + len(npush), local_size=nr * self.subgroup,
             defines={**matvec_defines(qtype), **ROPE_OUT, **kv_defines(KV_TYPE=t), **nd, **qd,
                      **self._unrolled(maxc, rs)},
-            spec={1: maxc, 2: nr, 3: rs},
+            spec={1: maxc, 2: nr, 3: rs, **({4: col0} if col0 else {})},
         )
         push = (n_in, n_rows, x_stride, y_stride, y_off, COUNT_TOKENS, 0,
                 head_dim, int(rope), int(to_cache), n_ctx, n_rows, float(math.log2(theta)), *npush)
@@ -836,18 +878,19 @@ class Ops:
     def matvec_gate_up(
         self, qtype: str, w: View, x: View, y: View, step: View, *, n_in: int, n_rows: int,
         row_a: int, row_b: int, x_stride: int, y_stride: int, maxc: int = 8,
-        norm: View | None = None, eps: float = 0.0, xd: View | None = None,
+        norm: View | None = None, eps: float = 0.0, xd: View | None = None, col0: int = 0,
     ) -> Dispatch:
         """y[c, i] = silu(G[i] . x[c]) * (U[i] . x[c]) for i < ``n_rows``, where G's rows
         start at row ``row_a`` of ``w`` and U's at ``row_b`` (both in the one view)."""
         assert n_in % 8 == 0 and x_stride % 4 == 0
         nr = self.matvec_rows
+        x, y, xd = self._columns(col0, x, y, xd, x_stride=x_stride, y_stride=y_stride)
         nd, nv, npush = _norm_in(norm, eps)
         qd, qv = self._q8_in(xd, norm)
         k = self.kernels.get(
             "matvec", n_bindings=4 + len(nv) + len(qv), n_push=9 + len(npush), local_size=nr * self.subgroup,
             defines={**matvec_defines(qtype), **GATE_UP, **nd, **qd, **self._unrolled(maxc, 2)},
-            spec={1: maxc, 2: nr, 3: 2},
+            spec={1: maxc, 2: nr, 3: 2, **({4: col0} if col0 else {})},
         )
         push = (n_in, n_rows, x_stride, y_stride, 0, COUNT_TOKENS, 0, row_a, row_b, *npush)
         return Dispatch(k, (w, x, y, step, *nv, *qv), push, grid(math.ceil(n_rows / nr)))
