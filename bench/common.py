@@ -196,6 +196,17 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+#: the environment variables a record keeps: the backend's and the Vulkan loader's
+#: settings (an A/B through TRIO_LLM_* would otherwise leave two records that differ
+#: only in their timestamps)
+SETTINGS_PREFIXES = ("TRIO_LLM_", "GGML_VK_", "VK_ICD_FILENAMES", "VK_DRIVER_FILES")
+
+
+def settings() -> dict[str, str]:
+    """The environment's settings that change what a run measures (``SETTINGS_PREFIXES``)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(SETTINGS_PREFIXES)}
+
+
 def write_result(name: str, params: dict[str, Any], figures: Any) -> Path:
     """Write the JSON record of a run; returns its path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -207,6 +218,7 @@ def write_result(name: str, params: dict[str, Any], figures: Any) -> Path:
         "started_utc": stamp,
         "git": git_commit(),
         "machine": machine_info(),
+        "settings": settings(),
         "params": _jsonable(params),
         "figures": _jsonable(figures),
     }

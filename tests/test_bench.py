@@ -1,10 +1,12 @@
-"""bench/e2e.py's token ban for the llama-servers that answer HTTP 500 to invalid UTF-8.
+"""The bench scripts' own logic (bench/ is scripts, not a package).
 
-The October 2026 llama-server parses every answer with its chat parser and fails with
+bench/e2e.py's token ban for the llama-servers that answer HTTP 500 to invalid UTF-8:
+the October 2026 llama-server parses every answer with its chat parser and fails with
 "does not match the expected Content-only format" when a random-weight model emits
 tokens that are not whole UTF-8 (reproduced with the prebuilt Vulkan llama-server on
 lavapipe). ``Prompts.partial_utf8`` lists those tokens from the GGUF vocabulary; these
-tests hold it to the vocabulary's own bytes, read without trio-llm's tokenizer.
+tests hold it to the vocabulary's own bytes, read without trio-llm's tokenizer. And
+bench/common.py's records keep the settings they ran under.
 """
 
 from __future__ import annotations
@@ -54,3 +56,21 @@ def test_the_ban_goes_into_the_request_body() -> None:
     b = e2e.body([1, 2, 3], 8, False, [300, 301])
     assert b["logit_bias"] == [[300, False], [301, False]]
     assert "logit_bias" not in e2e.body([1, 2, 3], 8, False)
+
+
+def test_records_keep_the_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Every bench record keeps the TRIO_LLM_* (and Vulkan loader) environment it ran
+    under, so the two sides of an A/B through a setting are told apart by the record."""
+    import json
+
+    import common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setenv("TRIO_LLM_MATVEC_UNROLL", "8")
+    monkeypatch.setenv("GGML_VK_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("UNRELATED_SETTING", "x")
+    record = json.loads(common.write_result("probe", {"a": 1}, {"b": 2}).read_text())
+    assert record["settings"]["TRIO_LLM_MATVEC_UNROLL"] == "8"
+    assert record["settings"]["GGML_VK_VISIBLE_DEVICES"] == "0"
+    assert "UNRELATED_SETTING" not in record["settings"]
+    assert record["params"] == {"a": 1} and record["figures"] == {"b": 2}
