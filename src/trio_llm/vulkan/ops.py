@@ -545,15 +545,16 @@ class Ops:
     #: (MAXC x RS = 16 accumulators a lane) report 64 bytes of local memory a thread, and the
     #: driver keeps that memory for the device's life: a released qwen35-0.8b 26 MiB more
     #: (docs/benchmarks.md, 2026-12-04). 1 halves the accumulators; not yet measured there
-    #: (bench/h200.sh rs8)
+    #: (bench/h200.sh localmem)
     matvec_rs8: int = attrs.field(factory=lambda: env_int("TRIO_LLM_MATVEC_RS8", 0))
     #: column counts whose matvecs (every form) are compiled with the column count and
     #: rows per subgroup fixed and every loop over them unrolled before the driver sees
     #: them (TRIO_LLM_MATVEC_UNROLL, a comma list such as ``8`` or ``1,2,4,8``; default
-    #: none). The other suspect for those 64 bytes: with both as specialization
-    #: constants the driver unrolls the column loop or not as it likes, and where it does
-    #: not, the accumulators are an array indexed at run time. Not yet measured on the
-    #: H200 (bench/h200.sh rs8)
+    #: none). The likelier cause of those 64 bytes (two of the three forms are below the
+    #: 64 registers others use): with both as specialization constants the driver
+    #: unrolls the column loop or not as it likes, and where it does not, the 16
+    #: accumulators are an array indexed at run time. Not yet measured on the H200
+    #: (bench/h200.sh localmem)
     matvec_unroll: frozenset[int] = attrs.field(factory=lambda: _unroll_env())
     #: an 8-column bucket's matvecs as two 4-column dispatches (``col_split``; COL0 = 4
     #: for the second, its views 4 columns on), so no 8-column pipeline exists: the
