@@ -19,10 +19,9 @@ import numpy as np
 import pytest
 
 from test_nv2_compiler import needs_compiler, validate_spirv
-from test_vulkan_ops import QTYPES, Env, make_weights, open_env
+from test_vulkan_ops import QTYPES, Env, make_weights, open_env, x16_setup
 from trio_llm.errors import ConfigError
 from trio_llm.vulkan import shaders
-from trio_llm.vulkan.graph import Barrier
 from trio_llm.vulkan.ops import NV2_DEFAULT_QTYPES, NV2_MIN_GROUPS, NV2_QTYPES, Ops, nv2_tile
 
 NEEDS_NV2 = "needs VK_NV_cooperative_matrix2 (lavapipe has none)"
@@ -261,13 +260,7 @@ def _nv2_case(env: Env, ops: Ops, qtype: str, *, rows: int, cols: int, ntok: int
     y2 = env.put(resid)
     st = env.step(list(range(ntok)))
     args: dict[str, Any] = {"n_in": cols, "n_rows": rows, "x_stride": xs, "y_stride": ys, "y_off": y_off, "cap": cap}
-    pre: list[Any] = []
-    if x16:
-        ops = attrs.evolve(ops, matmul_x16=True)
-        assert ops.x16_plan(qtype, rows, cap, y_off=y_off, y_stride=ys)
-        xh = env.put(np.full(cap * cols // 2, 0x7E007E00, np.uint32))  # f16 NaNs: rows past the live count
-        pre = [ops.to_f16(xv, xh, st, n_in=cols, x_stride=xs, cap=cap), Barrier()]
-        args["xh"] = xh
+    ops, pre = x16_setup(env, ops, qtype, xv, st, args) if x16 else (ops, [])
     d = ops.matmul(qtype, w, xv, y, st, **args)
     assert d.kernel.name == "matmul_nv2"
     assert (d.views[1] is args["xh"]) if x16 else (d.views[1] is xv)

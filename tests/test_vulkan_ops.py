@@ -239,6 +239,17 @@ def test_matmul_on_cooperative_matrices(env: Env, qtype: str) -> None:
     np.testing.assert_allclose(got[:ntok], x @ ref.T, atol=5e-3 * scale, rtol=0)
 
 
+def x16_setup(env: Env, ops: Ops, qtype: str, xv: View, st: View, args: dict[str, Any]) -> tuple[Ops, list[Op]]:
+    """A product test's f16 activations (``Ops.matmul_x16``): ``ops`` with the option on
+    (which must take this product), ``to_f16``'s dispatch and barrier to run first, and
+    the xh view (f16 NaNs past the live rows) put into the product's ``args``."""
+    ops = attrs.evolve(ops, matmul_x16=True)
+    assert ops.x16_plan(qtype, args["n_rows"], args["cap"], y_off=args["y_off"], y_stride=args["y_stride"])
+    xh = env.put(np.full(args["cap"] * args["n_in"] // 2, 0x7E007E00, np.uint32))
+    args["xh"] = xh
+    return ops, [ops.to_f16(xv, xh, st, n_in=args["n_in"], x_stride=args["x_stride"], cap=args["cap"]), Barrier()]
+
+
 def _cm2_case(env: Env, ops: Ops, qtype: str, rows: int, cols: int, ntok: int, cap: int, x16: bool = False) -> None:
     """matmul_cm2 through ``ops.matmul`` against numpy on f16-rounded weights and
     activations, into columns [12, 12 + rows) of output rows of rows + 20 (a piece of a
@@ -255,13 +266,7 @@ def _cm2_case(env: Env, ops: Ops, qtype: str, rows: int, cols: int, ntok: int, c
     y2 = env.put(resid)
     st = env.step(list(range(ntok)))
     args: dict[str, Any] = {"n_in": cols, "n_rows": rows, "x_stride": cols, "y_stride": ys, "y_off": yo, "cap": cap}
-    pre: list[Any] = []
-    if x16:
-        ops = attrs.evolve(ops, matmul_x16=True)
-        assert ops.x16_plan(qtype, rows, cap, y_off=yo, y_stride=ys)
-        xh = env.put(np.full(cap * cols // 2, 0x7E007E00, np.uint32))  # f16 NaNs past the live rows
-        pre = [ops.to_f16(xv, xh, st, n_in=cols, x_stride=cols, cap=cap), Barrier()]
-        args["xh"] = xh
+    ops, pre = x16_setup(env, ops, qtype, xv, st, args) if x16 else (ops, [])
     d = ops.matmul(qtype, w, xv, y, st, **args)
     assert d.kernel.name == ("matmul_cm2" if ops.matmul_cm2_variant is None else "matmul_cm3")
     assert d.views[1] is (args["xh"] if x16 else xv)
