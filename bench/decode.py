@@ -316,12 +316,13 @@ def moe_prefill(be, pp: int, replays: int = 10) -> dict:  # type: ignore[no-unty
 def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  # type: ignore[no-untyped-def]
                 residency_too: bool = False, breakdown_too: bool = False, n_cpu_moe: float = 0.0,
                 prefill_too: bool = False, moe_too: bool = False, moe_sizes: tuple[int, ...] = (),
-                pp_too: bool = False) -> dict:
+                pp_too: bool = False, max_chunk: int = 512) -> dict:
     n_ctx = max(pp, tg, *moe_sizes) + 8
     if kind == "vulkan":
         from trio_llm.vulkan.backend import VulkanBackend
 
-        load_s, be = common.timed(lambda: VulkanBackend(model, n_ctx=n_ctx, n_seq=1, n_cpu_moe=n_cpu_moe))
+        load_s, be = common.timed(lambda: VulkanBackend(model, n_ctx=n_ctx, n_seq=1, n_cpu_moe=n_cpu_moe,
+                                                        max_chunk=max_chunk))
     else:
         from trio_llm.engine.reference import NumpyBackend
 
@@ -479,6 +480,9 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="",
                     help="also time decode steps of B sequences for each B (e.g. 1,2,4,8: aggregate tok/s and the "
                          "graph alone; Vulkan)")
+    ap.add_argument("--max-chunk", type=int, default=512,
+                    help="prompt tokens a forward pass takes (the server's -ub; Vulkan, up to 4096): a longer pp "
+                         "runs as passes of this many")
     args = ap.parse_args()
     path = args.model or common.model_file(args.preset, args.quant)
     model = load_gguf(path)
@@ -487,7 +491,8 @@ def main() -> int:
     for kind in args.backends.split(","):
         r = run_backend(kind.strip(), model, args.pp, args.tg, args.repeats, args.warmup, args.residency,
                         args.breakdown, args.n_cpu_moe, args.prefill_breakdown, args.moe_prefill,
-                        tuple(int(n) for n in args.moe_prefill_sizes.split(",") if n), args.pp_breakdown)
+                        tuple(int(n) for n in args.moe_prefill_sizes.split(",") if n), args.pp_breakdown,
+                        args.max_chunk)
         r["bytes_per_token"] = per_token
         sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b)
         if sizes and kind.strip() == "vulkan":

@@ -2,7 +2,8 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: devinfo (the device's features as the backend sees them), x16 (issue 13: the prefill products on f16
+# Stages: devinfo (the device's features as the backend sees them), ubatch (issue 13: prefill in passes of 512,
+# 2048 and 4096 tokens, the server's -ub, backend level), x16 (issue 13: the prefill products on f16
 # activations, TRIO_LLM_MATMUL_X16: their tests, then pp512/pp8192 A/B), dequant (issue 13: K-quant prefill
 # products through f16 rows, TRIO_LLM_MATMUL_DEQUANT A/B), localmem or rs8 (issue 12: the 8-column
 # matvecs' local memory: unrolled in the SPIR-V and/or one row per subgroup, pipemem and batched decode A/B, then coldmem), nv2pp / nv2sweep32 (attn_prefill_nv2 A/B, its tiles), nv2gate (the NV coopmat2 kernels' tests on
@@ -353,6 +354,19 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
           --backends vulkan --pp "$pp" --tg 8 --repeats 3 $([ "$pp" = 512 ] && echo --pp-breakdown)
       done; done
     done ;;
+  ubatch)  # issue 13: the physical batch (-ub) above 512: whole prefills through the backend in passes of 512
+    # (today's default, llama-server's), 2048 and 4096 tokens (bench/decode.py --max-chunk): llama-1b at 8k and 32k,
+    # llama-8b at 4096 (its matmuls at 512 tokens ran at 11-44 TFLOP/s, at 2048 up to 62-90; a 32k prefill in passes
+    # of 512 reads the prefix's K and V 64 times). UB_SIZES, UB_1B, UB_8B change the sets
+    for L in ${UB_1B:-8192 32768}; do for c in ${UB_SIZES:-512 2048 4096}; do
+      stage "ubatch-1b-pp$L-ub$c" 90 $PY bench/decode.py --model "$M1" --backends vulkan --pp "$L" --tg 8 \
+        --repeats 2 --max-chunk "$c"
+    done; done
+    wait8b
+    for L in ${UB_8B:-4096}; do for c in ${UB_SIZES:-512 2048 4096}; do
+      stage "ubatch-8b-pp$L-ub$c" 120 $PY bench/decode.py --model "$M8B" --backends vulkan --pp "$L" --tg 8 \
+        --repeats 2 --max-chunk "$c"
+    done; done ;;
   nv2pp)  # attn_prefill_nv2 against attn_prefill_cm2 in whole prefills of llama-1b (8k, 32k), backend level
     for L in 8192 32768; do for nv in 0 1; do
       stage "nv2pp-$L-nv2-$nv" 60 env TRIO_LLM_PREFILL_NV2=$nv $PY bench/decode.py --model "$M1" --backends vulkan \

@@ -9,13 +9,16 @@
 layout(local_size_x_id = 0, local_size_y = 1, local_size_z = 1) in;
 layout(constant_id = 0) const uint WG = 64;
 
-// The step buffer: a header of counts, then four arrays of STEP_CAP entries each
-// (token ids, positions, sequence ids, rows whose logits are wanted). Written by the
-// host before each submit; every kernel that depends on the batch reads it.
+// The step buffer: a header (tokens, output rows, the arrays' length `cap`), then four
+// arrays of `cap` entries each (token ids, positions, sequence ids, rows whose logits are
+// wanted). Written by the host before each submit; every kernel that depends on the
+// batch reads it. `cap` is the backend's largest bucket (the physical batch, -ub), read
+// from the header so that one SPIR-V serves every batch size.
 #define DECLARE_STEP(b) \
     layout(binding = b, std430) readonly buffer StepBuf { \
-        uint n_tokens; uint n_out; uint pad0; uint pad1; uint sdata[]; \
+        uint n_tokens; uint n_out; uint cap; uint pad1; uint sdata[]; \
     } step;
+#define STEP_CAP (step.cap)
 #define STEP_TOKEN(i) step.sdata[(i)]
 #define STEP_POS(i) step.sdata[STEP_CAP + (i)]
 #define STEP_SEQ(i) step.sdata[2 * STEP_CAP + (i)]

@@ -30,7 +30,7 @@ layout(binding = 0, std430) buffer X { float x[]; };  // written: the biases
 layout(binding = 1, std430) readonly buffer P { uint prm[]; };
 layout(binding = 2, std430) buffer R { uint ids[]; };  // [n_steps, rows_cap]
 layout(binding = 3, std430) buffer StepW {
-    uint n_tokens; uint n_out; uint pad0; uint pad1; uint sdata[];
+    uint n_tokens; uint n_out; uint cap; uint pad1; uint sdata[];
 } stepw;
 
 layout(push_constant) uniform Push {
@@ -66,7 +66,7 @@ void emit(uint row, uint tok) {
     ids[pc.j * pc.rows_cap + row] = tok;
     if (pc.feed != 0u) {
         stepw.sdata[row] = tok;
-        stepw.sdata[STEP_CAP + row] += 1u;
+        stepw.sdata[stepw.cap + row] += 1u;
     }
 }
 

@@ -210,6 +210,15 @@ def test_kv_bytes_follow_the_cache_type() -> None:
     assert fit.kv_bytes_per_position(CFG, "q4_0", "q4_0") < fit.kv_bytes_per_position(CFG, "q8_0", "q8_0") < f16
 
 
+def test_the_compute_reserve_counts_logits_of_512_tokens_at_most() -> None:
+    """Per token of -ub the activations (4 n_embd + 2 n_ff floats); the logits of at most
+    LOGIT_ROWS = 512 tokens: a pass reads back each sequence's last row only."""
+    act = 4 * (4 * 64 + 2 * 128)
+    assert fit.compute_bytes(CFG, 512) == 512 * act + 4 * 512 * 1000  # llama-server's default, as before
+    assert fit.compute_bytes(CFG, 64) == 64 * act + 4 * 64 * 1000
+    assert fit.compute_bytes(CFG, 4096) == 4096 * act + 4 * 512 * 1000
+
+
 def test_fit_lowers_an_unset_context_and_keeps_a_set_one() -> None:
     per = fit.kv_bytes_per_position(CFG, "f16", "f16")  # 512 bytes
     common = dict(n_ctx_train=32768, parallel=2, weights=1 << 20, per_position=per, compute=1 << 20,

@@ -139,6 +139,23 @@ def test_gemma3_ring_caches_compute_what_full_caches_do(model_path) -> None:  # 
     np.testing.assert_allclose(got, want, atol=2e-5)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35"])
+def test_a_chunk_without_output_rows(model_path, preset: str) -> None:  # type: ignore[no-untyped-def]
+    """A forward longer than the chunk: the chunks before the last want no logits, so
+    the output rows' nodes (the final norm, a gated norm's groups) run on zero rows.
+    They once failed there ("cannot reshape array of size 0"), which a server with
+    -ub above 512 on the numpy backend met on its first long prompt."""
+    from trio_llm.engine.backend import SeqBatch
+
+    model = load_gguf(model_path(preset, "Q8_0"))
+    toks = np.random.default_rng(4).integers(10, 1000, 40).astype(np.int32)
+    f32 = {"cache_type_k": "f32", "cache_type_v": "f32"}
+    chunked = NumpyBackend(model, n_ctx=64, n_seq=1, max_chunk=16, **f32)
+    whole = NumpyBackend(model, n_ctx=64, n_seq=1, max_chunk=64, **f32)
+    np.testing.assert_allclose(chunked.forward([SeqBatch(0, toks, 0)]), whole.forward([SeqBatch(0, toks, 0)]),
+                               atol=2e-5)
+
+
 def test_an_unknown_op_is_refused_by_both_backends_by_name(model_path) -> None:  # type: ignore[no-untyped-def]
     be = NumpyBackend(load_gguf(model_path("tiny", "Q8_0")), n_ctx=16, n_seq=1)
     node = be.graph.nodes[0]

@@ -134,3 +134,32 @@ async def test_sigint_when_idle_exits_0(tiny_model: Path) -> None:
         log = await _rest_of_log(proc)
         code = await proc.wait()
     assert code == 0 and "Traceback" not in log
+
+
+@pytest.mark.vulkan
+async def test_ubatch_above_512_is_one_pass_with_the_same_answer(tiny_model: Path) -> None:
+    """``-ub 1024 -b 1024`` (llama-server's physical batch): the Vulkan backend's passes
+    take up to 1024 tokens (/props, the log) where the default's take 512, and a
+    1,100-token prompt gets the same greedy tokens from both (the passes themselves:
+    tests/test_vulkan_ubatch.py)."""
+    prompt = [5 + (i * 7) % 1000 for i in range(1100)]
+    body = {"prompt": prompt, "n_predict": 12, "temperature": 0, "cache_prompt": False, "return_tokens": True}
+    answers = []
+    for flags in (["-ub", "1024", "-b", "1024"], []):
+        proc = await trio.lowlevel.open_process(
+            [*SERVE, "-m", str(tiny_model), "--port", "0", "--backend", "vulkan", "-c", "2048", "--no-warmup",
+             *flags], stderr=subprocess.PIPE)
+        try:
+            url, log = await wait_ready(proc, 90)
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                r = await c.post("/completion", json=body)
+                assert r.status_code == 200, r.text
+                answers.append(r.json()["tokens"])
+                dev = (await c.get("/props")).json()["device"]
+            want = 1024 if flags else 512
+            assert dev["max_chunk"] == want
+            assert any(f"up to {want} tokens a pass" in line for line in log)
+        finally:
+            proc.terminate()
+            await proc.wait()
+    assert answers[0] == answers[1] and len(answers[0]) == 12

@@ -165,7 +165,8 @@ def _load(config: ServerConfig, progress: LoadProgress) -> Loaded:
                                        model.tensors)
     if output != "logits":
         extra["output"] = output
-    backend = open_backend(config.backend, model, n_ctx=n_ctx, n_seq=config.parallel, progress=progress, **extra)
+    backend = open_backend(config.backend, model, n_ctx=n_ctx, n_seq=config.parallel, progress=progress,
+                           max_chunk=config.n_batch, **extra)
     return Loaded(model, tokenizer, template, backend, os.stat(model.path), output)
 
 

@@ -9,7 +9,8 @@ adjust: ``choose_ctx`` is that decision, a pure function over byte counts, and
 
 The projection: the weights as stored (``GGUFModel.weight_bytes``), the KV cache
 (``kv_bytes_per_position`` x positions, of the ``-ctk``/``-ctv`` types), and a compute
-reserve for one forward pass of ``n_batch`` tokens (activations and logits, float32).
+reserve for one forward pass of ``n_batch`` tokens (activations, and the logits of up to
+``LOGIT_ROWS`` of them, float32).
 A context the user set is kept even when it does not fit (llama-server would move
 layers to the CPU, which cannot happen here): that is logged, and the load then fails
 or succeeds on the device's own terms.
@@ -43,10 +44,17 @@ def kv_bytes_per_position(cfg: ModelConfig, type_k: str, type_v: str) -> int:
     return int(cfg.n_layer * cfg.kv_dim * (CACHE_TYPE_BYTES[type_k] + CACHE_TYPE_BYTES[type_v]))
 
 
+#: the most tokens whose logits the reserve counts: a pass reads back only each
+#: sequence's last row, so a physical batch (-ub) above llama-server's default 512 adds
+#: activations, not logits (at -ub 4096 the vocabulary's rows would otherwise be most of
+#: the reserve: 2 GiB for a 128k vocabulary)
+LOGIT_ROWS = 512
+
+
 def compute_bytes(cfg: ModelConfig, n_batch: int) -> int:
     """The reserve of one forward pass: per token the residual stream, attention and
-    feed-forward activations, and the logits, in float32."""
-    return 4 * n_batch * (4 * cfg.n_embd + 2 * cfg.n_ff + cfg.n_vocab)
+    feed-forward activations, and the logits of up to ``LOGIT_ROWS`` tokens, in float32."""
+    return 4 * (n_batch * (4 * cfg.n_embd + 2 * cfg.n_ff) + min(n_batch, LOGIT_ROWS) * cfg.n_vocab)
 
 
 @attrs.frozen

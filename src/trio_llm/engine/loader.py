@@ -33,17 +33,22 @@ def open_backend(
     cache_type_v: str = DEFAULT_KV_TYPE,
     n_cpu_moe: float = 0.0,
     output: str = "logits",
+    max_chunk: int | None = None,
 ) -> Backend:
     """Build the backend named by ``kind``; raises ``BackendUnavailable`` when an
     explicit "vulkan" cannot run here and ``InvalidRequest`` for an unknown kind.
     ``output`` is what its graph computes (``trio_llm.graph.Output``: an embedding
-    server's backend ends at the hidden states or the rank head)."""
+    server's backend ends at the hidden states or the rank head). ``max_chunk`` is the
+    physical batch (-ub): the most prompt tokens one forward pass takes (the backend's
+    default, 512, when None; the Vulkan backend takes at most 4096 a pass)."""
     if kind not in BACKEND_KINDS:
         raise InvalidRequest(f"unknown backend {kind!r} (choose from {', '.join(BACKEND_KINDS)})")
     kw: dict[str, Any] = dict(n_ctx=n_ctx, n_seq=n_seq, progress=progress, cache_type_k=cache_type_k,
                               cache_type_v=cache_type_v)
     if output != "logits":
         kw["output"] = output
+    if max_chunk is not None:
+        kw["max_chunk"] = max_chunk
     if n_cpu_moe:
         from trio_llm.engine.placement import cpu_moe_tensors
 

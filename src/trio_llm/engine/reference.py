@@ -403,6 +403,7 @@ class NumpyBackend:
             "backend": self.name,
             "numpy": np.__version__,
             "dtype": "float32",
+            "max_chunk": self._chunk,
             "cache_type_k": self.cache_types[0],
             "cache_type_v": self.cache_types[1],
             "kv_bytes_per_token": self.kv_bytes_per_token(),
@@ -634,7 +635,7 @@ class NumpyBackend:
         if op == "rms_norm":
             x, g = args
             n = node.attr("group")
-            return rms_norm(x.reshape(x.shape[0], -1, n), g, node.attr("eps")).reshape(x.shape)
+            return rms_norm(x.reshape(x.shape[0], x.shape[1] // n, n), g, node.attr("eps")).reshape(x.shape)
         if op == "rope":
             x = args[0]
             cos, sin = self._rope(node, args[1] if len(args) > 1 else None)
@@ -651,10 +652,11 @@ class NumpyBackend:
         if op == "take":
             x = args[0]
             grp, start, n = node.attr("group"), node.attr("start"), node.attr("n")
-            return np.ascontiguousarray(x.reshape(len(x), -1, grp)[:, :, start : start + n]).reshape(len(x), -1)
+            g = x.shape[1] // grp  # groups per row (explicit: a chunk may have no output rows)
+            return np.ascontiguousarray(x.reshape(len(x), g, grp)[:, :, start : start + n]).reshape(len(x), g * n)
         if op == "l2_norm":
             x = args[0]
-            xg = x.reshape(len(x), -1, node.attr("group"))
+            xg = x.reshape(len(x), x.shape[1] // node.attr("group"), node.attr("group"))
             norm_ = np.sqrt(np.sum(np.square(xg, dtype=np.float64), axis=-1, keepdims=True)).astype(np.float32)
             return (xg / np.maximum(norm_, np.float32(node.attr("eps")))).reshape(x.shape)  # type: ignore[no-any-return]
         if op == "gate_rows":

@@ -311,7 +311,9 @@ FLAGS: tuple[Flag, ...] = (
       value="N", env="LLAMA_ARG_N_PREDICT", dest="n_predict", conv=_int),
     W("-b --batch-size", "most prompt tokens in one forward pass (with -ub, the smaller)", value="N",
       env="LLAMA_ARG_BATCH", dest="batch_size", conv=_int),
-    W("-ub --ubatch-size", "physical batch: a forward pass takes at most min(-b, -ub) prompt tokens",
+    W("-ub --ubatch-size", "physical batch: a forward pass takes at most min(-b, -ub) prompt tokens (default "
+      "512; the Vulkan backend takes up to 4096 a pass, rounded up to a power of two, and runs a larger batch as "
+      "several passes; /props device.max_chunk)",
       value="N", env="LLAMA_ARG_UBATCH", dest="ubatch_size", conv=_int),
     N("--keep", "tokens kept by a context shift; there is no context shift here", value="N", conv=_int),
     N("--swa-full", "the KV cache is always full-size", env="LLAMA_ARG_SWA_FULL"),

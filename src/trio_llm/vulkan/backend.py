@@ -68,7 +68,7 @@ from trio_llm.vulkan.ops import (
 )
 from trio_llm.vulkan.recurrent import RecurrentState, chunk_scratch, chunked_prefill, state_bytes
 from trio_llm.vulkan.sampling import MAX_STEPS, DeviceSampler, extra_buffers
-from trio_llm.vulkan.shaders import STEP_CAP
+from trio_llm.vulkan.shaders import MAX_STEP_CAP, STEP_CAP
 from trio_llm.vulkan.weights import WeightStore
 
 log = logging.getLogger(__name__)
@@ -119,9 +119,10 @@ class VulkanBackend:
         self.n_seq = n_seq
         self._progress = progress
         self._output: Output = output
-        if not 1 <= max_chunk <= STEP_CAP:
-            raise InvalidRequest(f"max_chunk must be within 1..{STEP_CAP}, got {max_chunk}")
-        self._max_chunk = _pow2(max_chunk)
+        if max_chunk < 1:
+            raise InvalidRequest(f"max_chunk must be positive, got {max_chunk}")
+        # the physical batch (-ub): a forward of more tokens runs as several chunks
+        self._max_chunk = min(MAX_STEP_CAP, _pow2(max_chunk))
         try:
             self.cache_types = (kv_type(cache_type_k).name, kv_type(cache_type_v).name)
         except ValueError as exc:
@@ -199,9 +200,8 @@ class VulkanBackend:
             self._alloc, [LayerKV(self.n_seq, m.rows, m.kv_dim, kt, vt) for m in self._mem],
             # the decode attention's splits, or (at depth, cooperative matrices) the prefill's
             part_floats=max(attention_part_floats(dec_cap, cfg.n_head, cfg.head_dim, decode_splits(self.n_ctx)),
-                            attention_part_floats(self._cap, cfg.n_head, cfg.head_dim, splits)
-                            if (splits := self._ops.prefill_splits(self.n_ctx, cfg.n_head, cfg.n_head_kv,
-                                                                   cfg.head_dim)) > 1 else 0),
+                            self._ops.prefill_part_floats(self.n_ctx, cfg.n_head, cfg.n_head_kv, cfg.head_dim,
+                                                          self._cap)),
             n_counters=attention_counters(dec_cap, cfg.n_head, cfg.n_head_kv),
         )
         if self._kv.largest_buffer > device.limits.max_storage_buffer_range:
@@ -239,9 +239,10 @@ class VulkanBackend:
         if self._progress is not None:
             self._progress(total, total)
         log.info(
-            "vulkan: %s on %s, %d MiB of weights (shadow: %s), KV cache %s/%s: %d bytes per token, %d MiB",
+            "vulkan: %s on %s, %d MiB of weights (shadow: %s), KV cache %s/%s: %d bytes per token, %d MiB; "
+            "up to %d tokens a pass",
             cfg.name, device.name, total >> 20, self._weights.shadow_kind(), *self.cache_types,
-            self._kv.bytes_per_token, self._kv.total_bytes >> 20,
+            self._kv.bytes_per_token, self._kv.total_bytes >> 20, self._cap,
         )
         if self._host_tensors:
             log.info("vulkan: --n-cpu-moe keeps %d expert tensors (%d MiB) in host memory",

@@ -47,12 +47,12 @@ from trio_llm.vulkan.ops import (
     ROPE_NEOX,
     ROPE_NONE,
     ROPE_NORMAL,
-    STEP_BYTES,
     Ops,
     attention_part_floats,
     decode_splits,
     moe_map_words,
     row_bytes,
+    step_words,
 )
 from trio_llm.vulkan.recurrent import RecurrentState
 from trio_llm.vulkan.shaders import Q8_MATVEC
@@ -437,7 +437,7 @@ class Activations:
                 self.bufs[name] = self.alloc.create(4 * rows * width, "compute", "device")
             for name, values in self.consts.items():
                 self.bufs[name] = self.alloc.create(4 * max(1, values.size), "compute", "device")
-            self.bufs["step"] = self.alloc.create(STEP_BYTES, "scratch", "upload")
+            self.bufs["step"] = self.alloc.create(4 * step_words(self.cap), "scratch", "upload")
             self.bufs["readback"] = self.alloc.create(4 * self.out_cap * self.n_vocab, "scratch", "readback")
             for name, (nbytes, category, place) in self.extra.items():
                 self.bufs[name] = self.alloc.create(nbytes, category, place)
@@ -1117,7 +1117,8 @@ class _Lowering:
         work groups (``prefill_splits``) into the KV cache's partials, added up by
         ``attention_combine`` after a barrier."""
         nh, nkv, hd = node.attr("n_head"), node.attr("n_head_kv"), node.attr("head_dim")
-        n_split = self.ops.prefill_splits(int(common["n_ctx"]), nh, nkv, hd, window=node.attr("window"))  # type: ignore[call-overload]
+        n_split = self.ops.prefill_splits(int(common["n_ctx"]), nh, nkv, hd, window=node.attr("window"),  # type: ignore[call-overload]
+                                          bucket=self.bucket)
         part = self.kv.part
         if part is None or part.size < 4 * attention_part_floats(self.bucket, nh, hd, n_split):
             n_split = 1

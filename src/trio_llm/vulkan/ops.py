@@ -64,9 +64,17 @@ from trio_llm.vulkan.shaders import (
 
 log = logging.getLogger(__name__)
 
-#: the step buffer: [n_tokens, n_out, 0, 0] then tokens, positions, seq ids, output rows
+#: the step buffer: [n_tokens, n_out, cap, 0] then tokens, positions, seq ids, output
+#: rows, ``cap`` entries each (``cap``: the backend's largest bucket)
 STEP_HEADER = 4
-STEP_WORDS = STEP_HEADER + 4 * STEP_CAP
+
+
+def step_words(cap: int) -> int:
+    """uint32 words of a step buffer whose arrays hold ``cap`` entries."""
+    return STEP_HEADER + 4 * cap
+
+
+STEP_WORDS = step_words(STEP_CAP)
 STEP_BYTES = 4 * STEP_WORDS
 
 COUNT_TOKENS = 0
@@ -96,16 +104,20 @@ def fill_step(
     seq: np.ndarray,
     out_rows: np.ndarray,
 ) -> None:
-    """Write one step's values into the step buffer's uint32 view."""
+    """Write one step's values into the step buffer's uint32 view; its arrays hold as
+    many entries as the view has room for (the header says how many: the kernels
+    read ``cap`` from it)."""
+    cap = (len(words) - STEP_HEADER) // 4
     n = len(tokens)
-    assert n <= STEP_CAP and len(out_rows) <= STEP_CAP
+    assert n <= cap and len(out_rows) <= cap
     words[0] = n
     words[1] = len(out_rows)
+    words[2] = cap
     h = STEP_HEADER
     words[h : h + n] = tokens
-    words[h + STEP_CAP : h + STEP_CAP + n] = pos
-    words[h + 2 * STEP_CAP : h + 2 * STEP_CAP + n] = seq
-    words[h + 3 * STEP_CAP : h + 3 * STEP_CAP + len(out_rows)] = out_rows
+    words[h + cap : h + cap + n] = pos
+    words[h + 2 * cap : h + 2 * cap + n] = seq
+    words[h + 3 * cap : h + 3 * cap + len(out_rows)] = out_rows
 
 
 #: matmul_cm2: the fewest work groups each tile must give to be chosen over the next
@@ -484,6 +496,11 @@ def prefill_nv2_form_env() -> str:
         raise ConfigError(f"TRIO_LLM_PREFILL_NV2_FORM={v!r}: expected one of {', '.join(PREFILL_NV2_FORMS)}, "
                           "optionally with +mma")
     return v
+
+
+#: attention_prefill's splits: a bucket of b tokens splits its keys over at most
+#: SPLIT_TOKENS / b work groups (4 for a 512-token chunk, 1 from 2048 tokens on)
+SPLIT_TOKENS = 2048
 
 
 def attention_part_floats(cap: int, n_head: int, head_dim: int, n_split: int) -> int:
@@ -1439,14 +1456,29 @@ class Ops:
         return Dispatch(k, (q, k_cache, v_cache, o, step, o if part is None else part),
                         (*push, n_split, min_tiles, ml_off), (math.ceil(cap / bq), n_head // g, n_split))
 
-    def prefill_splits(self, n_ctx: int, n_head: int, n_head_kv: int, head_dim: int, window: int = 0) -> int:
+    def prefill_splits(self, n_ctx: int, n_head: int, n_head_kv: int, head_dim: int, window: int = 0,
+                       bucket: int = STEP_CAP) -> int:
         """How many work groups share a query tile's keys in ``attention_prefill``: 1
         for sliding windows (few keys per tile), else one per 8k positions of context
         up to ``prefill_split_most`` (fixed at record time; a shallow step uses fewer,
-        the kernel's ``min_tiles``)."""
+        the kernel's ``min_tiles``), and no more than a bucket of ``bucket`` tokens
+        needs to give as many work groups as ``SPLIT_TOKENS`` tokens unsplit: the split
+        was tuned on 512-token chunks (4 at 32k), and a larger physical batch (-ub) has
+        the query tiles to fill the device by itself."""
         if window or not self.prefill_ok(head_dim):
             return 1
-        return max(1, min(self.prefill_split_most, n_ctx // 8192))
+        return max(1, min(self.prefill_split_most, n_ctx // 8192, SPLIT_TOKENS // max(1, bucket)))
+
+    def prefill_part_floats(self, n_ctx: int, n_head: int, n_head_kv: int, head_dim: int, cap: int) -> int:
+        """float32 values of the partials the prefill buckets up to ``cap`` tokens need
+        (the largest bucket x its splits; 0 when none splits)."""
+        most = 0
+        b = 16
+        while b <= cap:
+            if (n := self.prefill_splits(n_ctx, n_head, n_head_kv, head_dim, bucket=b)) > 1:
+                most = max(most, attention_part_floats(b, n_head, head_dim, n))
+            b *= 2
+        return most
 
     def attention_combine(
         self, part: View, o: View, step: View, *, n_head: int, head_dim: int, n_split: int, o_stride: int,

@@ -52,8 +52,12 @@ from typing import NamedTuple
 
 from trio_llm.errors import ShaderCompileError
 
-#: tokens per forward chunk; the per-step buffer's arrays have this many entries
+#: tokens per forward chunk by default (llama-server's -ub); the step buffer's arrays
+#: have as many entries as the backend's largest bucket, which its header says (common.glsl)
 STEP_CAP = 512
+#: the most tokens one forward chunk may take (-ub beyond it runs as several chunks):
+#: moe_group.comp packs a chunk's (token, expert) pairs below 65536, 8 experts a token
+MAX_STEP_CAP = 4096
 
 #: weight types the quantized kernels are built for (ggml type names)
 QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -152,7 +156,7 @@ def _sources(path: Path, seen: set[Path] | None = None) -> list[Path]:
 
 
 def variant_defines(defines: dict[str, object] | None) -> dict[str, str]:
-    merged: dict[str, str] = {"STEP_CAP": str(STEP_CAP)}
+    merged: dict[str, str] = {}
     for k, v in (defines or {}).items():
         merged[k] = str(v)
     return merged
