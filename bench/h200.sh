@@ -2,7 +2,8 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
-# Stages: devinfo (the device's features as the backend sees them), ubatch (issue 13: prefill in passes of 512,
+# Stages: devinfo (the device's features as the backend sees them), lcppops (issue 13: llama.cpp Vulkan's own
+# per-op GPU times at 32k / 4k, .lcpp carried), ubatch (issue 13: prefill in passes of 512,
 # 2048 and 4096 tokens, the server's -ub, backend level), x16 (issue 13: the prefill products on f16
 # activations, TRIO_LLM_MATMUL_X16: their tests, then pp512/pp8192 A/B), dequant (issue 13: K-quant prefill
 # products through f16 rows, TRIO_LLM_MATMUL_DEQUANT A/B), localmem or rs8 (issue 12: the 8-column
@@ -659,6 +660,16 @@ for i in range(4):
       stage "scenario-$sc-8b" 120 $PY -m trio_llm scenario run "$sc" --length "${L8:-12}" --backend vulkan --reference replay \
         --model "$M8B" --out "$RES/scenario-$sc-8b" -q
     done ;;
+  lcppops)  # issue 13: llama.cpp's own per-op GPU times (ggml-vulkan's GGML_VK_PERF_LOGGER) on the prebuilt Vulkan
+    # llama-server, llama-1b Q8_0 at 32k and llama-8b Q4_K_M at 4k (bench/lcpp_ops.py): its flash attention and matrix
+    # products beside ours (bench/prefill.py, bench/matmul.py) say which kernel is behind and by how much. Needs .lcpp
+    [ -f .lcpp/h200.sh ] || { say "lcppops: no .lcpp/ carried"; continue; }
+    VK=$(bash .lcpp/h200.sh vulkan 2> "$RES/lcpp-vulkan.log" | tail -n 1)
+    stage lcppops-1b-32k 120 $PY bench/lcpp_ops.py --llama-vulkan "$VK" -m "$M1" --prompt ${LCPP_OPS_1B:-32768} \
+      --log-dir "$RES/lcppops-logs"
+    wait8b
+    stage lcppops-8b-4k 120 $PY bench/lcpp_ops.py --llama-vulkan "$VK" -m "$M8B" --prompt ${LCPP_OPS_8B:-4096} \
+      --log-dir "$RES/lcppops-logs" ;;
   e2e)  # end to end through HTTP (bench/e2e.py), one record; trio-llm first, while CUDA builds
     [ -f .lcpp/h200.sh ] || { say "e2e: no .lcpp/ carried (bash ../shared/tools/llamacpp/prepare.sh here)"; continue; }
     VK=$(bash .lcpp/h200.sh vulkan 2> "$RES/lcpp-vulkan.log" | tail -n 1)

@@ -74,3 +74,32 @@ def test_records_keep_the_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     assert record["settings"]["GGML_VK_VISIBLE_DEVICES"] == "0"
     assert "UNRELATED_SETTING" not in record["settings"]
     assert record["params"] == {"a": 1} and record["figures"] == {"b": 2}
+
+
+def test_lcpp_ops_sums_ggml_vulkans_timing_blocks() -> None:
+    """bench/lcpp_ops.py reads ggml-vulkan's GGML_VK_PERF_LOGGER blocks (lines as the
+    prebuilt llama-server printed them on lavapipe): per op name the counts and
+    microseconds of every block added up, FLOPs from the GFLOPS/s where printed, the
+    kinds without their shapes; lines outside a block are not ops."""
+    import lcpp_ops
+
+    block = """----------------
+Vulkan Timings:
+ADD: 3 x 27936.3 us = 83808.8 us
+FLASH_ATTN_EXT dst(64,4,2,1),  q(64,2,4,1),  k(64,256,2,1),  v(64,256,2,1),  m(256,2,1,1): 2 x 665125 us = 1.33025e+06 us (0.000788255 GFLOPS/s)
+MUL_MAT_ADD MUL_MAT_VEC q8_0 m=256 n=1 k=512: 1 x 553.611 us = 553.611 us (0.473054 GFLOPS/s)
+MUL_MAT q8_0 m=2048 n=512 k=2048: 16 x 100 us = 1600 us (83886 GFLOPS/s)
+Total time: 1.41618e+06 us.
+srv  log_server_r: request: POST /completion 127.0.0.1 200
+"""
+    second = block.replace("ADD: 3 x 27936.3 us = 83808.8 us", "ADD: 1 x 10 us = 10 us")
+    ops = lcpp_ops.parse_timings(block + "ADD: 9 x 1 us = 9 us\n" + second)
+    assert ops["ADD"] == {"count": 4, "total_us": 83818.8, "flops": 0.0}  # the stray line after a block is not summed
+    mm = ops["MUL_MAT q8_0 m=2048 n=512 k=2048"]
+    assert mm["count"] == 32 and mm["total_us"] == 3200
+    assert mm["flops"] == pytest.approx(2 * 83886e9 * 1600e-6)
+    rows = {r["kind"]: r for r in lcpp_ops.by_kind(ops)}
+    assert set(rows) == {"ADD", "FLASH_ATTN_EXT", "MUL_MAT_ADD MUL_MAT_VEC q8_0", "MUL_MAT q8_0"}
+    assert rows["FLASH_ATTN_EXT"]["count"] == 4 and rows["ADD"]["tflops"] is None
+    assert rows["MUL_MAT q8_0"]["tflops"] == pytest.approx(83.886)
+    assert abs(sum(r["share"] for r in rows.values()) - 1) < 1e-9
