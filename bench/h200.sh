@@ -374,7 +374,7 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
         --pp $L --tg 8 --repeats 2
     done; done ;;
   nv2sweep32)  # attn_prefill_nv2's tiles and forms at 32k, op level, llama-1b f16, beside attn_prefill_cm2
-    NV2S=${NV2S:-64x64x128:pf,64x64x128:pf+mma,64x32x128:pf,128x64x256:pf,64x64x256:pf,128x64x256:direct,128x32x256:pf}
+    NV2S=${NV2S:-64x32x128:pf,64x32x128:direct,64x64x128:direct,64x64x128:direct+mma,64x32x128:pf+mma,64x64x256:pf}
     NK=$(for v in ${NV2S//,/ }; do printf ',nv2_%s' "$v"; done)
     stage nv2sweep-32k 150 $PY bench/prefill.py --shape llama-1b --lengths 32768 --types f16 --repeats 1 \
       --nv2 "$NV2S" --kernels "prefill_cm2$NK" ;;
