@@ -358,7 +358,10 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
   ubatch)  # issue 13: the physical batch (-ub) above 512: whole prefills through the backend in passes of 512
     # (today's default, llama-server's), 2048 and 4096 tokens (bench/decode.py --max-chunk): llama-1b at 8k and 32k,
     # llama-8b at 4096 (its matmuls at 512 tokens ran at 11-44 TFLOP/s, at 2048 up to 62-90; a 32k prefill in passes
-    # of 512 reads the prefix's K and V 64 times). UB_SIZES, UB_1B, UB_8B change the sets
+    # of 512 reads the prefix's K and V 64 times). UB_SIZES, UB_1B, UB_8B change the sets. First its tests on the GPU
+    # (the 2048 and 4096 buckets against numpy: the cooperative-matrix kernels have never run on so many tokens)
+    stage verify-ubatch 120 $PY -m pytest -q -p no:cacheprovider -rs ${XD[@]+"${XD[@]}"} tests/test_vulkan_ubatch.py
+    [ "$LAST_RC" = 0 ] || say "ubatch: tests failed (rc=$LAST_RC); the A/B runs anyway, for the figures only"
     for L in ${UB_1B:-8192 32768}; do for c in ${UB_SIZES:-512 2048 4096}; do
       stage "ubatch-1b-pp$L-ub$c" 90 $PY bench/decode.py --model "$M1" --backends vulkan --pp "$L" --tg 8 \
         --repeats 2 --max-chunk "$c"

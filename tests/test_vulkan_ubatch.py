@@ -62,41 +62,42 @@ def test_prefill_splits_shrink_as_the_bucket_grows() -> None:
 
 @pytest.mark.vulkan
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gemma3", "tiny-qwen3moe", "tiny-qwen35"])
-def test_one_pass_of_2048_tokens_equals_the_reference(model_path, preset: str) -> None:  # type: ignore[no-untyped-def]
-    """A 1,300-token prompt in one submit of the 2048 bucket, and in three of 512: the
-    last token's logits within 1e-4 of numpy's (relative to the largest), then eight
-    greedy steps the same on all three."""
+def test_one_pass_of_2048_tokens_equals_the_reference(model_path, monkeypatch, preset: str) -> None:  # type: ignore[no-untyped-def]
+    """A 1,300-token prompt in one submit of the 2048 bucket, and in three of 512, then
+    eight decode steps of numpy's greedy tokens: every step's logits within the
+    tolerance of numpy's (relative to the largest), and on the scalar f32 products
+    (lavapipe) the same greedy tokens. Where the device has cooperative matrices (the
+    H200: ``bash bench/h200.sh ubatch`` runs this first) the prefill products and
+    attention round to f16, so the tolerance is theirs (5e-3) and the tokens are not
+    compared: random weights have near-ties that f16 may flip."""
+    from trio_llm.vulkan.backend import VulkanBackend
+
+    monkeypatch.setenv("TRIO_LLM_MATVEC_Q8", "0")  # decode steps on f32 activations, as numpy's
     model = load_gguf(model_path(preset, "Q8_0"))
     n_ctx = 1400
     prompt = np.random.default_rng(3).integers(0, model.config.n_vocab, 1300).astype(np.int32)
-    from trio_llm.vulkan.backend import VulkanBackend
-
     ref = NumpyBackend(model, n_ctx=n_ctx, n_seq=1, **F32_KV)
     big = VulkanBackend(model, n_ctx=n_ctx, n_seq=1, max_chunk=2048, **F32_KV)
     small = VulkanBackend(model, n_ctx=n_ctx, n_seq=1, max_chunk=512, **F32_KV)
     try:
-        outs = []
-        for be in (ref, big, small):
-            before = be.statistics().submits if be is not ref else 0
-            logits = be.forward([SeqBatch(0, prompt, 0)])
-            if be is big:
-                assert be.statistics().submits - before == 1
-            elif be is small:
-                assert be.statistics().submits - before == 3
-            toks = []
-            for i in range(8):
-                t = int(np.argmax(logits[0]))
-                toks.append(t)
-                logits_i = be.forward([SeqBatch(0, np.array([t], np.int32), len(prompt) + i)])
-                if i == 0:
-                    first = logits
-                logits = logits_i
-            outs.append((first, toks))
-        (want, want_toks), (got_big, big_toks), (got_small, small_toks) = outs
-        scale = float(np.abs(want).max())
-        assert float(np.abs(got_big - want).max()) <= 1e-4 * scale
-        assert float(np.abs(got_small - want).max()) <= 1e-4 * scale
-        assert big_toks == want_toks == small_toks
+        f16 = big._ops.coopmat
+        tol = 5e-3 if f16 else 1e-4
+        want = [ref.forward([SeqBatch(0, prompt, 0)])]
+        toks = []
+        for i in range(8):
+            toks.append(int(np.argmax(want[-1][0])))
+            want.append(ref.forward([SeqBatch(0, np.array([toks[-1]], np.int32), len(prompt) + i)]))
+        for be, passes in ((big, 1), (small, 3)):
+            before = be.statistics().submits
+            got = [be.forward([SeqBatch(0, prompt, 0)])]
+            assert be.statistics().submits - before == passes
+            for i, t in enumerate(toks):
+                got.append(be.forward([SeqBatch(0, np.array([t], np.int32), len(prompt) + i)]))
+            for step, (g, w) in enumerate(zip(got, want, strict=True)):
+                err = float(np.abs(g - w).max()) / float(np.abs(w).max())
+                assert err <= tol, f"{passes} pass(es), step {step}: {err:.2e} > {tol}"
+                if not f16:
+                    assert int(np.argmax(g[0])) == int(np.argmax(w[0]))
     finally:
         for be in (ref, big, small):
             be.close()
