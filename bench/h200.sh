@@ -2,6 +2,7 @@
 # One consolidated run on the device tool's H200 (see docs/benchmarks.md). First, here:
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
+# (and ".pcache" where an earlier call's $OUT/pcache/*.bin.gz were copied there: the driver's pipeline cache)
 # Stages: devinfo (the device's features as the backend sees them), lcppops (issue 13: llama.cpp Vulkan's own
 # per-op GPU times at 32k / 4k, .lcpp carried), ubatch (issue 13: prefill in passes of 512,
 # 2048 and 4096 tokens, the server's -ub, backend level), x16 (issue 13: the prefill products on f16
@@ -61,6 +62,12 @@ stop_build() {
 }
 trap stop_build EXIT
 
+# The pipeline cache (vulkan/kernels.py) of an earlier session, carried as .pcache/: the driver builds each
+# workgroup-scope (NV cooperative-matrix-2) pipeline in seconds, which ran the GPU test stages out of time; with the
+# cache carried, only the shaders changed since cost that. pack() brings the cache back in $OUT/pcache/
+export XDG_CACHE_HOME=/tmp/h200-cache
+PCACHE_DIR=$XDG_CACHE_HOME/trio-llm/pipelines; mkdir -p "$PCACHE_DIR"
+for f in .pcache/*.bin.gz; do [ -f "$f" ] && gunzip -c "$f" > "$PCACHE_DIR/$(basename "$f" .gz)"; done
 if ! ldconfig -p | grep -q libvulkan.so.1; then  # the H200 image has no loader
   for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 fi
@@ -86,6 +93,10 @@ if [ "${SMALL:-0}" = 1 ]; then B1=tiny; B8=tiny-qwen3; else B1=llama-1b; B8=llam
 pack() {
   find bench/results -name "*.json" -newer /tmp/h200/start -exec cp {} "$RES/" \;
   (cd /tmp/h200 && tar czf "$OUT/h200.tar.gz" res)
+  # the driver's compiled pipelines, for the next session to carry as .pcache/ (see the top)
+  # (gzipped: a file comes back only under 16 MiB)
+  mkdir -p "$OUT/pcache"
+  for f in "$PCACHE_DIR"/*.bin; do [ -f "$f" ] && gzip -c "$f" > "$OUT/pcache/$(basename "$f").gz"; done
 }
 say() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
 model() { # preset quant -> path, made once

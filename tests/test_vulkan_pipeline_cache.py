@@ -77,3 +77,51 @@ def test_a_second_process_finds_the_first_ones_cache(tmp_path: Path) -> None:
     assert [r.returncode for r in runs] == [0, 0], [r.stderr for r in runs]
     assert int(runs[0].stdout) == 0
     assert int(runs[1].stdout) == path.stat().st_size > 0
+
+
+def test_a_save_keeps_what_another_process_saved_meanwhile(tmp_path: Path) -> None:
+    """Two caches opened on the same (empty) file, as two servers of an arena starting
+    together: each compiles its own pipeline and saves; the second save merges the
+    first one's pipeline in instead of writing over it, so the file ends with both
+    (larger than either alone)."""
+    device = shared_device()
+    alone_a, alone_b, both = tmp_path / "a.bin", tmp_path / "b.bin", tmp_path / "both.bin"
+
+    def rms(c: KernelCache) -> None:
+        _compile_one(c)
+
+    def add(c: KernelCache) -> None:
+        c.get("add", n_bindings=4, n_push=3, local_size=64)
+
+    for path, jobs in ((alone_a, [rms]), (alone_b, [add])):
+        c = KernelCache(device, cache_path=path)
+        for job in jobs:
+            job(c)
+        c.close()
+    first = KernelCache(device, cache_path=both)
+    second = KernelCache(device, cache_path=both)  # read the file before the first saved
+    rms(first)
+    add(second)
+    first.save()
+    second.save()
+    first.close()
+    second.close()
+    size_a, size_b, size = alone_a.stat().st_size, alone_b.stat().st_size, both.stat().st_size
+    if max(size_a, size_b) <= 32:
+        pytest.skip(f"{device.name} keeps no compute pipelines in a VkPipelineCache (its data is the 32-byte "
+                    "header alone), so there is nothing to merge here")
+    assert size > max(size_a, size_b), (size_a, size_b, size)
+
+
+def test_a_file_the_driver_refuses_at_save_is_replaced(tmp_path: Path) -> None:
+    """Garbage written over the file between this cache's load and its save (another
+    writer gone wrong): the merge skips it and the save still writes a valid cache."""
+    device = shared_device()
+    path = tmp_path / "dev.bin"
+    cache = KernelCache(device, cache_path=path)
+    _compile_one(cache)
+    path.write_bytes(b"\x00garbage" * 100)
+    cache.save()
+    cache.close()
+    assert path.read_bytes()[:8] != b"\x00garbage"
+    assert KernelCache(device, cache_path=path).loaded_bytes == path.stat().st_size

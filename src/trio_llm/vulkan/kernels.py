@@ -89,11 +89,15 @@ class KernelCache:
 
     def save(self) -> None:
         """Write the pipeline cache to disk (atomically) if pipelines were compiled
-        since the last save. Failures only lose the cache, so they are logged."""
+        since the last save. What the file holds now (another process's pipelines,
+        saved since this one read it: the servers of an arena, pytest's workers) is
+        merged in first (``vkMergePipelineCaches``), so the last writer does not drop
+        the others' pipelines. Failures only lose the cache, so they are logged."""
         if not self.dirty or self.cache_path is None or self._pcache is None:
             return
         self.dirty = False
         vk = self.device.vk
+        self._merge_file()
         size = vk.ffi.new("size_t*")
         try:
             _ok(vk, vk.lib.vkGetPipelineCacheData(self.device.handle, self._pcache, size, vk.ffi.NULL))
@@ -105,6 +109,30 @@ class KernelCache:
             os.replace(tmp, self.cache_path)
         except (OSError, RuntimeError) as exc:
             log.info("pipeline cache not saved to %s: %s", self.cache_path, exc)
+
+    def _merge_file(self) -> None:
+        """Merge the cache file's current contents into this cache (a file the driver
+        refuses, or none, merges nothing)."""
+        assert self.cache_path is not None
+        vk = self.device.vk
+        try:
+            data = self.cache_path.read_bytes()
+        except OSError:
+            return
+        if not data:
+            return
+        try:
+            info = vk.VkPipelineCacheCreateInfo(initialDataSize=len(data), pInitialData=vk.ffi.from_buffer(data))
+            other = vk.vkCreatePipelineCache(self.device.handle, info, None)
+        except vk.VkError as exc:
+            log.info("pipeline cache %s not merged: %s", self.cache_path, type(exc).__name__)
+            return
+        try:
+            vk.vkMergePipelineCaches(self.device.handle, self._pcache, 1, [other])
+        except vk.VkError as exc:
+            log.info("pipeline cache %s not merged: %s", self.cache_path, type(exc).__name__)
+        finally:
+            vk.vkDestroyPipelineCache(self.device.handle, other, None)
 
     def get(
         self,
