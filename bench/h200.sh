@@ -300,7 +300,7 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
     if [ "$LAST_RC" != 0 ]; then export TRIO_LLM_MATMUL_NV2=0; say "matmul_nv2 OFF for what follows (rc=$LAST_RC)"; fi
     if [ "${TRIO_LLM_PREFILL_NV2:-1}" = 1 ] && [ "${NV2GATE_OPS:-1}" = 1 ]; then
       stage nv2gate-attn-32k 75 $PY bench/prefill.py --shape llama-1b --lengths 32768 --types f16 --repeats 1 --splits 4 \
-        --kernels prefill_cm2,prefill_cm2_split4,prefill_nv2,prefill_nv2_split4
+        --kernels prefill_cm2,prefill_cm2_split4,prefill_nv2,prefill_nv2_split4 --check
     fi ;;
   rs8|localmem)  # issue 12's cold memory: the 8-column matvecs that kept 64 bytes a thread of local memory, which the
     # driver holds for the device's life. Forms (LM_FORMS): base (today's), unroll8 (TRIO_LLM_MATVEC_UNROLL=8: the
@@ -388,10 +388,10 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
         --pp $L --tg 8 --repeats 2
     done; done ;;
   nv2sweep32)  # attn_prefill_nv2's tiles and forms at 32k, op level, llama-1b f16, beside attn_prefill_cm2
-    NV2S=${NV2S:-64x32x128:pf,64x32x128:direct,64x64x128:direct,64x64x128:direct+mma,64x32x128:pf+mma,64x64x256:pf}
+    NV2S=${NV2S:-64x32x128:pf,64x32x128:direct,64x32x128:pf+lsum,64x64x128:direct,64x64x128:direct+lsum,64x64x128:direct+mma,64x32x128:pf+mma}
     NK=$(for v in ${NV2S//,/ }; do printf ',nv2_%s' "$v"; done)
     stage nv2sweep-32k 150 $PY bench/prefill.py --shape llama-1b --lengths 32768 --types f16 --repeats 1 \
-      --nv2 "$NV2S" --kernels "prefill_cm2$NK" ;;
+      --nv2 "$NV2S" --kernels "prefill_cm2$NK" --check ;;
   nv2attn)  # attn_prefill_nv2 (VK_NV_cooperative_matrix2; its variants prebuilt by compile-shaders where slangpy is
     # installed here, so no .cc): the device's NV coopmat2 features as device.py logs them, its tests on the GPU,
     # op level beside attn_prefill_cm2 (llama-1b at 8k and 32k in f16, unsplit and split in 4 as the forward pass

@@ -198,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
                     for name2, n2 in nv2_kinds.items():
                         kinds[f"{name2}_split{n}"] = functools.partial(split_ops, cm=n2)
                 base_s = None
+                ref_o: np.ndarray | None = None  # --check: the first kind's output, which the others are held to
+                back = alloc.create(o.size, "scratch", "readback") if args.check else None
                 for name in chosen or list(kinds):
                     if name not in kinds:
                         print(f"skip {name}: not on {device.name}", file=sys.stderr)
@@ -219,13 +221,25 @@ def run(args: argparse.Namespace) -> int:
                     sec = s.median * n_layer / layers
                     base_s = sec if name == "attention" else base_s
                     n_tok = args.tail or length
+                    err = None
+                    if back is not None:  # the last chunk's output of the last layer, against the first kind's
+                        with device.one_shot("read o") as cmd:
+                            device.vk.vkCmdCopyBuffer(cmd, o.handle, back.handle, 1,
+                                                      [device.vk.VkBufferCopy(size=o.size)])
+                        assert back.array is not None
+                        got = back.array[: 4 * spans[-1][1] * n_head * hd].view(np.float32).copy()
+                        if ref_o is None:
+                            ref_o = got
+                        err = float(np.abs(got - ref_o).max() / max(float(np.abs(ref_o).max()), 1e-30))
                     rows.append({"type": t.name, "length": length, "tail": args.tail, "kernel": name,
                                  "s_per_prompt": sec, "attn_tok_per_s": n_tok / sec,
-                                 "speedup": (base_s / sec) if base_s else None, "times_s": s})
+                                 "speedup": (base_s / sec) if base_s else None, "times_s": s, "err": err})
                     extra = f"  x{base_s / sec:.2f}" if base_s else ""
+                    if err is not None:
+                        extra += f"  err {err:.1e}{'  BAD' if not err <= args.check_tol else ''}"
                     print(f"{t.name:5} {length:7} {name:12} {sec:9.4f} s  {n_tok / sec:10.0f} tok/s{extra}",
                           flush=True)
-                for b in [*bufs, q, o, *steps, part, cnt, spart]:
+                for b in [*bufs, q, o, *steps, part, cnt, spart, *([back] if back is not None else [])]:
                     alloc.free(b)
     finally:
         kernels.close()
@@ -257,6 +271,10 @@ def main() -> int:
     ap.add_argument("--tail", type=int, default=0,
                     help="only the last N tokens of each prompt (a reused prefix), with attention_decode too")
     ap.add_argument("--layers", type=int, default=0, help="layers actually run (times scaled to all); 0: all")
+    ap.add_argument("--check", action="store_true",
+                    help="read each kind's output back (the last chunk, last layer) and hold it to the first kind's: "
+                         "a kind off by more than --check-tol of the largest value is printed BAD")
+    ap.add_argument("--check-tol", type=float, default=5e-3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     return run(ap.parse_args())

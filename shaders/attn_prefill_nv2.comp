@@ -46,8 +46,9 @@
 //
 // Specialization: 0 WG (lanes, a multiple of 32 within the device's
 // cooperativeMatrixWorkgroupScopeMaxWorkgroupSize), 1 G, 2 BQ, 3 HD (64, 128, 256), 5 BC
-// (32 or 64), 6 PF, 7 RSUM_MMA (the rows' sums of P as a product with a BC x BC matrix of
-// ones instead of a row reduction: tensor-core work instead of shuffles). Defines: K_TYPE, V_TYPE (kv.glsl's codes), NV2_DIRECT (K_TYPE =
+// (32 or 64), 6 PF, 7 RSUM_MMA (the rows' sums of P: 0 a row reduction per tile; 1 a product
+// with a BC x BC matrix of ones, tensor-core work instead of shuffles; 2 none per tile: L kept
+// per column, L = L e + P element-wise, and its rows added up once at the end). Defines: K_TYPE, V_TYPE (kv.glsl's codes), NV2_DIRECT (K_TYPE =
 // V_TYPE = f16). Ops.prefill_nv2_plan chooses them.
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_NV_cooperative_matrix2 : require
@@ -100,7 +101,7 @@ layout(constant_id = 2) const uint BQ = 16;  // tokens per work group
 layout(constant_id = 3) const uint HD = 64;  // head_dim
 layout(constant_id = 5) const uint BC = 64;  // keys per tile
 layout(constant_id = 6) const uint PF = 1;   // 1: the next tile's K and V loaded into registers during this one
-layout(constant_id = 7) const uint RSUM_MMA = 0;  // 1: the rows' sums of P as P x ones (tensor cores), else a row reduction
+layout(constant_id = 7) const uint RSUM_MMA = 0;  // the rows' sums of P: 0 reduced, 1 P x ones, 2 per column (summed at the end)
 const uint R = G * BQ;           // query rows
 const uint KS4 = (HD + 8u) / 4u; // K/V row stride in f16vec4 (16-byte rows, no bank conflicts)
 const uint KS = KS4 * 4u;        // ... in halves
@@ -395,13 +396,18 @@ void main() {
             coopMatPerElementNV(corr, mrun, nv2_exp_diff, mnew);
             mrun = mnew;
             MAT_PA pa = MAT_PA(pm);
-            MAT_S rs;
-            if (RSUM_MMA != 0u) {  // the sums of the f16 weights P V multiplies, on the tensor cores
-                rs = coopMatMulAdd(pa, coopmat<float16_t, gl_ScopeWorkgroup, BC, BC, gl_MatrixUseB>(1.0), MAT_S(0.0));
+            if (RSUM_MMA == 2u) {  // each column's share; the row's sum is taken once, after the last tile
+                lrun = lrun * corr + pm;
             } else {
-                coopMatReduceNV(rs, pm, gl_CooperativeMatrixReduceRowNV, nv2_add);
+                MAT_S rs;
+                if (RSUM_MMA == 1u) {  // the sums of the f16 weights P V multiplies, on the tensor cores
+                    rs = coopMatMulAdd(pa, coopmat<float16_t, gl_ScopeWorkgroup, BC, BC, gl_MatrixUseB>(1.0),
+                                       MAT_S(0.0));
+                } else {
+                    coopMatReduceNV(rs, pm, gl_CooperativeMatrixReduceRowNV, nv2_add);
+                }
+                lrun = lrun * corr + rs;
             }
-            lrun = lrun * corr + rs;
             MAT_O corr_o;  // each row's factor over all HD columns (equal within a row: max keeps it)
             coopMatReduceNV(corr_o, corr, gl_CooperativeMatrixReduceRowNV, nv2_max);
             oacc = oacc * corr_o;
@@ -421,6 +427,11 @@ void main() {
         barrier();
     }
 
+    if (RSUM_MMA == 2u) {  // the columns' shares of each row's sum, added up
+        MAT_S ltot;
+        coopMatReduceNV(ltot, lrun, gl_CooperativeMatrixReduceRowNV, nv2_add);
+        lrun = ltot;
+    }
     if (pc.n_split > 1u) {  // partials out, unnormalised, with (m, l)
         coopMatPerElementNV(mrun, mrun, nv2_store_ml, lrun, t0, nlive, h0);
     } else {

@@ -147,6 +147,9 @@ def test_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     assert mma.prefill_nv2_plan(8, 2, 64) == Nv2AttnPlan(64, 32, 128, pf=True, direct=True, mma_sum=True)
     assert mma.prefill_nv2_plan(8, 2, 64, "q8_0", "q8_0") == Nv2AttnPlan(64, 32, 128, pf=True, direct=False,
                                                                           mma_sum=True)
+    lazy = attrs.evolve(ops, prefill_nv2_form="pf+lsum").prefill_nv2_plan(8, 2, 64)
+    assert lazy == Nv2AttnPlan(64, 32, 128, pf=True, direct=False, lazy_sum=True) and lazy.rsum_mode == 2
+    assert mma.prefill_nv2_plan(8, 2, 64).rsum_mode == 1 and ops.prefill_nv2_plan(8, 2, 64).rsum_mode == 0  # type: ignore[union-attr]
     with pytest.raises(ValueError):
         attrs.evolve(ops, prefill_nv2_form="pf+fast")
 
@@ -254,16 +257,16 @@ def test_mixed_types_fall_back_or_run(env: Env, nv2: Ops) -> None:
         check(env, nv2, hd=64, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=64, k_type="q8_0", v_type="f16", seed=9)
 
 
-@pytest.mark.parametrize("form", [*PREFILL_NV2_FORMS, "pf+mma", "direct+mma"])
+@pytest.mark.parametrize("form", [*PREFILL_NV2_FORMS, "pf+mma", "direct+mma", "pf+lsum", "direct+lsum"])
 @pytest.mark.parametrize("hd", [64, 128, 256])
 def test_forms(env: Env, nv2: Ops, form: str, hd: int) -> None:
     """Each form (register prefetch, staged at each tile's start, tensor-addressed from
-    the f16 cache; the rows' sums by a product with ones) with prefixes, three sequences
-    and a partial last key tile."""
+    the f16 cache; the rows' sums by a product with ones, or per column and added up at
+    the end) with prefixes, three sequences and a partial last key tile."""
     ops = attrs.evolve(nv2, prefill_nv2_form=form)
     plan = ops.prefill_nv2_plan(8, 2, hd)
     assert plan is not None and plan.direct == form.startswith("direct") and plan.pf == (form != "staged")
-    assert plan.mma_sum == form.endswith("+mma")
+    assert plan.mma_sum == form.endswith("+mma") and plan.lazy_sum == form.endswith("+lsum")
     pos, seq = batch((0, 0, 70), (1, 130, 21), (2, 65, 3))
     check(env, ops, hd=hd, n_head=8, n_kv=2, pos=pos, seq=seq, n_ctx=256, seed=hd + len(form))
 
@@ -311,7 +314,7 @@ def test_sliding_window_ring(env: Env, nv2: Ops, form: str) -> None:
 
 
 @pytest.mark.parametrize("n_split", [2, 3, 5])
-@pytest.mark.parametrize("form", ["pf", "direct"])
+@pytest.mark.parametrize("form", ["pf", "direct", "pf+lsum"])
 def test_split(env: Env, nv2: Ops, n_split: int, form: str) -> None:
     """Keys split over work groups and added up by attn_combine: a long prefix (splits
     of several tiles, the last one short), a short sequence (splits with no keys at all),

@@ -433,6 +433,15 @@ class Nv2AttnPlan:
     pf: bool
     direct: bool
     mma_sum: bool = False
+    #: "+lsum": the rows' sums kept per column (L = L e + P, element-wise) and added up
+    #: once at the end: no reduction (nor product with ones) per key tile
+    lazy_sum: bool = False
+
+    @property
+    def rsum_mode(self) -> int:
+        """Specialization constant 7 (RSUM_MMA): 0 a row reduction per tile, 1 a product
+        with ones, 2 per-column sums added up at the end."""
+        return 2 if self.lazy_sum else int(self.mma_sum)
 
 
 def prefill_nv2_shared(head_dim: int, rows: int, keys: int, direct: bool = False) -> int:
@@ -480,21 +489,21 @@ def _nv2_attn_ready(k_code: int, v_code: int, direct: bool) -> bool:
 
 
 def nv2_form_ok(form: str) -> bool:
-    """Whether ``form`` is one of ``PREFILL_NV2_FORMS``, optionally with "+mma"."""
+    """Whether ``form`` is one of ``PREFILL_NV2_FORMS``, optionally with "+mma" or "+lsum"."""
     base, _, extra = form.partition("+")
-    return base in PREFILL_NV2_FORMS and extra in ("", "mma")
+    return base in PREFILL_NV2_FORMS and extra in ("", "mma", "lsum")
 
 
 def _nv2_form_check(form: str) -> None:
     if not nv2_form_ok(form):
-        raise ValueError(f"attn_prefill_nv2 form {form!r}: one of {', '.join(PREFILL_NV2_FORMS)}, optionally +mma")
+        raise ValueError(f"attn_prefill_nv2 form {form!r}: one of {', '.join(PREFILL_NV2_FORMS)}, optionally +mma or +lsum")
 
 
 def prefill_nv2_form_env() -> str:
     v = os.environ.get("TRIO_LLM_PREFILL_NV2_FORM", "") or "pf"
     if not nv2_form_ok(v):
         raise ConfigError(f"TRIO_LLM_PREFILL_NV2_FORM={v!r}: expected one of {', '.join(PREFILL_NV2_FORMS)}, "
-                          "optionally with +mma")
+                          "optionally with +mma or +lsum")
     return v
 
 
@@ -1344,7 +1353,8 @@ class Ops:
             return None
         if not _nv2_attn_ready(_kv(k_type).code, _kv(v_type).code, direct):
             return None  # neither prebuilt nor a compiler here (mixed K / V types without slangpy)
-        return Nv2AttnPlan(rows, keys, lanes, pf=form != "staged", direct=direct, mma_sum=extra == "mma")
+        return Nv2AttnPlan(rows, keys, lanes, pf=form != "staged", direct=direct, mma_sum=extra == "mma",
+                           lazy_sum=extra == "lsum")
 
     def prefill_cm2_ok(self, n_head: int, n_head_kv: int, head_dim: int) -> bool:
         """Whether ``attention_prefill`` takes attn_prefill_cm2.comp (``prefill_cm2_plan``)."""
@@ -1392,7 +1402,7 @@ class Ops:
             k = self._nv2_kernel("attn_prefill_nv2", "the KHR kernels", n_bindings=6, n_push=12,
                                  local_size=nv2.lanes, defines=nv2_attn_defines(kt.code, vt.code, nv2.direct),
                                  spec={1: g, 2: nv2.rows // g, 3: head_dim, 5: nv2.keys, 6: int(nv2.pf),
-                                       7: int(nv2.mma_sum)})
+                                       7: nv2.rsum_mode})
             if k is not None:
                 return Dispatch(k, (q, k_cache, v_cache, o, step, o if part is None else part),
                                 (*push, n_split, min_tiles, ml_off),
