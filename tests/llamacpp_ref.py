@@ -59,12 +59,17 @@ class Reference:
     """One GGUF file loaded in llama.cpp (CPU, one thread, no prompt cache).
 
     ``cache_type_k`` / ``cache_type_v`` are llama-server's ``-ctk`` / ``-ctv`` names
-    (f16 is its default), for rows that compare a KV cache type."""
+    (f16 is its default), for rows that compare a KV cache type; ``n_ubatch`` its
+    ``-ub`` (512 by default)."""
 
-    def __init__(self, path: Path, *, n_ctx: int = 256, cache_type_k: str = "f16", cache_type_v: str = "f16") -> None:
+    def __init__(self, path: Path, *, n_ctx: int = 256, cache_type_k: str = "f16", cache_type_v: str = "f16",
+                 n_ubatch: int | None = None) -> None:
         params = xllamacpp.CommonParams()
         params.model.path = str(path)
         params.n_ctx = n_ctx
+        if n_ubatch is not None:  # llama-server's -ub (and -b, so that it is the pass size)
+            params.n_batch = max(params.n_batch, n_ubatch)
+            params.n_ubatch = n_ubatch
         params.cache_type_k = getattr(xllamacpp.ggml_type, f"GGML_TYPE_{cache_type_k.upper()}")
         params.cache_type_v = getattr(xllamacpp.ggml_type, f"GGML_TYPE_{cache_type_v.upper()}")
         params.n_parallel = 1

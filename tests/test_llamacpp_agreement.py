@@ -119,6 +119,32 @@ def test_vulkan_agrees_with_llamacpp(llama, preset: str, quant: str) -> None:  #
     _check(llama, preset, quant, "vulkan")
 
 
+@pytest.mark.vulkan
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35"])
+def test_a_pass_of_1024_tokens_agrees_with_llamacpp(model_path, preset: str) -> None:  # type: ignore[no-untyped-def]
+    """``-ub 1024`` on both sides: a 1,100-token prompt as one 1024-token pass then 76
+    (llama.cpp's n_ubatch 1024; our Vulkan backend's max_chunk 1024), the continuation
+    held to llama.cpp's by the same rule as the short prompts above."""
+    path = model_path(preset, "Q8_0", sharp=True)
+    tok = Tokenizer.from_metadata(load_gguf(path).metadata)
+    ref = Reference(path, n_ctx=1200, n_ubatch=1024)
+    backend = VulkanBackend(load_gguf(path), n_ctx=1200, n_seq=1, max_chunk=1024)
+    try:
+        compared = []
+        for prompt in _prompts(tok, (1100, 1100, 1100), seed=13):
+            before = backend.statistics().submits
+            ours = our_greedy(backend, prompt, tok.is_eog)
+            assert backend.statistics().submits - before >= 2  # the prompt's two passes, then the decode steps
+            v = agree(ours, ref.greedy(prompt, server_piece(tok)))
+            assert v.ok, v.why
+            compared.append(v.compared)
+        print(f"{preset}: steps compared {compared}")
+        assert sum(compared) >= 12, compared  # not all parted at once on a near-tie
+    finally:
+        backend.close()
+        ref.close()
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_end_of_generation_tokens_are_llamacpps(llama, preset: str) -> None:  # type: ignore[no-untyped-def]
     """Every special token, forced by a logit bias, ends llama.cpp's generation exactly
