@@ -9,7 +9,7 @@
 // group (the compiler spreads an R x N matrix over the WG / 32 warps and stages it
 // through shared memory where it must), a row reduction on an accumulator
 // (coopMatReduceNV: the rows' max and sum, and a per-row value "smeared" over a matrix
-// of another width, which is how a row's factor reaches the R x HD output), and
+// of another width, which is how a row's factor reaches the R x HD output: a "smear"), and
 // per-element functions that are told each element's (row, column)
 // (coopMatPerElementNV: the mask, the exponentials, Q's load and the output's store).
 // So S, P and the softmax state never touch shared memory by the kernel's own hand.
@@ -181,6 +181,13 @@ float nv2_max(const in float a, const in float b) {
 }
 float nv2_add(const in float a, const in float b) {
     return a + b;
+}
+// a "smear": a row's value, the same in every column of an R x BC matrix, spread over
+// R x HD. Any element is the answer, so the combine keeps its first operand and the
+// compiler need not compare them (llama.cpp's flash_attn_cm2 smears this way; a max of
+// equal values, which this kernel did before, costs a compare per step)
+float nv2_first(const in float a, const in float b) {
+    return a;
 }
 
 // --- per-element functions of coopMatPerElementNV: (row, column, value, extras) ---
@@ -408,8 +415,8 @@ void main() {
                 }
                 lrun = lrun * corr + rs;
             }
-            MAT_O corr_o;  // each row's factor over all HD columns (equal within a row: max keeps it)
-            coopMatReduceNV(corr_o, corr, gl_CooperativeMatrixReduceRowNV, nv2_max);
+            MAT_O corr_o;  // each row's factor over all HD columns (equal within a row)
+            coopMatReduceNV(corr_o, corr, gl_CooperativeMatrixReduceRowNV, nv2_first);
             oacc = oacc * corr_o;
             oacc = coopMatMulAdd(pa, vb, oacc);
 #if !NV2_DIRECT
@@ -438,7 +445,7 @@ void main() {
         MAT_S linv;
         coopMatPerElementNV(linv, lrun, nv2_inv);
         MAT_O linv_o;
-        coopMatReduceNV(linv_o, linv, gl_CooperativeMatrixReduceRowNV, nv2_max);
+        coopMatReduceNV(linv_o, linv, gl_CooperativeMatrixReduceRowNV, nv2_first);
         oacc = oacc * linv_o;
     }
     coopMatPerElementNV(oacc, oacc, nv2_store, t0, nlive, h0);
