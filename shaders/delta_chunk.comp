@@ -12,6 +12,10 @@
 // the decode kernel reads next: nothing is transposed or concatenated. A run starting
 // at position 0 starts from zeros.
 #include "common.glsl"
+// The k head of v head h: ggml's tiled broadcast (qwen35: h % n_k) or, with KH_DIV =
+// n_v / n_k, the grouped one (qwen3next: each k head's v heads side by side, h / KH_DIV)
+layout(constant_id = 9) const uint KH_DIV = 0;
+#define K_HEAD(h) (KH_DIV != 0u ? (h) / KH_DIV : (h) % pc.n_k)
 
 layout(constant_id = 1) const uint D = 128;  // head size
 layout(constant_id = 2) const uint J = 16;   // state columns per work group
@@ -50,7 +54,7 @@ void main() {
     }
     uint seq = STEP_SEQ(t0);
     uint lane = gl_LocalInvocationID.x;
-    uint kh = h % pc.n_k;
+    uint kh = K_HEAD(h);
     float scale = inversesqrt(float(D));
     uint sb = (seq * pc.n_v + h) * D;
     bool fresh = STEP_POS(t0) == 0u;

@@ -1,6 +1,6 @@
 #version 450
 // The gated delta rule (qwen35's linear attention) with its per-sequence state: for
-// each v head h (k head h % n_k) and each token of a sequence's run in this step,
+// each v head h (k head K_HEAD(h): h % n_k, or h / KH_DIV) and each token of a sequence's run in this step,
 //   S *= exp(g),  delta = beta (v - S^T k),  S += k delta^T,  o = S^T q / sqrt(d)
 // with g = softplus(alpha + dt[h]) a[h] and beta = sigmoid(beta). One work group of d
 // lanes per (v head, first token of a run); lane j keeps column j of S (d values) in
@@ -37,6 +37,10 @@
 // (head_sum: wg_sum without the partials of the subgroups past the first NW lanes,
 // which are zeros; a group of 1024 lanes has more subgroups than reduce.glsl's slots).
 #include "common.glsl"
+// The k head of v head h: ggml's tiled broadcast (qwen35: h % n_k) or, with KH_DIV =
+// n_v / n_k, the grouped one (qwen3next: each k head's v heads side by side, h / KH_DIV)
+layout(constant_id = 9) const uint KH_DIV = 0;
+#define K_HEAD(h) (KH_DIV != 0u ? (h) / KH_DIV : (h) % pc.n_k)
 #ifdef DP
 #extension GL_KHR_shader_subgroup_shuffle : require
 #define HD DU                  // the head dim (the work group is DP * HD lanes)
@@ -187,7 +191,7 @@ void main() {
     uint j = l / DP;  // the column
     uint p = l % DP;  // the lane's part of it
     bool loads = l < HD;  // the lanes that load (make) the token's q, k (v), value l each
-    uint kh = h % pc.n_k;
+    uint kh = K_HEAD(h);
     float scale = inversesqrt(float(HD));
     bool fresh = STEP_POS(t0) == 0u;
     uint sb = ((seq * pc.n_v + h) * HD + j) * (HD / 4u) + p;  // in vec4s; vec4 r at sb + r DP
@@ -321,7 +325,7 @@ void main() {
         return;  // not the first token of its run
     }
     uint j = gl_LocalInvocationID.x;
-    uint kh = h % pc.n_k;
+    uint kh = K_HEAD(h);
     float scale = inversesqrt(float(WG));
     uint sb = ((seq * pc.n_v + h) * WG + j) * WG;
     bool fresh = STEP_POS(t0) == 0u;

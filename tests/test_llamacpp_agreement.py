@@ -41,7 +41,7 @@ from trio_llm.vulkan.backend import VulkanBackend
 KV_OPEN = {("tiny-qwen2", "q4_1", "numpy")}
 
 PRESETS = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-spm", "tiny-gemma3", "tiny-qwen3moe", "tiny-qwen35",
-           "tiny-qwen35moe"]
+           "tiny-qwen35moe", "tiny-qwen3next"]
 #: (preset, type) rows whose agreement is not claimed, run as strict expected failures
 #: (a row that starts to agree fails, so this list cannot go stale): a mixture of experts
 #: turns llama.cpp's 8-bit activation rounding into a different expert where two are

@@ -698,7 +698,9 @@ class NumpyBackend:
         state = self._rs[node.out.id]  # [n_seq, n_v, d, d]
         nk, nv, d = node.attr("n_k_heads"), node.attr("n_v_heads"), node.attr("head_dim")
         n = len(q)
-        kh = np.arange(nv) % nk  # v head h reads k head h % n_k (ggml_repeat tiles the k heads)
+        # v head h reads k head h % n_k (ggml_repeat tiles the k heads), or with k_grouped
+        # h // (n_v / n_k): qwen3next's v heads sit by their k head
+        kh = np.arange(nv) // (nv // nk) if node.attr("k_grouped") else np.arange(nv) % nk
         qs = (q.reshape(n, nk, d) * np.float32(1.0 / np.sqrt(d)))[:, kh]  # [N, n_v, d]
         ks = k.reshape(n, nk, d)[:, kh]  # [N, n_v, d]
         vs = v.reshape(n, nv, d)

@@ -267,9 +267,11 @@ class Graph:
         return self._node("ssm_conv", (x, w), x.shape, name, d_conv=int(w.shape[1]))
 
     def delta_net(self, q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, beta: Tensor, dt: Tensor, a: Tensor,
-                  name: str, *, n_k_heads: int, n_v_heads: int, head_dim: int) -> Tensor:
+                  name: str, *, n_k_heads: int, n_v_heads: int, head_dim: int, k_grouped: bool = False) -> Tensor:
         """The gated delta rule over the layer's recurrent state S ``[n_v_heads, d, d]``
-        (d = ``head_dim``), per token and v head h with its k head ``h % n_k_heads``:
+        (d = ``head_dim``), per token and v head h with its k head ``h % n_k_heads``
+        (ggml's tiled broadcast, qwen35), or with ``k_grouped`` ``h // (n_v_heads /
+        n_k_heads)`` (each k head's v heads side by side, qwen3next):
         ``S = exp(g) S``, ``S += k (beta (v - S^T k))^T``, out = ``S^T q / sqrt(d)``,
         where the decay ``g = softplus(alpha + dt) * a`` and ``beta = sigmoid(beta)``.
         q, k ``[T, n_k_heads * d]``, v ``[T, n_v_heads * d]``, alpha and beta
@@ -284,7 +286,7 @@ class Graph:
         for t in (dt, a):
             self._check(t.shape == (n_v_heads,), name, f"delta_net dt and a must be [{n_v_heads}], got {t!r}")
         return self._node("delta_net", (q, k, v, alpha, beta, dt, a), v.shape, name, n_k_heads=n_k_heads,
-                          n_v_heads=n_v_heads, head_dim=head_dim)
+                          n_v_heads=n_v_heads, head_dim=head_dim, k_grouped=bool(k_grouped))
 
     def gate_rows(self, x: Tensor, h: Tensor, w: Tensor, name: str) -> Tensor:
         """Each row of ``x`` times ``sigmoid(h_row . w)``: a one-output linear gate (a

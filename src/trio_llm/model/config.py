@@ -17,7 +17,7 @@ RopeMode = Literal["normal", "neox"]
 #: ``trio_llm.models``, which builds its graph)
 ARCH_ROPE: dict[str, RopeMode] = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
                                  "qwen3moe": "neox", "qwen35": "neox",
-                                 "qwen35moe": "neox"}
+                                 "qwen35moe": "neox", "qwen3next": "neox"}
 
 
 @attrs.frozen

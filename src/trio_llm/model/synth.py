@@ -95,7 +95,7 @@ class Preset:
 
             extra = gemma3.derived(self.n_layer, self.n_embd, self.n_head, self.head_dim, self.n_swa,
                                    self.rope_linear)
-        elif self.arch in ("qwen35", "qwen35moe"):
+        elif self.arch in ("qwen35", "qwen35moe", "qwen3next"):
             from trio_llm.models.qwen35 import FULL_ATTENTION_INTERVAL
 
             d_conv, n_k, n_v, d = self.ssm
@@ -117,7 +117,7 @@ class Preset:
             rope_theta=self.rope_theta,
             rms_eps=self.rms_eps,
             rope_mode=ARCH_ROPE[self.arch],
-            qk_norm=self.arch in ("qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe"),
+            qk_norm=self.arch in ("qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next"),
             attn_bias=self.arch == "qwen2",
             tied_embeddings=self.tied,
             n_expert=self.n_expert,
@@ -209,6 +209,14 @@ PRESETS: dict[str, Preset] = {
                 n_ff_shexp=256),
         _preset("qwen35-35b-a3b", "qwen35moe", (2048, 40, 16, 2, 256, 512, 248320), False, 1e7, 262144,
                 ("gpt2", "chatml"), "synthetic Qwen3.5-35B-A3B shape", moe=(256, 8, 512), ssm=(4, 16, 32, 128),
+                n_rot=64, n_ff_shexp=512),
+        # Qwen3-Next (Qwen3-Coder-Next): qwen35moe's stack, the delta rule's gates from one
+        # projection (ssm_ba) and each k head's v heads side by side
+        _preset("tiny-qwen3next", "qwen3next", (256, 4, 4, 2, 64, 256, 1024), False, 1e7, 4096,
+                ("gpt2", "chatml"), "trio-llm tiny-qwen3next", moe=(16, 4, 256), ssm=(4, 2, 4, 64), n_rot=16,
+                n_ff_shexp=256),
+        _preset("qwen3-coder-next", "qwen3next", (2048, 48, 16, 2, 256, 512, 151936), False, 1e7, 262144,
+                ("gpt2", "chatml"), "synthetic Qwen3-Coder-Next shape", moe=(512, 10, 512), ssm=(4, 16, 32, 128),
                 n_rot=64, n_ff_shexp=512),
         _preset("gemma3-4b", "gemma3", (2560, 34, 8, 4, 256, 10240, 262144), True, 1e6, 131072,
                 ("llama", "gemma"), "synthetic gemma-3-4b shape", n_swa=1024, rope_linear=8.0),
@@ -512,10 +520,11 @@ def _write_metadata(writer: gguf.GGUFWriter, preset: Preset, quant: str) -> None
         writer.add_ssm_time_step_rank(n_v)
         writer.add_ssm_group_count(n_k)
         writer.add_full_attention_interval(FULL_ATTENTION_INTERVAL)
-        # llama.cpp's multi-section RoPE: Qwen3.5's 11/11/10 of 32 pairs, scaled to n_rot
-        half = cfg.n_rot // 2
-        a = round(half * 11 / 32)
-        writer.add_rope_dimension_sections([a, a, half - 2 * a, 0])
+        if cfg.arch != "qwen3next":  # its RoPE is NeoX's, without sections
+            # llama.cpp's multi-section RoPE: Qwen3.5's 11/11/10 of 32 pairs, scaled to n_rot
+            half = cfg.n_rot // 2
+            a = round(half * 11 / 32)
+            writer.add_rope_dimension_sections([a, a, half - 2 * a, 0])
     if preset.n_expert:
         writer.add_expert_count(preset.n_expert)
         writer.add_expert_used_count(preset.n_expert_used)

@@ -136,36 +136,47 @@ def gated_attention(g: Graph, h: Tensor, il: int, cfg: ModelConfig) -> Tensor:
     return g.linear(att, g.weight(b + "attn_output.weight"), "attn_output")  # [T, n_embd]
 
 
-def linear_attention(g: Graph, h: Tensor, il: int, cfg: ModelConfig) -> Tensor:
-    """The gated delta-net layer: ``[T, n_embd]``."""
+def beta_alpha(g: Graph, h: Tensor, il: int, cfg: ModelConfig) -> tuple[Tensor, Tensor]:
+    """Qwen3.5's gates of the delta rule, one projection each: ``[T, n_v]`` twice."""
+    b = f"blk.{il}."
+    beta = g.linear(h, g.weight(b + "ssm_beta.weight"), "beta")  # [T, n_v]
+    alpha = g.linear(h, g.weight(b + "ssm_alpha.weight"), "alpha")  # [T, n_v]
+    return beta, alpha
+
+
+def linear_attention(g: Graph, h: Tensor, il: int, cfg: ModelConfig, gates: Any = beta_alpha,
+                     k_grouped: bool = False) -> Tensor:
+    """The gated delta-net layer: ``[T, n_embd]``; ``gates(g, h, il, cfg)`` makes its
+    (beta, alpha), ``k_grouped`` is ``Graph.delta_net``'s (qwen3next's layout)."""
     b = f"blk.{il}."
     key, value, conv = dims(cfg)
     d, eps = cfg.ssm_head_dim, cfg.rms_eps
     qkv = g.linear(h, g.weight(b + "attn_qkv.weight"), "linear_attn_qkv_mixed")  # [T, conv]
     z = g.linear(h, g.weight(b + "attn_gate.weight"), "z")  # [T, value]
-    beta = g.linear(h, g.weight(b + "ssm_beta.weight"), "beta")  # [T, n_v]
-    alpha = g.linear(h, g.weight(b + "ssm_alpha.weight"), "alpha")  # [T, n_v]
+    beta, alpha = gates(g, h, il, cfg)  # [T, n_v] each
     c = g.ssm_conv(qkv, g.weight(b + "ssm_conv1d.weight"), "conv_output_silu")  # [T, conv]
     q = g.l2_norm(g.take(c, conv, 0, key, "q_conv"), d, eps, "q_conv_normed")  # [T, key]
     k = g.l2_norm(g.take(c, conv, key, key, "k_conv"), d, eps, "k_conv_normed")  # [T, key]
     v = g.take(c, conv, 2 * key, value, "v_conv")  # [T, value]
     o = g.delta_net(q, k, v, alpha, beta, g.weight(b + "ssm_dt.bias"), g.weight(b + "ssm_a"), "attn_output",
-                    n_k_heads=cfg.ssm_n_k_heads, n_v_heads=cfg.ssm_n_v_heads, head_dim=d)  # [T, value]
+                    n_k_heads=cfg.ssm_n_k_heads, n_v_heads=cfg.ssm_n_v_heads, head_dim=d,
+                    k_grouped=k_grouped)  # [T, value]
     o = g.rms_norm(o, g.weight(b + "ssm_norm.weight"), eps, "attn_out_norm", group=d)
     o = g.glu(z, o, "silu", "final_output")  # silu(z) * normed
     return g.linear(o, g.weight(b + "ssm_out.weight"), "linear_attn_out")  # [T, n_embd]
 
 
-def build_layers(g: Graph, cfg: ModelConfig, ffn_block: Any) -> None:
+def build_layers(g: Graph, cfg: ModelConfig, ffn_block: Any, linear: Any = linear_attention) -> None:
     """The hybrid stack; ``ffn_block(g, h, il)`` is the layer's feed-forward (qwen35moe's
-    is a mixture of experts)."""
+    is a mixture of experts), ``linear(g, h, il, cfg)`` its delta-net layer (qwen3next's
+    takes its gates from one projection)."""
     eps = cfg.rms_eps
     x = g.get_rows(g.weight("token_embd.weight"), g.tokens())  # [T, n_embd]
     for il in range(cfg.n_layer):
         g.layer(il)
         b = f"blk.{il}."
         h = norm(g, x, b + "attn_norm.weight", eps, "attn_norm")
-        mix = linear_attention if cfg.is_recurrent(il) else gated_attention
+        mix = linear if cfg.is_recurrent(il) else gated_attention
         x = g.add(x, mix(g, h, il, cfg), "attn_residual")
         h = norm(g, x, b + "post_attention_norm.weight", eps, "attn_post_norm")
         x = g.add(x, ffn_block(g, h, il), "post_ffn")

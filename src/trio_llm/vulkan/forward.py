@@ -1254,7 +1254,7 @@ class _Lowering:
             return
         d = self.ops.delta_net(vq, vk, vv, va, vb, vdt, vad, self.view(node.out), state, self.st,
                                n_k=node.attr("n_k_heads"), n_v=node.attr("n_v_heads"), d=node.attr("head_dim"),
-                               cap=self.bucket)
+                               cap=self.bucket, k_grouped=node.attr("k_grouped"))
         self.emit([d], [self.slot(t) for t in (q, k, v, alpha, beta)] + [key], [self.slot(node.out), key])
 
     def _delta_chunked(self, node: Node) -> None:
@@ -1266,7 +1266,7 @@ class _Lowering:
         vq, vk, vv, va, vb, vdt, vad = (self.view(t) for t in (q, k, v, alpha, beta, dt, a))
         tm, pm, gc = (self.rs.work_view(n) for n in ("T", "P", "G"))
         shape = dict(n_k=node.attr("n_k_heads"), n_v=node.attr("n_v_heads"), d=node.attr("head_dim"), cap=self.bucket,
-                     runs=self.rs.n_seq)
+                     runs=self.rs.n_seq, k_grouped=node.attr("k_grouped"))
         work = [("rs_work", n) for n in ("T", "P", "G")]
         self.emit([self.ops.delta_prep(vq, vk, va, vb, vdt, vad, tm, pm, gc, self.st, **shape)],
                   [self.slot(t) for t in (q, k, alpha, beta)], work)
@@ -1306,7 +1306,8 @@ class _Lowering:
         vq, vk, vv, va, vb, vdt, vad = (self.view(t) for t in (q, k, v, alpha, beta, dt, a))
         d = self.ops.delta_net(vq, vk, vv, va, vb, vdt, vad, self.view(glu.out), state, self.st,
                                n_k=node.attr("n_k_heads"), n_v=node.attr("n_v_heads"), d=node.attr("head_dim"),
-                               cap=self.bucket, gate=(self.view(z), self.view(nrm.inputs[1]), nrm.attr("eps")))
+                               cap=self.bucket, gate=(self.view(z), self.view(nrm.inputs[1]), nrm.attr("eps")),
+                               k_grouped=node.attr("k_grouped"))
         self.emit([d], [self.slot(t) for t in (q, k, v, alpha, beta, z)] + [key], [self.slot(glu.out), key])
 
     def fuse_delta_conv(self, node: Node, members: list[Node]) -> None:
@@ -1330,7 +1331,7 @@ class _Lowering:
         d = self.ops.delta_net(self.view(x), self.view(w), cstate, self.view(alpha), self.view(beta), self.view(dt),
                                self.view(a), self.view(out), state, self.st, n_k=rule.attr("n_k_heads"),
                                n_v=rule.attr("n_v_heads"), d=rule.attr("head_dim"), cap=self.bucket, gate=gate,
-                               conv=(x.width, node.attr("d_conv"), l2_eps))
+                               conv=(x.width, node.attr("d_conv"), l2_eps), k_grouped=rule.attr("k_grouped"))
         self.emit([d], reads, [self.slot(out), key])
         d1 = self.ops.ssm_conv(self.view(x), self.view(w), self.view(out), cstate, self.st, phase=1, c=x.width,
                                k=node.attr("d_conv"), cap=self.bucket)

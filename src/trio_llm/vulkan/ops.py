@@ -1723,7 +1723,7 @@ class Ops:
     def delta_net(
         self, q: View, k: View, v: View, alpha: View, beta: View, dt: View, a: View, o: View, state: View,
         step: View, *, n_k: int, n_v: int, d: int, cap: int, gate: tuple[View, View, float] | None = None,
-        conv: tuple[int, int, float] | None = None,
+        conv: tuple[int, int, float] | None = None, k_grouped: bool = False,
     ) -> Dispatch:
         """The gated delta rule over each sequence's run of tokens (``Graph.delta_net``).
         ``gate`` = (z, w, eps): each output head then RMS-normed with the weight ``w``
@@ -1732,7 +1732,9 @@ class Ops:
         (C, d_conv, eps): q, k and v are then the conv's input qkv [T, C], its weight
         and its state, and the rule makes its q, k, v channels as ``ssm_conv`` phase 0
         and the L2 norms of q and k would (CONV; the state moves on in phase 1). With
-        ``delta_split`` (DP) each form runs split-lane: DP * d lanes per head."""
+        ``delta_split`` (DP) each form runs split-lane: DP * d lanes per head.
+        ``k_grouped``: v head h reads k head h / (n_v / n_k) (qwen3next's grouped
+        heads), not ggml's tiled h % n_k (specialization constant KH_DIV)."""
         defines: dict[str, object] = {}
         push: tuple[int | float, ...] = (n_k, n_v)
         views: tuple[View, ...] = (q, k, v, alpha, beta, dt, a, o, state, step)
@@ -1754,9 +1756,11 @@ class Ops:
             defines["DU"], defines["DP"] = d, dp  # delta_net.comp's split-lane form
             lanes = dp * d
         # the norms' sums as rms_norm.comp and l2_norm.comp make them with norm_wg lanes
-        spec = {1: min(self.norm_wg, d)} if defines.keys() - {"DU", "DP"} else None
+        spec = {1: min(self.norm_wg, d)} if defines.keys() - {"DU", "DP"} else {}
+        if k_grouped:
+            spec[9] = n_v // n_k
         kern = self.kernels.get("delta_net", n_bindings=len(views), n_push=len(push), local_size=lanes,
-                                defines=defines or None, spec=spec)
+                                defines=defines or None, spec=spec or None)
         return Dispatch(kern, views, push, (n_v, cap, 1))
 
     def _delta_split_misfit(self, dp: int, d: int, state: View) -> str | None:
@@ -1776,26 +1780,27 @@ class Ops:
 
     def delta_prep(
         self, q: View, k: View, alpha: View, beta: View, dt: View, a: View, tm: View, pm: View, gc: View,
-        step: View, *, n_k: int, n_v: int, d: int, cap: int, runs: int,
+        step: View, *, n_k: int, n_v: int, d: int, cap: int, runs: int, k_grouped: bool = False,
     ) -> Dispatch:
         """The chunked prefill form's state-free part, every chunk at once: the chunks'
         cumulative log decays, their triangular solves and in-chunk attention
         (``delta_prep.comp``; ``tm``/``pm`` [cap, n_v, DELTA_CHUNK], ``gc`` [cap, n_v]).
         ``runs``: the most sequences in a step; with ``cap`` tokens they make at most
         cap / DELTA_CHUNK + 2 runs + 1 chunks (a run's chunks end at multiples of the chunk)."""
-        kern = self.kernels.get("delta_prep", n_bindings=10, n_push=3, local_size=DELTA_CHUNK)
+        kern = self.kernels.get("delta_prep", n_bindings=10, n_push=3, local_size=DELTA_CHUNK,
+                                spec={9: n_v // n_k} if k_grouped else None)
         chunks = min(cap, cap // DELTA_CHUNK + 2 * runs + 1)
         return Dispatch(kern, (q, k, alpha, beta, dt, a, tm, pm, gc, step), (n_k, n_v, d), (n_v, chunks, 1))
 
     def delta_chunk(
         self, q: View, k: View, v: View, beta: View, tm: View, pm: View, gc: View, o: View, state: View,
-        step: View, *, n_k: int, n_v: int, d: int, cap: int, runs: int,
+        step: View, *, n_k: int, n_v: int, d: int, cap: int, runs: int, k_grouped: bool = False,
     ) -> Dispatch:
         """The chunked prefill form's walk over each run's chunks with the state
         (``delta_chunk.comp``): a work group per (v head, ``cols`` state columns, run)."""
         cols = delta_cols(d)
         kern = self.kernels.get("delta_chunk", n_bindings=10, n_push=2, local_size=DELTA_LANES,
-                                spec={1: d, 2: cols})
+                                spec={1: d, 2: cols, **({9: n_v // n_k} if k_grouped else {})})
         return Dispatch(kern, (q, k, v, beta, tm, pm, gc, o, state, step), (n_k, n_v),
                         (n_v * (d // cols), min(cap, runs), 1))
 
