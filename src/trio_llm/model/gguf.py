@@ -78,8 +78,12 @@ class GGUFModel:
             raise ModelLoadError(self.path, f"no tensor named {name!r}") from None
 
     def weight_bytes(self) -> int:
-        """Bytes of all tensor data, the amount a device copy of the weights needs."""
-        return sum(t.n_bytes for t in self.tensors.values())
+        """Bytes of the tensor data a device copy of the weights needs: every tensor but
+        those of blocks past the trunk (a file's multi-token-prediction blocks, which no
+        forward pass reads and the Vulkan backend leaves on disk)."""
+        n_layer = self.config.n_layer
+        return sum(t.n_bytes for name, t in self.tensors.items()
+                   if not (name.startswith("blk.") and int(name.split(".", 2)[1]) >= n_layer))
 
     def close(self) -> None:
         """Drop this object's references to the memory map.

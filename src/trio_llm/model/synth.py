@@ -87,6 +87,10 @@ class Preset:
     rank_labels: tuple[str, ...] = ()
     #: the file's ``<arch>.pooling_type`` (an embedding model's default pooling)
     pooling: gguf.PoolingType | None = None
+    #: multi-token-prediction blocks after the trunk, as llama.cpp's converter appends
+    #: them to Qwen3.5 and Qwen3-Next files (counted in block_count, named by
+    #: ``nextn_predict_layers``); a forward pass never reads them
+    mtp: int = 0
 
     def config(self) -> ModelConfig:
         extra: dict[str, object]
@@ -393,7 +397,31 @@ def plan_tensors(preset: Preset, quant: str, pure: bool = False, sharp: bool = F
         else:
             kind: Literal["norm", "bias"] = "bias" if name.endswith(".bias") else "norm"
             plans.append(TensorPlan(name, shape, T.F32, kind, scale=scale))
-    return plans
+    return plans + _mtp_plans(preset, cfg, plans, quant, pure)
+
+
+def _mtp_plans(preset: Preset, cfg: ModelConfig, plans: list[TensorPlan], quant: str,
+               pure: bool) -> list[TensorPlan]:
+    """The ``preset.mtp`` multi-token-prediction blocks llama.cpp's loader expects
+    (``load_block_mtp`` of qwen35.cpp, qwen35moe.cpp, qwen3next.cpp): a full-attention
+    block with the trunk's FFN (the tensors of the trunk's last attention layer, under
+    the block's number), then ``nextn.eh_proj`` [n_embd, 2 n_embd] and its norms."""
+    if not preset.mtp:
+        return []
+    if not cfg.recurrent_layers:
+        raise MakeModelError(f"--mtp: {preset.arch} files have no multi-token-prediction blocks here")
+    last = max(il for il in range(cfg.n_layer) if not cfg.is_recurrent(il))
+    src = f"blk.{last}."
+    out = []
+    for i in range(preset.mtp):
+        b = f"blk.{cfg.n_layer + i}."
+        out += [attrs.evolve(t, name=b + t.name[len(src):]) for t in plans if t.name.startswith(src)]
+        proj = (cfg.n_embd, 2 * cfg.n_embd)
+        out.append(TensorPlan(b + "nextn.eh_proj.weight", proj, _matrix_type(b + "nextn.eh_proj.weight", quant, cfg,
+                                                                            proj[-1], pure), "matrix"))
+        out += [TensorPlan(b + f"nextn.{n}.weight", (cfg.n_embd,), T.F32, "norm")
+                for n in ("enorm", "hnorm", "shared_head_norm")]
+    return out
 
 
 def llama3_rope_factors(
@@ -499,7 +527,9 @@ def _write_metadata(writer: gguf.GGUFWriter, preset: Preset, quant: str) -> None
     writer.add_vocab_size(cfg.n_vocab)
     writer.add_context_length(cfg.n_ctx_train)
     writer.add_embedding_length(cfg.n_embd)
-    writer.add_block_count(cfg.n_layer)
+    writer.add_block_count(cfg.n_layer + preset.mtp)
+    if preset.mtp:
+        writer.add_uint32(f"{preset.arch}.nextn_predict_layers", preset.mtp)
     writer.add_feed_forward_length(cfg.n_ff)
     writer.add_head_count(cfg.n_head)
     writer.add_head_count_kv(cfg.n_head_kv)
@@ -594,12 +624,14 @@ def make_model(
     workers: int | None = None,
     pure: bool = False,
     sharp: bool = False,
+    mtp: int = 0,
 ) -> Path:
     """Write the ``preset`` model as ``quant`` to ``path`` atomically; return the path.
 
     ``quant`` is a ``QUANTS`` name: a plain type, or a llama-quantize mix whose base
     type ``pure`` puts on every matrix instead (llama-quantize's ``--pure``). ``sharp``:
-    see ``plan_tensors``.
+    see ``plan_tensors``. ``mtp``: that many multi-token-prediction blocks after the
+    trunk (``Preset.mtp``; the hybrids only).
 
     ``workers`` defaults to one process per CPU for models above ``POOL_THRESHOLD``
     values and to in-process generation below it; the bytes are the same either way.
@@ -608,7 +640,9 @@ def make_model(
         raise MakeModelError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
     if seed < 0:
         raise MakeModelError(f"seed must be >= 0, got {seed}")
-    p = PRESETS[preset]
+    if mtp < 0:
+        raise MakeModelError(f"mtp must be >= 0, got {mtp}")
+    p = attrs.evolve(PRESETS[preset], mtp=mtp)
     plans = plan_tensors(p, quant, pure, sharp)
     if workers is None:
         n_values = sum(int(np.prod(t.shape)) for t in plans)
@@ -702,6 +736,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="q/k projections 5x: peaked attention (for agreement tests)")
     parser.add_argument("-o", "--output", required=True, type=Path, help="GGUF file to write")
     parser.add_argument("--seed", type=int, default=0, help="RNG seed (>= 0)")
+    parser.add_argument("--mtp", type=int, default=0,
+                        help="multi-token-prediction blocks after the trunk, as llama.cpp's converter writes "
+                             "Qwen3.5 and Qwen3-Next files (the hybrid presets only)")
     parser.add_argument("--workers", type=int, default=None, help="processes (default: per CPU)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     return parser
@@ -732,7 +769,10 @@ def main(argv: list[str]) -> int:
     try:
         make_model(args.preset, args.quant, args.output, seed=args.seed,
                    progress=None if args.quiet else report, workers=args.workers, pure=args.pure,
-                   sharp=args.sharp)
+                   sharp=args.sharp, mtp=args.mtp)
+    except MakeModelError as exc:
+        print(f"trio-llm make-model: error: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"trio-llm make-model: error: {args.output}: {exc.strerror or exc}", file=sys.stderr)
         return 1

@@ -36,6 +36,14 @@ def common_hparams(meta: Meta, tensors: Mapping[str, Any], *, rms_eps_default: f
     n_head = meta.positive("attention.head_count")
     n_head_kv = meta.positive("attention.head_count_kv", n_head)
     n_layer = meta.positive("block_count")
+    # llama.cpp's converter appends multi-token-prediction blocks (Qwen3.5, Qwen3-Next:
+    # `nextn_predict_layers` of them) after the trunk and counts them in block_count;
+    # a forward pass is the trunk's, as llama.cpp's without an MTP context
+    nextn = meta.arch_get("nextn_predict_layers", int, 0)
+    if not 0 <= nextn < n_layer:
+        raise ModelLoadError(path, f"metadata key '{meta.arch}.nextn_predict_layers' is {nextn}, "
+                                   f"block_count {n_layer}")
+    n_layer -= nextn
     # checked before anything loops over blocks, so a corrupt count cannot make
     # validation run for hours
     if MIN_BLOCK_TENSORS * n_layer > len(tensors):

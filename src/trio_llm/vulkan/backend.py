@@ -215,7 +215,8 @@ class VulkanBackend:
                                                        and n.inputs[1].name == name for n in self._ir.nodes)}
         self._rope_buf, consts = rope_consts(self._ir, factors)
         # --n-cpu-moe: these expert tensors are read from host-visible memory
-        self._weights = WeightStore(self._alloc, model, host_tensors=self._host_tensors)
+        self._weights = WeightStore(self._alloc, model, host_tensors=self._host_tensors,
+                                    only=frozenset(self._ir.weights))
         extra = extra_buffers() if self._output == "logits" else {}
         if moe_bytes := moe_map_bytes(self._ir, self._cap):  # the prefill buckets' expert grouping
             extra["moe_map"] = (moe_bytes, "compute", "device")

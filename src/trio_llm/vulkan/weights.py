@@ -92,6 +92,9 @@ class WeightStore:
     model: GGUFModel
     #: tensors read by the GPU from host-visible memory instead of device memory
     host_tensors: frozenset[str] = frozenset()
+    #: the tensors to place (the graph's weights); None: every tensor of the file. A
+    #: file's multi-token-prediction blocks, which no forward pass reads, stay on disk
+    only: frozenset[str] | None = None
     slots: dict[str, Slot] = attrs.field(factory=dict)
     segments: list[Segment] = attrs.field(factory=list)
     # the mapped bytes of every tensor: holding these views keeps the file mapping
@@ -108,7 +111,8 @@ class WeightStore:
         # 16 at least: matmul_cm3's "+w" reads Q4_K weights in 8-byte words, which must be
         # aligned (its super-blocks are 144 bytes, so their fields keep a tensor's alignment)
         align = max(limits.min_storage_offset_alignment, 16)
-        infos = sorted(self.model.tensors.values(), key=lambda t: int(t.raw.ctypes.data))
+        infos = sorted((t for t in self.model.tensors.values() if self.only is None or t.name in self.only),
+                       key=lambda t: int(t.raw.ctypes.data))
         self.raws = {t.name: t.raw for t in infos}
         biggest = max((t.n_bytes for t in infos), default=0)
         cap = min(limits.max_allocation_size, max(SEGMENT_BYTES, biggest + 2 * PAGE))
