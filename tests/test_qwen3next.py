@@ -35,3 +35,23 @@ def test_older_fused_conversions_are_refused_by_name(model_path) -> None:  # typ
     tensors["blk.1.ssm_in.weight"] = tensors.pop("blk.1.attn_qkv.weight")
     with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ssm_in\.weight: the fused q/k/v/z projection"):
         qwen3next.hparams(Meta(model.path, model.metadata, "qwen3next"), tensors)
+
+
+def test_the_listed_recurrent_layers_win_over_the_interval(model_path) -> None:  # type: ignore[no-untyped-def]
+    """``attention.recurrent_layers`` (the converter's list, which llama.cpp prefers)
+    decides which layers are delta-net layers, for qwen35 and qwen3next alike; a list
+    that is not booleans for every layer is one ModelLoadError naming the key."""
+    from trio_llm.errors import ModelLoadError
+    from trio_llm.models import qwen35
+
+    for preset, mod in (("tiny-qwen35", qwen35), ("tiny-qwen3next", qwen3next)):
+        model = load_gguf(model_path(preset, "Q8_0"))
+        arch = model.config.arch
+        key = f"{arch}.attention.recurrent_layers"
+        assert model.metadata[key] == [True, True, True, False]  # what make-model writes
+        md = {**model.metadata, key: [True, False, True, False, False]}
+        cfg = mod.hparams(Meta(model.path, md, arch), model.tensors)
+        assert cfg.recurrent_layers == (True, False, True, False)
+        for bad in ([True, False], [1, 0, 1, 0], "yes"):
+            with pytest.raises(ModelLoadError, match="recurrent_layers"):
+                mod.hparams(Meta(model.path, {**model.metadata, key: bad}, arch), model.tensors)

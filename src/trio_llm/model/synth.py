@@ -550,6 +550,9 @@ def _write_metadata(writer: gguf.GGUFWriter, preset: Preset, quant: str) -> None
         writer.add_ssm_time_step_rank(n_v)
         writer.add_ssm_group_count(n_k)
         writer.add_full_attention_interval(FULL_ATTENTION_INTERVAL)
+        # and the per-layer list the converter writes beside it (MTP blocks are attention)
+        writer.add_array(f"{preset.arch}.attention.recurrent_layers",
+                         [*cfg.recurrent_layers, *([False] * preset.mtp)])
         if cfg.arch != "qwen3next":  # its RoPE is NeoX's, without sections
             # llama.cpp's multi-section RoPE: Qwen3.5's 11/11/10 of 32 pairs, scaled to n_rot
             half = cfg.n_rot // 2

@@ -48,8 +48,17 @@ def ssm_hparams(meta: Meta, n_layer: int) -> dict[str, Any]:
     interval = meta.arch_get("full_attention_interval", int, FULL_ATTENTION_INTERVAL)
     if interval <= 0:
         raise ModelLoadError(meta.path, f"metadata key '{meta.arch}.full_attention_interval' is {interval}")
+    recurrent = tuple((il + 1) % interval != 0 for il in range(n_layer))
+    # the converter's per-layer list (from the checkpoint's layer_types), which llama.cpp
+    # prefers to the interval; it may go on over the multi-token-prediction blocks
+    key = f"{meta.arch}.attention.recurrent_layers"
+    listed = meta.md.get(key)
+    if listed is not None:
+        if not isinstance(listed, list) or len(listed) < n_layer or not all(isinstance(x, bool) for x in listed):
+            raise ModelLoadError(meta.path, f"metadata key {key!r} is not a list of {n_layer} or more booleans")
+        recurrent = tuple(listed[:n_layer])
     return dict(
-        recurrent_layers=tuple((il + 1) % interval != 0 for il in range(n_layer)),
+        recurrent_layers=recurrent,
         ssm_d_conv=d_conv, ssm_n_k_heads=n_k, ssm_n_v_heads=n_v, ssm_head_dim=d_state,
     )
 
