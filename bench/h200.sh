@@ -67,7 +67,7 @@ trap stop_build EXIT
 # cache carried, only the shaders changed since cost that. pack() brings the cache back in $OUT/pcache/
 export XDG_CACHE_HOME=/tmp/h200-cache
 PCACHE_DIR=$XDG_CACHE_HOME/trio-llm/pipelines; mkdir -p "$PCACHE_DIR"
-for f in .pcache/*.bin.gz; do [ -f "$f" ] && gunzip -c "$f" > "$PCACHE_DIR/$(basename "$f" .gz)"; done
+for pc in .pcache/*.bin.gz; do [ -f "$pc" ] && gunzip -c "$pc" > "$PCACHE_DIR/$(basename "$pc" .gz)"; done
 if ! ldconfig -p | grep -q libvulkan.so.1; then  # the H200 image has no loader
   for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 fi
@@ -96,7 +96,8 @@ pack() {
   # the driver's compiled pipelines, for the next session to carry as .pcache/ (see the top)
   # (gzipped: a file comes back only under 16 MiB)
   mkdir -p "$OUT/pcache"
-  for f in "$PCACHE_DIR"/*.bin; do [ -f "$f" ] && gzip -c "$f" > "$OUT/pcache/$(basename "$f").gz"; done
+  local pc  # not f: stages loop over f, and pack runs inside their loops
+  for pc in "$PCACHE_DIR"/*.bin; do [ -f "$pc" ] && gzip -c "$pc" > "$OUT/pcache/$(basename "$pc").gz"; done
 }
 say() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
 model() { # preset quant -> path, made once
@@ -496,17 +497,20 @@ d = shared_device(); print('nv_coopmat2', d.nv_coopmat2, 'max_wg', d.nv_coopmat2
       find $B/bench/results -name "*.json" -newer /tmp/h200/start -exec cp {} "$RES/before-$tag.json" \;
       stage "decode-$tag-after" 150 $PY bench/decode.py --model "$m" --backends vulkan --repeats 3
     done ;;
-  moe)  # mixture of experts: the MoE kernel tests on the GPU, then qwen3-30b-a3b Q4_K_M (18.6 GB)
-    stage verify-moe 150 env TRIO_LLM_COOPMAT=0 $PY -m pytest -q -p no:cacheprovider tests/test_vulkan_moe.py \
-      tests/test_moe.py -k "not cm"
-    stage verify-moe-cm 120 $PY -m pytest -q -p no:cacheprovider -rs tests/test_vulkan_moe.py -k cm
+  moe)  # mixture of experts: the MoE kernel tests on the GPU (the model made meanwhile, in the background), then
+    # qwen3-30b-a3b Q4_K_M (18.6 GB); MOE_MATVEC=0 skips the per-pair matvec A/B
     if [ "${SMALL:-0}" = 1 ]; then MOE=tiny-qwen3moe; else MOE=qwen3-30b-a3b; fi
-    stage make-moe 480 $PY -m trio_llm make-model --preset $MOE --quant Q4_K_M -o /tmp/m/$MOE-Q4_K_M.gguf -q
-    stage decode-moe-q4km 300 $PY bench/decode.py --model /tmp/m/$MOE-Q4_K_M.gguf --backends vulkan --repeats 3 \
+    MF=/tmp/m/$MOE-Q4_K_M.gguf
+    [ -f $MF ] || { $PY -m trio_llm make-model --preset $MOE --quant Q4_K_M -o $MF -q > "$RES/make-moe.log" 2>&1 &
+                    MKM=$!; }
+    stage verify-moe 150 $PY -m pytest -q -p no:cacheprovider -rs ${XD[@]+"${XD[@]}"} tests/test_vulkan_moe.py \
+      tests/test_moe.py
+    [ -n "${MKM:-}" ] && { wait $MKM; say "make-moe rc=$?"; }
+    stage decode-moe-q4km 300 $PY bench/decode.py --model $MF --backends vulkan --repeats 3 \
       --moe-prefill --moe-prefill-sizes 16,32,64,128,256,512
     # the whole pp512 with one moe_matvec per (token, expert) pair instead of the grouped, tiled experts
-    stage decode-moe-q4km-matvec 300 env TRIO_LLM_MOE_MATMUL=0 $PY bench/decode.py \
-      --model /tmp/m/$MOE-Q4_K_M.gguf --backends vulkan --repeats 2 --tg 16
+    [ "${MOE_MATVEC:-1}" = 1 ] && stage decode-moe-q4km-matvec 300 env TRIO_LLM_MOE_MATMUL=0 $PY bench/decode.py \
+      --model $MF --backends vulkan --repeats 2 --tg 16
     if [ "${MOE35:-0}" = 1 ]; then  # MOE35=1: qwen35-35b-a3b's (256 experts) too, the file cpumoe makes
       if [ "${SMALL:-0}" = 1 ]; then M35=tiny-qwen35moe; else M35=qwen35-35b-a3b; fi
       [ -f /tmp/m/$M35-Q4_K_M.gguf ] || stage make-moe35 480 $PY -m trio_llm make-model --preset $M35 \

@@ -246,11 +246,16 @@ def test_matvec_unrolled_variants_keep_no_arrays(qtype: str) -> None:
 
 
 def test_matvec_unroll_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TRIO_LLM_MATVEC_UNROLL: a comma list of the column counts 1, 2, 4, 8; anything else
-    is refused in one line."""
+    """TRIO_LLM_MATVEC_UNROLL: a comma list of the column counts 1, 2, 4, 8, 0 for none,
+    unset or empty the default (8: issue 12's local memory); anything else is refused in
+    one line."""
     monkeypatch.setenv("TRIO_LLM_MATVEC_UNROLL", "8, 2")
     assert _unroll_env() == {2, 8}
     monkeypatch.setenv("TRIO_LLM_MATVEC_UNROLL", "")
+    assert _unroll_env() == {8}
+    monkeypatch.delenv("TRIO_LLM_MATVEC_UNROLL")
+    assert _unroll_env() == {8}
+    monkeypatch.setenv("TRIO_LLM_MATVEC_UNROLL", "0")
     assert _unroll_env() == frozenset()
     for bad in ("3", "8,x"):
         monkeypatch.setenv("TRIO_LLM_MATVEC_UNROLL", bad)

@@ -541,9 +541,19 @@ def env_int(name: str, default: int) -> int:
         raise ConfigError(f"{name}={raw!r}: not an integer") from None
 
 
+#: the matvec column counts unrolled by default (``Ops.matvec_unroll``): 8, which
+#: removed the 8-column forms' local memory on the H200 (2026-12-05)
+UNROLL_DEFAULT = frozenset({8})
+
+
 def _unroll_env() -> frozenset[int]:
-    """TRIO_LLM_MATVEC_UNROLL's column counts (``Ops.matvec_unroll``)."""
+    """TRIO_LLM_MATVEC_UNROLL's column counts (``Ops.matvec_unroll``): unset or empty
+    ``UNROLL_DEFAULT``, ``0`` none."""
     raw = os.environ.get("TRIO_LLM_MATVEC_UNROLL", "").strip()
+    if not raw:
+        return UNROLL_DEFAULT
+    if raw == "0":
+        return frozenset()
     try:
         counts = frozenset(int(x) for x in raw.split(",") if x.strip())
     except ValueError:
@@ -575,12 +585,13 @@ class Ops:
     matvec_rs8: int = attrs.field(factory=lambda: env_int("TRIO_LLM_MATVEC_RS8", 0))
     #: column counts whose matvecs (every form) are compiled with the column count and
     #: rows per subgroup fixed and every loop over them unrolled before the driver sees
-    #: them (TRIO_LLM_MATVEC_UNROLL, a comma list such as ``8`` or ``1,2,4,8``; default
-    #: none). The likelier cause of those 64 bytes (two of the three forms are below the
-    #: 64 registers others use): with both as specialization constants the driver
-    #: unrolls the column loop or not as it likes, and where it does not, the 16
-    #: accumulators are an array indexed at run time. Not yet measured on the H200
-    #: (bench/h200.sh localmem)
+    #: them (TRIO_LLM_MATVEC_UNROLL, a comma list such as ``8`` or ``1,2,4,8``, ``0`` for
+    #: none; default 8). The cause of those 64 bytes: with both as specialization
+    #: constants the driver unrolled the column loop or not as it liked, and where it did
+    #: not, the 16 accumulators were an array indexed at run time. On the H200
+    #: (2026-12-05, bench/h200.sh localmem) every pipeline of qwen35-0.8b was then at the
+    #: floor, a released one kept 27 MiB instead of 49, and batched decode's graphs took
+    #: the same time (within 1 %)
     matvec_unroll: frozenset[int] = attrs.field(factory=lambda: _unroll_env())
     #: an 8-column bucket's matvecs as two 4-column dispatches (``col_split``; COL0 = 4
     #: for the second, its views 4 columns on), so no 8-column pipeline exists: the

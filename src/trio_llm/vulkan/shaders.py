@@ -742,13 +742,14 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
 
 
 def unrolled_variants() -> Iterable[tuple[str, dict[str, object]]]:
-    """The 8-column matvecs as ``Ops.matvec_unroll`` asks for them (TRIO_LLM_MATVEC_UNROLL=8;
-    FIXED_MAXC, FIXED_RS, FULL_UNROLL), so the H200's A/B (``bench/h200.sh localmem``)
-    needs no compiler there: F32 and the int8-activation types, plain at one and two rows
-    per subgroup, GATE_UP and ROPE_OUT (in place, into f16 and q8_0 caches) at two, each
-    on f32 and on int8 activations."""
-    for q in ("F32", *Q8_MATVEC):
-        for x8 in ({}, {"X_Q8": 1, "INT_DOT": 1}) if q in Q8_MATVEC else ({},):
+    """The 8-column matvecs as ``Ops.matvec_unroll`` asks for them (its default, 8;
+    FIXED_MAXC, FIXED_RS, FULL_UNROLL), so that a device without the shader compiler (the
+    H200's runs) has them: every weight type, plain at one and two rows per subgroup,
+    GATE_UP and ROPE_OUT (in place, into f16 and q8_0 caches) at two, on f32
+    activations, and the int8-activation types on int8 ones too (integer dot products
+    and the plain int math)."""
+    for q in QTYPES:
+        for x8 in ({}, {"X_Q8": 1, "INT_DOT": 1}, {"X_Q8": 1}) if q in Q8_MATVEC else ({},):
             base = {**matvec_defines(q), **x8}
             fixed = {"FIXED_MAXC": "8u", FULL_UNROLL: 1}
             for rs in (1, 2):
