@@ -354,11 +354,14 @@ def _own_matmuls(ops: Ops) -> Ops:
     return attrs.evolve(ops, matmul_nv2=False) if hasattr(ops, "matmul_nv2") else ops
 
 
+@pytest.mark.usefixtures("f32_activations")
 def test_prefill_against_numpy(env: Env, model_path) -> None:  # type: ignore[no-untyped-def]
     """The tiny model's prefills through the backend (f32 cache): the 32-token bucket's
     graph runs attn_prefill_nv2 and no other prefill attention kernel; two sequences in
     one 17-token batch, a 40-token one after a cached prefix of 12, then a decode step:
-    numpy's logits within the f16 rounding (test_vulkan_model.py's bound)."""
+    numpy's logits within the f16 rounding (test_vulkan_model.py's bound). On f32
+    activations, as that file's: the output head of two rows is a 2-column matvec, whose
+    int8 activations (the default) moved the logits by 6.5e-3 on the H200 (2026-12-05)."""
     if not env.device.nv_coopmat2:
         pytest.skip(NO_NV2)
     model = load_gguf(model_path("tiny", "Q8_0"))
