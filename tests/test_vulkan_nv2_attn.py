@@ -155,13 +155,13 @@ def test_plan(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_env_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TRIO_LLM_PREFILL_NV2 (off by default until its GPU tests have all run; =1 on),
-    TRIO_LLM_PREFILL_NV2_TILE, ..._FORM."""
+    """TRIO_LLM_PREFILL_NV2 (on by default since its GPU tests passed on the H200; =0
+    off), TRIO_LLM_PREFILL_NV2_TILE, ..._FORM (default pf+mma, the fastest there)."""
     for var in ("TRIO_LLM_PREFILL_NV2", "TRIO_LLM_PREFILL_NV2_TILE", "TRIO_LLM_PREFILL_NV2_FORM"):
         monkeypatch.delenv(var, raising=False)
     kernels = SimpleNamespace(device=None)
-    assert not Ops(kernels).prefill_nv2 and Ops(kernels).prefill_nv2_tile is None  # type: ignore[arg-type]
-    assert Ops(kernels).prefill_nv2_form == "pf"  # type: ignore[arg-type]
+    assert Ops(kernels).prefill_nv2 and Ops(kernels).prefill_nv2_tile is None  # type: ignore[arg-type]
+    assert Ops(kernels).prefill_nv2_form == "pf+mma"  # type: ignore[arg-type]
     monkeypatch.setenv("TRIO_LLM_PREFILL_NV2", "1")
     assert Ops(kernels).prefill_nv2  # type: ignore[arg-type]
     monkeypatch.setenv("TRIO_LLM_PREFILL_NV2", "0")

@@ -417,6 +417,10 @@ def attn_variant_env() -> AttnVariant | None:
 #: reads f16 caches by tensor-addressed loads (other cache types stay "pf"); each may
 #: end in "+mma": the rows' sums of P by a product with ones instead of a row reduction
 PREFILL_NV2_FORMS = ("pf", "staged", "direct")
+#: the form by default: the register prefetch with the rows' sums on the tensor cores; on
+#: the H200 (2026-12-05, llama-1b's 16 layers at 32k, op level) 0.92 s against 1.10 for
+#: "pf", 1.05 for "pf+lsum" and 1.61 for "direct" (bench/results/h200-session11/)
+PREFILL_NV2_FORM_DEFAULT = "pf+mma"
 #: the head dims attn_prefill_nv2 takes (its workgroup-scope matrices are R x head_dim)
 PREFILL_NV2_HEADS = (64, 128, 256)
 
@@ -500,7 +504,7 @@ def _nv2_form_check(form: str) -> None:
 
 
 def prefill_nv2_form_env() -> str:
-    v = os.environ.get("TRIO_LLM_PREFILL_NV2_FORM", "") or "pf"
+    v = os.environ.get("TRIO_LLM_PREFILL_NV2_FORM", "") or PREFILL_NV2_FORM_DEFAULT
     if not nv2_form_ok(v):
         raise ConfigError(f"TRIO_LLM_PREFILL_NV2_FORM={v!r}: expected one of {', '.join(PREFILL_NV2_FORMS)}, "
                           "optionally with +mma or +lsum")
@@ -745,12 +749,12 @@ class Ops:
     #: workgroup-scope matrices, the softmax on the accumulators by row reductions and
     #: per-element functions) ahead of every other prefill attention kernel, where
     #: ``prefill_nv2_plan`` allows it: cooperative matrices on (``coopmat``) and the
-    #: device's ``nv_coopmat2``. Off by default, TRIO_LLM_PREFILL_NV2=1 turns it on: on the
-    #: H200 (2026-12-04) its GPU tests passed for every head dim and GQA ratio and 7 cache
-    #: types before the stage's time ran out, but its splits, windows, rings and several
-    #: sequences in one chunk have not run on a GPU yet (bench/h200.sh nv2attn does).
-    #: llama-1b's pp32768 through the backend: 9,567 -> 11,491 tok/s with it (64x64 tiles)
-    prefill_nv2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_PREFILL_NV2", "0") == "1")
+    #: device's ``nv_coopmat2``. On by default (TRIO_LLM_PREFILL_NV2=0 turns it off): on the
+    #: H200 (2026-12-05, bench/h200.sh nv2gate) its GPU tests passed, head dims, GQA ratios,
+    #: every cache type, several sequences in a tile, windows over rings, splits, long
+    #: prompts and the model through the backend; llama-1b's 16 layers at 32k took 0.92 s
+    #: in its default form against attn_prefill_cm2's 2.56 (op level)
+    prefill_nv2: bool = attrs.field(factory=lambda: os.environ.get("TRIO_LLM_PREFILL_NV2", "1") == "1")
     #: its (rows, keys per tile, lanes) for every shape; None: ``prefill_nv2_default``
     prefill_nv2_tile: tuple[int, int, int] | None = attrs.field(factory=prefill_nv2_tile_env)
     #: its form (``PREFILL_NV2_FORMS``; TRIO_LLM_PREFILL_NV2_FORM)
