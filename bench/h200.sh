@@ -704,9 +704,11 @@ for i in range(4):
     wait8b  # its making (all cores) would disturb our server's figures; the build runs at nice 19
     left=$(( ${E2E_END:-565} - $(elapsed) ))  # seconds of the 10-minute device call left for it
     if [ $left -lt 60 ]; then say "e2e: only $left s left, not started"; stop_build; continue; fi
+    M8ARGS=(--model "$M8B" --prompts "${E2E_P8:-$P8}" --clients "$K8")
+    [ "${NO8B:-0}" = 1 ] && M8ARGS=()  # NO8B=1: llama-1b's rows only
     stage e2e $((left + 15)) $PY bench/e2e.py --backend vulkan \
       --model "$M1" --prompts "${E2E_P1:-$P1}" --clients "$K1" \
-      --model "$M8B" --prompts "${E2E_P8:-$P8}" --clients "$K8" ${LL[@]+"${LL[@]}"} \
+      ${M8ARGS[@]+"${M8ARGS[@]}"} ${LL[@]+"${LL[@]}"} \
       --budget-s "$left" --reserve-s 15 --ttft-max 8192 --log-dir "$RES/e2e-logs" ${E2E_ARGS:-} --note "$NOTE"
     stop_build
     for f in $LCPP/cuda-cmake.log $LCPP/cuda-build.log; do [ -f "$f" ] && tail -n 40 "$f" > "$RES/lcpp-$(basename "$f")"; done
