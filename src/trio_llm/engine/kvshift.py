@@ -65,8 +65,11 @@ def reuse_chunks(cache: Sequence[int], prompt: Sequence[int], n_past: int, n_min
 
 
 def can_shift(layers: Sequence[LayerMemory], recurrent: Sequence[LayerMemory]) -> bool:
-    """Every layer a full positional KV cache (llama.cpp's ``llama_memory_can_shift``)."""
-    return bool(layers) and not recurrent and all(m.kind == "kv" and not m.window for m in layers)
+    """Every layer a full positional KV cache (llama.cpp's ``llama_memory_can_shift``),
+    and none a latent cache (``v_is_k``: its roped part is a slice of each row, which
+    ``shift_k`` does not know how to find)."""
+    return bool(layers) and not recurrent and all(m.kind == "kv" and not m.window and not m.v_is_k
+                                                  for m in layers)
 
 
 def k_ropes(graph: Graph) -> dict[int, Node | None]:

@@ -42,6 +42,8 @@ class LayerMemory:
     rows: int  # cache rows per sequence
     window: int  # 0: full causal attention
     kv_dim: int  # values per row of K (and of V)
+    #: V is the K cache itself (multi-head latent attention): one cache, K's type
+    v_is_k: bool = False
 
     def row_of(self, pos: int) -> int:
         return pos % self.rows
@@ -66,10 +68,11 @@ def plan_memory(graph: Graph, *, n_ctx: int, chunk: int) -> list[LayerMemory]:
     for il, node in sorted(graph.attention_layers().items()):
         window = int(node.attr("window"))
         kv_dim = int(node.attr("n_head_kv")) * int(node.attr("head_dim"))
+        shared = bool(node.attrs.get("v_is_k", False))
         if window and window + chunk < n_ctx:
-            out.append(LayerMemory(il, "kv_swa", window + chunk, window, kv_dim))
+            out.append(LayerMemory(il, "kv_swa", window + chunk, window, kv_dim, shared))
         else:
-            out.append(LayerMemory(il, "kv", n_ctx, window, kv_dim))
+            out.append(LayerMemory(il, "kv", n_ctx, window, kv_dim, shared))
     return out
 
 

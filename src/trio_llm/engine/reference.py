@@ -383,7 +383,8 @@ class NumpyBackend:
 
     def kv_bytes(self) -> int:
         kt, vt = (kv_type(t) for t in self.cache_types)
-        return sum(self.n_seq * m.rows * (kt.row_bytes(m.kv_dim) + vt.row_bytes(m.kv_dim)) for m in self.layers)
+        return sum(self.n_seq * m.rows * (kt.row_bytes(m.kv_dim) + (0 if m.v_is_k else vt.row_bytes(m.kv_dim)))
+                   for m in self.layers)
 
     def host_memory(self) -> dict[str, int]:
         """Bytes that a release moved to the host shadow, by category."""
@@ -412,7 +413,7 @@ class NumpyBackend:
 
     def kv_bytes_per_token(self) -> int:
         kt, vt = (kv_type(t) for t in self.cache_types)
-        return sum(kt.row_bytes(m.kv_dim) + vt.row_bytes(m.kv_dim) for m in self.layers)
+        return sum(kt.row_bytes(m.kv_dim) + (0 if m.v_is_k else vt.row_bytes(m.kv_dim)) for m in self.layers)
 
     def reusable_prefix(self, n_cached: int, n_common: int, checkpoints: Sequence[int] = ()) -> int:
         return reusable_prefix(self.layers + self.recurrent, n_cached, n_common, checkpoints)
@@ -502,7 +503,8 @@ class NumpyBackend:
         for m, (k, v) in zip(self.layers, self._kv, strict=True):
             pos = np.arange(max(0, n - m.rows), n)
             k[seq_id, pos % m.rows] = kv[m.layer, 0, pos].reshape(len(pos), *k.shape[2:])
-            v[seq_id, pos % m.rows] = kv[m.layer, 1, pos].reshape(len(pos), *v.shape[2:])
+            if not m.v_is_k:  # a latent cache's V is its K, written above
+                v[seq_id, pos % m.rows] = kv[m.layer, 1, pos].reshape(len(pos), *v.shape[2:])
 
     # -- internals -----------------------------------------------------------------
 
@@ -557,8 +559,10 @@ class NumpyBackend:
         for m in self.layers:
             node = self.graph.attention_layers()[m.layer]
             shape = (self.n_seq, m.rows, node.attr("n_head_kv"), node.attr("head_dim"))
-            # [n_seq, rows, n_head_kv, head_dim] each; zeros pages in lazily
-            out.append((np.zeros(shape, np.float32), np.zeros(shape, np.float32)))
+            # [n_seq, rows, n_head_kv, head_dim] each; zeros pages in lazily; a latent
+            # cache's V is its K (one array)
+            k = np.zeros(shape, np.float32)
+            out.append((k, k if m.v_is_k else np.zeros(shape, np.float32)))
         return out
 
     def _reload(self) -> dict[str, np.ndarray]:
@@ -659,6 +663,17 @@ class NumpyBackend:
             xg = x.reshape(len(x), x.shape[1] // node.attr("group"), node.attr("group"))
             norm_ = np.sqrt(np.sum(np.square(xg, dtype=np.float64), axis=-1, keepdims=True)).astype(np.float32)
             return (xg / np.maximum(norm_, np.float32(node.attr("eps")))).reshape(x.shape)  # type: ignore[no-any-return]
+        if op == "head_linear":
+            x, w_ = args  # [R, n_head * n_in], [n_head, n_out, n_in] (kept quantized, as experts)
+            nh, n_out, n_in = (int(d) for d in node.inputs[1].shape)
+            mats = np.stack([w_.get(h) for h in range(nh)])  # [n_head, n_out, n_in]
+            y = np.einsum("rhi,hoi->rho", x.reshape(len(x), nh, n_in), mats)  # [R, n_head, n_out]
+            return np.ascontiguousarray(y, dtype=np.float32).reshape(len(x), nh * n_out)
+        if op == "concat":
+            a, b = args
+            grp = node.attr("groups")
+            out = np.concatenate([a.reshape(len(a), grp, -1), b.reshape(len(b), grp, -1)], axis=2)
+            return out.reshape(len(a), -1)
         if op == "gate_rows":
             x, h, w_ = args
             return x * sigmoid(h @ w_)[:, None]  # type: ignore[no-any-return]
@@ -731,7 +746,8 @@ class NumpyBackend:
         nh, nkv, hd = node.attr("n_head"), node.attr("n_head_kv"), node.attr("head_dim")
         window = node.attr("window")
         n_tok = len(q)
-        kb, vb = rotation_blocks(*self.cache_types, hd)  # llama.cpp's rotation of quantized caches
+        # llama.cpp's rotation of quantized caches (none for a latent cache, whose V is K)
+        kb, vb = (0, 0) if m.v_is_k else rotation_blocks(*self.cache_types, hd)
         if kb:
             q, k = hadamard(q, kb), hadamard(k, kb)
         if vb:
@@ -747,7 +763,8 @@ class NumpyBackend:
             rows = np.arange(e.pos0, end) % m.rows
             kt, vt = self.cache_types
             k_cache[e.seq_id, rows] = roundtrip(k[a:b].reshape(b - a, -1), kt).reshape(k[a:b].shape)
-            v_cache[e.seq_id, rows] = roundtrip(v[a:b].reshape(b - a, -1), vt).reshape(v[a:b].shape)
+            if not m.v_is_k:
+                v_cache[e.seq_id, rows] = roundtrip(v[a:b].reshape(b - a, -1), vt).reshape(v[a:b].shape)
             lo = max(0, e.pos0 - window + 1) if window else 0
             lo = max(lo, end - m.rows)  # what the ring still holds
             kp = np.arange(lo, end)  # [T] key positions
@@ -795,12 +812,16 @@ def _moe_op(node: Node, args: list[Any]) -> np.ndarray:
     """The mixture-of-experts ops (``Graph.moe_topk`` / ``moe_linear`` / ``moe_combine``)."""
     op = node.op
     if op == "moe_topk":
-        (logits,) = args  # [N, n_expert]
+        logits = args[0]  # [N, n_expert]
         k = node.attr("k")
-        z = logits - logits.max(axis=1, keepdims=True)
-        p = np.exp(z)
-        p /= p.sum(axis=1, keepdims=True)  # [N, n_expert] softmax gating
-        ids = np.argsort(-p, axis=1, kind="stable")[:, :k]  # [N, k] best first
+        if node.attr("gating") == "sigmoid":
+            p = sigmoid(logits)  # [N, n_expert]
+        else:
+            z = logits - logits.max(axis=1, keepdims=True)
+            p = np.exp(z)
+            p /= p.sum(axis=1, keepdims=True)  # [N, n_expert] softmax gating
+        sel = p + args[1] if len(args) > 1 else p  # a selection bias picks, the weights stay unbiased
+        ids = np.argsort(-sel, axis=1, kind="stable")[:, :k]  # [N, k] best first
         wts = np.take_along_axis(p, ids, axis=1)  # [N, k]
         if node.attr("norm"):  # as llama.cpp: the sum clamped to float16's smallest normal
             wts = wts / np.maximum(wts.sum(axis=1, keepdims=True), np.float32(6.103515625e-5))

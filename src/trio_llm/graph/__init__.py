@@ -181,21 +181,28 @@ class Graph:
                           theta=float(theta), freq_scale=float(freq_scale), **kw)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, name: str, *, n_head: int, n_head_kv: int,
-                  head_dim: int, scale: float, window: int = 0) -> Tensor:
+                  head_dim: int, scale: float, window: int = 0, v_is_k: bool = False) -> Tensor:
         """Store this step's ``k`` and ``v`` in the current layer's cache, then causal
         grouped-query attention of ``q`` over it: ``[T, n_head * head_dim]``. Query head h
         reads KV head ``h // (n_head / n_head_kv)``. ``window`` > 0: a key at position j is
         seen from position p only if ``p - j < window`` (sliding-window layers, whose cache
-        then keeps only the positions a window can still reach)."""
+        then keeps only the positions a window can still reach).
+
+        ``v_is_k`` (``v`` must be ``k`` itself): the values are the cached keys, so the
+        layer caches K alone, in K's cache type and without the Hadamard rotation of a
+        quantized cache (llama.cpp's multi-head latent attention, where V is a view of
+        the K cache; the caller keeps the part of each output head it wants)."""
         self._check(self._layer >= 0, name, "attention outside a layer has no cache")
+        self._check(not v_is_k or v is k, name, "v_is_k attention needs v to be k")
         self._check(n_head % n_head_kv == 0, name, f"{n_head} heads do not share {n_head_kv} KV heads evenly")
         self._check(q.shape == (TOKENS, n_head * head_dim), name, f"q must be [T, {n_head * head_dim}], got {q!r}")
         for t in (k, v):
             self._check(t.shape == (TOKENS, n_head_kv * head_dim), name,
                     f"k and v must be [T, {n_head_kv * head_dim}], got {t!r}")
         self._check(window >= 0, name, f"negative window {window}")
+        kw: dict[str, Any] = {"v_is_k": True} if v_is_k else {}
         return self._node("attention", (q, k, v), q.shape, name, n_head=n_head, n_head_kv=n_head_kv,
-                          head_dim=head_dim, scale=float(scale), window=int(window))
+                          head_dim=head_dim, scale=float(scale), window=int(window), **kw)
 
     def glu(self, gate: Tensor, up: Tensor, act: Activation, name: str) -> Tensor:
         """``act(gate) * up`` (SwiGLU with silu, GeGLU with gelu's tanh form)."""
@@ -208,18 +215,25 @@ class Graph:
     # then their k weights, so it lives in an ordinary compute buffer and the expert
     # ops read the ids from the device (decode graphs stay recorded once).
 
-    def moe_topk(self, logits: Tensor, k: int, name: str, *, gating: Literal["softmax"] = "softmax",
-                 norm: bool = True, scale: float = 1.0) -> Tensor:
-        """Route each token to its ``k`` best experts: softmax over the router logits
-        ``[T, n_expert]``, the top ``k`` probabilities (``norm``: divided by their sum),
-        times ``scale``: ``[T, 2 * k]`` (ids, then weights)."""
+    def moe_topk(self, logits: Tensor, k: int, name: str, *, gating: Literal["softmax", "sigmoid"] = "softmax",
+                 norm: bool = True, scale: float = 1.0, bias: Tensor | None = None) -> Tensor:
+        """Route each token to its ``k`` best experts: softmax (or each logit's sigmoid)
+        over the router logits ``[T, n_expert]``; the top ``k`` chosen by those
+        probabilities plus ``bias`` ``[n_expert]`` when given (DeepSeek-V3's selection
+        bias: it picks the experts, the weights stay the unbiased probabilities);
+        their probabilities (``norm``: divided by their sum) times ``scale``:
+        ``[T, 2 * k]`` (ids, then weights)."""
         _expect(len(logits.shape) == 2 and logits.shape[0] == TOKENS, name,
                 f"moe_topk needs router logits [T, n_expert], got {logits!r}")
         n_expert = logits.shape[1]
         assert isinstance(n_expert, int)
         _expect(0 < k <= n_expert, name, f"top-{k} of {n_expert} experts")
-        _expect(gating == "softmax", name, f"unknown gating {gating!r}")
-        return self._node("moe_topk", (logits,), (TOKENS, 2 * k), name, k=int(k), n_expert=n_expert,
+        _expect(gating in ("softmax", "sigmoid"), name, f"unknown gating {gating!r}")
+        inputs: tuple[Tensor, ...] = (logits,)
+        if bias is not None:
+            _expect(bias.shape == (n_expert,), name, f"moe_topk bias must be [{n_expert}], got {bias!r}")
+            inputs = (logits, bias)
+        return self._node("moe_topk", inputs, (TOKENS, 2 * k), name, k=int(k), n_expert=n_expert,
                           gating=gating, norm=bool(norm), scale=float(scale))
 
     def moe_linear(self, x: Tensor, w: Tensor, routes: Tensor, name: str) -> Tensor:
@@ -241,6 +255,27 @@ class Graph:
         _expect(len(y.shape) == 3 and y.shape[:2] == (TOKENS, k), name,
                 f"moe_combine needs expert outputs [T, {k}, n], got {y!r}")
         return self._node("moe_combine", (y, routes), (TOKENS, y.shape[2]), name, k=k)
+
+    # -- per-head products (multi-head latent attention: deepseek2) ------------------------
+
+    def head_linear(self, x: Tensor, w: Tensor, name: str) -> Tensor:
+        """Each head's own matrix: ``x`` ``[R, n_head * n_in]`` by ``w`` ``[n_head, n_out,
+        n_in]``, head h of the output ``w[h] @ x_h``: ``[R, n_head * n_out]`` (the
+        ``moe_linear`` of a routing that sends every token to every expert in order)."""
+        self._check(w.kind == "weight" and len(w.shape) == 3, name, f"head_linear needs 3-D weights, got {w!r}")
+        nh, n_out, n_in = (int(d) for d in w.shape)
+        self._check(len(x.shape) == 2 and x.shape[1] == nh * n_in, name,
+                    f"head_linear of {x!r} by {w!r}: input must be [R, {nh * n_in}]")
+        return self._node("head_linear", (x, w), (x.shape[0], nh * n_out), name, n_head=nh)
+
+    def concat(self, a: Tensor, b: Tensor, groups: int, name: str) -> Tensor:
+        """Each of the ``groups`` groups of a row of ``a`` followed by the same group of
+        ``b`` (per head: ``[R, G * na]`` and ``[R, G * nb]`` give ``[R, G * (na + nb)]``)."""
+        self._check(len(a.shape) == 2 and len(b.shape) == 2 and a.shape[0] == b.shape[0], name,
+                    f"concat of {a!r} and {b!r}: rows differ")
+        self._check(groups > 0 and a.width % groups == 0 and b.width % groups == 0, name,
+                    f"concat of {a!r} and {b!r} in {groups} groups")
+        return self._node("concat", (a, b), (a.shape[0], a.width + b.width), name, groups=int(groups))
 
     # -- gated delta-net (linear attention with recurrent state: qwen35) ------------------
 

@@ -17,7 +17,7 @@ RopeMode = Literal["normal", "neox"]
 #: ``trio_llm.models``, which builds its graph)
 ARCH_ROPE: dict[str, RopeMode] = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
                                  "qwen3moe": "neox", "qwen35": "neox",
-                                 "qwen35moe": "neox", "qwen3next": "neox"}
+                                 "qwen35moe": "neox", "qwen3next": "neox", "deepseek2": "normal"}
 
 
 @attrs.frozen
@@ -58,6 +58,19 @@ class ModelConfig:
     ssm_n_v_heads: int = 0
     ssm_head_dim: int = 0
     n_rot: int = 0
+    # multi-head latent attention (deepseek2): the q and kv low ranks (n_lora_q 0: one
+    # full attn_q), the q.k size of a head (its no-RoPE part then its n_rot RoPE part)
+    # and the size of a head's value after decompression; head_dim is then the latent
+    # cache row (n_lora_kv + n_rot, one KV head)
+    n_lora_q: int = 0
+    n_lora_kv: int = 0
+    head_dim_k_mla: int = 0
+    head_dim_v_mla: int = 0
+    n_dense_lead: int = 0  # leading layers with a dense FFN instead of experts
+    # the router (deepseek2's keys; the other MoE architectures fix them in their file)
+    expert_gating: str = "softmax"  # or "sigmoid"
+    expert_weights_norm: bool = False
+    expert_weights_scale: float = 0.0  # 0: none
     # a rank head (llama.cpp's cls_out, a causal reranker such as Qwen3-Reranker):
     # ``cls.output.weight`` [n_cls_out, n_embd]; 0: none
     n_cls_out: int = 0

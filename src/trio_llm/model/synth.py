@@ -91,6 +91,16 @@ class Preset:
     #: them to Qwen3.5 and Qwen3-Next files (counted in block_count, named by
     #: ``nextn_predict_layers``); a forward pass never reads them
     mtp: int = 0
+    #: multi-head latent attention (deepseek2): (q_lora_rank, kv_lora_rank, a head's
+    #: q.k size without RoPE, a head's value size); q_lora_rank 0: one full attn_q
+    mla: tuple[int, int, int, int] = (0, 0, 0, 0)
+    #: deepseek2's router and layout: leading dense layers, shared experts (each of
+    #: n_ff_exp), the gating function, renormalisation and scale of the chosen weights
+    n_dense_lead: int = 0
+    n_expert_shared: int = 0
+    expert_gating: str = "softmax"
+    expert_norm: bool = False
+    expert_scale: float = 0.0
 
     def config(self) -> ModelConfig:
         extra: dict[str, object]
@@ -105,6 +115,14 @@ class Preset:
             d_conv, n_k, n_v, d = self.ssm
             extra = dict(recurrent_layers=tuple((il + 1) % FULL_ATTENTION_INTERVAL != 0 for il in range(self.n_layer)),
                          ssm_d_conv=d_conv, ssm_n_k_heads=n_k, ssm_n_v_heads=n_v, ssm_head_dim=d, n_rot=self.n_rot)
+        elif self.arch == "deepseek2":
+            from trio_llm.models.deepseek2 import kq_scale
+
+            q_lora, kv_lora, nope, v_head = self.mla
+            extra = dict(n_rot=self.n_rot, attn_scale=kq_scale(nope + self.n_rot), n_lora_q=q_lora,
+                         n_lora_kv=kv_lora, head_dim_k_mla=nope + self.n_rot, head_dim_v_mla=v_head,
+                         n_dense_lead=self.n_dense_lead, expert_gating=self.expert_gating,
+                         expert_weights_norm=self.expert_norm, expert_weights_scale=self.expert_scale)
         else:
             extra = {}
         return ModelConfig(
@@ -127,7 +145,7 @@ class Preset:
             n_expert=self.n_expert,
             n_expert_used=self.n_expert_used,
             n_ff_exp=self.n_ff_exp,
-            n_ff_shexp=self.n_ff_shexp,
+            n_ff_shexp=self.n_ff_shexp or self.n_ff_exp * self.n_expert_shared,
             n_cls_out=len(self.rank_labels),
             **extra,  # type: ignore[arg-type]
         )
@@ -150,6 +168,17 @@ def _preset(name: str, arch: str, dims: tuple[int, ...], tied: bool, theta: floa
         n_ff_shexp=n_ff_shexp, rank_labels=rank_labels,
         pooling=gguf.PoolingType.RANK if rank_labels else pooling,
     )
+
+
+def _deepseek2(name: str, dims: tuple[int, ...], theta: float, n_ctx: int, model_name: str, *,
+               mla: tuple[int, int, int, int], n_rot: int, moe: tuple[int, int, int], scale: float) -> Preset:
+    """A deepseek2 preset as GLM-4.7-Flash's converter writes one: one leading dense
+    layer, one shared expert, sigmoid routing with a selection bias, renormalised."""
+    return attrs.evolve(
+        _preset(name, "deepseek2", dims, False, theta, n_ctx, ("gpt2", "chatml"), model_name, moe=moe,
+                n_rot=n_rot),
+        mla=mla, n_dense_lead=1, n_expert_shared=1, expert_gating="sigmoid", expert_norm=True,
+        expert_scale=float(np.float32(scale)))  # as the file holds it
 
 
 #: Qwen3-Reranker's ``rerank`` template as llama.cpp's converter writes it (abridged system text)
@@ -224,6 +253,22 @@ PRESETS: dict[str, Preset] = {
                 n_rot=64, n_ff_shexp=512),
         _preset("gemma3-4b", "gemma3", (2560, 34, 8, 4, 256, 10240, 262144), True, 1e6, 131072,
                 ("llama", "gemma"), "synthetic gemma-3-4b shape", n_swa=1024, rope_linear=8.0),
+        # multi-head latent attention (head_dim: the latent cache row, kv_lora_rank +
+        # n_rot, one KV head), a leading dense layer, then 16 experts (4 chosen by
+        # sigmoid with a selection bias) and a shared expert; mla: (q_lora_rank,
+        # kv_lora_rank, no-RoPE q.k size, v size)
+        _deepseek2("tiny-deepseek2", (256, 3, 4, 1, 128 + 32, 512, 1024), 1e4, 4096, "trio-llm tiny-deepseek2",
+                   mla=(128, 128, 64, 64), n_rot=32, moe=(16, 4, 128), scale=2.5),
+        # GLM-4.7-Flash (HF Glm4MoeLiteForCausalLM, 47 layers; its converted files add one
+        # MTP block: make-model --mtp 1): hidden 2048, 20 heads, q_lora_rank 768,
+        # kv_lora_rank 512, qk_nope/qk_rope/v head dims 192/64/256, dense FFN 10240 in
+        # the first layer, 64 experts of 1536 (4 used) and one shared, routed_scaling
+        # 1.8, vocabulary 154880, rope_theta 1e6, context 202752, rms_norm_eps 1e-5
+        # (from the model's config.json as recalled, not re-checked: a chat/tokenizer
+        # section of our own stands in for GLM's)
+        attrs.evolve(_deepseek2("glm-4.7-flash", (2048, 47, 20, 1, 512 + 64, 10240, 154880), 1e6, 202752,
+                                "synthetic GLM-4.7-Flash shape", mla=(768, 512, 192, 256), n_rot=64,
+                                moe=(64, 4, 1536), scale=1.8), rms_eps=1e-5),
     ]
 }
 
@@ -346,7 +391,12 @@ def mix_type(name: str, quant: str, cfg: ModelConfig, n_in: int) -> T:
 
 def _matrix_type(name: str, quant: str, cfg: ModelConfig, n_in: int, pure: bool) -> T:
     if quant in PLAIN or pure:
-        return QUANTS[quant][0]
+        t = QUANTS[quant][0]
+        # llama-quantize's fallback, for rows its blocks cannot fill (deepseek2's
+        # per-head attn_k_b rows, 192 values in GLM-4.7-Flash, under a K-quant)
+        if n_in % block_size(t):
+            t = _FALLBACK.get(t, T.F16)
+        return t if n_in % block_size(t) == 0 else T.F16
     return mix_type(name, quant, cfg, n_in)
 
 
@@ -360,7 +410,8 @@ def _matrix_type(name: str, quant: str, cfg: ModelConfig, n_in: int, pure: bool)
 #: the expert probabilities are nearly uniform and llama.cpp's 8-bit activation rounding
 #: flips near-tied top-k choices (measured on tiny-qwen35moe: 11 of 23 types parted by
 #: 0.15-0.35 nats); real routers are decisive, and a sharp one makes the choice matter.
-SHARP_SCALES = {"attn_q.weight": 5.0, "attn_k.weight": 5.0, "ffn_gate_inp.weight": 10.0}
+SHARP_SCALES = {"attn_q.weight": 5.0, "attn_k.weight": 5.0, "ffn_gate_inp.weight": 10.0,
+                "attn_q_b.weight": 5.0, "attn_kv_a_mqa.weight": 5.0, "exp_probs_b.bias": 5.0}
 
 
 def plan_tensors(preset: Preset, quant: str, pure: bool = False, sharp: bool = False) -> list[TensorPlan]:
@@ -378,7 +429,12 @@ def plan_tensors(preset: Preset, quant: str, pure: bool = False, sharp: bool = F
     if preset.rope_scaling is not None:
         factors = llama3_rope_factors(cfg.head_dim, cfg.rope_theta, *preset.rope_scaling)
         plans.append(TensorPlan("rope_freqs.weight", (len(factors),), T.F32, "const", factors))
-    for name, shape in expected_shapes(cfg).items():
+    shapes = expected_shapes(cfg)
+    if cfg.arch == "deepseek2":  # and the experts' selection bias, which the loader may go without
+        from trio_llm.models import optional_shapes
+
+        shapes.update(optional_shapes(cfg))
+    for name, shape in shapes.items():
         scale = SHARP_SCALES.get(name.split(".", 2)[-1] if name.startswith("blk.") else name, 1.0) if sharp else 1.0
         if name.endswith(("ffn_gate_inp.weight", "ssm_conv1d.weight", "ssm_alpha.weight", "ssm_beta.weight")):
             # the router and the delta-net's small matrices stay F32, as llama.cpp's
@@ -403,12 +459,13 @@ def plan_tensors(preset: Preset, quant: str, pure: bool = False, sharp: bool = F
 def _mtp_plans(preset: Preset, cfg: ModelConfig, plans: list[TensorPlan], quant: str,
                pure: bool) -> list[TensorPlan]:
     """The ``preset.mtp`` multi-token-prediction blocks llama.cpp's loader expects
-    (``load_block_mtp`` of qwen35.cpp, qwen35moe.cpp, qwen3next.cpp): a full-attention
+    (``load_block_mtp`` of qwen35.cpp, qwen35moe.cpp, qwen3next.cpp; deepseek2.cpp's
+    blocks past ``n_layer``): a full-attention
     block with the trunk's FFN (the tensors of the trunk's last attention layer, under
     the block's number), then ``nextn.eh_proj`` [n_embd, 2 n_embd] and its norms."""
     if not preset.mtp:
         return []
-    if not cfg.recurrent_layers:
+    if not cfg.recurrent_layers and cfg.arch != "deepseek2":
         raise MakeModelError(f"--mtp: {preset.arch} files have no multi-token-prediction blocks here")
     last = max(il for il in range(cfg.n_layer) if not cfg.is_recurrent(il))
     src = f"blk.{last}."
@@ -534,7 +591,7 @@ def _write_metadata(writer: gguf.GGUFWriter, preset: Preset, quant: str) -> None
     writer.add_head_count(cfg.n_head)
     writer.add_head_count_kv(cfg.n_head_kv)
     writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
+    writer.add_value_length(cfg.n_lora_kv or cfg.head_dim)  # MLA: V is the latent part of K
     writer.add_rope_dimension_count(cfg.n_rot or cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
@@ -564,6 +621,18 @@ def _write_metadata(writer: gguf.GGUFWriter, preset: Preset, quant: str) -> None
         writer.add_expert_feed_forward_length(preset.n_ff_exp)
     if preset.n_ff_shexp:
         writer.add_expert_shared_feed_forward_length(preset.n_ff_shexp)
+    if cfg.arch == "deepseek2":
+        writer.add_leading_dense_block_count(cfg.n_dense_lead)
+        if cfg.n_lora_q:
+            writer.add_q_lora_rank(cfg.n_lora_q)
+        writer.add_kv_lora_rank(cfg.n_lora_kv)
+        writer.add_key_length_mla(cfg.head_dim_k_mla)
+        writer.add_value_length_mla(cfg.head_dim_v_mla)
+        writer.add_expert_shared_count(preset.n_expert_shared)
+        writer.add_expert_weights_scale(cfg.expert_weights_scale)
+        writer.add_expert_weights_norm(cfg.expert_weights_norm)
+        writer.add_expert_gating_func(
+            gguf.ExpertGatingFuncType.SIGMOID if cfg.expert_gating == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX)
     if preset.rope_linear:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(preset.rope_linear)
@@ -634,7 +703,7 @@ def make_model(
     ``quant`` is a ``QUANTS`` name: a plain type, or a llama-quantize mix whose base
     type ``pure`` puts on every matrix instead (llama-quantize's ``--pure``). ``sharp``:
     see ``plan_tensors``. ``mtp``: that many multi-token-prediction blocks after the
-    trunk (``Preset.mtp``; the hybrids only).
+    trunk (``Preset.mtp``; the hybrids and deepseek2 only).
 
     ``workers`` defaults to one process per CPU for models above ``POOL_THRESHOLD``
     values and to in-process generation below it; the bytes are the same either way.
@@ -741,7 +810,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="RNG seed (>= 0)")
     parser.add_argument("--mtp", type=int, default=0,
                         help="multi-token-prediction blocks after the trunk, as llama.cpp's converter writes "
-                             "Qwen3.5 and Qwen3-Next files (the hybrid presets only)")
+                             "Qwen3.5, Qwen3-Next and GLM-4.7-Flash files (the hybrid and deepseek2 presets only)")
     parser.add_argument("--workers", type=int, default=None, help="processes (default: per CPU)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     return parser

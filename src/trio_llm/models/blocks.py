@@ -8,6 +8,8 @@ follow llama.cpp's ``cb(cur, "...", il)`` names.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import attrs
 
 from trio_llm.graph import Activation, Graph, RopeMode, Tensor
@@ -116,16 +118,21 @@ class Moe:
     n_expert_used: int
     norm: bool  # renormalise the chosen experts' weights to sum to 1
     scale: float = 1.0  # multiplies the weights (``expert_weights_scale``)
-    shared: bool = False  # a shared expert (``ffn_*_shexp``) gated by ``ffn_gate_inp_shexp``
+    shared: bool = False  # a shared expert (``ffn_*_shexp``)
+    shared_gate: bool = True  # the shared expert scaled by its gate ``ffn_gate_inp_shexp``; False: added as is
+    gating: Literal["softmax", "sigmoid"] = "softmax"  # the router's probabilities
 
 
 def moe_ffn(g: Graph, h: Tensor, il: int, moe: Moe, act: Activation) -> Tensor:
     """llama.cpp's ``build_moe_ffn``: the router picks ``n_expert_used`` of the layer's
     experts per token (softmax gating), each chosen expert runs its gated FFN, and the
-    outputs are summed with the routing weights: ``[T, n_embd]``."""
+    outputs are summed with the routing weights: ``[T, n_embd]``. A layer whose file has
+    ``exp_probs_b.bias`` chooses its experts by the probabilities plus that bias."""
     b = f"blk.{il}."
     logits = g.linear(h, g.weight(b + "ffn_gate_inp.weight"), "ffn_moe_logits")  # [T, n_expert]
-    routes = g.moe_topk(logits, moe.n_expert_used, "ffn_moe_topk", norm=moe.norm, scale=moe.scale)  # [T, 2k]
+    bias = g.weight(b + "exp_probs_b.bias") if g.has(b + "exp_probs_b.bias") else None  # [n_expert]
+    routes = g.moe_topk(logits, moe.n_expert_used, "ffn_moe_topk", gating=moe.gating, norm=moe.norm,
+                        scale=moe.scale, bias=bias)  # [T, 2k]
     gate = g.moe_linear(h, g.weight(b + "ffn_gate_exps.weight"), routes, "ffn_moe_gate")  # [T, k, n_ff_exp]
     up = g.moe_linear(h, g.weight(b + "ffn_up_exps.weight"), routes, "ffn_moe_up")  # [T, k, n_ff_exp]
     par = g.glu(gate, up, act, "ffn_moe_swiglu")  # [T, k, n_ff_exp]
@@ -133,9 +140,10 @@ def moe_ffn(g: Graph, h: Tensor, il: int, moe: Moe, act: Activation) -> Tensor:
     out = g.moe_combine(down, routes, "ffn_moe_out")  # [T, n_embd]
     if not moe.shared:
         return out
-    # the shared expert sees every token, scaled by its own sigmoid gate
+    # the shared expert sees every token, scaled by its own sigmoid gate when it has one
     sg = g.linear(h, g.weight(b + "ffn_gate_shexp.weight"), "ffn_shexp_gate")  # [T, n_ff_shexp]
     su = g.linear(h, g.weight(b + "ffn_up_shexp.weight"), "ffn_shexp_up")
     shexp = g.linear(g.glu(sg, su, act, "ffn_shexp_act"), g.weight(b + "ffn_down_shexp.weight"), "ffn_shexp")
-    shexp = g.gate_rows(shexp, h, g.weight(b + "ffn_gate_inp_shexp.weight"), "ffn_shexp_gated")  # [T, n_embd]
+    if moe.shared_gate:
+        shexp = g.gate_rows(shexp, h, g.weight(b + "ffn_gate_inp_shexp.weight"), "ffn_shexp_gated")  # [T, n_embd]
     return g.add(out, shexp, "ffn_out")

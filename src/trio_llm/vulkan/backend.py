@@ -49,6 +49,7 @@ from trio_llm.vulkan.forward import (
     build_ops,
     dequant_scratch,
     fusion_groups,
+    missing_ops,
     moe_map_bytes,
     plan_buffers,
     q8_scratch,
@@ -160,6 +161,10 @@ class VulkanBackend:
             self._ir = build_graph(cfg, {n: t.shape for n, t in model.tensors.items()}, self._output)
         except GraphError as exc:
             raise ModelLoadError(model.path, str(exc)) from None
+        missing = missing_ops(self._ir)
+        if missing:  # refused at load, not at the first forward
+            raise UnsupportedModelError(model.path, f"the Vulkan backend has no {', '.join(missing)} op for "
+                                                    f"{cfg.arch} yet (the numpy backend runs it)")
         # gated delta-net layers' per-sequence state (qwen35), kept and released with the KV cache
         self._rs = RecurrentState(self._alloc, state_bytes(self._ir, self.n_seq))
         self._recurrent = plan_recurrent(self._ir)

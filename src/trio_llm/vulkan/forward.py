@@ -1429,6 +1429,12 @@ class _Lowering:
         return self.act.view("step")
 
 
+def missing_ops(graph: Graph) -> list[str]:
+    """The graph's ops the lowering has no ``op_`` method for (the backend refuses such
+    a model at load)."""
+    return sorted({n.op for n in graph.nodes if not hasattr(_Lowering, "op_" + n.op)})
+
+
 def build_ops(
     ops: Ops, graph: Graph, plan: BufferPlan, weights: WeightStore, act: Activations, kv: KVCache,
     mem: list[LayerMemory], rope_buf: dict[int, str], *, bucket: int, rs: RecurrentState | None = None,

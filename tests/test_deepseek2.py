@@ -1,0 +1,187 @@
+"""deepseek2 (GLM-4.7-Flash): what llama.cpp cannot say for us (its greedy agreement is
+in test_llamacpp_agreement.py, ``tiny-deepseek2``): the new graph ops against plain
+numpy, the latent cache (one cache, no KV shift), metadata validation, files without
+q_lora and with an MTP block, and the GLM-4.7-Flash preset's shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trio_llm.engine.backend import SeqBatch
+from trio_llm.engine.reference import NumpyBackend, _moe_op
+from trio_llm.errors import ModelLoadError, UnsupportedModelError
+from trio_llm.graph import Graph
+from trio_llm.model.gguf import load_gguf
+from trio_llm.model.synth import PRESETS, make_model, plan_tensors
+from trio_llm.models import Meta, build_graph, deepseek2, tensor_shapes
+
+
+def test_sigmoid_routing_selects_by_the_bias_and_weighs_without_it() -> None:
+    """``moe_topk`` with sigmoid gating: the bias decides which experts, the weights are
+    the unbiased sigmoids, renormalised and scaled (llama.cpp's build_moe_ffn)."""
+    g = Graph(shapes={"b": (4,)})
+    g.layer(0)
+    logits = g._tensor(("T", 4), "logits", "value")
+    node_t = g.moe_topk(logits, 2, "topk", gating="sigmoid", norm=True, scale=2.0, bias=g.weight("b"))
+    node = g.nodes[-1]
+    assert node.out is node_t and node.attr("gating") == "sigmoid"
+    x = np.array([[2.0, 1.0, 0.0, -1.0]], np.float32)
+    bias = np.array([0.0, 0.0, 5.0, 5.0], np.float32)  # pushes experts 2 and 3 to the top
+    out = _moe_op(node, [x, bias])
+    assert out[0, :2].tolist() == [2.0, 3.0]  # sigmoid(0) + 5 beats sigmoid(-1) + 5
+    s = 1 / (1 + np.exp(-x[0]))
+    want = np.array([s[int(out[0, 0])], s[int(out[0, 1])]]) / (s[2] + s[3]) * 2.0
+    np.testing.assert_allclose(out[0, 2:], want, rtol=1e-6)
+    no_bias = _moe_op(node, [x])  # without a bias the largest logits win
+    assert sorted(no_bias[0, :2].tolist()) == [0.0, 1.0]
+
+
+def test_head_linear_and_concat_are_per_head(model_path) -> None:  # type: ignore[no-untyped-def]
+    """The absorbed attention's ops on the real file: each head's query through its own
+    attn_k_b slice, and Q as [absorbed | roped] per head, checked against plain loops."""
+    model = load_gguf(model_path("tiny-deepseek2", "F32"))
+    cfg = model.config
+    be = NumpyBackend(model, n_ctx=32, n_seq=1)
+    try:
+        g = be.graph
+        hl = next(n for n in g.nodes if n.op == "head_linear" and n.out.name == "blk.0.q_nope_absorbed")
+        cat = next(n for n in g.nodes if n.op == "concat" and n.out.name == "blk.0.Qcur")
+        nope = cfg.head_dim_k_mla - cfg.n_rot
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((3, cfg.n_head * nope)).astype(np.float32)
+        wk = model.tensor("blk.0.attn_k_b.weight").dequantize()  # [n_head, kv_lora, nope]
+        y = be._op(hl, [x, be._experts["blk.0.attn_k_b.weight"]], None)  # type: ignore[arg-type]
+        for h in range(cfg.n_head):
+            np.testing.assert_allclose(y[:, h * cfg.n_lora_kv:(h + 1) * cfg.n_lora_kv],
+                                       x[:, h * nope:(h + 1) * nope] @ wk[h].T, rtol=1e-5, atol=1e-6)
+        pe = rng.standard_normal((3, cfg.n_head * cfg.n_rot)).astype(np.float32)
+        q = be._op(cat, [y, pe], None)  # type: ignore[arg-type]
+        row = cfg.n_lora_kv + cfg.n_rot
+        assert q.shape == (3, cfg.n_head * row)
+        for h in range(cfg.n_head):
+            np.testing.assert_array_equal(q[:, h * row:h * row + cfg.n_lora_kv], y[:, h * cfg.n_lora_kv:(h + 1) * cfg.n_lora_kv])
+            np.testing.assert_array_equal(q[:, h * row + cfg.n_lora_kv:(h + 1) * row], pe[:, h * cfg.n_rot:(h + 1) * cfg.n_rot])
+    finally:
+        be.close()
+
+
+def test_the_latent_cache_is_one_cache_and_cannot_shift(model_path) -> None:  # type: ignore[no-untyped-def]
+    """Every layer caches kv_lora_rank + n_rot values per token, once (V is K's latent
+    part), in K's type: a q8_0 K with an f16 V costs exactly q8_0 rows; KV shifting is
+    refused (the roped part is a slice of each row)."""
+    model = load_gguf(model_path("tiny-deepseek2", "Q8_0"))
+    cfg = model.config
+    assert cfg.head_dim == cfg.n_lora_kv + cfg.n_rot and cfg.n_head_kv == 1
+    be = NumpyBackend(model, n_ctx=32, n_seq=1, cache_type_k="q8_0", cache_type_v="f16")
+    try:
+        assert all(m.v_is_k and m.kv_dim == cfg.head_dim for m in be.layers)
+        assert be.kv_bytes_per_token() == cfg.n_layer * cfg.head_dim // 32 * 34
+        assert not be.can_shift
+        be.forward([SeqBatch(0, np.arange(5, dtype=np.int32) + 7, 0)])
+        kv = be.read_kv(0, 5)  # [L, 2, n, kv_dim]: V reads back as the same rows as K
+        np.testing.assert_array_equal(kv[:, 0], kv[:, 1])
+        assert np.abs(kv).max() > 0
+    finally:
+        be.close()
+
+
+def _meta(model, **changes):  # type: ignore[no-untyped-def]
+    md = {**model.metadata}
+    for k, v in changes.items():
+        key = f"deepseek2.{k}"
+        if v is None:
+            md.pop(key, None)
+        else:
+            md[key] = v
+    return Meta(model.path, md, "deepseek2")
+
+
+@pytest.mark.parametrize(("changes", "error", "match"), [
+    ({"attention.kv_lora_rank": None}, ModelLoadError, "missing metadata key 'deepseek2.attention.kv_lora_rank'"),
+    ({"attention.kv_lora_rank": 0}, ModelLoadError, "kv_lora_rank' is 0"),
+    ({"attention.key_length": 100}, ModelLoadError, "expected kv_lora_rank \\+ n_rot = 160"),
+    ({"attention.head_count_kv": 2}, ModelLoadError, "head_count_kv' is 2, expected 1"),
+    ({"rope.dimension_count": 33}, ModelLoadError, "MLA sizes do not fit"),
+    ({"expert_shared_count": None}, ModelLoadError, "expert_shared_count"),
+    ({"expert_used_count": 17}, ModelLoadError, "expert_used_count 17 of expert_count 16"),
+    ({"attention.key_length_mla": None}, UnsupportedModelError, "without the MLA split"),
+    ({"rope.scaling.type": "yarn"}, UnsupportedModelError, "RoPE scaling 'yarn'"),
+    ({"expert_gating_func": 4}, UnsupportedModelError, "expert_gating_func 4"),
+    ({"expert_group_count": 8}, UnsupportedModelError, "expert_group_count"),
+    ({"attention.temperature_scale": 0.1}, UnsupportedModelError, "temperature scaling"),
+])
+def test_bad_metadata_is_one_line_naming_it(model_path, changes, error, match) -> None:  # type: ignore[no-untyped-def]
+    model = load_gguf(model_path("tiny-deepseek2", "Q8_0"))
+    with pytest.raises(error, match=match) as info:
+        deepseek2.hparams(_meta(model, **changes), model.tensors)
+    assert "\n" not in str(info.value)
+
+
+def test_gating_defaults_as_llama_cpp_without_the_key(model_path) -> None:  # type: ignore[no-untyped-def]
+    """No expert_gating_func: softmax, except for GLM-4.7-Flash's shape (47 or 48 blocks
+    and a 154880 vocabulary), which llama.cpp routes by sigmoid."""
+    model = load_gguf(model_path("tiny-deepseek2", "Q8_0"))
+    assert deepseek2.hparams(_meta(model, expert_gating_func=None), model.tensors).expert_gating == "softmax"
+    assert model.config.expert_gating == "sigmoid"
+    glm = PRESETS["glm-4.7-flash"].config()
+    assert (glm.n_layer, glm.n_vocab, glm.expert_gating) == (47, 154880, "sigmoid")
+
+
+def test_a_file_without_q_lora_reads_attn_q(model_path) -> None:  # type: ignore[no-untyped-def]
+    """DeepSeek-V2-Lite's layout: no attention.q_lora_rank, one attn_q per layer."""
+    model = load_gguf(model_path("tiny-deepseek2", "Q8_0"))
+    cfg = deepseek2.hparams(_meta(model, **{"attention.q_lora_rank": None}), model.tensors)
+    assert cfg.n_lora_q == 0
+    shapes = tensor_shapes(cfg)
+    assert shapes["blk.0.attn_q.weight"] == (cfg.n_head * cfg.head_dim_k_mla, cfg.n_embd)
+    assert not any("attn_q_a" in n or "attn_q_b" in n for n in shapes)
+    g = build_graph(cfg, shapes)
+    assert "blk.0.attn_q.weight" in g.weights and g.logits is not None
+
+
+def test_an_mtp_block_is_left_out_of_the_forward_pass(model_path, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """GLM-4.7-Flash's converted files carry one nextn block after the trunk: the trunk
+    is the same model, giving the same logits as the file without it."""
+    plain = model_path("tiny-deepseek2", "Q8_0")
+    with_mtp = load_gguf(make_model("tiny-deepseek2", "Q8_0", tmp_path / "mtp.gguf", mtp=1))
+    assert with_mtp.metadata["deepseek2.block_count"] == 4 and "blk.3.nextn.eh_proj.weight" in with_mtp.tensors
+    assert with_mtp.config == load_gguf(plain).config
+    toks = np.array([5, 9, 11, 300], np.int32)
+    outs = []
+    for m in (load_gguf(plain), with_mtp):
+        be = NumpyBackend(m, n_ctx=16, n_seq=1)
+        try:
+            outs.append(be.forward([SeqBatch(0, toks, 0)]))
+        finally:
+            be.close()
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_the_glm_preset_has_glm_4_7_flash_shapes() -> None:
+    cfg = PRESETS["glm-4.7-flash"].config()
+    shapes = tensor_shapes(cfg)
+    assert shapes["blk.1.attn_k_b.weight"] == (20, 512, 192)
+    assert shapes["blk.1.attn_v_b.weight"] == (20, 256, 512)
+    assert shapes["blk.1.attn_q_b.weight"] == (20 * 256, 768)
+    assert shapes["blk.1.attn_kv_a_mqa.weight"] == (576, 2048)
+    assert shapes["blk.0.ffn_down.weight"] == (2048, 10240)
+    assert shapes["blk.46.ffn_gate_exps.weight"] == (64, 1536, 2048)
+    assert shapes["blk.46.ffn_down_shexp.weight"] == (2048, 1536)
+    assert cfg.attn_scale == pytest.approx(1 / 16)
+    plans = {t.name: t for t in plan_tensors(PRESETS["glm-4.7-flash"], "Q4_K_M")}
+    assert "blk.1.exp_probs_b.bias" in plans and "blk.0.exp_probs_b.bias" not in plans
+    # attn_k_b rows of 192 values cannot be Q4_K blocks of 256: llama-quantize's fallback
+    assert plans["blk.1.attn_k_b.weight"].ggml_type.name == "Q5_0"
+    total = sum(t.n_bytes for t in plans.values())
+    assert 15e9 < total < 22e9, total  # ~30B parameters at ~4.9 bits
+
+
+@pytest.mark.vulkan
+def test_the_vulkan_backend_refuses_it_at_load(model_path) -> None:  # type: ignore[no-untyped-def]
+    """Until its ops are lowered: one UnsupportedModelError line at load, naming them."""
+    from trio_llm.vulkan.backend import VulkanBackend
+
+    with pytest.raises(UnsupportedModelError, match="no concat, head_linear op for deepseek2") as info:
+        VulkanBackend(load_gguf(model_path("tiny-deepseek2", "Q8_0")), n_ctx=32, n_seq=1)
+    assert "\n" not in str(info.value)
