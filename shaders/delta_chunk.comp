@@ -12,10 +12,7 @@
 // the decode kernel reads next: nothing is transposed or concatenated. A run starting
 // at position 0 starts from zeros.
 #include "common.glsl"
-// The k head of v head h: ggml's tiled broadcast (qwen35: h % n_k) or, with KH_DIV =
-// n_v / n_k, the grouped one (qwen3next: each k head's v heads side by side, h / KH_DIV)
-layout(constant_id = 9) const uint KH_DIV = 0;
-#define K_HEAD(h) (KH_DIV != 0u ? (h) / KH_DIV : (h) % pc.n_k)
+#include "khead.glsl"
 
 layout(constant_id = 1) const uint D = 128;  // head size
 layout(constant_id = 2) const uint J = 16;   // state columns per work group

@@ -37,10 +37,7 @@
 // (head_sum: wg_sum without the partials of the subgroups past the first NW lanes,
 // which are zeros; a group of 1024 lanes has more subgroups than reduce.glsl's slots).
 #include "common.glsl"
-// The k head of v head h: ggml's tiled broadcast (qwen35: h % n_k) or, with KH_DIV =
-// n_v / n_k, the grouped one (qwen3next: each k head's v heads side by side, h / KH_DIV)
-layout(constant_id = 9) const uint KH_DIV = 0;
-#define K_HEAD(h) (KH_DIV != 0u ? (h) / KH_DIV : (h) % pc.n_k)
+#include "khead.glsl"
 #ifdef DP
 #extension GL_KHR_shader_subgroup_shuffle : require
 #define HD DU                  // the head dim (the work group is DP * HD lanes)

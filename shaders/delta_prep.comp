@@ -12,10 +12,7 @@
 // (T and P rows [DC] per (token, v head), zeros past the row's own part; every exp is
 // of a non-positive number). delta_chunk.comp then walks the chunks with the state.
 #include "common.glsl"
-// The k head of v head h: ggml's tiled broadcast (qwen35: h % n_k) or, with KH_DIV =
-// n_v / n_k, the grouped one (qwen3next: each k head's v heads side by side, h / KH_DIV)
-layout(constant_id = 9) const uint KH_DIV = 0;
-#define K_HEAD(h) (KH_DIV != 0u ? (h) / KH_DIV : (h) % pc.n_k)
+#include "khead.glsl"
 
 #define TD 16
 
