@@ -70,7 +70,10 @@ layout(push_constant) uniform Push {
 #define KVR_LOAD4 v_load4
 #include "kv_read.glsl"
 
-const uint MAX_HEAD_DIM = 256;  // head_dim / 4 <= WG: a lane's four dims cover it
+// head_dim / 4 <= WG: a lane owns four dims of the output; above that (MLA's latent
+// rows, 576) one key group, each lane owning four dims in each of up to NA rounds
+const uint MAX_HEAD_DIM = 768;
+const uint NA = 3;  // rounds of four dims per lane when head_dim / 4 > WG (WG >= 64)
 
 shared vec4 qs4[MAX_HEAD_DIM / 4];
 shared float ps[WG];
@@ -113,9 +116,14 @@ void main() {
     uint d4 = tid % hd4;             // and its four output dims
     bool vlane = kg < kg_n;
 
+    bool wide = hd4 > WG;
     float m = -1.0e30;
     float l = 0.0;
     vec4 acc = vec4(0.0);
+    vec4 accw[NA];
+    [[unroll]] for (uint a = 0; a < NA; a++) {
+        accw[a] = vec4(0.0);
+    }
     for (uint b0 = lo; b0 < len; b0 += WG) {
         uint j = b0 + tid;
         bool live = j < len;
@@ -139,7 +147,17 @@ void main() {
         float lsum = wg_sum(p);  // its barriers also publish ps
         uint nvalid = min(WG, len - b0);
         acc *= corr;
-        if (vlane) {
+        if (wide) {
+            [[unroll]] for (uint a = 0; a < NA; a++) {
+                uint dd = tid + a * WG;
+                accw[a] *= corr;
+                if (dd < hd4) {
+                    for (uint jj = 0; jj < nvalid; jj++) {
+                        accw[a] += ps[jj] * v_load4((base + ring_row(b0 + jj)) * v_row + v_head, 4u * dd);
+                    }
+                }
+            }
+        } else if (vlane) {
             // keys kg, kg + kg_n, ... of the block, four per round
             for (uint j0 = kg; j0 < nvalid; j0 += 4u * kg_n) {
                 [[unroll]] for (uint i = 0; i < 4; i++) {
@@ -153,6 +171,20 @@ void main() {
         l = l * corr + lsum;
         m = mn;
         barrier();
+    }
+    if (wide) {
+        [[unroll]] for (uint a = 0; a < NA; a++) {
+            uint dd = tid + a * WG;
+            if (dd < hd4) {
+                vec4 sum = accw[a] / l;
+                uint ob = t * pc.o_stride + h * hd + 4u * dd;
+                o[ob] = sum.x;
+                o[ob + 1u] = sum.y;
+                o[ob + 2u] = sum.z;
+                o[ob + 3u] = sum.w;
+            }
+        }
+        return;
     }
     part[tid] = acc;
     barrier();

@@ -5,11 +5,17 @@
 // their sum (norm, the sum clamped at float16's smallest normal as llama.cpp does),
 // times scale. Writes the routing row: k ids (exact floats), then k weights.
 // One work group per token; each of the k picks is a shared-memory argmax.
+// SIGMOID: each logit's sigmoid instead of the softmax; with BIAS the picks go by the
+// probabilities plus a selection bias b[n_expert] (DeepSeek-V3's), the weights stay the
+// unbiased probabilities.
 #include "common.glsl"
 
 layout(binding = 0, std430) readonly buffer X { float x[]; };
 layout(binding = 1, std430) writeonly buffer Y { float y[]; };
 DECLARE_STEP(2)
+#ifdef BIAS
+layout(binding = 3, std430) readonly buffer B { float bias[]; };
+#endif
 
 layout(push_constant) uniform Push {
     uint n_expert;
@@ -25,6 +31,9 @@ shared float p[MAX_EXPERT];
 shared float red_v[WG];
 shared uint red_i[WG];
 shared float chosen_w[64];
+#ifdef SIGMOID
+shared float pr[MAX_EXPERT];  // the unbiased probabilities (p holds the selection scores)
+#endif
 
 void main() {
     uint t = FLAT_GROUP;
@@ -33,6 +42,19 @@ void main() {
     }
     uint lid = gl_LocalInvocationID.x;
     uint base = t * pc.x_stride;
+#ifdef SIGMOID
+    for (uint e = lid; e < pc.n_expert; e += WG) {
+        float v = 1.0 / (1.0 + exp(-x[base + e]));
+        pr[e] = v;
+#ifdef BIAS
+        p[e] = v + bias[e];
+#else
+        p[e] = v;
+#endif
+    }
+    float inv = 1.0;
+    barrier();
+#else
     // softmax: the max, then exp and the sum
     float m = -1.0 / 0.0;
     for (uint e = lid; e < pc.n_expert; e += WG) {
@@ -64,8 +86,9 @@ void main() {
     }
     float inv = 1.0 / red_v[0];
     barrier();
+#endif
     for (uint j = 0; j < pc.k; j++) {
-        float bv = -1.0;
+        float bv = -1.0 / 0.0;
         uint bi = 0xFFFFFFFFu;
         for (uint e = lid; e < pc.n_expert; e += WG) {
             float v = p[e];
@@ -90,9 +113,13 @@ void main() {
         }
         if (lid == 0u) {
             uint best = red_i[0];
+#ifdef SIGMOID
+            chosen_w[j] = pr[best];
+#else
             chosen_w[j] = red_v[0] * inv;
+#endif
             y[t * pc.y_stride + j] = float(best);
-            p[best] = -1.0;  // taken
+            p[best] = -1.0 / 0.0;  // taken
         }
         barrier();
     }

@@ -100,7 +100,7 @@ def _meta(model, **changes):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(("changes", "error", "match"), [
     ({"attention.kv_lora_rank": None}, ModelLoadError, "missing metadata key 'deepseek2.attention.kv_lora_rank'"),
     ({"attention.kv_lora_rank": 0}, ModelLoadError, "kv_lora_rank' is 0"),
-    ({"attention.key_length": 100}, ModelLoadError, "expected kv_lora_rank \\+ n_rot = 160"),
+    ({"attention.key_length": 100}, ModelLoadError, "expected kv_lora_rank \\+ n_rot = 288"),
     ({"attention.head_count_kv": 2}, ModelLoadError, "head_count_kv' is 2, expected 1"),
     ({"rope.dimension_count": 33}, ModelLoadError, "MLA sizes do not fit"),
     ({"expert_shared_count": None}, ModelLoadError, "expert_shared_count"),
@@ -177,11 +177,26 @@ def test_the_glm_preset_has_glm_4_7_flash_shapes() -> None:
     assert 15e9 < total < 22e9, total  # ~30B parameters at ~4.9 bits
 
 
+
 @pytest.mark.vulkan
-def test_the_vulkan_backend_refuses_it_at_load(model_path) -> None:  # type: ignore[no-untyped-def]
-    """Until its ops are lowered: one UnsupportedModelError line at load, naming them."""
+def test_the_vulkan_backend_runs_the_latent_cache_as_numpy(model_path) -> None:  # type: ignore[no-untyped-def]
+    """F32 weights and cache: a 12-token prefill and three decode steps give numpy's
+    logits (the latent row of 288 takes attention.comp's wide-head path, head_linear
+    the expert matvec, concat and the sigmoid router their shaders); V reads back as K."""
     from trio_llm.vulkan.backend import VulkanBackend
 
-    with pytest.raises(UnsupportedModelError, match="no concat, head_linear op for deepseek2") as info:
-        VulkanBackend(load_gguf(model_path("tiny-deepseek2", "Q8_0")), n_ctx=32, n_seq=1)
-    assert "\n" not in str(info.value)
+    model = load_gguf(model_path("tiny-deepseek2", "F32", sharp=True))
+    assert model.config.head_dim > 256
+    kw = dict(n_ctx=32, n_seq=1, cache_type_k="f32", cache_type_v="f32")
+    vk, ref = VulkanBackend(model, **kw), NumpyBackend(model, **kw)  # type: ignore[arg-type]
+    try:
+        toks = np.arange(12, dtype=np.int32) * 37 % 1000 + 3
+        steps = [SeqBatch(0, toks, 0)] + [SeqBatch(0, np.array([t], np.int32), 12 + i) for i, t in enumerate((5, 77, 901))]
+        for b in steps:
+            np.testing.assert_allclose(vk.forward([b]), ref.forward([b]), atol=2e-3, rtol=1e-3)
+        kv = vk.read_kv(0, 15)
+        np.testing.assert_array_equal(kv[:, 0], kv[:, 1])
+        np.testing.assert_allclose(kv, ref.read_kv(0, 15), atol=1e-4)
+    finally:
+        vk.close()
+        ref.close()

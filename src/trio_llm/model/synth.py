@@ -257,8 +257,9 @@ PRESETS: dict[str, Preset] = {
         # n_rot, one KV head), a leading dense layer, then 16 experts (4 chosen by
         # sigmoid with a selection bias) and a shared expert; mla: (q_lora_rank,
         # kv_lora_rank, no-RoPE q.k size, v size)
-        _deepseek2("tiny-deepseek2", (256, 3, 4, 1, 128 + 32, 512, 1024), 1e4, 4096, "trio-llm tiny-deepseek2",
-                   mla=(128, 128, 64, 64), n_rot=32, moe=(16, 4, 128), scale=2.5),
+        # (a latent row of 288: above 256, so the Vulkan attention's wide-head path runs)
+        _deepseek2("tiny-deepseek2", (256, 3, 4, 1, 256 + 32, 512, 1024), 1e4, 4096, "trio-llm tiny-deepseek2",
+                   mla=(128, 256, 64, 64), n_rot=32, moe=(16, 4, 128), scale=2.5),
         # GLM-4.7-Flash (HF Glm4MoeLiteForCausalLM, 47 layers; its converted files add one
         # MTP block: make-model --mtp 1): hidden 2048, 20 heads, q_lora_rank 768,
         # kv_lora_rank 512, qk_nope/qk_rope/v head dims 192/64/256, dense FFN 10240 in

@@ -49,6 +49,7 @@ from trio_llm.vulkan.forward import (
     build_ops,
     dequant_scratch,
     fusion_groups,
+    head_routes,
     missing_ops,
     moe_map_bytes,
     plan_buffers,
@@ -219,6 +220,7 @@ class VulkanBackend:
                    for name in self._ir.weights if any(n.op == "rope" and len(n.inputs) > 1
                                                        and n.inputs[1].name == name for n in self._ir.nodes)}
         self._rope_buf, consts = rope_consts(self._ir, factors)
+        consts.update(head_routes(self._ir))
         # --n-cpu-moe: these expert tensors are read from host-visible memory
         self._weights = WeightStore(self._alloc, model, host_tensors=self._host_tensors,
                                     only=frozenset(self._ir.weights))
@@ -517,6 +519,8 @@ class VulkanBackend:
                 for i, (k, v) in enumerate(self._kv.read_rows(seq_id, n)):
                     data[il[i], 0] = dequantize_rows(k, lays[i].k_type, lays[i].kv_dim)
                     data[il[i], 1] = dequantize_rows(v, lays[i].v_type, lays[i].kv_dim)
+                    if self._mem[i].v_is_k:  # a latent cache's V is its K (the V buffer goes unused)
+                        data[il[i], 1] = data[il[i], 0]
 
     @property
     def can_shift(self) -> bool:
@@ -696,7 +700,7 @@ def _check_shapes(model: GGUFModel, cfg: ModelConfig) -> None:
     for what, n in dims:
         if n % 32:
             problems.append(f"{what} {n} is not a multiple of 32")
-    if cfg.head_dim % 4 or cfg.head_dim > 256:
+    if cfg.head_dim % 4 or cfg.head_dim > (768 if cfg.n_lora_kv else 256):  # MLA: latent rows up to 768
         problems.append(f"head_dim {cfg.head_dim} must be a multiple of 4 and at most 256")
     if cfg.kv_dim % 4:
         problems.append(f"kv_dim {cfg.kv_dim} is not a multiple of 4")

@@ -481,6 +481,17 @@ class Activations:
         return arr[: 4 * n].view(np.float32).reshape(n_out, self.n_vocab)  # [n_out, n_vocab]
 
 
+def head_routes(graph: Graph) -> dict[str, np.ndarray]:
+    """``head_linear``'s fixed routing, one row read by every token (``moe_matvec`` with
+    a routing stride of 0): head h is expert h, weight 1. Named ``heads<n>``."""
+    out: dict[str, np.ndarray] = {}
+    for node in graph.nodes:
+        if node.op == "head_linear":
+            nh = int(node.attr("n_head"))
+            out[f"heads{nh}"] = np.concatenate([np.arange(nh), np.ones(nh)]).astype(np.float32)
+    return out
+
+
 def rope_consts(graph: Graph, factors: dict[str, np.ndarray]) -> tuple[dict[int, str], dict[str, np.ndarray]]:
     """The divisor array each RoPE node reads (the file's factors over ``freq_scale``),
     one buffer per distinct array: rope node id -> buffer name, and the arrays."""
@@ -597,7 +608,10 @@ class _Lowering:
         return whole(self.kv.k[i]), whole(self.kv.v[i]), m
 
     def rotation(self, node: Node) -> tuple[int, int]:
-        """llama.cpp's Hadamard blocks (K, V) around this attention's quantized cache."""
+        """llama.cpp's Hadamard blocks (K, V) around this attention's quantized cache
+        (none for a latent cache, ``v_is_k``)."""
+        if node.attrs.get("v_is_k"):
+            return 0, 0
         return rotation_blocks(*self.types(node.layer), node.attr("head_dim"))
 
     def types(self, layer: int) -> tuple[str, str]:
@@ -1061,6 +1075,16 @@ class _Lowering:
         kt, vt = self.types(node.layer)
         nh, nkv, hd = node.attr("n_head"), node.attr("n_head_kv"), node.attr("head_dim")
         window = node.attr("window")
+        if node.attrs.get("v_is_k"):  # a latent cache: the values are the cached K rows
+            self._store(k, kc, ("k", node.layer), m, nkv, hd, kt)
+            common = dict(n_head=nh, n_head_kv=nkv, head_dim=hd, n_ctx=m.rows, q_stride=q.width,
+                          o_stride=node.out.width, cap=self.bucket, scale=node.attr("scale"), k_type=kt, v_type=kt,
+                          n_swa=window)
+            if gate is not None or out is not None:
+                raise GraphError(f"{node.out.name}: a gated latent attention has no kernel")
+            d = self.ops.attention(self.view(q), kc, kc, self.view(node.out), self.st, **common)  # type: ignore[arg-type]
+            self.emit([d], [self.slot(q), ("k", node.layer)], [self.slot(node.out)])
+            return
         kb, vb = self.rotation(node)
         if kb:  # q and k rotated in place before k is stored (they are read by this node only)
             self._rotate(q, kb)
@@ -1164,11 +1188,32 @@ class _Lowering:
     # their ids from it and a recorded graph serves every routing
 
     def op_moe_topk(self, node: Node) -> None:
-        (x,) = node.inputs
+        x = node.inputs[0]
+        bias = self.view(node.inputs[1]) if len(node.inputs) > 1 else None
         d = self.ops.moe_topk(self.view(x), self.view(node.out), self.st, n_expert=node.attr("n_expert"),
                               k=node.attr("k"), x_stride=x.width, y_stride=node.out.width, cap=self.bucket,
-                              norm=node.attr("norm"), scale=node.attr("scale"))
+                              norm=node.attr("norm"), scale=node.attr("scale"),
+                              sigmoid=node.attr("gating") == "sigmoid", bias=bias)
         self.emit([d], [self.slot(x)], [self.slot(node.out)])
+
+    def op_head_linear(self, node: Node) -> None:
+        """Each head through its own matrix: ``moe_matvec`` over the head "experts" with
+        one fixed routing row for every token (``head_routes``)."""
+        x, w = node.inputs
+        nh, n_rows, n_in = (int(d) for d in w.shape)
+        d = self.ops.moe_matvec(self.weights.slots[w.name].qtype, self.weights.view(w.name), self.view(x),
+                                self.view(node.out), self.st, self.act.view(f"heads{nh}"), n_in=n_in, n_rows=n_rows,
+                                x_stride=x.width, x_pair=n_in, y_stride=node.out.width, k=nh, cap=self.bucket,
+                                r_stride=0)
+        self.emit([d], [self.slot(x)], [self.slot(node.out)])
+
+    def op_concat(self, node: Node) -> None:
+        a, b = node.inputs
+        grp = node.attr("groups")
+        d = self.ops.concat(self.view(a), self.view(b), self.view(node.out), self.st, na=a.width // grp,
+                            nb=b.width // grp, n_out=node.out.width, a_stride=a.width, b_stride=b.width,
+                            y_stride=node.out.width, cap=self.bucket)
+        self.emit([d], [self.slot(a), self.slot(b)], [self.slot(node.out)])
 
     def op_moe_linear(self, node: Node) -> None:
         x, w, routes = node.inputs

@@ -1154,7 +1154,8 @@ class Ops:
         """One work group per (query head, token) over the token's visible keys
         (causal; with ``n_swa`` > 0 only the last ``n_swa`` positions): the prefill
         form. Caches of ``k_type`` / ``v_type``, position p at row p % ``n_ctx``."""
-        assert head_dim <= 4 * self.attn_wg and head_dim <= 256 and head_dim % 4 == 0
+        # above 4 * attn_wg (MLA's latent rows) each lane owns up to three groups of four dims
+        assert (head_dim <= 4 * self.attn_wg or self.attn_wg >= 64) and head_dim <= 768 and head_dim % 4 == 0
         kt, vt = _kv(k_type), _kv(v_type)
         _check_head(kt, head_dim, "K")
         _check_head(vt, head_dim, "V")
@@ -1569,19 +1570,26 @@ class Ops:
 
     def moe_topk(
         self, logits: View, routes: View, step: View, *, n_expert: int, k: int, x_stride: int,
-        y_stride: int, cap: int, norm: bool, scale: float,
+        y_stride: int, cap: int, norm: bool, scale: float, sigmoid: bool = False, bias: View | None = None,
     ) -> Dispatch:
         """Each live token's routing row (k expert ids, then k weights) from its router
-        logits: softmax, top-k, renormalised (``norm``), times ``scale``."""
-        assert n_expert <= 512 and k <= 64
-        kern = self.kernels.get("moe_topk", n_bindings=3, n_push=6, local_size=self.norm_wg)
+        logits: softmax (or ``sigmoid``), top-k (by the probabilities plus ``bias``
+        [n_expert] when given), renormalised (``norm``), times ``scale``."""
+        assert n_expert <= 512 and k <= 64 and (bias is None or sigmoid)
+        defines: dict[str, object] = {"SIGMOID": 1} if sigmoid else {}
+        views: tuple[View, ...] = (logits, routes, step)
+        if bias is not None:
+            defines["BIAS"] = 1
+            views += (bias,)
+        kern = self.kernels.get("moe_topk", n_bindings=len(views), n_push=6, local_size=self.norm_wg,
+                                defines=defines)
         push = (n_expert, k, x_stride, y_stride, int(norm), float(scale))
-        return Dispatch(kern, (logits, routes, step), push, grid(cap))
+        return Dispatch(kern, views, push, grid(cap))
 
     def moe_matvec(
         self, qtype: str, w: View, x: View, y: View, step: View, routes: View, *, n_in: int, n_rows: int,
         x_stride: int, x_pair: int, y_stride: int, k: int, cap: int, up: View | None = None,
-        combine: tuple[View | None, tuple[View, View, View, int] | None] | None = None,
+        combine: tuple[View | None, tuple[View, View, View, int] | None] | None = None, r_stride: int | None = None,
     ) -> Dispatch:
         """y[c, j, :] = W[id(c, j)] . x[c] (``x_pair`` 0) or . x[c, j] for the live tokens
         c and their k chosen experts j; ``w`` is the whole 3-D expert tensor. With ``up``
@@ -1594,7 +1602,8 @@ class Ops:
         nr, rs = self.matvec_rows, self.matvec_rs
         defines = dict(qtype_defines(qtype))
         views: tuple[View, ...] = (w, x, y, step, routes)
-        push: tuple[int, ...] = (n_in, n_rows, x_stride, x_pair, y_stride, k, 2 * k)
+        # r_stride 0: one routing row for every token (head_linear's fixed heads)
+        push: tuple[int, ...] = (n_in, n_rows, x_stride, x_pair, y_stride, k, 2 * k if r_stride is None else r_stride)
         if up is not None:
             defines["GLU_IN"] = 1
             views += (up,)
@@ -1690,6 +1699,13 @@ class Ops:
         kern = self.kernels.get("take", n_bindings=3, n_push=6, local_size=self.elem_wg)
         push = (group, start, n, n_out, x_stride, y_stride)
         return Dispatch(kern, (x, y, step), push, (math.ceil(n_out / self.elem_wg), cap, 1))
+
+    def concat(self, a: View, b: View, y: View, step: View, *, na: int, nb: int, n_out: int, a_stride: int,
+               b_stride: int, y_stride: int, cap: int) -> Dispatch:
+        """y[t, g * (na + nb) + i] = a[t, g * na + i] (i < na), else b[t, g * nb + i - na]."""
+        kern = self.kernels.get("concat", n_bindings=4, n_push=6, local_size=self.elem_wg)
+        push = (na, nb, n_out, a_stride, b_stride, y_stride)
+        return Dispatch(kern, (a, b, y, step), push, (math.ceil(n_out / self.elem_wg), cap, 1))
 
     def l2_norm(self, x: View, y: View, step: View, *, n: int, rows_per_tok: int, eps: float, cap: int) -> Dispatch:
         """Every n values of each live row divided by their norm (at least eps)."""

@@ -76,7 +76,7 @@ NORM_IN = {"NORM_IN": 1}
 PLAIN_SHADERS = ("rms_norm", "to_f16", "rope", "attention", "attn_decode", "attn_decode2", "attn_prefill", "swiglu", "add", "scale", "hadamard", "argmax",
                  "sample", "transpose", "attn_combine",
                  "moe_topk", "moe_group", "moe_combine", "take", "l2_norm", "gate_rows", "rope_partial", "delta_net",
-                 "delta_prep", "delta_chunk", "quantize_q8")
+                 "delta_prep", "delta_chunk", "quantize_q8", "concat")
 #: KV cache type codes (model/kvtypes.py KVType.code) the cache readers and writers take
 KV_CODES = range(8)
 
@@ -692,6 +692,8 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
         yield name, {}
     yield "swiglu", {"GELU": 1}
     yield "swiglu", {"SIGMOID": 1}
+    yield "moe_topk", {"SIGMOID": 1}
+    yield "moe_topk", {"SIGMOID": 1, "BIAS": 1}
     yield "ssm_conv", {"PHASE": 0}
     yield "ssm_conv", {"PHASE": 1}
     # the cache writers in every KV type, the readers with K and V of one type (and
