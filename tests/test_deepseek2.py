@@ -8,13 +8,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trio_llm.engine.backend import SeqBatch
+from trio_llm.engine import fit
+from trio_llm.engine.backend import Level, SeqBatch
 from trio_llm.engine.reference import NumpyBackend, _moe_op
-from trio_llm.errors import ModelLoadError, UnsupportedModelError
+from trio_llm.errors import InvalidRequest, ModelLoadError, UnsupportedModelError
 from trio_llm.graph import Graph
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.synth import PRESETS, make_model, plan_tensors
 from trio_llm.models import Meta, build_graph, deepseek2, tensor_shapes
+from trio_llm.server import slot_file
 
 
 def test_sigmoid_routing_selects_by_the_bias_and_weighs_without_it() -> None:
@@ -79,8 +81,8 @@ def test_the_latent_cache_is_one_cache_and_cannot_shift(model_path) -> None:  # 
         assert be.kv_bytes_per_token() == cfg.n_layer * cfg.head_dim // 32 * 34
         assert not be.can_shift
         be.forward([SeqBatch(0, np.arange(5, dtype=np.int32) + 7, 0)])
-        kv = be.read_kv(0, 5)  # [L, 2, n, kv_dim]: V reads back as the same rows as K
-        np.testing.assert_array_equal(kv[:, 0], kv[:, 1])
+        kv = be.read_kv(0, 5)  # [L, 1, n, kv_dim]: K alone, no V rows
+        assert kv.shape == (cfg.n_layer, 1, 5, cfg.kv_dim) and cfg.kv_parts == 1
         assert np.abs(kv).max() > 0
     finally:
         be.close()
@@ -182,7 +184,8 @@ def test_the_glm_preset_has_glm_4_7_flash_shapes() -> None:
 def test_the_vulkan_backend_runs_the_latent_cache_as_numpy(model_path) -> None:  # type: ignore[no-untyped-def]
     """F32 weights and cache: a 12-token prefill and three decode steps give numpy's
     logits (the latent row of 288 takes attention.comp's wide-head path, head_linear
-    the expert matvec, concat and the sigmoid router their shaders); V reads back as K."""
+    the expert matvec, concat and the sigmoid router their shaders); the cache reads back
+as numpy's, K alone."""
     from trio_llm.vulkan.backend import VulkanBackend
 
     model = load_gguf(model_path("tiny-deepseek2", "F32", sharp=True))
@@ -195,8 +198,96 @@ def test_the_vulkan_backend_runs_the_latent_cache_as_numpy(model_path) -> None: 
         for b in steps:
             np.testing.assert_allclose(vk.forward([b]), ref.forward([b]), atol=2e-3, rtol=1e-3)
         kv = vk.read_kv(0, 15)
-        np.testing.assert_array_equal(kv[:, 0], kv[:, 1])
+        assert kv.shape == (model.config.n_layer, 1, 15, model.config.kv_dim)
         np.testing.assert_allclose(kv, ref.read_kv(0, 15), atol=1e-4)
     finally:
         vk.close()
         ref.close()
+
+
+def test_the_latent_cache_is_counted_as_llama_cpp_counts_it() -> None:
+    """llama.cpp's MLA cache has no V: n_layer x n_ctx x (kv_lora_rank + n_rot) values
+    of K's type. GLM-4.7-Flash at 131072 positions, f16: 47 x 576 x 2 bytes a position,
+    6768 MiB (with a V as big as K it would be twice that); the V type changes nothing."""
+    cfg = PRESETS["glm-4.7-flash"].config()
+    assert (cfg.n_layer, cfg.n_lora_kv, cfg.n_rot, cfg.kv_parts) == (47, 512, 64, 1)
+    per = fit.kv_bytes_per_position(cfg, "f16", "f16")
+    assert per == 47 * (512 + 64) * 2 == fit.kv_bytes_per_position(cfg, "f16", "q4_0")
+    assert per * 131072 == 6768 << 20
+    assert fit.kv_bytes_per_position(cfg, "q8_0", "f16") == 47 * 576 // 32 * 34
+    assert fit.footprint_bytes(cfg, weights=0, ctx_total=131072, type_k="f16", type_v="f16", n_batch=1) \
+        == fit.compute_bytes(cfg, 1) + (6768 << 20)
+    llama = PRESETS["tiny"].config()  # an ordinary cache still counts K and V
+    assert llama.kv_parts == 2 and fit.kv_bytes_per_position(llama, "f16", "q8_0") == \
+        llama.n_layer * llama.kv_dim * (2 + 34 / 32)
+    assert slot_file.max_bytes(cfg, 100) == 47 * 1 * 100 * 576 * 4 + 400 + 4 * slot_file.OVERHEAD
+
+
+@pytest.mark.vulkan
+@pytest.mark.parametrize(("kt", "vt"), [("f16", "f16"), ("q8_0", "f16")])
+def test_the_vulkan_latent_cache_is_k_alone_and_sleeps_with_it(model_path, kt, vt) -> None:  # type: ignore[no-untyped-def]
+    """The device holds n_layer x positions x (kv_lora_rank + n_rot) values of K's type
+    and nothing for V (what device_info, memory(), the fit projection and numpy report);
+    a release at level all (``--sleep-mode all``) moves exactly those bytes to the host
+    and frees them on the device, and after the restore the sequence continues with the
+    logits of a run that never slept."""
+    from trio_llm.vulkan.backend import VulkanBackend
+
+    model = load_gguf(model_path("tiny-deepseek2", "Q8_0"))
+    cfg = model.config
+    n_ctx, n_seq = 64, 2
+    want = int(cfg.n_layer * n_seq * n_ctx * (cfg.n_lora_kv + cfg.n_rot) * fit.CACHE_TYPE_BYTES[kt])
+    assert fit.kv_bytes_per_position(cfg, kt, vt) * n_seq * n_ctx == want
+    kw = dict(n_ctx=n_ctx, n_seq=n_seq, cache_type_k=kt, cache_type_v=vt)
+    vk, ref = VulkanBackend(model, **kw), NumpyBackend(model, **kw)  # type: ignore[arg-type]
+    try:
+        assert vk.device_info()["kv_bytes"] == ref.kv_bytes() == want
+        assert vk.device_info()["kv_bytes_per_token"] == ref.kv_bytes_per_token() == want // (n_seq * n_ctx)
+        assert vk.memory()["kv_cache"] == ref.memory()["kv_cache"] == want
+        prompt = np.arange(11, dtype=np.int32) * 53 % 1000 + 2
+        more = np.array([42, 7, 300], np.int32)
+        vk.forward([SeqBatch(1, prompt, 0)])
+        expected = vk.forward([SeqBatch(1, more, len(prompt))])  # never slept
+        vk.forward([SeqBatch(0, prompt, 0)])
+        vk.release(Level.ALL)
+        assert vk.memory()["kv_cache"] == 0 and vk.host_memory()["kv_cache"] == want
+        vk.restore()
+        assert vk.memory()["kv_cache"] == want
+        np.testing.assert_array_equal(vk.forward([SeqBatch(0, more, len(prompt))]), expected)
+    finally:
+        vk.close()
+        ref.close()
+
+
+@pytest.mark.vulkan
+def test_a_latent_slot_file_holds_k_alone_and_round_trips(model_path, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Slot save/restore of a latent cache: read_kv gives [n_layer, 1, n, kv_dim] (K of
+    each layer), the file holds that and no V, and restoring it into another slot
+    continues as the saved one does, on either backend; a file with a V part is refused."""
+    from trio_llm.vulkan.backend import VulkanBackend
+
+    model = load_gguf(model_path("tiny-deepseek2", "Q8_0"))
+    cfg = model.config
+    kw = dict(n_ctx=64, n_seq=2, cache_type_k="q8_0", cache_type_v="f16")
+    prompt = np.arange(9, dtype=np.int32) * 71 % 1000 + 4
+    more = np.array([17, 401], np.int32)
+    for be in (VulkanBackend(model, **kw), NumpyBackend(model, **kw)):  # type: ignore[arg-type]
+        try:
+            be.forward([SeqBatch(0, prompt, 0)])
+            kv = be.read_kv(0, len(prompt))
+            assert kv.shape == (cfg.n_layer, 1, len(prompt), cfg.kv_dim) and np.abs(kv).max() > 0
+            path = tmp_path / f"{be.name}.bin"
+            size = slot_file.save(path, cfg, prompt.tolist(), kv)
+            assert kv.nbytes < size < kv.nbytes + slot_file.OVERHEAD
+            tokens, back, _ = slot_file.load(path, cfg, 64)
+            assert tokens == prompt.tolist()
+            np.testing.assert_array_equal(back, kv)
+            be.write_kv(1, back)
+            np.testing.assert_array_equal(be.read_kv(1, len(prompt)), kv)
+            np.testing.assert_array_equal(be.forward([SeqBatch(1, more, len(prompt))]),
+                                          be.forward([SeqBatch(0, more, len(prompt))]))
+            slot_file.save(path, cfg, prompt.tolist(), np.concatenate([kv, kv], axis=1))
+            with pytest.raises(InvalidRequest, match="wrong shape"):
+                slot_file.load(path, cfg, 64)
+        finally:
+            be.close()

@@ -14,7 +14,7 @@ from test_vulkan_ops import Env, make_weights, np_rope, open_env
 from trio_llm.errors import BackendError
 from trio_llm.model.kvtypes import KV_TYPES, dequantize_rows, kv_type, quantize_rows, roundtrip
 from trio_llm.vulkan.graph import Barrier, Copy
-from trio_llm.vulkan.kvcache import KVCache
+from trio_llm.vulkan.kvcache import KVCache, LayerKV
 from trio_llm.vulkan.memory import View, allocate_and_copy
 from trio_llm.vulkan.ops import (
     ROPE_NEOX,
@@ -337,6 +337,43 @@ def test_kv_cache_rows_and_release_carry_raw_bytes(env: Env) -> None:
             np.testing.assert_array_equal(v1[12:], v0[:4])
             np.testing.assert_array_equal(kr, k0)
             np.testing.assert_array_equal(vr, v0)
+    finally:
+        kv.free_device()
+        kv.free_host()
+
+
+def test_a_latent_layer_has_no_v_buffer(env: Env) -> None:
+    """A latent layer (``v_is_k``, MLA) beside an ordinary one: K only in every count
+    (its V rows are 0 bytes), no V buffer or role, its V view is K's buffer; a release
+    to host copies K alone and the restore brings the same bytes back; its slot rows
+    carry an empty V."""
+    n_seq, n_ctx, kvd = 2, 32, 64  # buffers of whole 256-byte units: their sizes are exact
+    lat = LayerKV(n_seq, n_ctx, kvd, "q8_0", "f16", v_is_k=True)
+    plain = LayerKV(n_seq, n_ctx, kvd, "q8_0", "f16")
+    kv = KVCache(env.alloc, [lat, plain])
+    assert (lat.v_row_bytes, lat.v_bytes) == (0, 0) and plain.v_row_bytes == 128
+    assert kv.bytes_per_token == 68 + (68 + 128)
+    assert kv.total_bytes == n_seq * n_ctx * kv.bytes_per_token
+    kv.allocate()
+    try:
+        assert kv.v[0] is None and kv.v[1] is not None
+        assert set(kv.roles()) == {("k", 0), ("k", 1), ("v", 1)}
+        assert kv.v_view(0).buffer is kv.k[0]
+        rng = np.random.default_rng(71)
+        rows = [(quantize_rows(rng.standard_normal((5, kvd)), "q8_0"), np.zeros((5, 0), np.uint8)),
+                (quantize_rows(rng.standard_normal((5, kvd)), "q8_0"),
+                 quantize_rows(rng.standard_normal((5, kvd)), "f16"))]
+        kv.write_rows(1, rows)
+        kv.to_host()
+        assert [b.size for b in kv.host] == [lat.k_bytes, plain.k_bytes, plain.v_bytes]
+        allocate_and_copy(env.alloc, kv.restore_jobs())
+        kv.restored()
+        assert kv.v[0] is None and [b.size for b in kv.k] == [lat.k_bytes, plain.k_bytes]
+        back = kv.read_rows(1, 5)
+        assert back[0][1].shape == (5, 0)
+        for (k0, v0), (k1, v1) in zip(rows, back, strict=True):
+            np.testing.assert_array_equal(k0, k1)
+            np.testing.assert_array_equal(v0, v1)
     finally:
         kv.free_device()
         kv.free_host()

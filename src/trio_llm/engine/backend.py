@@ -129,7 +129,8 @@ class Backend(Protocol):
 
     def read_kv(self, seq_id: int, n: int) -> np.ndarray:
         """The KV cache of positions 0..n-1 of sequence ``seq_id``:
-        ``[n_layer, 2 (K, V), n, kv_dim]`` float32, a copy. Only while resident."""
+        ``[n_layer, kv_parts, n, kv_dim]`` float32, a copy: K then V, or K alone for a
+        latent cache (``ModelConfig.kv_parts`` 1). Only while resident."""
         ...
 
     def write_kv(self, seq_id: int, kv: np.ndarray) -> None:

@@ -8,9 +8,9 @@ adjust: ``choose_ctx`` is that decision, a pure function over byte counts, and
 ``device_free_bytes`` reads the free memory of the Vulkan device the backend will use.
 
 The projection: the weights as stored (``GGUFModel.weight_bytes``), the KV cache
-(``kv_bytes_per_position`` x positions, of the ``-ctk``/``-ctv`` types), and a compute
-reserve for one forward pass of ``n_batch`` tokens (activations, and the logits of up to
-``LOGIT_ROWS`` of them, float32).
+(``kv_bytes_per_position`` x positions, of the ``-ctk``/``-ctv`` types; K only for a
+latent cache), and a compute reserve for one forward pass of ``n_batch`` tokens
+(activations, and the logits of up to ``LOGIT_ROWS`` of them, float32).
 A context the user set is kept even when it does not fit (llama-server would move
 layers to the CPU, which cannot happen here): that is logged, and the load then fails
 or succeeds on the device's own terms.
@@ -40,8 +40,10 @@ CTX_STEP = 256
 
 
 def kv_bytes_per_position(cfg: ModelConfig, type_k: str, type_v: str) -> int:
-    """K and V of every layer for one position."""
-    return int(cfg.n_layer * cfg.kv_dim * (CACHE_TYPE_BYTES[type_k] + CACHE_TYPE_BYTES[type_v]))
+    """K and V of every layer for one position; K alone for a latent cache (MLA:
+    ``cfg.kv_parts`` 1, whose V is a view of K and takes no bytes, as in llama.cpp)."""
+    v = CACHE_TYPE_BYTES[type_v] if cfg.kv_parts == 2 else 0.0
+    return int(cfg.n_layer * cfg.kv_dim * (CACHE_TYPE_BYTES[type_k] + v))
 
 
 #: the most tokens whose logits the reserve counts: a pass reads back only each

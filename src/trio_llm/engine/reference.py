@@ -465,11 +465,13 @@ class NumpyBackend:
         """Positions a layer's cache no longer holds (a sliding window's past) read as 0."""
         if self._kv is None:
             raise BackendError("read_kv while released; restore first")
-        out = np.zeros((self.config.n_layer, 2, n, self.config.kv_dim), np.float32)  # [L, 2, n, kv_dim]
+        out = np.zeros((self.config.n_layer, self.config.kv_parts, n, self.config.kv_dim),
+                       np.float32)  # [L, kv_parts, n, kv_dim]
         for m, (k, v) in zip(self.layers, self._kv, strict=True):
             pos = np.arange(max(0, n - m.rows), n)
             out[m.layer, 0, pos] = k[seq_id, pos % m.rows].reshape(len(pos), m.kv_dim)
-            out[m.layer, 1, pos] = v[seq_id, pos % m.rows].reshape(len(pos), m.kv_dim)
+            if not m.v_is_k:  # a latent cache is K alone
+                out[m.layer, 1, pos] = v[seq_id, pos % m.rows].reshape(len(pos), m.kv_dim)
         return out
 
     @property

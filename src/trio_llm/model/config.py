@@ -96,3 +96,10 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_head_kv * self.head_dim
+
+    @property
+    def kv_parts(self) -> int:
+        """Caches per attention layer: K and V (2), or K alone (1) for multi-head latent
+        attention, whose values are the first ``n_lora_kv`` values of each K row (as in
+        llama.cpp, whose MLA cache has no V)."""
+        return 1 if self.n_lora_kv else 2

@@ -3,7 +3,8 @@ holds and the cache itself, in numpy's ``.npz`` format (read with ``allow_pickle
 off), with the model's shape beside them so that a restore into another model is
 refused instead of computing garbage.
 
-Arrays: ``tokens`` int32 [n]; ``kv`` float32 [n_layer, 2 (K, V), n, kv_dim];
+Arrays: ``tokens`` int32 [n]; ``kv`` float32 [n_layer, 2 (K, V), n, kv_dim], or
+[n_layer, 1 (K), n, kv_dim] for a latent cache (``ModelConfig.kv_parts``: no V);
 ``meta`` the UTF-8 JSON of ``{"format": 1, "model": {...}}``; for a model with
 recurrent layers (gated delta-net) also ``state`` float32 [n_state], the sequence's conv
 and delta-rule state after its n tokens (``engine.memory.state_layout``), and the
@@ -68,7 +69,7 @@ def model_shape(cfg: ModelConfig) -> dict[str, Any]:
 
 def max_bytes(cfg: ModelConfig, n_ctx: int, n_state: int = 0) -> int:
     """The largest slot file a slot of ``n_ctx`` positions can have."""
-    kv = cfg.n_layer * 2 * n_ctx * cfg.n_head_kv * cfg.head_dim * 4
+    kv = cfg.n_layer * cfg.kv_parts * n_ctx * cfg.n_head_kv * cfg.head_dim * 4
     return kv + 4 * n_ctx + 4 * n_state + 4 * OVERHEAD
 
 
@@ -181,7 +182,7 @@ def load(path: Path, cfg: ModelConfig, n_ctx: int) -> tuple[list[int], np.ndarra
     if meta.get("model") != model_shape(cfg):
         raise InvalidRequest(f"{name} was saved by another model ({meta.get('model')})")
     n = int(tokens.shape[0]) if tokens.ndim == 1 else -1
-    want = (cfg.n_layer, 2, n, cfg.n_head_kv * cfg.head_dim)
+    want = (cfg.n_layer, cfg.kv_parts, n, cfg.n_head_kv * cfg.head_dim)
     if n < 0 or kv.shape != want or kv.dtype != np.float32 or tokens.dtype != np.int32:
         raise InvalidRequest(f"{name}: arrays of the wrong shape or type")
     if state.shape != (n_state,) or state.dtype != np.float32 or not np.isfinite(state).all():

@@ -85,7 +85,7 @@ class SlotAction:
     path: Path | None = None
     filename: str = ""
     tokens: tuple[int, ...] = ()  # restore: what the file holds
-    kv: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)  # restore: [n_layer, 2, n, kv_dim]
+    kv: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)  # restore: [n_layer, kv_parts, n, kv_dim]
     #: restore: the recurrent state after ``tokens`` (gated delta-net models; else empty)
     state: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)
 

@@ -203,7 +203,7 @@ class VulkanBackend:
                                      f"not {cfg.head_dim}")
         dec_cap = min(MATVEC_MAX_COLS, self._cap)  # the decode buckets' attention work
         self._kv = KVCache(
-            self._alloc, [LayerKV(self.n_seq, m.rows, m.kv_dim, kt, vt) for m in self._mem],
+            self._alloc, [LayerKV(self.n_seq, m.rows, m.kv_dim, kt, vt, m.v_is_k) for m in self._mem],
             # the decode attention's splits, or (at depth, cooperative matrices) the prefill's
             part_floats=max(attention_part_floats(dec_cap, cfg.n_head, cfg.head_dim, decode_splits(self.n_ctx)),
                             self._ops.prefill_part_floats(self.n_ctx, cfg.n_head, cfg.n_head_kv, cfg.head_dim,
@@ -489,20 +489,21 @@ class VulkanBackend:
             self._graph(bucket)
 
     def read_kv(self, seq_id: int, n: int) -> np.ndarray:
-        shape = (self.config.n_layer, 2, n, self.config.kv_dim)
-        out = np.zeros(shape, np.float32)  # [n_layer, 2, n, kv_dim]; layers without a cache stay 0
+        shape = (self.config.n_layer, self.config.kv_parts, n, self.config.kv_dim)
+        out = np.zeros(shape, np.float32)  # [n_layer, kv_parts, n, kv_dim]; layers without a cache stay 0
         self._copy_kv(seq_id, n, out, to_device=False)
         return out
 
     def write_kv(self, seq_id: int, kv: np.ndarray) -> None:
         data = np.ascontiguousarray(kv, dtype=np.float32)
         n = data.shape[2]
-        assert data.shape == (self.config.n_layer, 2, n, self.config.kv_dim) and n <= self.n_ctx
+        assert data.shape == (self.config.n_layer, self.config.kv_parts, n, self.config.kv_dim) and n <= self.n_ctx
         self._copy_kv(seq_id, n, data, to_device=True)
 
     def _copy_kv(self, seq_id: int, n: int, data: np.ndarray, *, to_device: bool) -> None:
-        """Positions 0..n-1 of one sequence, every layer's K then V, between the
-        cache and ``data`` [n_layer, 2, n, kv_dim] float32 (encoded to and decoded from
+        """Positions 0..n-1 of one sequence, every layer's K then V (K alone for a
+        latent cache), between the cache and ``data`` [n_layer, kv_parts, n, kv_dim]
+        float32 (encoded to and decoded from
         the cache's types; lossless, kvtypes' roundtrip is idempotent), through the
         cache's raw row copies (one host buffer, one submit)."""
         self._check_open()
@@ -514,13 +515,14 @@ class VulkanBackend:
             il = [m.layer for m in self._mem]  # the model layer of each cache layer (hybrids skip some)
             if to_device:
                 self._kv.write_rows(seq_id, [(quantize_rows(data[il[i], 0], lay.k_type),
-                                              quantize_rows(data[il[i], 1], lay.v_type)) for i, lay in enumerate(lays)])
+                                              np.zeros((n, 0), np.uint8) if lay.v_is_k
+                                              else quantize_rows(data[il[i], 1], lay.v_type))
+                                             for i, lay in enumerate(lays)])
             else:
                 for i, (k, v) in enumerate(self._kv.read_rows(seq_id, n)):
                     data[il[i], 0] = dequantize_rows(k, lays[i].k_type, lays[i].kv_dim)
-                    data[il[i], 1] = dequantize_rows(v, lays[i].v_type, lays[i].kv_dim)
-                    if self._mem[i].v_is_k:  # a latent cache's V is its K (the V buffer goes unused)
-                        data[il[i], 1] = data[il[i], 0]
+                    if not lays[i].v_is_k:  # a latent cache has no V (it is K's latent part)
+                        data[il[i], 1] = dequantize_rows(v, lays[i].v_type, lays[i].kv_dim)
 
     @property
     def can_shift(self) -> bool:

@@ -605,7 +605,7 @@ class _Lowering:
 
     def cache(self, layer: int) -> tuple[View, View, LayerMemory]:
         i, m = self.mem[layer]
-        return whole(self.kv.k[i]), whole(self.kv.v[i]), m
+        return self.kv.k_view(i), self.kv.v_view(i), m
 
     def rotation(self, node: Node) -> tuple[int, int]:
         """llama.cpp's Hadamard blocks (K, V) around this attention's quantized cache

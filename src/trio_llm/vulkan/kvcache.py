@@ -1,5 +1,8 @@
 """The KV cache on the device: per layer a K and a V buffer of rows in the layer's
-cache types, and the work buffers of the decode attention.
+cache types (K alone for a latent layer, ``v_is_k``: its values are the first
+``kv_lora_rank`` values of each K row, read from the K buffer, so it has no V buffer,
+no V bytes in any count, host copy or slot row), and the work buffers of the decode
+attention.
 
 A layer's cache is ``n_seq * n_ctx`` rows, sequence after sequence; a row is one
 position's ``kv_dim`` values stored as ``model/kvtypes.py`` says (a whole number of
@@ -34,13 +37,15 @@ from trio_llm.vulkan.memory import Allocator, Buffer, CopyJob, View, whole
 @attrs.frozen
 class LayerKV:
     """The shape of one layer's cache: ``n_seq`` sequences of ``n_ctx`` rows of
-    ``kv_dim`` values, K stored as ``k_type`` and V as ``v_type``."""
+    ``kv_dim`` values, K stored as ``k_type`` and V as ``v_type`` (none with
+    ``v_is_k``: 0 V bytes)."""
 
     n_seq: int
     n_ctx: int
     kv_dim: int
     k_type: str = "f32"
     v_type: str = "f32"
+    v_is_k: bool = False
 
     @property
     def k_row_bytes(self) -> int:
@@ -48,7 +53,7 @@ class LayerKV:
 
     @property
     def v_row_bytes(self) -> int:
-        return kv_type(self.v_type).row_bytes(self.kv_dim)
+        return 0 if self.v_is_k else kv_type(self.v_type).row_bytes(self.kv_dim)
 
     @property
     def k_bytes(self) -> int:
@@ -61,19 +66,20 @@ class LayerKV:
 
 @attrs.define(eq=False)
 class KVCache:
-    """Per layer, K and V of every sequence (``layers[i]`` gives the shapes), plus
-    the decode attention's ``part_floats`` float32 partials and ``n_counters`` uint32
-    counters (``vulkan/ops.py`` ``attention_part_floats`` / ``attention_counters``)."""
+    """Per layer, K and V of every sequence (``layers[i]`` gives the shapes; ``v[i]``
+    None for a latent layer), plus the decode attention's ``part_floats`` float32
+    partials and ``n_counters`` uint32 counters (``vulkan/ops.py``
+    ``attention_part_floats`` / ``attention_counters``)."""
 
     alloc: Allocator
     layers: list[LayerKV]
     part_floats: int = 0
     n_counters: int = 0
     k: list[Buffer] = attrs.field(factory=list)
-    v: list[Buffer] = attrs.field(factory=list)
+    v: list[Buffer | None] = attrs.field(factory=list)
     part: Buffer | None = None
     counters: Buffer | None = None
-    host: list[Buffer] = attrs.field(factory=list)  # the ALL-level copy, K then V per layer
+    host: list[Buffer] = attrs.field(factory=list)  # the ALL-level copy, K then V (if any) per layer
     saved: bool = False  # the host copy holds the cache (the device has none)
 
     @classmethod
@@ -112,7 +118,8 @@ class KVCache:
         return whole(self.k[il])
 
     def v_view(self, il: int) -> View:
-        return whole(self.v[il])
+        """The values' cache: K's own buffer for a latent layer."""
+        return whole(self.v[il] or self.k[il])
 
     def part_view(self) -> View:
         assert self.part is not None, "KVCache made without part_floats"
@@ -127,7 +134,8 @@ class KVCache:
         out: dict[tuple[str, object], Buffer] = {}
         for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
             out[("k", i)] = k
-            out[("v", i)] = v
+            if v is not None:
+                out[("v", i)] = v
         if self.part is not None:
             out[("kvw", "part")] = self.part
         if self.counters is not None:
@@ -140,7 +148,7 @@ class KVCache:
         try:
             for lay in self.layers:
                 self.k.append(self.alloc.create(lay.k_bytes, "kv_cache", "device"))
-                self.v.append(self.alloc.create(lay.v_bytes, "kv_cache", "device"))
+                self.v.append(None if lay.v_is_k else self.alloc.create(lay.v_bytes, "kv_cache", "device"))
             self._allocate_work()
         except BaseException:
             self.free_device()
@@ -162,6 +170,10 @@ class KVCache:
         self.k, self.v = [], []
         self.part = self.counters = None
 
+    def _device_buffers(self) -> list[Buffer]:
+        """The cache's device buffers in the host copy's order: K, then V if any, per layer."""
+        return [b for kv in zip(self.k, self.v, strict=True) for b in kv if b is not None]
+
     def free_host(self) -> None:
         for buf in self.host:
             self.alloc.free(buf)
@@ -176,7 +188,7 @@ class KVCache:
             return
         device = self.alloc.device
         vk = device.vk
-        pairs = [b for kv in zip(self.k, self.v, strict=True) for b in kv]
+        pairs = self._device_buffers()
         try:
             if [b.size for b in self.host] != [b.size for b in pairs]:
                 self.free_host()
@@ -191,8 +203,9 @@ class KVCache:
         self.saved = True
 
     def restore_jobs(self) -> list[CopyJob]:
-        """Copy jobs that re-create the device cache from the host copy (K and V of
-        each layer in order); with no saved copy, the cache is allocated empty here.
+        """Copy jobs that re-create the device cache from the host copy (K and V, or
+        K alone, of each layer in order); with no saved copy, the cache is allocated
+        empty here.
         The attention's work buffers are made here too, before the jobs run, so a
         graph rebind during the copies finds them."""
         if not self.saved:
@@ -200,11 +213,13 @@ class KVCache:
             return []
         self.free_device()  # what a failed restore left behind
         self._allocate_work()
-        jobs = []
-        for i, src in enumerate(self.host):
-            side = self.k if i % 2 == 0 else self.v
-            jobs.append(CopyJob(src.size, "kv_cache", src, side.append))
-        return jobs
+        def latent_k(buf: Buffer) -> None:  # a latent layer's K, and its (absent) V
+            self.k.append(buf)
+            self.v.append(None)
+
+        assigns = [f for lay in self.layers for f in ((latent_k,) if lay.v_is_k else (self.k.append, self.v.append))]
+        assert len(assigns) == len(self.host)
+        return [CopyJob(src.size, "kv_cache", src, f) for src, f in zip(self.host, assigns, strict=True)]
 
     def restored(self) -> None:
         """The jobs of ``restore_jobs`` have all finished: the device holds the cache."""
@@ -215,7 +230,8 @@ class KVCache:
     def read_rows(self, seq_id: int, n: int, start: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
         """Positions ``start .. start+n-1`` of sequence ``seq_id`` in every layer, as
         stored (position p at row p % n_ctx, so a ring's window comes out in position
-        order): per layer (K uint8 [n, k_row_bytes], V uint8 [n, v_row_bytes]), copies."""
+        order): per layer (K uint8 [n, k_row_bytes], V uint8 [n, v_row_bytes]), copies
+        (V [n, 0] for a latent layer)."""
         out = [(np.empty((n, lay.k_row_bytes), np.uint8), np.empty((n, lay.v_row_bytes), np.uint8))
                for lay in self.layers]
         self._copy_rows(seq_id, n, start, [a for pair in out for a in pair], to_device=False)
@@ -236,9 +252,10 @@ class KVCache:
         self._copy_rows(seq_id, n, start, arrays, to_device=True)
 
     def _copy_rows(self, seq_id: int, n: int, start: int, arrays: list[np.ndarray], *, to_device: bool) -> None:
-        """Between the cache (K then V of each layer) and ``arrays`` (one per buffer,
-        [n, row_bytes], positions start..start+n-1), through one host buffer and one
-        submit: one copy region per buffer, two where a ring wraps."""
+        """Between the cache (K then V of each layer) and ``arrays`` (K then V per
+        layer, [n, row_bytes], positions start..start+n-1; a latent layer's V is
+        [n, 0] and copies nothing), through one host buffer and one submit: one copy
+        region per buffer, two where a ring wraps."""
         if not self.k:
             raise BackendError("KV cache access while it is not on the device")
         for lay in self.layers:
@@ -260,6 +277,8 @@ class KVCache:
             with device.one_shot(what) as cmd:
                 for i, (buf, lay) in enumerate(zip(bufs, lays, strict=True)):
                     row = lay.k_row_bytes if i % 2 == 0 else lay.v_row_bytes
+                    if buf is None or not row:  # a latent layer's V
+                        continue
                     first = start % lay.n_ctx
                     head = min(n, lay.n_ctx - first)  # rows before the ring wraps
                     for cache_row, host_row, count in ((first, 0, head), (0, head, n - head)):
