@@ -12,6 +12,7 @@ from trio_llm.engine.placement import cpu_moe_tensors
 from trio_llm.errors import InvalidRequest
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.synth import PRESETS
+from trio_llm.models import tensor_shapes
 
 
 def test_whole_layers_then_the_boundary_layers_gate_then_up() -> None:
@@ -32,6 +33,52 @@ def test_bad_counts_and_dense_models_are_one_line() -> None:
         cpu_moe_tensors(moe, -1)
     with pytest.raises(InvalidRequest, match=r"has no expert weights"):
         cpu_moe_tensors(PRESETS["tiny"].config(), 1)
+
+
+def test_deepseek2s_per_head_matrices_are_not_experts() -> None:
+    """GLM-4.7-Flash's 3-D ``attn_k_b`` / ``attn_v_b`` (one matrix per head) and its
+    shared expert stay on the device at any count: only llama.cpp's
+    ``ffn_(up|down|gate)_exps`` move, and its leading dense layer has none."""
+    cfg = PRESETS["glm-4.7-flash"].config()
+    shapes = tensor_shapes(cfg)
+    assert len(shapes["blk.1.attn_k_b.weight"]) == len(shapes["blk.1.attn_v_b.weight"]) == 3
+    host = cpu_moe_tensors(cfg, cfg.n_layer) & set(shapes)
+    assert host == {f"blk.{il}.ffn_{m}_exps.weight" for il in range(1, cfg.n_layer) for m in ("gate", "up", "down")}
+    assert not cpu_moe_tensors(cfg, 1) & set(shapes)  # layer 0 is dense
+    assert cpu_moe_tensors(cfg, 1.5) & set(shapes) == {"blk.1.ffn_gate_exps.weight"}
+
+
+@pytest.mark.vulkan
+def test_vulkan_deepseek2_with_host_experts_gives_the_same_logits(model_path) -> None:  # type: ignore[no-untyped-def]
+    """tiny-deepseek2 (a dense layer 0, then experts) with ``--n-cpu-moe 2.5``: the
+    experts of layer 1 and layer 2's gate in host memory, and exactly those bytes;
+    logits as with everything on the device, across a release and restore."""
+    from trio_llm.vulkan.backend import VulkanBackend
+
+    model = load_gguf(model_path("tiny-deepseek2", "Q8_0"))
+    prompt = np.array([5, 77, 301, 12, 9, 640, 33, 2, 18, 400, 71, 6], np.int32)
+    base = VulkanBackend(model, n_ctx=32, n_seq=1)
+    try:
+        want = [base.forward([SeqBatch(0, prompt, 0)]), base.forward([SeqBatch(0, prompt[:1], 12)])]
+    finally:
+        base.close()
+    vk = VulkanBackend(model, n_ctx=32, n_seq=1, n_cpu_moe=2.5)
+    try:
+        names = cpu_moe_tensors(model.config, 2.5) & set(model.tensors)
+        assert names == {"blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight",
+                         "blk.2.ffn_gate_exps.weight"}
+        # the host segments hold those tensors (plus alignment), not a head matrix more
+        pad = vk._weights.host_bytes() - sum(model.tensor(n).n_bytes for n in names)
+        assert 0 <= pad < min(model.tensor(f"blk.{il}.attn_{m}_b.weight").n_bytes for il in (1, 2) for m in "kv")
+        for level in (None, Level.ALL):
+            if level is not None:
+                vk.release(level)
+                vk.restore()
+            got = [vk.forward([SeqBatch(0, prompt, 0)]), vk.forward([SeqBatch(0, prompt[:1], 12)])]
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g, w)
+    finally:
+        vk.close()
 
 
 @pytest.mark.vulkan
