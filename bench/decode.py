@@ -166,14 +166,18 @@ def gpu_breakdown(be, model, replays: int = 20) -> dict:  # type: ignore[no-unty
     return out
 
 
-def pp_kernels(be, pp: int, replays: int = 10) -> dict:  # type: ignore[no-untyped-def]
+def pp_kernels(be, pp: int, replays: int = 10, chunk: int = 0) -> dict:  # type: ignore[no-untyped-def]
     """Where a prefill of ``pp`` tokens spends its GPU time (issue 13: prefill of 512 is a
     third of llama.cpp CUDA's): the bucket's graph whole, without barriers, and for each
     kernel its dispatches alone without barriers ("only_", throughput) and each followed
     by a barrier ("serial_", its share of the chain), plus the FLOPs of the weight
-    matmuls per second. Parts compute garbage; only their time matters."""
+    matmuls per second. A ``pp`` above the pass size ``chunk`` is timed as its last pass
+    (``start`` tokens already in the cache: what grows with depth, attention and the
+    rest). Parts compute garbage; only their time matters."""
     from trio_llm.vulkan.graph import Barrier, Dispatch
 
+    start = ((pp - 1) // chunk) * chunk if chunk and pp > chunk else 0
+    pp -= start
     bucket = 1 << max(0, (pp - 1).bit_length())
     if bucket > be._cap:
         return {"skipped": f"pp {pp} exceeds the largest bucket {be._cap}"}
@@ -183,11 +187,11 @@ def pp_kernels(be, pp: int, replays: int = 10) -> dict:  # type: ignore[no-untyp
     for name in sorted({d.kernel.name for d in dispatches}):
         parts["only_" + name] = [d for d in dispatches if d.kernel.name == name]
         parts["serial_" + name] = [x for d in parts["only_" + name] for x in (d, Barrier())]
-    out: dict = {"tokens": pp, "bucket": bucket, "dispatches": len(dispatches),
+    out: dict = {"tokens": pp, "start": start, "bucket": bucket, "dispatches": len(dispatches),
                  "barriers": sum(isinstance(op, Barrier) for op in ops),
                  "kernels": {n: sum(d.kernel.name == n for d in dispatches) for n in sorted({d.kernel.name
                                                                                            for d in dispatches})}}
-    out |= _time_parts(be, pp, parts, replays)
+    out |= _time_parts(be, pp, parts, replays, start)
     cfg = be.config
     # the dense projections' multiply-adds per token: q, k, v, o, gate, up, down (the
     # output head is one matvec, for the last token only)
@@ -247,16 +251,17 @@ def prefill_breakdown(be, pp: int, replays: int = 10) -> dict:  # type: ignore[n
     return out
 
 
-def _time_parts(be, pp: int, parts: dict, replays: int) -> dict:  # type: ignore[no-untyped-def, type-arg]
+def _time_parts(be, pp: int, parts: dict, replays: int, start: int = 0) -> dict:  # type: ignore[no-untyped-def, type-arg]
     """Median GPU time (``<name>_ms``) of each dispatch list in ``parts``, recorded as a
-    graph and replayed over a step of ``pp`` tokens of one sequence from position 0."""
+    graph and replayed over a step of ``pp`` tokens of one sequence from position
+    ``start``."""
     from trio_llm.vulkan.graph import Graph
     from trio_llm.vulkan.ops import fill_step
 
     out = {}
     device = be._device
     with device.lock:
-        fill_step(be._act.step_words, np.zeros(pp, np.uint32), np.arange(pp, dtype=np.uint32),
+        fill_step(be._act.step_words, np.zeros(pp, np.uint32), np.arange(start, start + pp, dtype=np.uint32),
                   np.zeros(pp, np.uint32), np.array([pp - 1], np.uint32))
         for name, part in parts.items():
             graph = Graph.record(device, part)
@@ -374,7 +379,7 @@ def run_backend(kind: str, model, pp: int, tg: int, repeats: int, warmup: int,  
     info = be.device_info()
     mem = be.memory()
     breakdown = gpu_breakdown(be, model) if kind == "vulkan" and breakdown_too else None
-    ppk = pp_kernels(be, pp) if kind == "vulkan" and pp_too else None
+    ppk = pp_kernels(be, pp, chunk=max_chunk) if kind == "vulkan" and pp_too else None
     prefill = prefill_breakdown(be, pp) if kind == "vulkan" and prefill_too else None
     moe = ({n: moe_prefill(be, n) for n in moe_sizes or (pp,)} if kind == "vulkan" and moe_too else None)
     residency = measure_residency(be, repeats) if kind == "vulkan" and residency_too else None

@@ -8,7 +8,7 @@
 # 2048 and 4096 tokens, the server's -ub, backend level), x16 (issue 13: the prefill products on f16
 # activations, TRIO_LLM_MATMUL_X16: their tests, then pp512/pp8192 A/B), dequant (issue 13: K-quant prefill
 # products through f16 rows, TRIO_LLM_MATMUL_DEQUANT A/B), localmem or rs8 (issue 12: the 8-column
-# matvecs' local memory: unrolled in the SPIR-V and/or one row per subgroup, pipemem and batched decode A/B, then coldmem), nv2pp / nv2sweep32 (attn_prefill_nv2 A/B, its tiles), nv2gate (the NV coopmat2 kernels' tests on
+# matvecs' local memory: unrolled in the SPIR-V and/or one row per subgroup, pipemem and batched decode A/B, then coldmem), nv2pp / nv2sweep32 (attn_prefill_nv2 A/B, its tiles), ppdepth (the last pass of a long prefill kernel by kernel), nv2gate (the NV coopmat2 kernels' tests on
 # their defaults; a failing kernel is turned off for the later stages, e2e among them), verify (the Vulkan correctness tests on the H200), tune7 (the late 2026-12-01 defaults' tests and choices), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), nv2mm (matmul_nv2 on VK_NV_cooperative_matrix2: its tests, op level beside matmul_cm2, pp512 with TRIO_LLM_MATMUL_NV2=0 / 1), cm2sweep (matmul_cm3's variants: their tests on the GPU, op level against matmul_cm2, pp512 of the best two), prefillcm2 (attn_prefill_cm2's tests, op level and pp8192 A/B), nv2attn (attn_prefill_nv2 on NVIDIA's cooperative_matrix2: its tests on the GPU, op level beside attn_prefill_cm2 with its tiles, pp8192 A/B), attnsweep (attn_prefill_cm3's variants: their tests on the GPU, op level beside attn_prefill_cm2 at 8k / 32k), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill, the pp512 graph
@@ -366,6 +366,18 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
         stage "dequant-$tag-pp$pp-dq$dq" 120 env TRIO_LLM_MATMUL_DEQUANT=$dq $PY bench/decode.py --model "$m" \
           --backends vulkan --pp "$pp" --tg 8 --repeats 3 $([ "$pp" = 512 ] && echo --pp-breakdown)
       done; done
+    done ;;
+  ppdepth)  # issue 13: where the last 512-token pass of a long prefill spends its GPU time, kernel by kernel
+    # (bench/decode.py --pp-breakdown times a pp above --max-chunk as its last pass, the cache holding the rest):
+    # llama-1b at 512 (no depth), 8192 and 32768; llama-8b at 512 and 4096. What grows with depth besides attention
+    for L in ${PD_1B:-512 8192 32768}; do
+      stage "ppdepth-1b-$L" 90 $PY bench/decode.py --model "$M1" --backends vulkan --pp "$L" --tg 4 --repeats 1 \
+        --warmup 0 --pp-breakdown
+    done
+    wait8b
+    for L in ${PD_8B:-512 4096}; do
+      stage "ppdepth-8b-$L" 90 $PY bench/decode.py --model "$M8B" --backends vulkan --pp "$L" --tg 4 --repeats 1 \
+        --warmup 0 --pp-breakdown
     done ;;
   ubatch)  # issue 13: the physical batch (-ub) above 512: whole prefills through the backend in passes of 512
     # (today's default, llama-server's), 2048 and 4096 tokens (bench/decode.py --max-chunk): llama-1b at 8k and 32k,
