@@ -26,6 +26,13 @@
 //
 // The count and the last split's combine are decode_combine.glsl's (shared with
 // attn_decode2.comp, the coalesced form).
+//
+// LATENT (multi-head latent attention, llama.cpp's absorbed MLA): K rows of up to 576
+// values (kv_lora_rank + n_rot) and V the first DV of each (a specialization constant,
+// DV / 4 <= WG), bound as the same cache: the value loop, the partials and the output
+// cover DV dims of each head (whose stride in o and part stays head_dim); an output
+// head's values past DV are not written. Without LATENT the source the compiler sees
+// is the plain kernel's, token for token (VD4 / COMBINE_DV expand to hd4 / hd).
 #include "common.glsl"
 
 #ifndef K_TYPE
@@ -81,6 +88,13 @@ layout(push_constant) uniform Push {
 #endif
 
 layout(constant_id = 1) const uint GW = 4;  // query heads per work group
+#ifdef LATENT
+layout(constant_id = 2) const uint DV = 512;  // value dims: the first DV of each K row
+#define VD4 (DV / 4u)
+#define COMBINE_DV DV
+#else
+#define VD4 hd4
+#endif
 
 #include "reduce.glsl"
 #include "kv.glsl"
@@ -104,7 +118,11 @@ layout(constant_id = 1) const uint GW = 4;  // query heads per work group
 #define KVR_LOAD4 v_load4
 #include "kv_read.glsl"
 
+#ifdef LATENT
+const uint MAX_HD4 = 144;  // head_dim <= 576
+#else
 const uint MAX_HD4 = 64;  // head_dim <= 256
+#endif
 
 shared vec4 qs[GW * MAX_HD4];
 shared float sc[GW * WG];  // a tile's scores, then its softmax weights
@@ -166,9 +184,9 @@ void main() {
     uint v_row = kv_row_words(V_TYPE, pc.kv_dim);
     uint k_head = kvh * kv_row_words(K_TYPE, hd);
     uint v_head = kvh * kv_row_words(V_TYPE, hd);
-    uint kg_n = max(1u, WG / hd4);  // key groups of the value loop
-    uint kg = tid / hd4;
-    uint d4 = tid % hd4;
+    uint kg_n = max(1u, WG / VD4);  // key groups of the value loop
+    uint kg = tid / VD4;
+    uint d4 = tid % VD4;
     bool vlane = kg < kg_n;
 
     vec4 acc[GW];
@@ -261,10 +279,10 @@ void main() {
     [[unroll]] for (uint g = 0; g < GW; g++) {
         red[tid] = vlane ? acc[g] : vec4(0.0);
         barrier();
-        if (tid < hd4) {
+        if (tid < VD4) {
             vec4 sum = vec4(0.0);
             for (uint k = 0; k < kg_n; k++) {
-                sum += red[k * hd4 + tid];
+                sum += red[k * VD4 + tid];
             }
             uint h = h0 + g;
             if (n_live == 1u) {

@@ -8,7 +8,13 @@
 // work-group barrier, and the count is taken after them, so the last one sees every
 // other one's partial. Needs the includer's pc (n_head, n_split, head_dim, ml_off),
 // GW, part[], counter[], o[], O_VAL (the value stored: the output gate's) and
-// reduce.glsl. Call from uniform control flow.
+// reduce.glsl; COMBINE_DV, if defined, is how many dims of each head to combine
+// (attn_decode.comp's LATENT: the values' DV; otherwise all head_dim). Call from
+// uniform control flow.
+
+#ifndef COMBINE_DV
+#define COMBINE_DV hd
+#endif
 
 const uint MAX_SPLIT = 256;
 shared float split_w[MAX_SPLIT];  // the combine's per-split weights exp(m_s - M)
@@ -47,7 +53,7 @@ void decode_combine(uint t, uint hgrp, uint h0, uint n_live) {
         }
         float L = wg_sum(lsum);  // its barriers also publish split_w
         uint pb = (t * pc.n_head + h) * pstride;
-        for (uint d = tid; d < hd; d += WG) {
+        for (uint d = tid; d < COMBINE_DV; d += WG) {
             float acc_d = 0.0;
             for (uint s = 0; s < n_live; s++) {
                 acc_d += part[pb + s * hd + d] * split_w[s];

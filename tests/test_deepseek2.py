@@ -291,3 +291,50 @@ def test_a_latent_slot_file_holds_k_alone_and_round_trips(model_path, tmp_path) 
                 slot_file.load(path, cfg, 64)
         finally:
             be.close()
+
+
+@pytest.mark.vulkan
+def test_vulkan_decodes_a_latent_cache_at_depth_by_flash_decoding(model_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Decode steps at depths 300..302 (not multiples of the 128-key tile) of a 512-row
+    cache take attention_decode's latent form (V the first kv_lora_rank values of each
+    K row, split over decode_splits(512) work groups): numpy's logits with an f32 cache;
+    with a q8_0 cache those of the plain attention.comp path (numpy's q8_0 cache already
+    differs from the device's by ~1e-2 after the 300-token prefill, on either path)."""
+    from trio_llm.vulkan.backend import VulkanBackend
+    from trio_llm.vulkan.ops import Ops
+
+    calls: list[int] = []
+    orig = Ops.attention_decode
+
+    def spy(self, *a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(kw.get("v_dim", 0))
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(Ops, "attention_decode", spy)
+    model = load_gguf(model_path("tiny-deepseek2", "F32", sharp=True))
+    cfg = model.config
+    toks = np.arange(300, dtype=np.int32) * 37 % 1000 + 3
+    steps = [SeqBatch(0, np.array([t], np.int32), 300 + i) for i, t in enumerate((5, 77, 901))]
+
+    def run(be) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
+        try:
+            be.forward([SeqBatch(0, toks, 0)])
+            return [be.forward([b]) for b in steps]
+        finally:
+            be.close()
+
+    for kt in ("f32", "q8_0"):
+        kw = dict(n_ctx=512, n_seq=1, cache_type_k=kt, cache_type_v=kt)
+        if kt == "f32":
+            want = run(NumpyBackend(model, **kw))  # type: ignore[arg-type]
+        else:
+            with monkeypatch.context() as m:
+                m.setattr(Ops, "decode_latent_ok", lambda *a: False)
+                calls.clear()
+                want = run(VulkanBackend(model, **kw))  # type: ignore[arg-type]
+                assert not calls  # attention.comp served the latent layers
+        calls.clear()
+        got = run(VulkanBackend(model, **kw))  # type: ignore[arg-type]
+        assert calls and set(calls) == {cfg.n_lora_kv}  # every decode attention was the latent one
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)

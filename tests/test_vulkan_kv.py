@@ -13,6 +13,7 @@ import pytest
 from test_vulkan_ops import Env, make_weights, np_rope, open_env
 from trio_llm.errors import BackendError
 from trio_llm.model.kvtypes import KV_TYPES, dequantize_rows, kv_type, quantize_rows, roundtrip
+from trio_llm.vulkan import shaders
 from trio_llm.vulkan.graph import Barrier, Copy
 from trio_llm.vulkan.kvcache import KVCache, LayerKV
 from trio_llm.vulkan.memory import View, allocate_and_copy
@@ -134,12 +135,12 @@ def test_matvec_rope_cache_write_stores_the_type(env: Env, name: str) -> None:
 
 
 def np_attention(q, k, v, pos, seq, n_head_kv, n_swa=0):  # type: ignore[no-untyped-def]
-    """q [ntok, n_head, hd]; k, v [n_seq, n_ctx, n_head_kv, hd] with position p at row
+    """q [ntok, n_head, hd]; k, v [n_seq, n_ctx, n_head_kv, hd (v: up to hd)] with position p at row
     p % n_ctx; keys [pos - n_swa + 1, pos] (all of [0, pos] when n_swa is 0)."""
     ntok, n_head, hd = q.shape
     n_ctx = k.shape[1]
     g = n_head // n_head_kv
-    out = np.zeros((ntok, n_head, hd))
+    out = np.zeros((ntok, n_head, v.shape[-1]))  # V as wide as K, or narrower (a latent cache's)
     for t in range(ntok):
         lo = max(0, pos[t] - n_swa + 1) if n_swa else 0
         r = np.arange(lo, pos[t] + 1) % n_ctx
@@ -250,6 +251,63 @@ def test_sliding_window_and_ring_cache(env: Env, decode: bool, name: str) -> Non
           "n_split": 4, "min_chunk": 128}
     _run_attention(env, env.ops, pos=[0, 50, 99, 100, 299], seq=[0] * 5, n_ctx=300, n_swa=100, seed=50, **kw)
     _run_attention(env, env.ops, pos=[150, 159, 160, 420, 500], seq=[0] * 5, n_ctx=160, n_swa=100, seed=51, **kw)
+
+
+@pytest.mark.parametrize(("hd", "dv", "n_head", "name", "wg"), [
+    (576, 512, 20, "f16", 128),  # GLM-4.7-Flash: 20 heads (work groups of 5), one KV head
+    (576, 512, 16, "q8_0", 128),
+    (288, 256, 4, "f32", 64),  # tiny-deepseek2's row, 64-key tiles: two key groups of 64 lanes
+    (288, 256, 4, "q4_0", 128),
+])
+def test_decode_attention_of_a_latent_cache(env: Env, hd: int, dv: int, n_head: int, name: str, wg: int) -> None:
+    """attn_decode.comp's LATENT form (MLA): K rows of ``hd`` values, V the first ``dv``
+    of each row from the same cache, one KV head, split over up to 8 work groups at
+    depths on and off the tile (positions 0, 63, 64, 127, 128, 290, 700): against numpy
+    over the roundtrip'd cache. Only the first dv values of each output head are written
+    (the rest keep their fill); twice, so the counters come back zero."""
+    ops = Ops(env.ops.kernels, subgroup=env.ops.subgroup, decode_wg=wg)
+    assert ops.decode_latent_ok(n_head, 1, hd, dv) and not ops.decode_latent_ok(n_head, 1, 580, dv)
+    pos, seq, n_ctx, n_split, cap = [0, 63, 64, 127, 128, 290, 700, 5], [0, 0, 0, 0, 0, 0, 0, 1], 710, 8, 8
+    rng = np.random.default_rng(hd + n_head + wg)
+    q = rng.standard_normal((len(pos), n_head, hd)).astype(np.float32)
+    kc, kh = _typed_cache(env, rng.standard_normal((2, n_ctx, 1, hd)).astype(np.float32), name)
+    qv = env.put(q)
+    o = env.put(np.full(q.size, 7.0, np.float32))
+    st = env.step([0] * len(pos), pos, seq)
+    part = env.zeros(attention_part_floats(cap, n_head, hd, n_split))
+    counters = env.zeros(attention_counters(cap, n_head, 1), np.uint32)
+    op = ops.attention_decode(qv, kc, kc, o, part, counters, st, n_head=n_head, n_head_kv=1, head_dim=hd,
+                              n_ctx=n_ctx, q_stride=n_head * hd, o_stride=n_head * hd, cap=cap, k_type=name,
+                              v_type=name, n_split=n_split, min_chunk=wg, scale=0.07, v_dim=dv)
+    env.run([op, Barrier(), op])
+    assert not env.get(counters, np.uint32).any()
+    got = env.get(o).reshape(q.shape)
+    want = np_attention(q * (0.07 * np.sqrt(hd)), kh, kh[..., :dv], np.array(pos), np.array(seq), 1)
+    np.testing.assert_allclose(got[..., :dv], want, atol=3e-5 * np.abs(kh).max(), rtol=0)
+    assert (got[..., dv:] == 7.0).all()
+
+
+def test_the_latent_decode_variants_are_prebuilt(env: Env) -> None:
+    """Every cache type's LATENT attn_decode, as attention_decode asks for it, is in
+    ``all_variants`` (``trio-llm compile-shaders``: the GPU machine compiles nothing)."""
+    asked: list[tuple[str, dict[str, object]]] = []
+
+    class Spy:
+        def __getattr__(self, name: str) -> object:
+            return getattr(env.ops.kernels, name)
+
+        def get(self, name: str, **kw: object) -> object:
+            asked.append((name, dict(kw.get("defines") or {})))  # type: ignore[call-overload]
+            return env.ops.kernels.get(name, **kw)  # type: ignore[arg-type]
+
+    ops = Ops(Spy(), subgroup=env.ops.subgroup)  # type: ignore[arg-type]
+    prebuilt = {(n, shaders.cache_key(n, d)) for n, d in shaders.all_variants()}
+    v = env.zeros(1 << 16)
+    for name in TYPES:
+        ops.attention_decode(v, v, v, v, v, v, v, n_head=4, n_head_kv=1, head_dim=576, n_ctx=8, q_stride=2304,
+                             o_stride=2304, cap=1, n_split=1, k_type=name, v_type=name, v_dim=512)
+    assert len(asked) == len(TYPES) and all(d.get("LATENT") == 1 for _, d in asked)
+    assert all((n, shaders.cache_key(n, d)) in prebuilt for n, d in asked), asked
 
 
 def test_decode_attention_equals_prefill_attention(env: Env) -> None:

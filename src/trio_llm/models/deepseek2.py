@@ -164,7 +164,7 @@ def mla_attention(g: Graph, h: Tensor, il: int, cfg: ModelConfig) -> Tensor:
                         "kv_cmpr_norm")  # [T, kv]
     k = g.concat(latent, k_pe, 1, "Kcur")  # [T, kv + r]
     att = g.attention(q, k, k, "kqv_latent", n_head=nh, n_head_kv=1, head_dim=kv + r, scale=cfg.kq_scale,
-                      v_is_k=True)  # [T, n_head * (kv + r)]
+                      v_is_k=True, v_dim=kv)  # [T, n_head * (kv + r)], each head's first kv values kept
     att = g.take(att, kv + r, 0, kv, "kqv")  # [T, n_head * kv]: the values are the latent part
     att = g.head_linear(att, g.weight(b + "attn_v_b.weight"), "kqv_mla")  # [T, n_head * v_mla]
     return g.linear(att, g.weight(b + "attn_output.weight"), "attn_out")  # [T, n_embd]

@@ -1082,6 +1082,17 @@ class _Lowering:
                           n_swa=window)
             if gate is not None or out is not None:
                 raise GraphError(f"{node.out.name}: a gated latent attention has no kernel")
+            dv = int(node.attrs.get("v_dim", 0))
+            if self.decode_split and dv and self.ops.decode_latent_ok(nh, nkv, hd, dv):
+                # flash-decoding, V the first dv values of each K row (the output head's
+                # values past dv, which the graph leaves undefined, are not written)
+                assert self.kv.part is not None and self.kv.counters is not None
+                d = self.ops.attention_decode(self.view(q), kc, kc, self.view(node.out), whole(self.kv.part),
+                                              whole(self.kv.counters), self.st,
+                                              n_split=decode_splits(m.rows if not window else min(m.rows, window)),
+                                              v_dim=dv, **common)  # type: ignore[arg-type]
+                self.emit([d], [self.slot(q), ("k", node.layer), "kv_part"], [self.slot(node.out), "kv_part"])
+                return
             d = self.ops.attention(self.view(q), kc, kc, self.view(node.out), self.st, **common)  # type: ignore[arg-type]
             self.emit([d], [self.slot(q), ("k", node.layer)], [self.slot(node.out)])
             return

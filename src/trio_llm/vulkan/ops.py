@@ -1201,7 +1201,7 @@ class Ops:
         step: View, *, n_head: int, n_head_kv: int, head_dim: int, n_ctx: int, q_stride: int,
         o_stride: int, cap: int, n_split: int, scale: float | None = None, k_type: str = "f32",
         v_type: str = "f32", n_swa: int = 0, min_chunk: int | None = None,
-        gate: tuple[View, int, int, int] | None = None,
+        gate: tuple[View, int, int, int] | None = None, v_dim: int = 0,
     ) -> Dispatch:
         """``attention`` for few tokens at any depth (flash-decoding, attn_decode.comp):
         each (token, KV head) split over up to ``n_split`` work groups (``decode_splits``)
@@ -1216,9 +1216,19 @@ class Ops:
         it runs attn_decode2.comp, the coalesced form, with the same buffers and the
         same results to f32 rounding; attn_decode.comp otherwise. ``gate`` = (g,
         g_stride, g_head, g_off): each output value divided by 1 + exp(-g) of its
-        (token, head, value) (qwen35's sigmoid output gate, OUT_GATE)."""
+        (token, head, value) (qwen35's sigmoid output gate, OUT_GATE).
+
+        ``v_dim`` > 0: a latent cache (MLA, ``v_is_k``; ``decode_latent_ok``): the values
+        are the first ``v_dim`` of each K row (``v_cache`` is ``k_cache``, one type), K
+        rows of up to 576; only those ``v_dim`` dims of each output head are written
+        (attn_decode.comp's LATENT)."""
         wg = self.decode_wg
-        assert head_dim <= 4 * wg and head_dim <= 256 and head_dim % 4 == 0 and n_head % n_head_kv == 0
+        if v_dim:
+            assert self.decode_latent_ok(n_head, n_head_kv, head_dim, v_dim) and gate is None
+            assert v_cache == k_cache and v_type == k_type
+        else:
+            assert head_dim <= 4 * wg and head_dim <= 256
+        assert head_dim % 4 == 0 and n_head % n_head_kv == 0
         assert wg % self.subgroup == 0
         kt, vt = _kv(k_type), _kv(v_type)
         _check_head(kt, head_dim, "K")
@@ -1235,7 +1245,10 @@ class Ops:
         if gate is not None:
             defines["OUT_GATE"] = 1
             nb, npush = 8, 15
-        if self.decode_attn2 and self.decode2_ok(n_head, n_head_kv, head_dim):
+        if v_dim:
+            k = self.kernels.get("attn_decode", n_bindings=nb, n_push=npush, local_size=wg,
+                                 defines={**defines, "LATENT": 1}, spec={1: gw, 2: v_dim})
+        elif self.decode_attn2 and self.decode2_ok(n_head, n_head_kv, head_dim):
             lanes = self.decode2_lanes or decode2_lanes(head_dim, self.subgroup)
             k = self.kernels.get("attn_decode2", n_bindings=nb, n_push=npush, local_size=wg, defines=defines,
                                  spec={1: gw, 2: lanes, 3: head_dim // (8 * lanes), 4: self.decode2_rows,
@@ -1252,6 +1265,16 @@ class Ops:
             views += (gate[0],)
             push += gate[1:]
         return Dispatch(k, views, push, (n_split, n_head // gw, cap))
+
+    def decode_latent_ok(self, n_head: int, n_head_kv: int, head_dim: int, v_dim: int) -> bool:
+        """Whether ``attention_decode`` takes a latent cache (``v_dim`` > 0) here: K rows
+        up to 576 values, values a multiple of 4 up to four per lane, and the shared
+        memory of attn_decode.comp's LATENT form (its arrays, then decode_combine.glsl's
+        and reduce.glsl's) within the device's limit."""
+        wg, gw = self.decode_wg, heads_per_group(n_head, n_head_kv)
+        shared = 16 * gw * 144 + 4 * gw * wg + 12 * gw + 16 * wg + 4 * 256 + 4 + 4 * 64
+        return (0 < v_dim <= min(head_dim, 4 * wg) and v_dim % 4 == 0 and head_dim <= 576 and head_dim % 4 == 0
+                and shared <= self.kernels.device.limits.max_shared_memory)
 
     def decode2_ok(self, n_head: int, n_head_kv: int, head_dim: int) -> bool:
         """Whether ``attention_decode`` can take its coalesced form here: the device
