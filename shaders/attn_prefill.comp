@@ -26,6 +26,13 @@
 // (adjacent lanes); (B) four lanes per row take the tile's max, the weights and their
 // sum; (C) lane (row group, four dims) accumulates P V for its rows, V read once per
 // lane and key.
+//
+// LATENT (multi-head latent attention, llama.cpp's absorbed MLA): K rows of up to 576
+// values (kv_lora_rank + n_rot; HD a multiple of 16) and V the first DV of each
+// (specialization constant 4, DV / 4 <= WG), bound as the same cache in one type:
+// phase C and the output cover DV dims of each head (whose stride in o and partial
+// stays HD); an output head's values past DV are not written. Without LATENT the
+// source the compiler sees is the plain kernel's, token for token (VD4 expands to HD4).
 #extension GL_KHR_shader_subgroup_shuffle : require
 #include "common.glsl"
 
@@ -70,7 +77,13 @@ layout(constant_id = 3) const uint HD = 64;  // head_dim
 const uint ROWS = G * BQ;                    // query rows, at most WG / 4
 const uint BC = 32;                          // keys per tile; WG = 4 * BC
 const uint HD4 = HD / 4u;
-const uint NRG = WG / HD4;                   // row groups of phase C
+#ifdef LATENT
+layout(constant_id = 4) const uint DV = 512;  // value dims: the first DV of each K row
+#define VD4 (DV / 4u)
+#else
+#define VD4 HD4
+#endif
+const uint NRG = WG / VD4;                   // row groups of phase C
 const uint RPT = (ROWS + NRG - 1u) / NRG;    // rows per lane in phase C
 const float MASKED = -1.0e30;
 
@@ -150,8 +163,8 @@ void main() {
     uint c = tid >> 2;
     uint qq = tid & 3u;
     uint rb = tid >> 2;
-    uint d4 = tid % HD4;
-    uint rg = tid / HD4;
+    uint d4 = tid % VD4;
+    uint rg = tid / VD4;
     bool clane = rg < NRG;
     // the running max and sum of row rb, the same in its four lanes
     float m_run = MASKED;

@@ -183,9 +183,9 @@ def test_the_glm_preset_has_glm_4_7_flash_shapes() -> None:
 @pytest.mark.vulkan
 def test_the_vulkan_backend_runs_the_latent_cache_as_numpy(model_path) -> None:  # type: ignore[no-untyped-def]
     """F32 weights and cache: a 12-token prefill and three decode steps give numpy's
-    logits (the latent row of 288 takes attention.comp's wide-head path, head_linear
-    the expert matvec, concat and the sigmoid router their shaders); the cache reads back
-as numpy's, K alone."""
+    logits (the latent row of 288 takes attn_prefill.comp's LATENT form in the prefill,
+    head_linear the expert matvec, concat and the sigmoid router their shaders); the
+    cache reads back as numpy's, K alone."""
     from trio_llm.vulkan.backend import VulkanBackend
 
     model = load_gguf(model_path("tiny-deepseek2", "F32", sharp=True))
@@ -298,8 +298,9 @@ def test_vulkan_decodes_a_latent_cache_at_depth_by_flash_decoding(model_path, mo
     """Decode steps at depths 300..302 (not multiples of the 128-key tile) of a 512-row
     cache take attention_decode's latent form (V the first kv_lora_rank values of each
     K row, split over decode_splits(512) work groups): numpy's logits with an f32 cache;
-    with a q8_0 cache those of the plain attention.comp path (numpy's q8_0 cache already
-    differs from the device's by ~1e-2 after the 300-token prefill, on either path)."""
+    with a q8_0 cache those of the plain attention.comp path (numpy's q8_0 run differs
+    from the device's by ~1e-2 after the 300-token prefill, on either path, because numpy
+    rounds q to q8_0 before its dot products as llama.cpp's CPU does: see the test below)."""
     from trio_llm.vulkan.backend import VulkanBackend
     from trio_llm.vulkan.ops import Ops
 
@@ -338,3 +339,58 @@ def test_vulkan_decodes_a_latent_cache_at_depth_by_flash_decoding(model_path, mo
         assert calls and set(calls) == {cfg.n_lora_kv}  # every decode attention was the latent one
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.vulkan
+def test_vulkan_prefills_a_latent_cache_by_tiled_attention(model_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A 300-token prompt in two chunks (170 tokens, then 130 after them beside a second
+    sequence's first 45 in the same step) and a decode step: every prefill attention is
+    attention_prefill's latent form (attn_prefill.comp LATENT, V the first kv_lora_rank
+    values of each K row). numpy's logits with an f32 cache (within 1e-4; they agree to
+    ~2e-6); with q8_0 those of the same backend with the latent prefill refused
+    (attention.comp, the fallback) within 2e-3: the two kernels' f32 sums differ in
+    order, which moves some of the next layers' K values across a q8_0 rounding edge
+    (one quantization step each; ~2e-4 in the logits here, numpy's own q8_0 cache with
+    an f32 q comes as close). numpy itself is no reference at q8_0: it rounds q to q8_0
+    before its dot products, as llama.cpp's CPU flash attention does and no shader
+    does (~1e-2 apart at this depth, as for tiny and tiny-qwen3)."""
+    from trio_llm.vulkan.backend import VulkanBackend
+    from trio_llm.vulkan.ops import Ops
+
+    calls: list[int] = []
+    orig = Ops.attention_prefill
+
+    def spy(self, *a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(kw.get("v_dim", 0))
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(Ops, "attention_prefill", spy)
+    model = load_gguf(model_path("tiny-deepseek2", "F32", sharp=True))
+    cfg = model.config
+    toks = np.arange(300, dtype=np.int32) * 37 % 1000 + 3
+    other = np.arange(45, dtype=np.int32) * 11 % 1000 + 7
+    steps = [[SeqBatch(0, toks[:170], 0)], [SeqBatch(0, toks[170:], 170), SeqBatch(1, other, 0)],
+             [SeqBatch(0, np.array([5], np.int32), 300), SeqBatch(1, np.array([77], np.int32), 45)]]
+
+    def run(be) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
+        try:
+            return [be.forward(b) for b in steps]
+        finally:
+            be.close()
+
+    for kt in ("f32", "q8_0"):
+        kw = dict(n_ctx=512, n_seq=2, cache_type_k=kt, cache_type_v=kt)
+        if kt == "f32":
+            want = run(NumpyBackend(model, **kw))  # type: ignore[arg-type]
+        else:
+            with monkeypatch.context() as m:
+                m.setattr(Ops, "prefill_latent_tile", lambda *a: None)
+                calls.clear()
+                want = run(VulkanBackend(model, **kw))  # type: ignore[arg-type]
+                assert not calls  # attention.comp served the latent layers
+        calls.clear()
+        got = run(VulkanBackend(model, **kw))  # type: ignore[arg-type]
+        assert calls and set(calls) == {cfg.n_lora_kv}  # every prefill attention was the latent one
+        tol = 1e-4 if kt == "f32" else 2e-3
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, atol=tol, rtol=0)

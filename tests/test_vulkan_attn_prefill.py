@@ -17,7 +17,9 @@ TRIO_LLM_PREFILL_CM2=1). Both coopmat kernels also run here in their emulated fo
 (CM_EMULATE: the products by plain lanes, everything else as on a GPU), the second one
 for emulated subgroups of 32 and 64 lanes and 16, 32 and 64 keys per tile. The
 ``coopmat3*`` rows run attn_prefill_cm3.comp (TRIO_LLM_PREFILL_CM2_VARIANT's variants) on
-a GPU; ``test_cm3_*`` its emulated form here."""
+a GPU; ``test_cm3_*`` its emulated form here. ``test_latent_*``: the LATENT form for a
+latent cache (deepseek2's MLA: K rows of 576 or 288, V the first 512 or 256 values of
+each), on the scalar kernel on every device, its tiles, refusals and prebuilt variants."""
 
 from __future__ import annotations
 
@@ -27,12 +29,13 @@ import attrs
 import numpy as np
 import pytest
 
-from test_vulkan_kv import attention_inputs
+from test_vulkan_kv import _typed_cache, attention_inputs
 from test_vulkan_ops import Env, open_env
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.errors import ConfigError
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.kvtypes import KV_TYPES
+from trio_llm.vulkan import shaders
 from trio_llm.vulkan.backend import VulkanBackend
 from trio_llm.vulkan.graph import Barrier, Op
 from trio_llm.vulkan.memory import View
@@ -44,6 +47,8 @@ from trio_llm.vulkan.ops import (
     prefill_cm2_shared,
     prefill_cm3_choose,
     prefill_cm3_shared,
+    prefill_latent_pack,
+    prefill_shared,
     prefill_tile,
 )
 from trio_llm.vulkan.shaders import ATTN_SWEEP, AttnVariant, attn_variant
@@ -75,13 +80,13 @@ def ops(request: pytest.FixtureRequest, env: Env) -> Ops:
 
 
 def np_attention(q, k, v, pos, seq, n_head_kv, n_swa, scale):  # type: ignore[no-untyped-def]
-    """q [ntok, n_head, hd]; k, v [n_seq, n_ctx, n_head_kv, hd], position p at row
+    """q [ntok, n_head, hd]; k, v [n_seq, n_ctx, n_head_kv, hd (v: up to hd)], position p at row
     p % n_ctx; token t sees positions [pos - n_swa + 1, pos] (all of [0, pos] without
     a window), in float64."""
     ntok, n_head, hd = q.shape
     n_ctx = k.shape[1]
     g = n_head // n_head_kv
-    out = np.zeros((ntok, n_head, hd))
+    out = np.zeros((ntok, n_head, v.shape[-1]))  # V as wide as K, or narrower (a latent cache's)
     for t in range(ntok):
         lo = max(0, pos[t] - n_swa + 1) if n_swa else 0
         r = np.arange(lo, pos[t] + 1) % n_ctx
@@ -565,3 +570,127 @@ def test_cm3_variant_specs_and_plan(env: Env) -> None:
     assert prefill_cm3_choose(64, AttnVariant(2), 49152, rows=48) is None  # not whole subgroups
     assert prefill_cm3_choose(64, AttnVariant(1), 49152, rows=16) == (32, 16, False)
     assert prefill_cm3_shared(64, 64, 32, AttnVariant(), False) == 16128
+
+
+# -- a latent cache (deepseek2's MLA): attn_prefill.comp's LATENT form
+
+
+class _Limited:
+    """The env's kernels on a device that reports ``shared`` bytes of shared memory (the
+    pipelines are the real ones: a tile chosen for less than lavapipe's 32 KiB runs)."""
+
+    def __init__(self, env: Env, shared: int) -> None:
+        self._k = env.ops.kernels
+        dev = env.device
+        limits = attrs.evolve(dev.limits, max_shared_memory=shared)
+        self.device = type("Dev", (), {"limits": limits, "__getattr__": lambda _s, n: getattr(dev, n)})()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._k, name)
+
+
+def limited(env: Env, shared: int, **kw: object) -> Ops:
+    return attrs.evolve(env.ops, kernels=_Limited(env, shared), **kw)  # type: ignore[arg-type]
+
+
+def check_latent(env: Env, ops: Ops, *, hd: int, dv: int, n_head: int, name: str, pos: list[int], seq: list[int],
+                 n_ctx: int, seed: int, n_swa: int = 0) -> None:
+    """``attention_prefill`` with ``v_dim`` = dv over one K cache of ``hd``-wide rows of
+    type ``name`` bound as K and V: the first dv values of each output head against
+    numpy over the roundtrip'd cache (V = each row's first dv values), the rest of each
+    head untouched (NaN, as the output starts)."""
+    ntok, n_seq = len(pos), max(seq) + 1
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((ntok, n_head, hd)).astype(np.float32)
+    kc, kh = _typed_cache(env, rng.standard_normal((n_seq, n_ctx, 1, hd)).astype(np.float32), name)
+    qv, o = env.put(q), env.put(np.full(q.size, np.nan, np.float32))
+    st = env.step([0] * ntok, pos, seq)
+    op = ops.attention_prefill(qv, kc, kc, o, st, n_head=n_head, n_head_kv=1, head_dim=hd, n_ctx=n_ctx,
+                               q_stride=n_head * hd, o_stride=n_head * hd, cap=ntok, scale=0.07, k_type=name,
+                               v_type=name, n_swa=n_swa, v_dim=dv)
+    assert op.kernel.name == "attn_prefill"
+    env.run([op])
+    got = env.get(o).reshape(q.shape)
+    want = np_attention(q, kh, kh[..., :dv], pos, seq, 1, n_swa, 0.07)
+    np.testing.assert_allclose(got[..., :dv], want, atol=3e-5 * np.abs(kh).max(), rtol=0)
+    assert np.isnan(got[..., dv:]).all()
+
+
+@pytest.mark.parametrize(("hd", "dv", "n_head", "name"), [
+    (576, 512, 20, "f16"),  # GLM-4.7-Flash: 20 heads, one KV head, 4 x 3 tiles on lavapipe
+    (576, 512, 20, "q8_0"),
+    (576, 512, 16, "q4_0"),
+    (576, 512, 20, "f32"),
+    (288, 256, 4, "f32"),  # tiny-deepseek2's row: 4 x 4 tiles, two row groups of phase C
+    (288, 256, 4, "q8_0"),
+])
+def test_latent_prefill(env: Env, hd: int, dv: int, n_head: int, name: str) -> None:
+    """41 tokens after 37 cached positions (a second chunk: whole visible key tiles,
+    then diagonal ones) beside a second sequence's first 23 in one batch, neither a
+    multiple of the tile's tokens; then 70 tokens from position 150 of a 230-row cache."""
+    tile = env.ops.prefill_latent_tile(n_head, 1, hd, dv)
+    assert tile is not None and all(n % tile[1] for n in (41, 23, 70))
+    pos, seq = batch((0, 37, 41), (1, 0, 23))
+    check_latent(env, env.ops, hd=hd, dv=dv, n_head=n_head, name=name, pos=pos, seq=seq, n_ctx=96, seed=hd + n_head)
+    pos, seq = batch((0, 150, 70))
+    check_latent(env, env.ops, hd=hd, dv=dv, n_head=n_head, name=name, pos=pos, seq=seq, n_ctx=230, seed=7)
+
+
+def test_latent_prefill_on_smaller_tiles(env: Env) -> None:
+    """The tiles less shared memory (or ``prefill_rows``) leaves: GLM's row on 16 KiB
+    (4 heads x 1 token) and 8 rows (4 x 2), five sequences across tiles, a window over a
+    ring."""
+    small = limited(env, 16384)
+    assert small.prefill_latent_tile(20, 1, 576, 512) == (4, 1)
+    eight = attrs.evolve(env.ops, prefill_rows=8)
+    assert eight.prefill_latent_tile(20, 1, 576, 512) == (4, 2)
+    pos, seq = batch((2, 5, 3), (0, 0, 7), (4, 50, 11), (1, 33, 1), (3, 90, 6))
+    for ops in (small, eight):
+        check_latent(env, ops, hd=576, dv=512, n_head=20, name="f16", pos=pos, seq=seq, n_ctx=100, seed=3)
+    pos, seq = batch((0, 200, 30), (1, 0, 45))
+    check_latent(env, eight, hd=288, dv=256, n_head=4, name="q8_0", pos=pos, seq=seq, n_ctx=70, n_swa=40, seed=4)
+
+
+def test_latent_prefill_tile_and_refusals(env: Env) -> None:
+    """``prefill_latent_tile``: the most rows of ``PREFILL_LATENT_ROWS`` the device's
+    shared memory takes, head groups filling them; None (the caller takes attention.comp)
+    where nothing fits or the shape is not the kernel's."""
+    assert prefill_latent_pack(20, 1, 16) == (4, 4) and prefill_latent_pack(20, 1, 12) == (4, 3)
+    assert prefill_latent_pack(4, 1, 16) == (4, 4) and prefill_latent_pack(6, 1, 16) == (2, 8)
+    assert prefill_shared(576, 12, 3) == 29304 <= env.device.limits.max_shared_memory
+    want = {8192: None, 16384: (4, 1), 24576: (4, 2), 32768: (4, 3), 49152: (4, 4), 65536: (4, 4)}
+    assert {b: limited(env, b).prefill_latent_tile(20, 1, 576, 512) for b in want} == want
+    assert limited(env, 32768).prefill_latent_tile(4, 1, 288, 256) == (4, 4)
+    ops = limited(env, 1 << 16)
+    for hd, dv in ((592, 512), (576, 516), (576, 514), (576, 0), (280, 256), (256, 288)):
+        assert ops.prefill_latent_tile(20, 1, hd, dv) is None, (hd, dv)
+    assert attrs.evolve(ops, subgroup=2).prefill_latent_tile(20, 1, 576, 512) is None
+    v = env.zeros(64)
+    with pytest.raises(AssertionError):  # nothing fits: the caller must not ask
+        limited(env, 8192).attention_prefill(v, v, v, v, v, n_head=20, n_head_kv=1, head_dim=576, n_ctx=4,
+                                             q_stride=20 * 576, o_stride=20 * 576, cap=16, v_dim=512)
+
+
+def test_the_latent_prefill_variants_are_prebuilt(env: Env) -> None:
+    """Every cache type's LATENT attn_prefill, as attention_prefill asks for it, is in
+    ``all_variants`` (``trio-llm compile-shaders``: the GPU machine compiles nothing)."""
+    asked: list[tuple[str, dict[str, object]]] = []
+
+    class Spy:
+        device = env.device
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(env.ops.kernels, name)
+
+        def get(self, name: str, **kw: object) -> object:
+            asked.append((name, dict(kw.get("defines") or {})))  # type: ignore[call-overload]
+            return env.ops.kernels.get(name, **kw)  # type: ignore[arg-type]
+
+    ops = attrs.evolve(env.ops, kernels=Spy())  # type: ignore[arg-type]
+    prebuilt = {(n, shaders.cache_key(n, d)) for n, d in shaders.all_variants()}
+    v = env.zeros(1 << 16)
+    for name in TYPES:
+        ops.attention_prefill(v, v, v, v, v, n_head=4, n_head_kv=1, head_dim=576, n_ctx=8, q_stride=2304,
+                              o_stride=2304, cap=16, k_type=name, v_type=name, v_dim=512)
+    assert len(asked) == len(TYPES) and all(n == "attn_prefill" and d.get("LATENT") == 1 for n, d in asked)
+    assert all((n, shaders.cache_key(n, d)) in prebuilt for n, d in asked), asked

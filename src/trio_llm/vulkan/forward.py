@@ -1093,6 +1093,12 @@ class _Lowering:
                                               v_dim=dv, **common)  # type: ignore[arg-type]
                 self.emit([d], [self.slot(q), ("k", node.layer), "kv_part"], [self.slot(node.out), "kv_part"])
                 return
+            if not self.decode and dv and self.ops.prefill_latent_tile(nh, nkv, hd, dv) is not None:
+                # many queries: tiled flash attention (unsplit), V the first dv values of each K row
+                d = self.ops.attention_prefill(self.view(q), kc, kc, self.view(node.out), self.st, v_dim=dv,
+                                               **common)  # type: ignore[arg-type]
+                self.emit([d], [self.slot(q), ("k", node.layer)], [self.slot(node.out)])
+                return
             d = self.ops.attention(self.view(q), kc, kc, self.view(node.out), self.st, **common)  # type: ignore[arg-type]
             self.emit([d], [self.slot(q), ("k", node.layer)], [self.slot(node.out)])
             return

@@ -307,6 +307,29 @@ def prefill_tile(n_head: int, n_head_kv: int, head_dim: int, coopmat: bool = Fal
     return g, rows // g
 
 
+def prefill_shared(head_dim: int, rows: int, tokens: int) -> int:
+    """Bytes of shared memory attn_prefill.comp declares (its arrays, in order: the rows'
+    f32 queries, a tile's 32 scores per row, the rows' sums and rescales, the tokens'
+    positions and sequences)."""
+    return 4 * rows * head_dim + 4 * rows * 32 + 8 * rows + 8 * tokens
+
+
+#: query rows per work group attn_prefill.comp's LATENT form tries, the most first
+#: (``Ops.prefill_latent_tile``): 16 as for any head_dim above 128; 12 fits GLM's 576-wide
+#: rows in 32 KiB of shared memory (lavapipe's limit, 29,304 bytes), 8 in 16 KiB
+PREFILL_LATENT_ROWS = (16, 12, 8, 4)
+
+
+def prefill_latent_pack(n_head: int, n_head_kv: int, rows: int) -> tuple[int, int]:
+    """(query heads, tokens) of a LATENT attn_prefill work group of at most ``rows``
+    query rows: the head group (a divisor of the GQA ratio up to 8) that fills the most
+    rows, the larger of equals (the more heads share each K row it loads): 4 heads x 4
+    tokens for GLM's 20 heads and 16 rows, where ``prefill_tile``'s 5 x 3 fills 15."""
+    ratio = n_head // n_head_kv
+    best = max((d * (rows // d), d) for d in range(1, min(ratio, rows, 8) + 1) if ratio % d == 0)
+    return best[1], rows // best[1]
+
+
 def prefill_cm_shared(head_dim: int, subgroup: int, rows: int) -> int:
     """Bytes of shared memory attn_prefill_cm.comp declares (its arrays, in order)."""
     nsg = 128 // subgroup
@@ -1298,6 +1321,23 @@ class Ops:
         rows = self.prefill_rows or prefill_rows(head_dim)
         return 4 * rows * (head_dim + 32 + 2) + 8 * 32 <= self.kernels.device.limits.max_shared_memory
 
+    def prefill_latent_tile(self, n_head: int, n_head_kv: int, head_dim: int, v_dim: int) -> tuple[int, int] | None:
+        """(query heads, tokens) of ``attention_prefill``'s latent form (``v_dim`` > 0,
+        attn_prefill.comp's LATENT) here, or None where it does not run (the caller takes
+        ``attention``): head_dim a multiple of 16 up to 576, ``v_dim`` a multiple of 4 up
+        to head_dim and 512 (four values per lane of its 128), subgroups of at least 4
+        lanes, and no tile of ``PREFILL_LATENT_ROWS`` (or ``prefill_rows``, where set)
+        whose shared memory (``prefill_shared``) fits the device's reported limit."""
+        if (head_dim % 16 or head_dim > 576 or v_dim <= 0 or v_dim % 4 or v_dim > min(head_dim, 512)
+                or self.subgroup < 4 or n_head % n_head_kv):
+            return None
+        limit = self.kernels.device.limits.max_shared_memory
+        for rows in (self.prefill_rows,) if self.prefill_rows else PREFILL_LATENT_ROWS:
+            g, bq = prefill_latent_pack(n_head, n_head_kv, rows)
+            if g * bq <= 32 and prefill_shared(head_dim, g * bq, bq) <= limit:
+                return g, bq
+        return None
+
     def prefill_cm_ok(self, n_head: int, n_head_kv: int, head_dim: int) -> bool:
         """Whether ``attention_prefill`` takes its cooperative-matrix form here: the
         device has them (``coopmat``) and it is enabled (``prefill_cm``), subgroups of 32 or 64, a power-of-two head group
@@ -1404,7 +1444,7 @@ class Ops:
         n_head_kv: int, head_dim: int, n_ctx: int, q_stride: int, o_stride: int, cap: int,
         scale: float | None = None, k_type: str = "f32", v_type: str = "f32", n_swa: int = 0,
         emulate_cm: tuple[int, int] | None = None, part: View | None = None, n_split: int = 1,
-        min_tiles: int = 8,
+        min_tiles: int = 8, v_dim: int = 0,
     ) -> Dispatch:
         """``attention`` for many tokens (prefill, attn_prefill.comp): a work group per
         tile of consecutive tokens and group of query heads of one KV head
@@ -1425,8 +1465,21 @@ class Ops:
         each query tile's keys over that many work groups (at least ``min_tiles`` tiles
         of 32 each), which write partials to ``part`` (``attention_part_floats(cap,
         n_head, head_dim, n_split)`` floats) for ``attention_combine`` to add up into
-        ``o`` after a barrier."""
-        assert head_dim % 16 == 0 and head_dim <= 256 and n_head % n_head_kv == 0
+        ``o`` after a barrier.
+
+        ``v_dim`` > 0: a latent cache (MLA, ``v_is_k``; ``prefill_latent_tile``): the
+        values are the first ``v_dim`` of each K row (``v_cache`` is ``k_cache``, one
+        type), K rows of up to 576; attn_prefill.comp's LATENT form on every device (the
+        cooperative-matrix kernels take head dims up to 256), on the tile
+        ``prefill_latent_tile`` chooses; only those ``v_dim`` dims of each output head
+        (and of each partial) are written."""
+        latent = self.prefill_latent_tile(n_head, n_head_kv, head_dim, v_dim) if v_dim else None
+        if v_dim:
+            assert latent is not None and emulate_cm is None
+            assert v_cache == k_cache and v_type == k_type
+        else:
+            assert head_dim <= 256
+        assert head_dim % 16 == 0 and n_head % n_head_kv == 0
         kt, vt = _kv(k_type), _kv(v_type)
         _check_head(kt, head_dim, "K")
         _check_head(vt, head_dim, "V")
@@ -1435,6 +1488,13 @@ class Ops:
         ml_off = cap * n_head * n_split * head_dim
         assert n_split == 1 or (part is not None
                                 and part.size >= 4 * attention_part_floats(cap, n_head, head_dim, n_split))
+        if latent is not None:
+            g, bq = latent
+            lk = self.kernels.get("attn_prefill", n_bindings=6, n_push=12, local_size=128,
+                                  defines={**kv_defines(K_TYPE=kt, V_TYPE=vt), "LATENT": 1},
+                                  spec={1: g, 2: bq, 3: head_dim, 4: v_dim})
+            return Dispatch(lk, (q, k_cache, v_cache, o, step, o if part is None else part),
+                            (*push, n_split, min_tiles, ml_off), (math.ceil(cap / bq), n_head // g, n_split))
         nv2 = self.prefill_nv2_plan(n_head, n_head_kv, head_dim, kt.name, vt.name) if emulate_cm is None else None
         if nv2 is not None:
             g = heads_per_group(n_head, n_head_kv)
