@@ -594,22 +594,28 @@ def limited(env: Env, shared: int, **kw: object) -> Ops:
 
 
 def check_latent(env: Env, ops: Ops, *, hd: int, dv: int, n_head: int, name: str, pos: list[int], seq: list[int],
-                 n_ctx: int, seed: int, n_swa: int = 0) -> None:
+                 n_ctx: int, seed: int, n_swa: int = 0, n_split: int = 1) -> None:
     """``attention_prefill`` with ``v_dim`` = dv over one K cache of ``hd``-wide rows of
     type ``name`` bound as K and V: the first dv values of each output head against
     numpy over the roundtrip'd cache (V = each row's first dv values), the rest of each
-    head untouched (NaN, as the output starts)."""
+    head untouched (NaN, as the output and the partials start); ``n_split`` > 1: the
+    keys split over work groups, then ``attention_combine``."""
     ntok, n_seq = len(pos), max(seq) + 1
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((ntok, n_head, hd)).astype(np.float32)
     kc, kh = _typed_cache(env, rng.standard_normal((n_seq, n_ctx, 1, hd)).astype(np.float32), name)
     qv, o = env.put(q), env.put(np.full(q.size, np.nan, np.float32))
     st = env.step([0] * ntok, pos, seq)
+    part = env.put(np.full(attention_part_floats(ntok, n_head, hd, n_split), np.nan, np.float32))
     op = ops.attention_prefill(qv, kc, kc, o, st, n_head=n_head, n_head_kv=1, head_dim=hd, n_ctx=n_ctx,
                                q_stride=n_head * hd, o_stride=n_head * hd, cap=ntok, scale=0.07, k_type=name,
-                               v_type=name, n_swa=n_swa, v_dim=dv)
+                               v_type=name, n_swa=n_swa, v_dim=dv, part=part, n_split=n_split, min_tiles=1)
     assert op.kernel.name == "attn_prefill"
-    env.run([op])
+    run: list[Op] = [op]
+    if n_split > 1:
+        run += [Barrier(), ops.attention_combine(part, o, st, n_head=n_head, head_dim=hd, n_split=n_split,
+                                                 o_stride=n_head * hd, cap=ntok)]
+    env.run(run)
     got = env.get(o).reshape(q.shape)
     want = np_attention(q, kh, kh[..., :dv], pos, seq, 1, n_swa, 0.07)
     np.testing.assert_allclose(got[..., :dv], want, atol=3e-5 * np.abs(kh).max(), rtol=0)
@@ -649,6 +655,16 @@ def test_latent_prefill_on_smaller_tiles(env: Env) -> None:
         check_latent(env, ops, hd=576, dv=512, n_head=20, name="f16", pos=pos, seq=seq, n_ctx=100, seed=3)
     pos, seq = batch((0, 200, 30), (1, 0, 45))
     check_latent(env, eight, hd=288, dv=256, n_head=4, name="q8_0", pos=pos, seq=seq, n_ctx=70, n_swa=40, seed=4)
+
+
+@pytest.mark.parametrize("n_split", [2, 3])
+def test_latent_prefill_split(env: Env, n_split: int) -> None:
+    """Keys split over the grid's z (the kernel allows it; the lowering does not ask):
+    each split's partials cover the DV dims, and attn_combine's sums of those are the
+    attention; a long prefix, a short sequence (splits with no keys) in one batch."""
+    pos, seq = batch((0, 150, 37), (1, 0, 5))
+    check_latent(env, env.ops, hd=576, dv=512, n_head=20, name="q8_0", pos=pos, seq=seq, n_ctx=200, seed=n_split,
+                 n_split=n_split)
 
 
 def test_latent_prefill_tile_and_refusals(env: Env) -> None:
