@@ -8,7 +8,7 @@
 # 2048 and 4096 tokens, the server's -ub, backend level), x16 (issue 13: the prefill products on f16
 # activations, TRIO_LLM_MATMUL_X16: their tests, then pp512/pp8192 A/B), dequant (issue 13: K-quant prefill
 # products through f16 rows, TRIO_LLM_MATMUL_DEQUANT A/B), localmem or rs8 (issue 12: the 8-column
-# matvecs' local memory: unrolled in the SPIR-V and/or one row per subgroup, pipemem and batched decode A/B, then coldmem), nv2pp / nv2sweep32 (attn_prefill_nv2 A/B, its tiles), ppdepth (the last pass of a long prefill kernel by kernel), nv2gate (the NV coopmat2 kernels' tests on
+# matvecs' local memory: unrolled in the SPIR-V and/or one row per subgroup, pipemem and batched decode A/B, then coldmem), nv2pp / nv2sweep32 (attn_prefill_nv2 A/B, its tiles), ppdepth (the last pass of a long prefill kernel by kernel), glm (deepseek2's latent kernels, the GLM-4.7-Flash shape), nv2gate (the NV coopmat2 kernels' tests on
 # their defaults; a failing kernel is turned off for the later stages, e2e among them), verify (the Vulkan correctness tests on the H200), tune7 (the late 2026-12-01 defaults' tests and choices), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), nv2mm (matmul_nv2 on VK_NV_cooperative_matrix2: its tests, op level beside matmul_cm2, pp512 with TRIO_LLM_MATMUL_NV2=0 / 1), cm2sweep (matmul_cm3's variants: their tests on the GPU, op level against matmul_cm2, pp512 of the best two), prefillcm2 (attn_prefill_cm2's tests, op level and pp8192 A/B), nv2attn (attn_prefill_nv2 on NVIDIA's cooperative_matrix2: its tests on the GPU, op level beside attn_prefill_cm2 with its tiles, pp8192 A/B), attnsweep (attn_prefill_cm3's variants: their tests on the GPU, op level beside attn_prefill_cm2 at 8k / 32k), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill, the pp512 graph
@@ -46,7 +46,7 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 # on the 16 cores), at nice 19 so that our own server, measured meanwhile, keeps its CPU.
 # Its own session (setsid), so that the end of this script can stop it by its group id.
 LCPP=/tmp/lcpp; CUDA_BUILD=0
-case " $STAGES " in *" e2e "*|*" e2emoe "*|*" mem128k "*|*" serve128k "*)
+case " $STAGES " in *" e2e "*|*" e2emoe "*|*" mem128k "*|*" serve128k "*|*" glm "*)
   if [ -x $LCPP/cuda/bin/llama-server ] && [ "$(cat $LCPP/cuda.done 2>/dev/null)" = 0 ]; then
     CUDA_BUILD=1  # a warm machine's earlier call built it: used as it is
   elif [ -f .lcpp/h200.sh ] && [ -f .lcpp/src.tgz ] && [ "${E2E_CUDA:-1}" = 1 ]; then
@@ -530,6 +530,26 @@ d = shared_device(); print('nv_coopmat2', d.nv_coopmat2, 'max_wg', d.nv_coopmat2
         --quant Q4_K_M -o /tmp/m/$M35-Q4_K_M.gguf -q
       stage decode-moe35-pp 300 $PY bench/decode.py --model /tmp/m/$M35-Q4_K_M.gguf --backends vulkan \
         --repeats 2 --tg 16 --moe-prefill --moe-prefill-sizes 32,64,128,256,512
+    fi ;;
+  glm)  # deepseek2 (GLM-4.7-Flash's multi-head latent attention): the latent kernels' GPU tests (attn_decode and
+    # attn_prefill LATENT against numpy), then the glm-4.7-flash shape at Q4_K_M (about 17 GB, made meanwhile):
+    # backend pp512 / tg128, then through HTTP at 512 and 8192 beside llama-server Vulkan (and CUDA once built)
+    if [ "${SMALL:-0}" = 1 ]; then GLM=tiny-deepseek2; GP=64,256; else GLM=glm-4.7-flash; GP=512,8192; fi
+    GF=/tmp/m/$GLM-Q4_K_M.gguf
+    [ -f $GF ] || { $PY -m trio_llm make-model --preset $GLM --quant Q4_K_M -o $GF -q > "$RES/make-glm.log" 2>&1 &
+                    MKG=$!; }
+    stage verify-glm 150 $PY -m pytest -q -p no:cacheprovider -rs ${XD[@]+"${XD[@]}"} tests/test_deepseek2.py \
+      tests/test_vulkan_kv.py tests/test_vulkan_attn_prefill.py -k "latent or deepseek"
+    [ -n "${MKG:-}" ] && { wait $MKG; say "make-glm rc=$?"; }
+    stage decode-glm 240 $PY bench/decode.py --model $GF --backends vulkan --repeats 2 --pp 512 --tg 128
+    if [ -f .lcpp/h200.sh ]; then
+      VK=$(bash .lcpp/h200.sh vulkan 2> "$RES/lcpp-vulkan.log" | tail -n 1)
+      LL=(); [ -n "$VK" ] && [ -x "$VK" ] && LL=(--llama-vulkan "$VK")
+      [ $CUDA_BUILD = 1 ] && LL+=(--llama-cuda $LCPP/cuda/bin/llama-server --wait-for $LCPP/cuda.done)
+      left=$(( ${E2E_END:-565} - $(elapsed) ))
+      [ $left -ge 60 ] && stage e2e-glm $((left + 15)) $PY bench/e2e.py --backend vulkan --model $GF --prompts $GP \
+        ${LL[@]+"${LL[@]}"} --budget-s "$left" --reserve-s 15 --log-dir "$RES/e2e-glm-logs" --note "glm-4.7-flash shape"
+      stop_build
     fi ;;
   cpumoe)  # qwen35-35b-a3b Q4_K_M (21 GB) with --n-cpu-moe 0, 10, 10.5, 20: decode cost per host-resident layer
     if [ "${SMALL:-0}" = 1 ]; then MOE=tiny-qwen35moe; NS="0 1 1.5"; else MOE=qwen35-35b-a3b; NS="0 10 10.5 20"; fi
