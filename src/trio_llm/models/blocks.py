@@ -123,6 +123,21 @@ class Moe:
     gating: Literal["softmax", "sigmoid"] = "softmax"  # the router's probabilities
 
 
+def moe_tensors(cfg: ModelConfig, il: int, *, shared_gate: bool = False) -> dict[str, tuple[int, ...]]:
+    """The tensors ``moe_ffn`` reads in layer ``il``: the router and the experts, and with
+    ``cfg.n_ff_shexp`` the shared expert (its sigmoid gate row too with ``shared_gate``)."""
+    b = f"blk.{il}."
+    e, ne, ff, sh = cfg.n_embd, cfg.n_expert, cfg.n_ff_exp, cfg.n_ff_shexp
+    shapes = {b + "ffn_gate_inp.weight": (ne, e), b + "ffn_gate_exps.weight": (ne, ff, e),
+              b + "ffn_up_exps.weight": (ne, ff, e), b + "ffn_down_exps.weight": (ne, e, ff)}
+    if sh:
+        if shared_gate:
+            shapes[b + "ffn_gate_inp_shexp.weight"] = (e,)
+        shapes.update({b + "ffn_gate_shexp.weight": (sh, e), b + "ffn_up_shexp.weight": (sh, e),
+                       b + "ffn_down_shexp.weight": (e, sh)})
+    return shapes
+
+
 def moe_ffn(g: Graph, h: Tensor, il: int, moe: Moe, act: Activation) -> Tensor:
     """llama.cpp's ``build_moe_ffn``: the router picks ``n_expert_used`` of the layer's
     experts per token (softmax gating), each chosen expert runs its gated FFN, and the

@@ -35,7 +35,7 @@ from trio_llm.errors import ModelLoadError, UnsupportedModelError
 from trio_llm.graph import Graph, Tensor
 from trio_llm.model.config import ModelConfig
 from trio_llm.models import Meta
-from trio_llm.models.blocks import Moe, ffn, head, head_tensors, moe_ffn, norm
+from trio_llm.models.blocks import Moe, ffn, head, head_tensors, moe_ffn, moe_tensors, norm
 from trio_llm.models.llama import common_hparams
 
 ARCHS = ("deepseek2",)
@@ -103,7 +103,6 @@ def hparams(meta: Meta, tensors: Mapping[str, Any]) -> ModelConfig:
 def tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     e, nh, r = cfg.n_embd, cfg.n_head, cfg.n_rot
     kv, kq, vd = cfg.n_lora_kv, cfg.head_dim_k_mla, cfg.head_dim_v_mla
-    ne, ff, sh = cfg.n_expert, cfg.n_ff_exp, cfg.n_ff_shexp
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.n_vocab, e)}
     for il in range(cfg.n_layer):
         b = f"blk.{il}."
@@ -125,15 +124,7 @@ def tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({b + "ffn_gate.weight": (cfg.n_ff, e), b + "ffn_up.weight": (cfg.n_ff, e),
                            b + "ffn_down.weight": (e, cfg.n_ff)})
         else:
-            shapes.update({
-                b + "ffn_gate_inp.weight": (ne, e),
-                b + "ffn_gate_exps.weight": (ne, ff, e),
-                b + "ffn_up_exps.weight": (ne, ff, e),
-                b + "ffn_down_exps.weight": (ne, e, ff),
-                b + "ffn_gate_shexp.weight": (sh, e),
-                b + "ffn_up_shexp.weight": (sh, e),
-                b + "ffn_down_shexp.weight": (e, sh),
-            })
+            shapes.update(moe_tensors(cfg, il))
     shapes.update(head_tensors(cfg))
     return shapes
 

@@ -14,7 +14,7 @@ from trio_llm.errors import ModelLoadError
 from trio_llm.graph import Graph
 from trio_llm.model.config import ModelConfig
 from trio_llm.models import Meta
-from trio_llm.models.blocks import Moe, head_tensors, moe_ffn
+from trio_llm.models.blocks import Moe, head_tensors, moe_ffn, moe_tensors
 from trio_llm.models.llama import common_hparams
 from trio_llm.models.qwen35 import build_layers, layer_tensors, ssm_hparams
 
@@ -40,21 +40,10 @@ def hparams(meta: Meta, tensors: Mapping[str, Any]) -> ModelConfig:
 
 
 def tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    e, ne, ff, sh = cfg.n_embd, cfg.n_expert, cfg.n_ff_exp, cfg.n_ff_shexp
-    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.n_vocab, e)}
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.n_vocab, cfg.n_embd)}
     for il in range(cfg.n_layer):
-        b = f"blk.{il}."
         shapes.update(layer_tensors(cfg, il))
-        shapes.update({
-            b + "ffn_gate_inp.weight": (ne, e),
-            b + "ffn_gate_exps.weight": (ne, ff, e),
-            b + "ffn_up_exps.weight": (ne, ff, e),
-            b + "ffn_down_exps.weight": (ne, e, ff),
-            b + "ffn_gate_inp_shexp.weight": (e,),
-            b + "ffn_gate_shexp.weight": (sh, e),
-            b + "ffn_up_shexp.weight": (sh, e),
-            b + "ffn_down_shexp.weight": (e, sh),
-        })
+        shapes.update(moe_tensors(cfg, il, shared_gate=True))
     shapes.update(head_tensors(cfg))
     return shapes
 
