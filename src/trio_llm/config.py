@@ -80,6 +80,8 @@ class ServerConfig:
     fit_ctx: int = 4096  # --fit-ctx: the smallest context --fit chooses
     hf_repo: str | None = None  # -hf REPO[:QUANT], resolved into model at parse time
     hf_file: str | None = None  # -hff
+    mmproj: Path | None = None  # --mmproj: gemma3's vision projector (with -hf: found beside the model)
+    mmproj_auto: bool = True  # --no-mmproj: -hf takes no projector
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False

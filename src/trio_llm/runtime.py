@@ -46,6 +46,7 @@ from trio_llm.server.decode import DEFAULT_DECODE_STEPS
 from trio_llm.server.flags import UsageError
 from trio_llm.server.gate import ResidencyGate
 from trio_llm.server.http import create_app, end_requests
+from trio_llm.server.media import MediaEncoder
 from trio_llm.server.metrics import StatisticsSources, make_registry
 from trio_llm.server.queue import SlotsMessage, TaskQueue, outbox_size
 from trio_llm.server.slots import SlotsEngine
@@ -134,6 +135,7 @@ class Loaded:
     backend: Backend
     stat: os.stat_result
     output: str = "logits"  # what the backend's graph computes (trio_llm.graph.Output)
+    projector: Any = None  # trio_llm.vision.Projector: with --mmproj
 
 
 def _load(config: ServerConfig, progress: LoadProgress) -> Loaded:
@@ -145,6 +147,7 @@ def _load(config: ServerConfig, progress: LoadProgress) -> Loaded:
 
     model = load_gguf(_model_path(config))
     _check_gpu_layers(config, model.config.n_layer)
+    projector = _load_projector(config, model)
     tokenizer = Tokenizer.from_metadata(model.metadata)
     if config.chat_template is not None:  # --chat-template / --chat-template-file
         template = ChatTemplate.from_source(config.chat_template, tokenizer)
@@ -167,7 +170,46 @@ def _load(config: ServerConfig, progress: LoadProgress) -> Loaded:
         extra["output"] = output
     backend = open_backend(config.backend, model, n_ctx=n_ctx, n_seq=config.parallel, progress=progress,
                            max_chunk=config.n_batch, **extra)
-    return Loaded(model, tokenizer, template, backend, os.stat(model.path), output)
+    return Loaded(model, tokenizer, template, backend, os.stat(model.path), output, projector)
+
+
+#: text architectures whose graph takes an image's rows (``embd_rows``) and whose
+#: projector type trio_llm.vision reads
+VISION_ARCHS = ("gemma3",)
+
+
+def _load_projector(config: ServerConfig, model: Any) -> Any:
+    """--mmproj: the projector, checked against the text model (llama.cpp's mtmd_init
+    refuses a width mismatch the same way), before the backend takes the device.
+
+    A projector this server cannot run (another encoder than gemma3's, a text model
+    without image input here, or --embeddings) leaves a warning and no projector: the
+    text model is served, /props says ``vision: false``, and a request with an image
+    is answered 400. A missing, corrupt or mismatched file stops the start."""
+    if config.mmproj is None:
+        return None
+    from trio_llm.errors import UnsupportedModelError
+    from trio_llm.vision import load_projector
+
+    if config.embeddings:
+        log.warning("--mmproj %s: ignored with --embeddings (images are for generation here)", config.mmproj)
+        return None
+    if model.config.arch not in VISION_ARCHS:
+        log.warning("--mmproj %s: image input to a %s model is not supported here (only %s): serving text only, "
+                    "requests with images are refused", config.mmproj, model.config.arch, ", ".join(VISION_ARCHS))
+        return None
+    try:
+        projector = load_projector(config.mmproj)
+    except UnsupportedModelError as exc:
+        if not Path(config.mmproj).is_file():
+            raise
+        log.warning("--mmproj %s: serving text only, requests with images are refused", exc)
+        return None
+    if projector.n_embd_out != model.config.n_embd:
+        raise UnsupportedModelError(config.mmproj, f"mismatch between text model (n_embd = {model.config.n_embd}) "
+                                                   f"and mmproj (n_embd = {projector.n_embd_out})")
+    log.info("mmproj %s: %d tokens an image, encoded on the CPU", config.mmproj, projector.n_tokens)
+    return projector
 
 
 def _check_gpu_layers(config: ServerConfig, n_layer: int) -> None:
@@ -534,6 +576,7 @@ async def _run_loaded(
                         created=int(loaded.stat.st_mtime),
                         grammars=grammars,
                         embedder=embedder,
+                        media=MediaEncoder(loaded.projector, tokenizer) if loaded.projector is not None else None,
                     )
                 )
                 log.info("ready")

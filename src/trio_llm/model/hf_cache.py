@@ -117,3 +117,43 @@ def resolve(spec: str, hf_file: str | None = None, env: Mapping[str, str] | None
     what = hf_file or (f"quant {tag}" if tag else "a GGUF model file")
     raise NotCached(spec, f"-hf: {what} is not in the local cache ({repo_dir}, or {flat}/{prefix}*.gguf); "
                           "nothing is downloaded: put the file there or use -m")
+
+
+def _quant_bits(name: str) -> int | None:
+    """The bit depth of a file name's trailing quant tag (``Q4_K_M`` 4, ``F16`` 16)."""
+    stem = name.rsplit("/", 1)[-1].removesuffix(".gguf")
+    tag = re.split(r"[-.]", stem)[-1]
+    m = re.search(r"\d+", tag)
+    return int(m.group()) if m else None
+
+
+def find_mmproj(model: Path, spec: str) -> Path | None:
+    """The projector file llama-server's ``-hf`` takes beside ``model`` (a file of the
+    local cache, for ``-hf spec``), or None: among the repository's ``.gguf`` files whose name holds
+    ``mmproj``, one in the model's directory or a parent of it, the deepest, then the
+    one whose quant bit depth is nearest the model's (llama.cpp's ``find_best_mmproj``
+    in ``common/download.cpp``, October 2026)."""
+    snap = next((p for p in model.parents if p.parent.name == "snapshots"), None)
+    if snap is not None:
+        files = [p for p in snap.rglob("*.gguf") if p.is_file()]
+        root = snap
+    else:  # the flat cache: <owner>_<name>_<file>, one directory for every repository
+        root = model.parent
+        prefix = split_repo_tag(spec)[0].replace("/", "_") + "_"
+        files = [p for p in root.iterdir() if p.is_file() and p.name.endswith(".gguf") and p.name.startswith(prefix)]
+    model_dir = model.relative_to(root).parent.parts
+    want = _quant_bits(model.name)
+    best: tuple[int, int] | None = None
+    chosen = None
+    for p in sorted(files):
+        if "mmproj" not in p.name.lower() or p == model:
+            continue
+        parts = p.relative_to(root).parent.parts
+        if parts != model_dir[: len(parts)]:
+            continue
+        bits = _quant_bits(p.name)
+        distance = abs(bits - want) if bits is not None and want is not None else 1 << 16
+        key = (-len(parts), distance)
+        if best is None or key < best:
+            best, chosen = key, p
+    return chosen

@@ -348,22 +348,26 @@ def _llama2_vocab(n_vocab: int) -> VocabSpec:
 
 #: Gemma's first ids (its real vocabulary has more reserved and multimodal tokens)
 _GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>")
+#: the image wrapping gemma3's projector uses (ids 255999 and 256000 in the real
+#: vocabulary; the last two here)
+_GEMMA_IMAGE = ("<start_of_image>", "<end_of_image>")
 
 
 def _gemma_vocab(n_vocab: int) -> VocabSpec:
     head = list(_GEMMA_SPECIALS) + [f"<0x{b:02X}>" for b in range(256)]
-    n_pieces = n_vocab - len(head)
+    n_pieces = n_vocab - len(head) - len(_GEMMA_IMAGE)
     if n_pieces <= 0:
-        raise ValueError(f"a gemma vocabulary needs more than {len(head)} tokens, not {n_vocab}")
+        raise ValueError(f"a gemma vocabulary needs more than {len(head) + len(_GEMMA_IMAGE)} tokens, not {n_vocab}")
     pieces = _spm_pieces(n_pieces)
-    types = [CONTROL, CONTROL, CONTROL, UNKNOWN, CONTROL, CONTROL, CONTROL] + [BYTE] * 256 + [NORMAL] * len(pieces)
+    types = ([CONTROL, CONTROL, CONTROL, UNKNOWN, CONTROL, CONTROL, CONTROL] + [BYTE] * 256 + [NORMAL] * len(pieces)
+             + [CONTROL] * len(_GEMMA_IMAGE))
     return VocabSpec(
         model="llama",
         pre="default",
-        tokens=head + pieces,
+        tokens=head + pieces + list(_GEMMA_IMAGE),
         token_types=types,
         merges=None,
-        scores=[0.0] * len(head) + [-float(rank) for rank in range(len(pieces))],
+        scores=[0.0] * len(head) + [-float(rank) for rank in range(len(pieces))] + [0.0] * len(_GEMMA_IMAGE),
         bos_id=2,
         eos_id=1,
         eot_id=_GEMMA_SPECIALS.index("<end_of_turn>"),

@@ -43,6 +43,7 @@ class Engine:
     created: int  # the model file's modification time, for /v1/models
     grammars: Any = None  # trio_llm.engine.constraint.Grammars: constrained decoding
     embedder: Any = None  # trio_llm.server.embeddings.Embedder: with --embeddings only
+    media: Any = None  # trio_llm.server.media.MediaEncoder: with --mmproj only
 
 
 @attrs.define(eq=False)

@@ -281,7 +281,8 @@ def R(names: str, help: str, **kw: Any) -> Flag:
 _ONE_DEVICE = "one device runs the whole model"
 _NO_MMAP = "weights are read once into device (or numpy) memory: no mapping or locking to tune"
 _NO_DRAFT = "speculative decoding is not implemented (no draft model)"
-_NO_VISION = "no multimodal projector is loaded (text models only)"
+_NO_VISION = "no video input: images only (gemma3's projector)"
+_FIXED_SIZE = "gemma3's projector makes a fixed number of tokens an image (as in llama-server, for fixed-size encoders)"
 _LATER = "not implemented yet"
 _NO_DL = "nothing is downloaded here: put the file in place and use -m or -hf"
 
@@ -496,16 +497,18 @@ FLAGS: tuple[Flag, ...] = (
       env="LLAMA_ARG_N_PARALLEL", dest="parallel", conv=_int),
     N("-cb --cont-batching", "batching is always continuous", neg="-nocb --no-cont-batching",
       env="LLAMA_ARG_CONT_BATCHING"),
-    R("-mm --mmproj", "multimodal projectors are not supported (text models only)", value="FILE",
-      env="LLAMA_ARG_MMPROJ"),
-    R("-mmu --mmproj-url", "multimodal projectors are not supported (and nothing is downloaded)", value="URL",
-      env="LLAMA_ARG_MMPROJ_URL"),
-    N("--mmproj-auto", _NO_VISION, neg="--no-mmproj --no-mmproj-auto", env="LLAMA_ARG_MMPROJ_AUTO"),
-    N("--mmproj-offload", _NO_VISION, neg="--no-mmproj-offload", env="LLAMA_ARG_MMPROJ_OFFLOAD"),
-    N("-mmdev --mmproj-device", _NO_VISION, value="DEVICE", env="MTMD_BACKEND_DEVICE"),
-    N("--image-min-tokens", _NO_VISION, value="N", env="LLAMA_ARG_IMAGE_MIN_TOKENS", conv=_int),
-    N("--image-max-tokens", _NO_VISION, value="N", env="LLAMA_ARG_IMAGE_MAX_TOKENS", conv=_int),
-    N("--mtmd-batch-max-tokens", _NO_VISION, value="N", env="LLAMA_ARG_MTMD_BATCH_MAX_TOKENS", conv=_int),
+    W("-mm --mmproj", "multimodal projector file (gemma3's vision encoder; images through /completion's "
+      "multimodal_data and chat image_url parts)", value="FILE", env="LLAMA_ARG_MMPROJ", dest="mmproj", conv=Path),
+    W("-mmu --mmproj-url", "nothing is downloaded here: the file at the --mmproj path must already be there",
+      value="URL", env="LLAMA_ARG_MMPROJ_URL", dest="_mmproj_url"),
+    W("--mmproj-auto", "with -hf, use the projector file cached beside the model (as llama-server picks it)",
+      neg="--no-mmproj --no-mmproj-auto", env="LLAMA_ARG_MMPROJ_AUTO", dest="mmproj_auto"),
+    N("--mmproj-offload", "the image encoder runs on the CPU (numpy) whatever this says: there is no GPU "
+      "encoder yet (--no-mmproj-offload is what happens)", neg="--no-mmproj-offload", env="LLAMA_ARG_MMPROJ_OFFLOAD"),
+    N("-mmdev --mmproj-device", "the image encoder runs on the CPU (numpy)", value="DEVICE", env="MTMD_BACKEND_DEVICE"),
+    N("--image-min-tokens", _FIXED_SIZE, value="N", env="LLAMA_ARG_IMAGE_MIN_TOKENS", conv=_int),
+    N("--image-max-tokens", _FIXED_SIZE, value="N", env="LLAMA_ARG_IMAGE_MAX_TOKENS", conv=_int),
+    N("--mtmd-batch-max-tokens", "an image is decoded in one pass (gemma3's attention over it is not causal)", value="N", env="LLAMA_ARG_MTMD_BATCH_MAX_TOKENS", conv=_int),
     N("--video-fps", _NO_VISION, value="N", env="LLAMA_ARG_VIDEO_FPS", conv=_float),
     N("--video-timestamp-interval", _NO_VISION, value="N", env="LLAMA_ARG_VIDEO_TIMESTAMP_INTERVAL", conv=_int),
     N("--video-ffmpeg-dir", _NO_VISION, value="DIR", env="LLAMA_ARG_VIDEO_FFMPEG_DIR"),
@@ -573,7 +576,7 @@ FLAGS: tuple[Flag, ...] = (
       env="LLAMA_ARG_ENDPOINT_SLOTS", dest="endpoint_slots"),
     W("--slot-save-path", "folder of POST /slots/{id}?action=save|restore files", value="PATH",
       env="LLAMA_ARG_SLOT_SAVE_PATH", dest="slot_save_path", conv=Path),
-    N("--media-path", _NO_VISION, value="PATH"),
+    N("--media-path", "file:// image URLs are not read here: send images as base64 data: URLs", value="PATH"),
     R("--models-dir", "router mode is not supported: run one server per model (llama-swap routes)",
       value="PATH", env="LLAMA_ARG_MODELS_DIR"),
     R("--models-preset", "router mode is not supported: run one server per model", value="PATH",
@@ -878,10 +881,17 @@ def to_config(parsed: Parsed, environ: Mapping[str, str] | None = None) -> Any:
         keys = [k for k in (values.get("api_key"), parsed.values["_api_key_file"]) if k]
         values["api_key"] = ",".join(keys)
     if values.get("hf_repo") and values.get("model") is None:
-        from trio_llm.model.hf_cache import resolve
+        from trio_llm.model.hf_cache import find_mmproj, resolve
 
         values["model"] = resolve(values["hf_repo"], values.get("hf_file"), environ)
         values.setdefault("alias", values["hf_repo"])
+        if values.get("mmproj") is None and values.get("mmproj_auto", True):
+            # llama-server's -hf takes the repository's projector too (--no-mmproj: not)
+            values["mmproj"] = find_mmproj(values["model"], values["hf_repo"])
+    url = parsed.values.get("_mmproj_url")
+    if url and (values.get("mmproj") is None or not Path(values["mmproj"]).is_file()):
+        where = f"at {values['mmproj']}" if values.get("mmproj") is not None else "with --mmproj"
+        raise UsageError(f"--mmproj-url: nothing is downloaded here: put the projector file {where} ({url})")
     if parsed.values.get("_reranking"):  # llama-server: --reranking is --embeddings --pooling rank
         values["embeddings"] = True
         values["pooling"] = "rank"

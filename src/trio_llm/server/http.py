@@ -36,6 +36,7 @@ from trio_llm.model import chat_output as CO
 from trio_llm.model.chat import normalize_messages
 from trio_llm.server import embeddings as EM
 from trio_llm.server import infill as IN
+from trio_llm.server import media as MD
 from trio_llm.server import params as P
 from trio_llm.server import responses as R
 from trio_llm.server import slot_file
@@ -363,7 +364,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
     def limits() -> P.Limits:
         e = eng()
-        return P.Limits(e.n_ctx, e.model_config.n_vocab, ctx.config.parallel, ctx.config)
+        return P.Limits(e.n_ctx, e.model_config.n_vocab, ctx.config.parallel, ctx.config, e.media)
 
     @app.before_request
     async def gatekeeper() -> Response | None:
@@ -429,6 +430,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             "size": e.file_bytes,
         }
         model = {"id": ctx.model_id, "object": "model", "created": e.created, "owned_by": "llamacpp", "meta": meta}
+        # llama-server's router reads these: what a model takes besides text
+        model["capabilities"] = ["completion", "multimodal"] if e.media is not None else ["completion"]
         if ctx.config.model_ids:
             model["aliases"] = list(ctx.config.model_ids)
         if ctx.config.tags:
@@ -456,7 +459,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
                 "model_path": str(e.model_path),
                 "model_alias": ctx.model_id,
                 "chat_template": e.template.source,
-                "modalities": {"vision": False, "audio": False},
+                "modalities": {"vision": e.media is not None, "audio": False},
                 "build_info": f"trio-llm {__version__}",
                 "backend": e.backend_name,
                 "is_sleeping": e.gate.is_sleeping(),
@@ -597,10 +600,14 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         text = await trio.to_thread.run_sync(tok.decode, ids)
         return _json({"content": text})
 
-    def chat_prompt(body: Any) -> tuple[str, CO.OutputSpec, str | None]:
-        """The rendered prompt of a chat request, how its answer is to be read, and
-        the grammar of a forced tool call."""
+    def chat_prompt(body: Any) -> tuple[str, CO.OutputSpec, str | None, list[bytes]]:
+        """The rendered prompt of a chat request, how its answer is to be read, the
+        grammar of a forced tool call, and the images its markers stand for."""
         template = eng().template
+        images: list[bytes] = []
+        if isinstance(body, dict) and "messages" in body:
+            messages, images = MD.extract_images(body["messages"], eng().media is not None)
+            body = dict(body, messages=messages)
         inputs = P.chat_inputs(body, ctx.config, template.source)
         text = str(template.render(inputs.messages, add_generation_prompt=inputs.add_generation_prompt,
                                    **inputs.kwargs))
@@ -613,7 +620,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             if at >= 0:
                 text = text[: at + len(last)]
         spec = attrs.evolve(inputs.output, thinking_open=text.rstrip().endswith(CO.THINK_OPEN))
-        return text, spec, inputs.grammar
+        return text, spec, inputs.grammar, images
 
     def render_chat(body: Any) -> str:
         """Blocking (a template over the whole conversation): call on a worker thread."""
@@ -733,7 +740,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             return {}
         native = R.native_final(finals[0], piece, model=ctx.model_id, settings=req.params.to_json(), stream=False,
                                 n_probs=req.params.sampling.n_probs)
-        return {"__verbose": native | {"prompt": eng().tokenizer.decode(req.prompt)}}
+        return {"__verbose": native | {"prompt": MD.render(req.prompt, eng().tokenizer.decode)}}
 
     @app.post("/completion")
     @app.post("/completions")
@@ -754,7 +761,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
                                       n_probs=n_probs, index=i) for i, f in enumerate(finals)]
             # llama-server's answer holds the prompt as text (special tokens written out)
             prompts = [p for p, _ in choices]
-            texts = await trio.to_thread.run_sync(lambda: [e.tokenizer.decode(p) for p in prompts])
+            texts = await trio.to_thread.run_sync(lambda: [MD.render(p, e.tokenizer.decode) for p in prompts])
             for answer, text in zip(answers, texts, strict=True):
                 answer["prompt"] = text
             # several prompts: a list of answers, as llama-server gives
@@ -823,8 +830,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
         def parse() -> tuple[P.CompletionRequest, CO.OutputSpec]:
             # the template and the tokenizer: CPU work, off the event loop
-            prompt, spec, forced = chat_prompt(body)
-            return P.parse_chat(body, e.tokenizer, lim, prompt, forced), spec
+            prompt, spec, forced, images = chat_prompt(body)
+            return P.parse_chat(body, e.tokenizer, lim, prompt, forced, images), spec
 
         req, spec = await trio.to_thread.run_sync(parse)
         await check_grammar(req.params.grammar)

@@ -20,6 +20,7 @@ from trio_llm.engine import constraint as C
 from trio_llm.engine.sampling import DEFAULT_SEED, SamplingParams
 from trio_llm.errors import ContextOverflow, InvalidRequest
 from trio_llm.model import chat_output as CO
+from trio_llm.server import media as MD
 from trio_llm.server.tasks import TaskParams
 
 MAX_STOP_WORDS = 64
@@ -44,6 +45,7 @@ class Limits:
     n_vocab: int
     n_slots: int
     defaults: ServerConfig
+    media: Any = None  # trio_llm.server.media.MediaEncoder: with --mmproj only
 
 
 _MISSING: Any = object()
@@ -172,23 +174,31 @@ def encode_prompt(tok: Encoder, text: str, *, add_special: bool = True) -> list[
     return ids
 
 
-def prompt_list(value: Any, tok: Encoder, limits: Limits, key: str = "prompt") -> list[list[int]]:
-    """OpenAI's prompt: one prompt, or a list of several (strings or token-id lists),
-    each in ``prompt_tokens``'s forms."""
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, str | list) for v in value):
-        return [prompt_tokens(v, tok, limits, key) for v in value]
-    return [prompt_tokens(value, tok, limits, key)]
+def prompt_list(value: Any, tok: Encoder, limits: Limits, key: str = "prompt",
+                media: dict[int, Any] | None = None) -> list[list[int]]:
+    """OpenAI's prompt: one prompt, or a list of several (strings, token-id lists or
+    multimodal objects), each in ``prompt_tokens``'s forms."""
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, str | list | dict) for v in value):
+        return [prompt_tokens(v, tok, limits, key, media) for v in value]
+    return [prompt_tokens(value, tok, limits, key, media)]
 
 
-def prompt_tokens(value: Any, tok: Encoder, limits: Limits, key: str = "prompt") -> list[int]:
-    """A prompt as text, as token ids, or as a list mixing both (llama-server's forms)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+def prompt_tokens(value: Any, tok: Encoder, limits: Limits, key: str = "prompt",
+                  media: dict[int, Any] | None = None) -> list[int]:
+    """A prompt as text, as token ids, as a list mixing both, or llama-server's
+    multimodal object ``{"prompt_string": ..., "multimodal_data": [base64, ...]}``, one
+    image per ``<__media__>`` marker (its rows go into ``media``: media id -> rows)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list | dict):
         value = value[0]  # a batch of one prompt
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, str | list) for v in value):
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, str | list | dict) for v in value):
         raise InvalidRequest(
             f"'{key}' holds several prompts, which are not supported: send one request each"
         )
-    if isinstance(value, str):
+    if isinstance(value, dict):
+        ids = _multimodal_prompt(value, tok, limits, media)
+    elif isinstance(value, str) and limits.media is not None and MD.MARKER in value:
+        ids = limits.media.tokenize(value, [], {})  # a marker without its image: refused as llama-server does
+    elif isinstance(value, str):
         ids = encode_prompt(tok, value)
     elif isinstance(value, list) and value:
         ids = []
@@ -208,6 +218,21 @@ def prompt_tokens(value: Any, tok: Encoder, limits: Limits, key: str = "prompt")
         raise InvalidRequest(f"'{key}' must be a non-empty string or list of token ids")
     check_fits(ids, limits)
     return ids
+
+
+def _multimodal_prompt(value: dict[str, Any], tok: Encoder, limits: Limits, media: dict[int, Any] | None) -> list[int]:
+    text = value.get("prompt_string")
+    if not isinstance(text, str):
+        raise InvalidRequest("'prompt_string' must be a string")
+    data = value.get("multimodal_data", [])
+    if data and (limits.media is None or media is None):
+        raise InvalidRequest("Multimodal data provided, but model does not support multimodal requests.")
+    if not isinstance(data, list):
+        raise InvalidRequest("'multimodal_data' must be an array of base64 strings")
+    if limits.media is None or media is None:
+        return encode_prompt(tok, text)
+    images = [MD.decode_base64(d, "multimodal_data") for d in data]
+    return list(limits.media.tokenize(text, images, media))
 
 
 def check_fits(ids: Sequence[int], limits: Limits) -> None:
@@ -347,11 +372,14 @@ def parse_completion(body: Any, tok: Encoder, limits: Limits) -> CompletionReque
     body = _require_object(body)
     if "prompt" not in body:
         raise InvalidRequest("'prompt' is required")
-    prompts = prompt_list(body["prompt"], tok, limits)
+    media: dict[int, Any] = {}
+    prompts = prompt_list(body["prompt"], tok, limits, media=media)
     if len(prompts) > limits.n_slots:
         raise InvalidRequest(f"{len(prompts)} prompts need as many slots at once; this server has {limits.n_slots} (-np)")
     n_probs = get_int(body, "n_probs", 0, 0, MAX_N_PROBS)
     params = _task_params(body, limits, tok, n_predict=_n_predict(body, limits, "n_predict", "max_tokens"), n_probs=n_probs)
+    if media:
+        params = attrs.evolve(params, media=media)
     if len(prompts) > 1 and params.id_slot >= 0:
         raise InvalidRequest("'id_slot' pins one slot; it cannot serve several prompts")
     return CompletionRequest(tuple(prompts[0]), params, more_prompts=tuple(tuple(p) for p in prompts[1:]))
@@ -365,7 +393,8 @@ def parse_oai_completion(body: Any, tok: Encoder, limits: Limits) -> CompletionR
         raise InvalidRequest("'echo' is not supported")
     if "prompt" not in body:
         raise InvalidRequest("'prompt' is required")
-    prompts = prompt_list(body["prompt"], tok, limits)
+    media: dict[int, Any] = {}
+    prompts = prompt_list(body["prompt"], tok, limits, media=media)
     if len(prompts) * n > limits.n_slots:
         raise InvalidRequest(
             f"{len(prompts)} prompts x 'n' {n} need {len(prompts) * n} slots at once; "
@@ -378,6 +407,8 @@ def parse_oai_completion(body: Any, tok: Encoder, limits: Limits) -> CompletionR
         body, limits, tok, n_predict=_n_predict(body, limits, "max_tokens", "n_predict"),
         n_probs=max(logprobs, 1) if logprobs >= 0 else 0,
     )
+    if media:
+        params = attrs.evolve(params, media=media)
     return CompletionRequest(
         tuple(prompts[0]), params, n_logprobs=logprobs, logprobs=logprobs >= 0,
         include_usage=_include_usage(body), n=n, more_prompts=tuple(tuple(p) for p in prompts[1:]),
@@ -560,21 +591,29 @@ def chat_inputs(body: Any, config: ServerConfig, template_source: str | None) ->
                       continue_final)
 
 
-def parse_chat(body: Any, tok: Encoder, limits: Limits, rendered: str, grammar: str | None = None) -> CompletionRequest:
-    """``POST /v1/chat/completions``, once the messages are rendered by the template."""
+def parse_chat(body: Any, tok: Encoder, limits: Limits, rendered: str, grammar: str | None = None,
+               images: Sequence[bytes] = ()) -> CompletionRequest:
+    """``POST /v1/chat/completions``, once the messages are rendered by the template
+    (their ``image_url`` parts written as markers, the images in ``images``)."""
     body = _require_object(body)
     n = _get_n(body, limits)
     logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
-    prompt = encode_prompt(tok, rendered)
+    media: dict[int, Any] = {}
+    if limits.media is not None and (images or MD.MARKER in rendered):
+        prompt = list(limits.media.tokenize(rendered, images, media))
+    else:
+        prompt = encode_prompt(tok, rendered)
     check_fits(prompt, limits)
     params = _task_params(
         body, limits, tok,
         n_predict=_n_predict(body, limits, "max_completion_tokens", "max_tokens", "n_predict"),
         n_probs=max(top, 1) if logprobs else 0, grammar=grammar,
     )
+    if media:
+        params = attrs.evolve(params, media=media)
     return CompletionRequest(
         tuple(prompt), params, n_logprobs=top, logprobs=logprobs,
         include_usage=_include_usage(body), prompt_text=rendered, n=n,

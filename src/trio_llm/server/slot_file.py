@@ -189,6 +189,6 @@ def load(path: Path, cfg: ModelConfig, n_ctx: int) -> tuple[list[int], np.ndarra
         raise InvalidRequest(f"{name}: a recurrent state of the wrong shape or type")
     if n >= n_ctx:
         raise InvalidRequest(f"{name} holds {n} tokens; a slot here holds {n_ctx - 1}")
-    if n and (tokens.min() < 0 or tokens.max() >= cfg.n_vocab):
+    if n and tokens.max() >= cfg.n_vocab:  # negative: an image's positions (server/media.py)
         raise InvalidRequest(f"{name}: a token outside the vocabulary")
     return [int(t) for t in tokens], kv, state

@@ -41,6 +41,7 @@ from trio_llm.errors import ContextOverflow, InvalidRequest, TrioLLMError
 from trio_llm.server.checkpoints import Checkpoints
 from trio_llm.server.decode import DEFAULT_DECODE_STEPS, DecodeWant, device_plan
 from trio_llm.server.gate import ResidencyGate
+from trio_llm.server.media import cut_before_media
 from trio_llm.server.queue import (
     Assign,
     CancelSlot,
@@ -99,6 +100,9 @@ class Work:
     tokens: tuple[int, ...]
     pos0: int
     decoding: bool  # one token of generation, not a prompt chunk
+    #: an image's rows [n, n_embd] (``tokens`` then holds its media id n times): fed
+    #: whole, as one non-causal entry (``server/media.py``)
+    embd: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)
 
 
 def plan_batch(wants: Sequence[Work], n_batch: int) -> list[Work]:
@@ -109,6 +113,12 @@ def plan_batch(wants: Sequence[Work], n_batch: int) -> list[Work]:
     budget = max(n_batch - len(out), 1)
     for w in wants:
         if w.decoding or budget <= 0:
+            continue
+        if w.embd is not None:  # an image goes whole: in a pass of its own if it must
+            if len(w.tokens) > budget and out:
+                continue
+            out.append(w)
+            budget -= len(w.tokens)
             continue
         take = min(len(w.tokens), budget)
         out.append(Work(w.id_slot, w.tokens[:take], w.pos0, False))
@@ -165,13 +175,17 @@ class Slot:
         keep = common_prefix(cache, prompt) if task.params.cache_prompt else 0
         shifts: list[Move] = []
         n_prefix = keep  # what the cache holds at its place until the moves are made
-        if task.params.cache_prompt and task.params.n_cache_reuse > 0 and self.can_shift:
+        if task.params.cache_prompt and task.params.n_cache_reuse > 0 and self.can_shift and not task.params.media:
             keep, shifts = reuse_chunks(cache, prompt, keep, task.params.n_cache_reuse)
         ck = self.checkpoints
         if ck is not None:
             ck.keep_upto(keep)  # copies past the common prefix hold another sequence
         # the last prompt token is always evaluated: its logits give the first sample
         keep = self.reusable(self.n_past, min(keep, len(prompt) - 1), ck.positions() if ck else ())
+        cut = cut_before_media(prompt, keep)
+        if cut != keep:  # never a part of an image's rows
+            keep = self.reusable(self.n_past, cut, ck.positions() if ck else ())
+            keep = keep if keep <= cut else 0
         if ck is None or keep == 0:
             self.restore_at = None  # position 0 starts afresh
         elif keep != self.n_past:
@@ -194,6 +208,13 @@ class Slot:
         stop = self.checkpoint_stop()
         if stop is not None:
             rest = rest[: stop - self.n_past]  # the prompt piece ends where a checkpoint is taken
+        if rest and rest[0] < 0:  # an image's rows, whole
+            assert self.task is not None
+            rows = self.task.params.media[rest[0]]
+            return Work(self.id, rest[: len(rows)], self.n_past, False, rows)
+        first = next((i for i, t in enumerate(rest) if t < 0), None)
+        if first is not None:
+            rest = rest[:first]  # the text before an image
         # after a lost KV cache a generating slot re-evaluates its text as a prompt chunk
         return Work(self.id, rest, self.n_past, bool(self.generated) and len(rest) == 1)
 
@@ -601,7 +622,7 @@ class SlotsEngine:
             plan = self._plan()
             if not plan:
                 return
-            batch = [SeqBatch(w.id_slot, np.asarray(w.tokens, dtype=np.int32), w.pos0) for w in plan]
+            batch = [self._entry(w) for w in plan]
             dev = self._device_plan(plan)
             t0 = trio.current_time()
             try:
@@ -620,6 +641,12 @@ class SlotsEngine:
             self._after_decode(plan, ids, t0, t1)
         else:
             await self._after_forward(plan, logits, t0, t1)
+
+    @staticmethod
+    def _entry(w: Work) -> SeqBatch:
+        if w.embd is not None:
+            return SeqBatch(w.id_slot, np.zeros(len(w.tokens), np.int32), w.pos0, embd=w.embd, causal=False)
+        return SeqBatch(w.id_slot, np.asarray(w.tokens, dtype=np.int32), w.pos0)
 
     def _device_plan(self, plan: list[Work]) -> tuple[list[Any], np.ndarray, np.ndarray | None] | None:
         """The chains, uniform numbers [n_steps, len(plan)] and look-ahead numbers of a

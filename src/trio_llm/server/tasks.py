@@ -13,6 +13,7 @@ is, and that belongs to the queue and the slots loop.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,6 +42,9 @@ class TaskParams:
     return_progress: bool = False
     timings_per_token: bool = False  # streaming: ``timings`` in every event, not only the last
     n_cache_reuse: int = 0  # --cache-reuse: least chunk moved by KV shifting (engine/kvshift.py); 0: off
+    #: the prompt's images: media id (the negative number at each of an image's
+    #: positions) -> its embedding rows [n, n_embd] (``server/media.py``)
+    media: Mapping[int, np.ndarray] = attrs.field(factory=dict, eq=False, repr=False)
 
     def to_json(self) -> dict[str, object]:
         """llama-server's ``generation_settings`` / ``/slots`` ``params`` view."""

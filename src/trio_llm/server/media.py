@@ -1,0 +1,223 @@
+"""Images in prompts (llama-server's ``--mmproj``, through libmtmd): from the bytes a
+request carries to prompt positions holding embedding rows.
+
+A prompt here stays a tuple of ints. The positions of an image hold its *media id*, a
+negative number derived from the image's pixels (so two requests sending the same
+image share a prompt-cache prefix, as llama-server's chunk ids do), and the request's
+``TaskParams.media`` maps each media id to the image's embedding rows
+``[n_tokens, n_embd]``. The slots feed such a run to the backend whole, as one
+non-causal entry (``SeqBatch(embd=..., causal=False)``): llama.cpp decodes gemma3's
+image batch with causal attention off.
+
+Tokenization follows ``mtmd_tokenize`` (tools/mtmd/mtmd.cpp, October 2026): the text is
+split at each ``<__media__>`` marker, every text piece is tokenized on its own (specials
+parsed, no BOS), each image is written as ``<start_of_image>``, its rows,
+``<end_of_image>`` (gemma3's wrapping, tokenized the same way), and one BOS goes in
+front when the vocabulary adds one. The count of markers and of images must match.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from trio_llm.errors import InvalidRequest
+
+#: llama-server's default media marker (``mtmd_default_marker``)
+MARKER = "<__media__>"
+#: gemma3's wrapping of an image (mtmd.cpp: ``img_beg`` / ``img_end``)
+IMG_BEG = "<start_of_image>"
+IMG_END = "<end_of_image>"
+#: encoded images kept, by content (a conversation sends its images again every turn)
+CACHE_IMAGES = 16
+
+
+def is_media(token: int) -> bool:
+    return token < 0
+
+
+def media_id(pixels: np.ndarray) -> int:
+    """The negative id of an image's positions, from its decoded pixels: 31 bits of a
+    SHA-256, so that it is an int32 like a token id (a slot file stores them)."""
+    h = hashlib.sha256(repr(pixels.shape).encode() + pixels.tobytes()).digest()
+    return -1 - (int.from_bytes(h[:4], "little") & 0x7FFFFFFF)
+
+
+def decode_base64(text: Any, what: str) -> bytes:
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{what} must be a base64 string")
+    try:
+        return base64.b64decode(text, validate=False)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"{what} is not valid base64") from None
+
+
+def image_url_bytes(url: Any) -> bytes:
+    """The image of an OpenAI ``image_url`` part: a ``data:`` URL (base64). Remote and
+    file URLs are refused in one line: this server fetches nothing."""
+    if not isinstance(url, str) or not url:
+        raise InvalidRequest("image_url.url must be a non-empty string")
+    if url.startswith("data:"):
+        head, sep, data = url.partition(",")
+        if not sep or ";base64" not in head:
+            raise InvalidRequest("Invalid image_url.url format: a data: URL must be base64 (data:image/...;base64,...)")
+        return decode_base64(data, "image_url.url")
+    if url.startswith(("http://", "https://", "file://")):
+        raise InvalidRequest("image_url.url: remote and file URLs are not fetched here; send the image as a base64 "
+                             "data: URL")
+    raise InvalidRequest("Invalid image_url.url value")
+
+
+@attrs.define(eq=False)
+class MediaEncoder:
+    """The loaded projector behind the HTTP edge: images to embedding rows (on the
+    CPU, ``trio_llm.vision``), the last ``CACHE_IMAGES`` kept by content. Thread-safe:
+    requests parse on worker threads."""
+
+    projector: Any  # trio_llm.vision.Projector
+    tokenizer: Any  # trio_llm.model.tokenizer.Tokenizer
+    _cache: OrderedDict[int, np.ndarray] = attrs.field(init=False, factory=OrderedDict)
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    n_encoded: int = 0  # images run through the encoder (not found in the cache)
+
+    @property
+    def n_tokens(self) -> int:
+        """Positions an image takes."""
+        return int(self.projector.n_tokens)
+
+    def encode(self, data: bytes) -> tuple[int, np.ndarray]:
+        """(media id, rows ``[n_tokens, n_embd]`` float32) of an image file's bytes."""
+        from trio_llm.vision import decode_image, preprocess
+
+        pixels = decode_image(data)  # [h, w, 3] uint8
+        mid = media_id(pixels)
+        with self._lock:
+            rows = self._cache.get(mid)
+            if rows is not None:
+                self._cache.move_to_end(mid)
+                return mid, rows
+        rows = np.ascontiguousarray(self.projector.encode(preprocess(pixels, self.projector)), dtype=np.float32)
+        rows.setflags(write=False)
+        with self._lock:
+            self.n_encoded += 1
+            self._cache[mid] = rows
+            while len(self._cache) > CACHE_IMAGES:
+                self._cache.popitem(last=False)
+        return mid, rows
+
+    def _text(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special=False, parse_special=True))
+
+    def tokenize(self, text: str, images: Sequence[bytes], table: dict[int, np.ndarray], *,
+                 add_special: bool = True) -> list[int]:
+        """``text`` with one image per marker, as ``mtmd_tokenize`` does; the images'
+        rows go into ``table`` (media id -> rows)."""
+        pieces = text.split(MARKER)
+        if len(pieces) - 1 != len(images):
+            raise InvalidRequest(f"number of bitmaps ({len(images)}) does not match number of markers "
+                                 f"({len(pieces) - 1})")
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if piece:
+                ids += self._text(piece)
+            if i < len(images):
+                mid, rows = self.encode(images[i])
+                table[mid] = rows
+                ids += self._text(IMG_BEG)
+                ids += [mid] * rows.shape[0]
+                ids += self._text(IMG_END)
+        tok = self.tokenizer
+        if add_special and tok.add_bos and tok.bos_id is not None:
+            ids.insert(0, tok.bos_id)
+        if add_special and tok.add_eos and tok.eos_id is not None:
+            ids.append(tok.eos_id)
+        return ids
+
+
+def media_runs(prompt: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, end) of every image's positions in ``prompt``."""
+    runs: list[tuple[int, int]] = []
+    i, n = 0, len(prompt)
+    while i < n:
+        if prompt[i] < 0:
+            j = i
+            while j < n and prompt[j] == prompt[i]:
+                j += 1
+            runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def cut_before_media(prompt: Sequence[int], keep: int) -> int:
+    """``keep`` moved back to the start of the image it ends inside (an image's rows
+    see each other: a part of one is never kept), else unchanged."""
+    if 0 < keep < len(prompt) and prompt[keep - 1] < 0 and prompt[keep] == prompt[keep - 1]:
+        while keep > 0 and prompt[keep - 1] == prompt[keep]:
+            keep -= 1
+    return keep
+
+
+def check_media(prompt: Sequence[int], media: Mapping[int, np.ndarray]) -> None:
+    """Every image run of ``prompt`` is one image's rows, whole (token ids a client sent
+    are never negative: an image is wrapped in its begin and end tokens, so two never
+    touch)."""
+    for a, b in media_runs(prompt):
+        rows = media.get(prompt[a])
+        if rows is None:
+            raise InvalidRequest(f"token {prompt[a]} is outside the vocabulary")
+        if b - a != rows.shape[0]:
+            raise InvalidRequest("an image's positions are cut")
+
+
+def render(prompt: Sequence[int], decode: Any) -> str:
+    """A prompt as text, each image written as the media marker (as llama-server's
+    ``server_tokens`` detokenizes one)."""
+    out: list[str] = []
+    start = 0
+    for a, b in media_runs(prompt):
+        out.append(decode(list(prompt[start:a])))
+        out.append(MARKER)
+        start = b
+    out.append(decode(list(prompt[start:])))
+    return "".join(out)
+
+
+def extract_images(messages: Any, enabled: bool) -> tuple[Any, list[bytes]]:
+    """OpenAI chat messages with each ``image_url`` part replaced by a text part holding
+    the marker, and the images' bytes in order (llama-server's
+    ``oaicompat_chat_params_parse``). Without a projector an image part is refused."""
+    if not isinstance(messages, list):
+        return messages, []
+    images: list[bytes] = []
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                if not enabled:
+                    raise InvalidRequest("image input is not supported - hint: if this is unexpected, you may need "
+                                         "to provide the mmproj")
+                url = part.get("image_url")
+                images.append(image_url_bytes(url.get("url") if isinstance(url, dict) else url))
+                parts.append({"type": "text", "text": MARKER})
+            elif kind == "input_audio":
+                raise InvalidRequest(f"messages[{i}].content[{j}]: audio input is not supported")
+            else:
+                parts.append(part)
+        out.append({**message, "content": parts})
+    return out, images

@@ -1,0 +1,133 @@
+"""Images in prompts, the server's side (server/media.py, the slots' planning, -hf's
+projector): pure functions, no model."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trio_llm.errors import InvalidRequest
+from trio_llm.model.hf_cache import find_mmproj
+from trio_llm.server import media as MD
+from trio_llm.server.slots import Work, plan_batch
+
+IMG = -7  # a media id
+
+
+def test_media_runs_and_cut() -> None:
+    p = [2, 5, IMG, IMG, IMG, 6, -9, -9, 4]
+    assert MD.media_runs(p) == [(2, 5), (6, 8)]
+    # a prefix that ends inside an image goes back to the image's start
+    assert MD.cut_before_media(p, 3) == 2
+    assert MD.cut_before_media(p, 4) == 2
+    assert MD.cut_before_media(p, 7) == 6
+    # at a boundary, or in text: unchanged
+    for keep in (0, 1, 2, 5, 6, 8, 9):
+        assert MD.cut_before_media(p, keep) == keep
+
+
+def test_check_media() -> None:
+    rows = np.zeros((3, 4), np.float32)
+    MD.check_media([1, IMG, IMG, IMG, 2], {IMG: rows})
+    with pytest.raises(InvalidRequest, match="cut"):
+        MD.check_media([1, IMG, IMG, 2], {IMG: rows})
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        MD.check_media([1, -3, 2], {IMG: rows})
+
+
+def test_render_writes_the_marker() -> None:
+    def decode(ids: list[int]) -> str:
+        assert all(i >= 0 for i in ids)
+        return "".join(f"[{i}]" for i in ids)
+
+    assert MD.render([1, IMG, IMG, 2, 3], decode) == "[1]<__media__>[2][3]"
+
+
+def test_media_id_is_content_and_int32() -> None:
+    a = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
+    b = a.copy()
+    b[0, 0, 0] = 99
+    assert MD.media_id(a) == MD.media_id(a.copy())
+    assert MD.media_id(a) != MD.media_id(b)
+    # the same bytes in another shape are another image
+    assert MD.media_id(a) != MD.media_id(a.reshape(1, 4, 3))
+    for x in (a, b):
+        assert -(2**31) <= MD.media_id(x) < 0
+
+
+def test_image_urls() -> None:
+    data = b"\x89PNG not really"
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    assert MD.image_url_bytes(url) == data
+    for bad, why in [("http://example.com/a.png", "not fetched"), ("file:///tmp/a.png", "not fetched"),
+                     ("data:image/png,rawbytes", "must be base64"), ("", "non-empty"), (3, "non-empty"),
+                     ("nonsense", "Invalid image_url")]:
+        with pytest.raises(InvalidRequest, match=why):
+            MD.image_url_bytes(bad)
+
+
+def test_extract_images() -> None:
+    url = "data:image/png;base64," + base64.b64encode(b"one").decode()
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "what is"}, {"type": "image_url", "image_url": {"url": url}},
+                                     {"type": "text", "text": "this?"}]},
+    ]
+    out, images = MD.extract_images(messages, enabled=True)
+    assert images == [b"one"]
+    assert out[0] == messages[0]
+    assert out[1]["content"][1] == {"type": "text", "text": MD.MARKER}
+    assert messages[1]["content"][1]["type"] == "image_url"  # the request's copy is untouched
+    with pytest.raises(InvalidRequest, match="provide the mmproj"):
+        MD.extract_images(messages, enabled=False)
+    with pytest.raises(InvalidRequest, match="audio"):
+        MD.extract_images([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], enabled=True)
+
+
+def test_plan_batch_keeps_an_image_whole() -> None:
+    rows = np.zeros((6, 4), np.float32)
+    img = Work(1, (IMG,) * 6, 10, False, rows)
+    text = Work(2, (5, 6, 7, 8), 0, False)
+    dec = Work(0, (9,), 30, True)
+    # room for everything: the image whole, then text
+    plan = plan_batch([dec, img, text], 16)
+    assert [w.id_slot for w in plan] == [0, 1, 2] and plan[1] is img
+    # too little room beside other work: the image waits for a pass of its own
+    plan = plan_batch([dec, img, text], 5)
+    assert [w.id_slot for w in plan] == [0, 2] and plan[1].tokens == (5, 6, 7, 8)
+    # alone it goes whole even past the budget (it cannot be split)
+    plan = plan_batch([img], 4)
+    assert plan == [img]
+
+
+def _snapshot(cache: Path, repo: str, files: list[str]) -> Path:
+    snap = cache / ("models--" + repo.replace("/", "--")) / "snapshots" / ("0" * 40)
+    for f in files:
+        (snap / f).parent.mkdir(parents=True, exist_ok=True)
+        (snap / f).write_bytes(b"GGUF")
+    return snap
+
+
+def test_find_mmproj_hub_layout(tmp_path: Path) -> None:
+    snap = _snapshot(tmp_path, "ggml-org/gemma-3-4b-it-GGUF", [
+        "gemma-3-4b-it-Q4_K_M.gguf", "mmproj-model-f16.gguf", "mmproj-model-f32.gguf",
+        "sub/gemma-3-4b-it-Q8_0.gguf", "sub/mmproj-Q8_0.gguf", "other/mmproj-f16.gguf",
+    ])
+    # the model's own directory first; among those, the nearest bit depth (4: f16 before f32)
+    assert find_mmproj(snap / "gemma-3-4b-it-Q4_K_M.gguf", "ggml-org/gemma-3-4b-it-GGUF") == snap / "mmproj-model-f16.gguf"
+    # a deeper directory that holds the model wins over its parent's
+    assert find_mmproj(snap / "sub/gemma-3-4b-it-Q8_0.gguf", "x/y") == snap / "sub/mmproj-Q8_0.gguf"
+    snap2 = _snapshot(tmp_path, "a/b", ["m-Q4_K_M.gguf", "other/mmproj-f16.gguf"])
+    assert find_mmproj(snap2 / "m-Q4_K_M.gguf", "a/b") is None  # not in a directory above the model
+
+
+def test_find_mmproj_flat_layout(tmp_path: Path) -> None:
+    for name in ["unsloth_gemma-3-4b-it-GGUF_gemma-3-4b-it-Q4_K_M.gguf", "unsloth_gemma-3-4b-it-GGUF_mmproj-F16.gguf",
+                 "unsloth_other-GGUF_mmproj-F16.gguf"]:
+        (tmp_path / name).write_bytes(b"GGUF")
+    model = tmp_path / "unsloth_gemma-3-4b-it-GGUF_gemma-3-4b-it-Q4_K_M.gguf"
+    assert find_mmproj(model, "unsloth/gemma-3-4b-it-GGUF:Q4_K_M") == tmp_path / "unsloth_gemma-3-4b-it-GGUF_mmproj-F16.gguf"
+    assert find_mmproj(model, "someone/else") is None
