@@ -33,6 +33,12 @@
 // phase C and the output cover DV dims of each head (whose stride in o and partial
 // stays HD); an output head's values past DV are not written. Without LATENT the
 // source the compiler sees is the plain kernel's, token for token (VD4 expands to HD4).
+//
+// NONCAUSAL (a step with a non-causal entry: gemma3's image rows): a token sees
+// [lo(p), STEP_VIS(t)] instead of [lo(p), p], its highest visible position read from the
+// step buffer (its own position for causal rows, its entry's last for the rows of a
+// non-causal entry); the key tiles run to the tile's highest visible position, and a tile
+// is fully visible below the smallest. Without it the source is the plain kernel's.
 #extension GL_KHR_shader_subgroup_shuffle : require
 #include "common.glsl"
 
@@ -113,6 +119,9 @@ shared float row_l[ROWS];    // the rows' softmax sums, for the end
 shared float row_c[ROWS];    // the tile's rescale of the earlier accumulation
 shared uint tpos[BQ];
 shared uint tseq[BQ];
+#ifdef NONCAUSAL
+shared uint tvis[BQ];
+#endif
 
 uint ring_row(uint p) {
     if (p >= pc.n_ctx) {
@@ -140,6 +149,9 @@ void main() {
     if (tid < BQ) {
         tpos[tid] = tid < nlive ? STEP_POS(t0 + tid) : 0u;
         tseq[tid] = tid < nlive ? STEP_SEQ(t0 + tid) : 0xFFFFFFFFu;
+#ifdef NONCAUSAL
+        tvis[tid] = tid < nlive ? STEP_VIS(t0 + tid) : 0u;
+#endif
     }
     for (uint i = tid; i < ROWS * HD4; i += WG) {
         uint r = i / HD4;
@@ -190,8 +202,14 @@ void main() {
             if (tseq[i] == s) {
                 uint p = tpos[i];
                 cur |= 1u << i;
+#ifdef NONCAUSAL
+                // pmin / pmax: the lowest and highest of the rows' highest visible positions
+                pmin = min(pmin, tvis[i]);
+                pmax = max(pmax, tvis[i]);
+#else
                 pmin = min(pmin, p);
                 pmax = max(pmax, p);
+#endif
                 lomin = min(lomin, lo_of(p));
                 lomax = max(lomax, lo_of(p));
             }
@@ -241,13 +259,21 @@ void main() {
             bool row_in = rb < ROWS && tk < nlive && (cur & (1u << tk)) != 0u;
             uint p = row_in ? tpos[tk] : 0u;
             uint lo = lo_of(p);
+#ifdef NONCAUSAL
+            uint hi = row_in ? tvis[tk] : 0u;
+#else
+#define hi p
+#endif
             [[unroll]] for (uint i = 0; i < BC / 4u; i++) {
                 uint kk = qq * (BC / 4u) + i;
                 uint kp = k0 + kk;
-                vis[i] = row_in && (full || (kk < kn && kp <= p && kp >= lo));
+                vis[i] = row_in && (full || (kk < kn && kp <= hi && kp >= lo));
                 sv[i] = vis[i] ? sp[rb * BC + kk] : MASKED;
                 mx = max(mx, sv[i]);
             }
+#ifndef NONCAUSAL
+#undef hi
+#endif
             mx = max(mx, subgroupShuffleXor(mx, 1u));
             mx = max(mx, subgroupShuffleXor(mx, 2u));
             float m_new = max(m_run, mx);

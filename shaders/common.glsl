@@ -23,6 +23,9 @@ layout(constant_id = 0) const uint WG = 64;
 #define STEP_POS(i) step.sdata[STEP_CAP + (i)]
 #define STEP_SEQ(i) step.sdata[2 * STEP_CAP + (i)]
 #define STEP_OUT(i) step.sdata[3 * STEP_CAP + (i)]
+// the highest position token i sees: its own (causal), or its entry's last (non-causal
+// entries); filled only for the steps whose graph reads it (attn_prefill's NONCAUSAL)
+#define STEP_VIS(i) step.sdata[4 * STEP_CAP + (i)]
 // count selectors in push constants: 0 = tokens of the step, 1 = output rows
 #define STEP_COUNT(sel) ((sel) == 0u ? step.n_tokens : step.n_out)
 

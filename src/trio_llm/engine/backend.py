@@ -47,20 +47,41 @@ MEMORY_CATEGORIES = ("weights", "kv_cache", "compute", "scratch")
 
 @attrs.frozen
 class SeqBatch:
-    """One sequence's share of a forward pass."""
+    """One sequence's share of a forward pass.
+
+    ``embd`` (llama.cpp's ``llama_batch.embd``: an image's rows from a multimodal
+    projector) replaces the token embeddings of *every* row of the entry by these rows,
+    as they are (gemma3 scales token embeddings by sqrt(n_embd), never these); its
+    ``tokens`` are then placeholders that only give the length (valid ids, e.g. zeros).
+    Only a model whose graph has an ``embd_rows`` node takes them.
+
+    ``causal=False`` (llama.cpp's ``llama_set_causal_attn(ctx, false)``, gemma3's image
+    batches): every row of the entry attends to every position of its sequence in
+    ``[0, pos0 + n)``, the rows of the entry after it included; a sliding window still
+    hides keys ``window`` or more positions *before* the row's own position. The entry
+    must run in one pass of the backend: one longer than the backend's pass (numpy's
+    ``max_chunk``, Vulkan's largest bucket) is refused with ``InvalidRequest`` (llama.cpp
+    requires such a batch to fit one ubatch), and so is any on a model with a latent or
+    recurrent memory. Other entries of the same forward stay causal."""
 
     seq_id: int  # 0 .. n_seq-1 (the server's slot id)
-    tokens: np.ndarray  # [n] int32 token ids
+    tokens: np.ndarray  # [n] int32 token ids (placeholders when embd is given)
     pos0: int  # position of tokens[0]; 0 <= pos0 and pos0 + n <= n_ctx
+    embd: np.ndarray | None = None  # [n, n_embd] float32 rows in place of the token embeddings
+    causal: bool = True  # False: each row also sees the entry's later rows
 
 
-def check_batch(entries: Sequence[SeqBatch], *, n_seq: int, n_ctx: int, n_vocab: int) -> None:
+def check_batch(entries: Sequence[SeqBatch], *, n_seq: int, n_ctx: int, n_vocab: int, n_embd: int = 0) -> None:
     """The checks every backend's ``forward`` makes before touching its KV cache:
-    typed errors for what a caller got wrong, never an index error deep inside."""
+    typed errors for what a caller got wrong, never an index error deep inside.
+    ``n_embd``: the width of the embedding rows the model's graph takes (``embd_rows``),
+    0 when it takes none."""
     if not entries:
         raise InvalidRequest("empty batch")
     seen: set[int] = set()
     for e in entries:
+        if e.embd is not None:
+            _check_embd(e, n_embd)
         n = len(e.tokens)
         if not 0 <= e.seq_id < n_seq:
             raise InvalidRequest(f"seq_id {e.seq_id} outside 0..{n_seq - 1}")
@@ -76,6 +97,31 @@ def check_batch(entries: Sequence[SeqBatch], *, n_seq: int, n_ctx: int, n_vocab:
         toks = np.asarray(e.tokens)
         if toks.min() < 0 or toks.max() >= n_vocab:
             raise InvalidRequest(f"token id outside 0..{n_vocab - 1}")
+
+
+def check_noncausal(entries: Sequence[SeqBatch], *, max_rows: int, refuse: str = "") -> None:
+    """What a backend checks of the ``causal=False`` entries of a batch: each runs in
+    one pass of at most ``max_rows`` rows; ``refuse``: why this model runs none."""
+    for e in entries:
+        if not e.causal:
+            if refuse:
+                raise InvalidRequest(refuse)
+            if len(e.tokens) > max_rows:
+                raise InvalidRequest(f"a non-causal entry of {len(e.tokens)} rows (seq_id {e.seq_id}) exceeds "
+                                     f"this backend's pass of {max_rows} rows; it must run in one pass")
+
+
+def _check_embd(e: SeqBatch, n_embd: int) -> None:
+    if not n_embd:
+        raise InvalidRequest("this model takes no embeddings input")
+    x = e.embd
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32:
+        raise InvalidRequest(f"embeddings of seq_id {e.seq_id} must be a float32 array")
+    if x.shape != (len(e.tokens), n_embd):
+        raise InvalidRequest(f"embeddings of seq_id {e.seq_id} are {list(x.shape)}, "
+                             f"expected [{len(e.tokens)}, {n_embd}]")
+    if not np.isfinite(x).all():
+        raise InvalidRequest(f"embeddings of seq_id {e.seq_id} are not all finite")
 
 
 #: progress callback while loading: (bytes done, bytes total)

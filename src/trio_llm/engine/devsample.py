@@ -92,7 +92,7 @@ def decode_steps(
 
 
 def check_decode(batch: Sequence[SeqBatch], chains: Sequence[DeviceChain], us: np.ndarray, n_ctx: int) -> None:
-    """What every ``decode`` checks beyond ``check_batch``: one token per entry, a chain
+    """What every ``decode`` checks beyond ``check_batch``: one causal token per entry, a chain
     and a number per entry and step, and room for every step's position."""
     from trio_llm.errors import ContextOverflow, InvalidRequest
 
@@ -101,5 +101,8 @@ def check_decode(batch: Sequence[SeqBatch], chains: Sequence[DeviceChain], us: n
     for e in batch:
         if len(e.tokens) != 1:
             raise InvalidRequest(f"decode takes one token per sequence, seq_id {e.seq_id} has {len(e.tokens)}")
+        if e.embd is not None or not e.causal:
+            raise InvalidRequest(f"decode takes causal token entries only, seq_id {e.seq_id} is not one "
+                                 "(run embeddings and non-causal entries through forward)")
         if e.pos0 + us.shape[0] > n_ctx:
             raise ContextOverflow(e.pos0 + us.shape[0], n_ctx)

@@ -24,7 +24,14 @@ from typing import Any
 import attrs
 import numpy as np
 
-from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch, check_batch
+from trio_llm.engine.backend import (
+    MEMORY_CATEGORIES,
+    Level,
+    Progress,
+    SeqBatch,
+    check_batch,
+    check_noncausal,
+)
 from trio_llm.engine.devsample import DeviceChain, check_decode, decode_steps
 from trio_llm.engine.kvshift import Move, can_shift, k_ropes, rope_factors, shift_k
 from trio_llm.engine.memory import (
@@ -126,13 +133,16 @@ ATTN_BLOCK_SCORES = 1 << 24
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, window: int = 0,
-           k_pos: np.ndarray | None = None, scale: float | None = None) -> np.ndarray:
+           k_pos: np.ndarray | None = None, scale: float | None = None, causal: bool = True) -> np.ndarray:
     """Causal grouped-query attention of one sequence.
 
     ``q`` [n, n_head, hd] are the queries of positions pos0..pos0+n-1; ``k``/``v``
     [T, n_head_kv, hd] the keys of positions ``k_pos`` [T] (default 0..T-1, T = pos0 + n).
     Query head h reads KV head h // (n_head / n_head_kv), llama.cpp's and transformers'
     grouping. ``window`` > 0 hides keys ``window`` or more positions back.
+    ``causal=False``: every query also sees the keys after it, up to pos0 + n - 1
+    (llama.cpp's mask with causal attention off; the window still hides only keys
+    before the query).
     """
     n, n_head, hd = q.shape
     t = k.shape[0]
@@ -142,12 +152,14 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, window: int =
     out = np.empty_like(q)  # [n, n_head, hd]
     for a in range(0, n, rows):
         b = min(n, a + rows)
-        out[a:b] = _attend_block(q[a:b], k, v, pos0 + a + np.arange(b - a), kp, window, s)
+        q_pos = pos0 + a + np.arange(b - a)
+        q_hi = q_pos if causal else np.full(b - a, pos0 + n - 1)
+        out[a:b] = _attend_block(q[a:b], k, v, q_pos, q_hi, kp, window, s)
     return out
 
 
-def _attend_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
-                  window: int, scale: np.float32) -> np.ndarray:
+def _attend_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, q_hi: np.ndarray,
+                  k_pos: np.ndarray, window: int, scale: np.float32) -> np.ndarray:
     n, n_head, hd = q.shape
     t, n_kv, _ = k.shape
     n_gqa = n_head // n_kv
@@ -155,7 +167,7 @@ def _attend_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray
     kt = k.transpose(1, 2, 0)[:, None]  # [n_kv, 1, hd, T]
     vt = v.transpose(1, 0, 2)[:, None]  # [n_kv, 1, T, hd]
     scores = np.matmul(qg, kt) * scale  # [n_kv, n_gqa, n, T]
-    hidden = k_pos[None, :] > q_pos[:, None]  # [n, T]
+    hidden = k_pos[None, :] > q_hi[:, None]  # [n, T] past the highest position the row sees
     if window:
         hidden |= q_pos[:, None] - k_pos[None, :] >= window
     scores = np.where(hidden, np.float32(-np.inf), scores)  # [n_kv, n_gqa, n, T]
@@ -175,6 +187,7 @@ class Step:
     pos: np.ndarray  # [N] positions
     bounds: np.ndarray  # [B + 1] where each entry's tokens start
     out_rows: np.ndarray  # [O] rows whose logits are wanted
+    embd: list[tuple[int, np.ndarray]]  # (first row, [n, n_embd] rows) of the entries carrying embeddings
 
 
 #: float32 bytes of dequantized experts kept between forward passes (least recently
@@ -322,7 +335,7 @@ class NumpyBackend:
             part = [(i, e, done[i]) for i, e in enumerate(entries) if done[i] < len(e.tokens)]
             if not part:
                 return logits
-            pieces = [SeqBatch(e.seq_id, e.tokens[d : d + self._chunk], e.pos0 + d) for _, e, d in part]
+            pieces = [_piece(e, d, self._chunk) for _, e, d in part]
             ends = np.cumsum([len(p.tokens) for p in pieces]) - 1  # [B'] each piece's last row
             last = [k for k, (i, e, d) in enumerate(part) if d + len(pieces[k].tokens) == len(e.tokens)]
             if last:
@@ -336,7 +349,7 @@ class NumpyBackend:
 
     def forward_rows(self, entry: SeqBatch) -> np.ndarray:
         """The graph's result for every token of one sequence (``Backend.forward_rows``)."""
-        return self.forward_all_logits(entry.tokens, entry.seq_id, entry.pos0)
+        return self._all_rows(entry)
 
     @property
     def decode_steps_max(self) -> int:
@@ -360,12 +373,13 @@ class NumpyBackend:
     def forward_all_logits(self, tokens: Sequence[int] | np.ndarray, seq_id: int = 0,
                            pos0: int = 0) -> np.ndarray:
         """The logits of every token of one sequence, ``[n, n_vocab]`` (for tests)."""
-        toks = np.asarray(tokens, dtype=np.int32)
-        entry = SeqBatch(seq_id=seq_id, tokens=toks, pos0=pos0)
+        return self._all_rows(SeqBatch(seq_id=seq_id, tokens=np.asarray(tokens, dtype=np.int32), pos0=pos0))
+
+    def _all_rows(self, entry: SeqBatch) -> np.ndarray:
         self._check_batch([entry])
         out = []
-        for d in range(0, len(toks), self._chunk):
-            piece = SeqBatch(seq_id, toks[d : d + self._chunk], pos0 + d)
+        for d in range(0, len(entry.tokens), self._chunk):
+            piece = _piece(entry, d, self._chunk)
             out.append(self._run([piece], np.arange(len(piece.tokens))))
         return np.concatenate(out)  # [n, n_vocab]
 
@@ -585,7 +599,13 @@ class NumpyBackend:
         self._check_open()
         if self._level is not None:
             raise BackendError(f"forward while released (level {self._level.value}); restore first")
-        check_batch(entries, n_seq=self.n_seq, n_ctx=self.n_ctx, n_vocab=self.config.n_vocab)
+        check_batch(entries, n_seq=self.n_seq, n_ctx=self.n_ctx, n_vocab=self.config.n_vocab,
+                    n_embd=self.graph.embd_width())
+        if not all(e.causal for e in entries):
+            refuse = ("this model's memory (recurrent state) has no non-causal form" if self.recurrent
+                      else "this model's attention (a latent cache) has no non-causal form"
+                      if any(m.v_is_k for m in self.layers) else "")
+            check_noncausal(entries, max_rows=self._chunk, refuse=refuse)
 
     def _rope(self, node: Node, factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         tables = self._tables.get(node.out.id)
@@ -607,7 +627,11 @@ class NumpyBackend:
             pos=np.concatenate([e.pos0 + np.arange(len(e.tokens)) for e in entries]),
             bounds=np.cumsum([0] + [len(e.tokens) for e in entries]),
             out_rows=np.asarray(out_rows, dtype=np.int64),
+            embd=[],
         )
+        for i, e in enumerate(entries):
+            if e.embd is not None:
+                step.embd.append((int(step.bounds[i]), e.embd))
         env: dict[int, np.ndarray] = {}
         if self.recurrent:
             self._enter_state(entries)
@@ -685,6 +709,13 @@ class NumpyBackend:
             return self._delta_net(node, *args, step=step)
         if op == "outputs":
             return args[0][step.out_rows]
+        if op == "embd_rows":
+            if not step.embd:
+                return args[0]  # type: ignore[no-any-return]
+            x = args[0].copy()  # [N, n_embd]
+            for a, rows in step.embd:
+                x[a : a + len(rows)] = rows
+            return x
         if op == "attention":
             return self._attention(node, *args, step=step)
         raise GraphError(f"{node.out.name}: the numpy backend has no op {op!r}")
@@ -771,9 +802,17 @@ class NumpyBackend:
             lo = max(lo, end - m.rows)  # what the ring still holds
             kp = np.arange(lo, end)  # [T] key positions
             out[a:b] = attend(q[a:b], k_cache[e.seq_id, kp % m.rows], v_cache[e.seq_id, kp % m.rows],
-                              e.pos0, window, kp, node.attr("scale"))  # [n, n_head, hd]
+                              e.pos0, window, kp, node.attr("scale"), e.causal)  # [n, n_head, hd]
         out = out.reshape(n_tok, nh * hd)
         return hadamard(out, vb) if vb else out
+
+
+def _piece(e: SeqBatch, d: int, chunk: int) -> SeqBatch:
+    """The rows ``[d, d + chunk)`` of an entry, as an entry (its embeddings with them)."""
+    if d == 0 and len(e.tokens) <= chunk:
+        return e
+    embd = None if e.embd is None else e.embd[d : d + chunk]
+    return attrs.evolve(e, tokens=e.tokens[d : d + chunk], pos0=e.pos0 + d, embd=embd)
 
 
 #: tokens per chunk of the delta rule's prefill form (llama.cpp's chunk size)

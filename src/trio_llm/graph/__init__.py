@@ -139,6 +139,15 @@ class Graph:
         self._check(ids.shape == (TOKENS,), name, f"get_rows needs token ids [T], got {ids!r}")
         return self._node("get_rows", (w, ids), (TOKENS, w.shape[1]), name)
 
+    def embd_rows(self, x: Tensor, name: str = "inp_embd_rows") -> Tensor:
+        """``x`` ``[T, n]`` with the rows of the entries that carry embeddings
+        (``SeqBatch.embd``) replaced by them, exactly; the other rows pass through. Where
+        it sits says which transforms of the token embeddings those rows skip (gemma3:
+        after the sqrt(n_embd) scale). A graph without it takes no embeddings."""
+        self._check(len(x.shape) == 2 and x.shape[0] == TOKENS, name, f"embd_rows needs [T, n], got {x!r}")
+        self._check(not any(n.op == "embd_rows" for n in self.nodes), name, "a graph takes embeddings once")
+        return self._node("embd_rows", (x,), x.shape, name)
+
     def linear(self, x: Tensor, w: Tensor, name: str) -> Tensor:
         """``x @ w.T``: ``[R, n_in]`` by a weight ``[n_out, n_in]`` gives ``[R, n_out]``."""
         self._check(w.kind == "weight" and len(w.shape) == 2, name, f"linear needs a weight matrix, got {w!r}")
@@ -369,6 +378,11 @@ class Graph:
             if n.op in ("ssm_conv", "delta_net"):
                 out.setdefault(n.layer, []).append(n)
         return out
+
+    def embd_width(self) -> int:
+        """The width of the embedding rows the graph takes (its ``embd_rows`` node), 0
+        when it takes none."""
+        return next((n.out.width for n in self.nodes if n.op == "embd_rows"), 0)
 
     def attention_layers(self) -> dict[int, Node]:
         """Each layer's attention node (the layers that have a KV cache)."""

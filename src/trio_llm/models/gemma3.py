@@ -1,6 +1,7 @@
 """gemma3: llama's skeleton with Gemma's differences.
 
-- the embedding is scaled by sqrt(n_embd);
+- the embedding is scaled by sqrt(n_embd), embedding rows given as input
+  (``SeqBatch.embd``: an image's, from the vision projector) are not;
 - QK-norm, and a softmax scale of 1/sqrt(head_dim) (1/sqrt(n_embd / n_head) for the
   62-layer 27B, as llama.cpp and gemma_pytorch pick it);
 - "sandwich" norms: the attention and FFN outputs are normed again
@@ -93,6 +94,7 @@ def build(g: Graph, cfg: ModelConfig) -> None:
     eps = cfg.rms_eps
     x = g.get_rows(g.weight("token_embd.weight"), g.tokens())  # [T, n_embd]
     x = g.scale(x, math.sqrt(cfg.n_embd), "inp_scaled")
+    x = g.embd_rows(x)  # an image's rows, unscaled (llama.cpp scales only token input)
     for il in range(cfg.n_layer):
         g.layer(il)
         b = f"blk.{il}."

@@ -17,7 +17,14 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from trio_llm.engine.backend import MEMORY_CATEGORIES, Level, Progress, SeqBatch, check_batch
+from trio_llm.engine.backend import (
+    MEMORY_CATEGORIES,
+    Level,
+    Progress,
+    SeqBatch,
+    check_batch,
+    check_noncausal,
+)
 from trio_llm.engine.devsample import DeviceChain, check_decode
 from trio_llm.engine.kvshift import Move, can_shift, k_ropes, shift_k
 from trio_llm.engine.memory import plan_memory, plan_recurrent, reusable_prefix, state_layout
@@ -43,11 +50,13 @@ from trio_llm.model.kvtypes import (
 from trio_llm.models import build_graph
 from trio_llm.vulkan.device import Device, shared_device, vk_errors
 from trio_llm.vulkan.forward import (
+    EMBD_ROW0,
     MATVEC_MAX_COLS,
     Activations,
     KVCache,
     build_ops,
     dequant_scratch,
+    embd_bytes,
     fusion_groups,
     head_routes,
     missing_ops,
@@ -133,6 +142,10 @@ class VulkanBackend:
         self._closed = False
         self._lost = False
         self._graphs: dict[int, Graph] = {}
+        # the graphs of steps with embedding rows or a non-causal entry, by (bucket, embd,
+        # non-causal): recorded on first use, dropped at every release (an image's steps
+        # are rare; the decode buckets' graphs are the ones worth keeping)
+        self._special: dict[tuple[int, bool, bool], Graph] = {}
         self._rerecord: list[int] = []  # buckets to record again on restore
         self._before: dict[tuple[str, object], Buffer] = {}  # role -> buffer freed by a release
         self._forwards = self._tokens = self._submits = self._recorded = 0
@@ -225,6 +238,16 @@ class VulkanBackend:
         self._weights = WeightStore(self._alloc, model, host_tensors=self._host_tensors,
                                     only=frozenset(self._ir.weights))
         extra = extra_buffers() if self._output == "logits" else {}
+        # SeqBatch.embd: a step's embedding rows, uploaded here for the graph's embd_rows
+        self._embd_width = self._ir.embd_width()
+        if self._embd_width:
+            extra["embd"] = (embd_bytes(self._ir, self._cap), "scratch", "upload")
+        hds = {n.attr("head_dim") for n in self._ir.attention_layers().values()}
+        self._noncausal_refuse = (
+            "this model's memory (a recurrent state) has no non-causal form" if self._recurrent
+            else "this model's attention (a latent cache) has no non-causal form" if any(m.v_is_k for m in self._mem)
+            else "this device has no non-causal attention kernel for this model"
+            if not all(self._ops.prefill_ok(hd) for hd in hds) else "")
         if moe_bytes := moe_map_bytes(self._ir, self._cap):  # the prefill buckets' expert grouping
             extra["moe_map"] = (moe_bytes, "compute", "device")
         extra.update(q8_scratch(self._ir, self._weights, self._ops))  # TRIO_LLM_MATVEC_Q8=1's int8 activations
@@ -260,7 +283,8 @@ class VulkanBackend:
 
     def forward(self, batch: Sequence[SeqBatch]) -> np.ndarray:
         entries = list(batch)
-        self._check_batch(entries)
+        if self._check_batch(entries):
+            return self._forward_special(entries)
         if len(entries) == 1 and len(entries[0].tokens) <= self._cap:
             return self._forward_one(entries[0])
         lens = [len(e.tokens) for e in entries]
@@ -304,9 +328,11 @@ class VulkanBackend:
         """Every token's row of the result (``Backend.forward_rows``): chunk by chunk,
         each chunk's tokens all output rows (the embedding graph's O buffers hold a
         whole chunk)."""
-        self._check_batch([entry])
+        special = self._check_batch([entry])
         if self._output == "logits":
             raise BackendError("forward_rows needs a backend built for embeddings")
+        if special:
+            return self._forward_special([entry], rows=True)
         toks = np.asarray(entry.tokens, np.uint32)
         out = np.empty((len(toks), self._width), np.float32)  # [n, width]
         with self._guard("forward"):
@@ -323,6 +349,83 @@ class VulkanBackend:
         self._forwards += 1
         self._tokens += len(toks)
         return out
+
+    def _forward_special(self, entries: list[SeqBatch], rows: bool = False) -> np.ndarray:
+        """A forward with embedding rows or a non-causal entry: ``forward``'s chunks, each
+        cut short where a non-causal entry would straddle two (each fits one:
+        ``_check_batch``), each on the graph of its kind (``_graph``), with the chunk's
+        embedding rows in the ``embd`` upload buffer (row i for the step's token i, whose
+        id becomes ``EMBD_ROW0 + i``) and each token's highest visible position in the step
+        buffer. ``rows``: every token's row of the result (``forward_rows``), else each
+        entry's last."""
+        lens = [len(e.tokens) for e in entries]
+        starts = np.cumsum([0, *lens])  # [B + 1]
+        total = int(starts[-1])
+        tokens = np.concatenate([np.asarray(e.tokens, np.uint32) for e in entries])  # [T]
+        pos = np.concatenate([e.pos0 + np.arange(n, dtype=np.uint32) for e, n in zip(entries, lens, strict=True)])
+        seq = np.repeat(np.array([e.seq_id for e in entries], np.uint32), lens)  # [T]
+        vis = pos.copy()  # [T] the highest position each token sees
+        is_embd = np.zeros(total, bool)
+        is_nc = np.zeros(total, bool)
+        spans: list[tuple[int, int]] = []  # the non-causal entries' rows
+        for e, a, b in zip(entries, starts[:-1], starts[1:], strict=True):
+            if e.embd is not None:
+                is_embd[a:b] = True
+            if not e.causal:
+                vis[a:b] = e.pos0 + (b - a) - 1
+                is_nc[a:b] = True
+                spans.append((int(a), int(b)))
+        last = starts[1:] - 1  # [B] index of each entry's last token
+        out = np.empty((total if rows else len(entries), self._width), np.float32)
+        with self._guard("forward"):
+            start = 0
+            while start < total:
+                end = min(total, start + self._cap)
+                for a, b in spans:
+                    if a < end < b:
+                        end = a
+                n = end - start
+                toks = tokens[start:end]
+                embd = bool(is_embd[start:end].any())
+                if embd:
+                    toks = self._upload_embd(entries, starts, start, toks.copy(), is_embd[start:end])
+                nc = bool(is_nc[start:end].any())
+                if rows:
+                    wanted = np.arange(n)
+                    out_rows = wanted.astype(np.uint32)
+                else:
+                    wanted = np.nonzero((last >= start) & (last < end))[0]  # entries ending here
+                    out_rows = (last[wanted] - start).astype(np.uint32)
+                graph = self._graph(_pow2(n), embd=embd, noncausal=nc)
+                fill_step(self._act.step_words, toks, pos[start:end], seq[start:end], out_rows,
+                          vis[start:end] if nc else None)
+                graph.run()
+                self._submits += 1
+                if rows:
+                    out[start:end] = self._act.logits(n)
+                elif len(wanted):
+                    out[wanted] = self._act.logits(len(wanted))
+                start = end
+        self._forwards += 1
+        self._tokens += total
+        return out
+
+    def _upload_embd(self, entries: list[SeqBatch], starts: np.ndarray, start: int, toks: np.ndarray,
+                     is_embd: np.ndarray) -> np.ndarray:
+        """The embedding rows of the chunk of the step's tokens from ``start`` into the
+        upload buffer, at their row of the chunk; ``toks``, the chunk's token ids, with
+        those rows' ids ``EMBD_ROW0 + row``."""
+        end = start + len(toks)
+        arr = self._act.bufs["embd"].array
+        assert arr is not None
+        rows = arr.view(np.float32).reshape(self._cap, self._embd_width)
+        for e, a, b in zip(entries, starts[:-1], starts[1:], strict=True):
+            lo, hi = max(int(a), start), min(int(b), end)
+            if e.embd is not None and lo < hi:
+                rows[lo - start : hi - start] = e.embd[lo - a : hi - a]
+        idx = np.nonzero(is_embd)[0]
+        toks[idx] = EMBD_ROW0 + idx.astype(np.uint32)
+        return toks
 
     def decode(self, batch: Sequence[SeqBatch], chains: Sequence[DeviceChain], us: np.ndarray,
                ahead: np.ndarray | None = None) -> np.ndarray:
@@ -402,6 +505,7 @@ class VulkanBackend:
         if self._level is not None and _DEPTH[self._level] >= depth:
             return
         with self._guard("release"):
+            self._drop_special()
             # the graphs stay (their descriptor sets; at level all not their commands):
             # restore points them at the new buffers. Remember which buffer had which role.
             self._before.update(self._roles())
@@ -651,7 +755,17 @@ class VulkanBackend:
             self._lost = True
             raise
 
-    def _graph(self, bucket: int) -> Graph:
+    def _graph(self, bucket: int, embd: bool = False, noncausal: bool = False) -> Graph:
+        if embd or noncausal:
+            key = (bucket, embd, noncausal)
+            special = self._special.get(key)
+            if special is None:
+                assert self._device is not None
+                special = self._special[key] = Graph.record(
+                    self._device, self.lowered(bucket, embd=embd, noncausal=noncausal))
+                self._recorded += 1
+                self._kernels.save()
+            return special
         graph = self._graphs.get(bucket)
         if graph is None:
             assert self._device is not None
@@ -662,13 +776,21 @@ class VulkanBackend:
             self._kernels.save()  # a new bucket may have compiled pipelines: keep them
         return graph
 
-    def lowered(self, bucket: int, ops: Ops | None = None) -> list[Op]:
+    def lowered(self, bucket: int, ops: Ops | None = None, *, embd: bool = False,
+                noncausal: bool = False) -> list[Op]:
         """The model's graph lowered for ``bucket`` tokens (with other kernel settings
-        when ``ops`` is given: the decode benchmark compares them)."""
+        when ``ops`` is given: the decode benchmark compares them); ``embd`` / ``noncausal``:
+        for a step with embedding rows / a non-causal entry."""
         return build_ops(ops or self._ops, self._ir, self._plan, self._weights, self._act, self._kv,
-                         self._mem, self._rope_buf, bucket=bucket, rs=self._rs)
+                         self._mem, self._rope_buf, bucket=bucket, rs=self._rs, embd=embd, noncausal=noncausal)
+
+    def _drop_special(self) -> None:
+        special, self._special = self._special, {}
+        for g in special.values():
+            g.close()
 
     def _drop_graphs(self) -> None:
+        self._drop_special()
         if hasattr(self, "_sampler"):
             self._sampler.drop()
         graphs, self._graphs = self._graphs, {}
@@ -679,11 +801,20 @@ class VulkanBackend:
         if self._closed:
             raise BackendError("the Vulkan backend is closed")
 
-    def _check_batch(self, entries: list[SeqBatch]) -> None:
+    def _check_batch(self, entries: list[SeqBatch]) -> bool:
+        """``check_batch`` and this backend's own checks; whether the batch has embedding
+        rows or a non-causal entry (``_forward_special``'s)."""
         self._check_open()
         if self._level is not None:
             raise BackendError(f"forward while released (level {self._level.value}); restore first")
-        check_batch(entries, n_seq=self.n_seq, n_ctx=self.n_ctx, n_vocab=self.config.n_vocab)
+        check_batch(entries, n_seq=self.n_seq, n_ctx=self.n_ctx, n_vocab=self.config.n_vocab,
+                    n_embd=self._embd_width)
+        special = False
+        for e in entries:
+            if e.embd is not None or not e.causal:
+                special = True
+        if special:
+            check_noncausal(entries, max_rows=self._cap, refuse=self._noncausal_refuse)
         if self._rs.sizes:  # a recurrent state continues only where it stopped (position 0: afresh)
             for e in entries:
                 if e.pos0 and self._rs_pos[e.seq_id] != e.pos0:
@@ -691,6 +822,7 @@ class VulkanBackend:
                                        f"positions; it cannot continue at {e.pos0}")
             for e in entries:
                 self._rs_pos[e.seq_id] = e.pos0 + len(e.tokens)
+        return special
 
 
 def _check_shapes(model: GGUFModel, cfg: ModelConfig) -> None:

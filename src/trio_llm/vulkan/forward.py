@@ -61,7 +61,18 @@ from trio_llm.vulkan.weights import WeightStore
 MATVEC_MAX_COLS = 8
 
 #: ops whose output may take the buffer of their first input when that input dies there
-_IN_PLACE = {"add", "scale", "rms_norm", "rope", "glu"}
+_IN_PLACE = {"add", "scale", "rms_norm", "rope", "glu", "embd_rows"}
+
+#: token ids from here on in the step buffer are rows of the ``embd`` upload buffer
+#: (``SeqBatch.embd``): id ``EMBD_ROW0 + i`` is row i, the step's token i; no piece of a
+#: token matrix holds such a row, so the embedding lookup leaves it to ``embd_rows``
+EMBD_ROW0 = 0x80000000
+
+
+def embd_bytes(graph: Graph, cap: int) -> int:
+    """Bytes of the ``embd`` upload buffer (a step's rows of ``SeqBatch.embd``): ``cap``
+    rows of the graph's ``embd_rows`` width, none for a graph without it."""
+    return 4 * cap * graph.embd_width()
 
 
 def moe_map_bytes(graph: Graph, cap: int) -> int:
@@ -526,6 +537,10 @@ class _Lowering:
     rope_buf: dict[int, str]
     bucket: int
     rs: RecurrentState | None = None  # gated delta-net state buffers, by node id
+    #: a graph for steps with embedding rows (``embd_rows`` copies them from the upload
+    #: buffer) / with a non-causal entry (attention by attn_prefill's NONCAUSAL form)
+    embd: bool = False
+    noncausal: bool = False
     out: list[Op] = attrs.field(factory=list)
     _dirty: set[object] = attrs.field(factory=set)
     _read: set[object] = attrs.field(factory=set)
@@ -909,6 +924,22 @@ class _Lowering:
                         for piece, r0, r1 in self.weights.pieces(w.name)]
         self.emit(ds, [], [self.slot(node.out)])
 
+    def op_embd_rows(self, node: Node) -> None:
+        """The rows of a step's embedding entries copied, exactly, from the upload buffer
+        (``get_rows`` of F32 rows over the ids from ``EMBD_ROW0``); nothing in the graph
+        of a step without them (the value stays where the op before left it)."""
+        (x,) = node.inputs
+        n = x.width
+        if self.slot(x) != self.slot(node.out):
+            d = self.ops.scale(self.view(x), self.view(node.out), self.st, n=n, stride=n, cap=self.bucket,
+                               scale=1.0, count_sel=COUNT_TOKENS)
+            self.emit([d], [self.slot(x)], [self.slot(node.out)])
+        if not self.embd:
+            return
+        d = self.ops.get_rows("F32", self.act.view("embd"), self.view(node.out), self.st, n_in=n, y_stride=n,
+                              cap=self.bucket, row0=EMBD_ROW0)
+        self.emit([d], ["embd"], [self.slot(node.out)])
+
     def op_outputs(self, node: Node) -> None:
         (x,) = node.inputs
         _, cap = self.rows(node.out)
@@ -1076,6 +1107,8 @@ class _Lowering:
         nh, nkv, hd = node.attr("n_head"), node.attr("n_head_kv"), node.attr("head_dim")
         window = node.attr("window")
         if node.attrs.get("v_is_k"):  # a latent cache: the values are the cached K rows
+            if self.noncausal:
+                raise GraphError(f"{node.out.name}: a latent attention has no non-causal kernel")
             self._store(k, kc, ("k", node.layer), m, nkv, hd, kt)
             common = dict(n_head=nh, n_head_kv=nkv, head_dim=hd, n_ctx=m.rows, q_stride=q.width,
                           o_stride=node.out.width, cap=self.bucket, scale=node.attr("scale"), k_type=kt, v_type=kt,
@@ -1130,7 +1163,15 @@ class _Lowering:
                       o_stride=node.out.width, cap=self.bucket, scale=node.attr("scale"), k_type=kt, v_type=vt,
                       n_swa=window)
         reads = [self.slot(q), ("k", node.layer), ("v", node.layer)]
-        if self.decode_split:
+        if self.noncausal:
+            # a step with a non-causal entry: the scalar tiled kernel reading each row's
+            # highest visible position from the step buffer, whatever the bucket and device
+            if gate is not None or not self.ops.prefill_ok(hd):
+                raise GraphError(f"{node.out.name}: no non-causal attention kernel for this layer")
+            d = self.ops.attention_prefill(self.view(q), kc, vc, self.view(node.out), self.st, noncausal=True,
+                                           **common)  # type: ignore[arg-type]
+            self.emit([d], reads, [self.slot(node.out)])
+        elif self.decode_split:
             # few queries at any depth: the KV sequence split over work groups (flash-decoding)
             assert self.kv.part is not None and self.kv.counters is not None
             g = None if gate is None else (self.view(gate[0]), gate[0].width, gate[1], gate[2])
@@ -1500,7 +1541,9 @@ def missing_ops(graph: Graph) -> list[str]:
 def build_ops(
     ops: Ops, graph: Graph, plan: BufferPlan, weights: WeightStore, act: Activations, kv: KVCache,
     mem: list[LayerMemory], rope_buf: dict[int, str], *, bucket: int, rs: RecurrentState | None = None,
+    embd: bool = False, noncausal: bool = False,
 ) -> list[Op]:
-    """Every dispatch of one forward pass over at most ``bucket`` tokens."""
+    """Every dispatch of one forward pass over at most ``bucket`` tokens (``embd``: of a
+    step with embedding rows; ``noncausal``: of one with a non-causal entry)."""
     by_layer = {m.layer: (i, m) for i, m in enumerate(mem)}
-    return _Lowering(ops, graph, plan, weights, act, kv, by_layer, rope_buf, bucket, rs).run()
+    return _Lowering(ops, graph, plan, weights, act, kv, by_layer, rope_buf, bucket, rs, embd, noncausal).run()

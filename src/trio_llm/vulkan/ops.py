@@ -65,13 +65,16 @@ from trio_llm.vulkan.shaders import (
 log = logging.getLogger(__name__)
 
 #: the step buffer: [n_tokens, n_out, cap, 0] then tokens, positions, seq ids, output
-#: rows, ``cap`` entries each (``cap``: the backend's largest bucket)
+#: rows and each token's highest visible position (``STEP_VIS``: read only by the
+#: graphs of steps with a non-causal entry), ``cap`` entries each (``cap``: the
+#: backend's largest bucket)
 STEP_HEADER = 4
+STEP_ARRAYS = 5
 
 
 def step_words(cap: int) -> int:
     """uint32 words of a step buffer whose arrays hold ``cap`` entries."""
-    return STEP_HEADER + 4 * cap
+    return STEP_HEADER + STEP_ARRAYS * cap
 
 
 STEP_WORDS = step_words(STEP_CAP)
@@ -103,11 +106,13 @@ def fill_step(
     pos: np.ndarray,
     seq: np.ndarray,
     out_rows: np.ndarray,
+    vis: np.ndarray | None = None,
 ) -> None:
     """Write one step's values into the step buffer's uint32 view; its arrays hold as
     many entries as the view has room for (the header says how many: the kernels
-    read ``cap`` from it)."""
-    cap = (len(words) - STEP_HEADER) // 4
+    read ``cap`` from it). ``vis``: each token's highest visible position, for a step
+    with a non-causal entry (left as it is otherwise: no kernel of other steps reads it)."""
+    cap = (len(words) - STEP_HEADER) // STEP_ARRAYS
     n = len(tokens)
     assert n <= cap and len(out_rows) <= cap
     words[0] = n
@@ -118,6 +123,8 @@ def fill_step(
     words[h + cap : h + cap + n] = pos
     words[h + 2 * cap : h + 2 * cap + n] = seq
     words[h + 3 * cap : h + 3 * cap + len(out_rows)] = out_rows
+    if vis is not None:
+        words[h + 4 * cap : h + 4 * cap + n] = vis
 
 
 #: matmul_cm2: the fewest work groups each tile must give to be chosen over the next
@@ -1444,7 +1451,7 @@ class Ops:
         n_head_kv: int, head_dim: int, n_ctx: int, q_stride: int, o_stride: int, cap: int,
         scale: float | None = None, k_type: str = "f32", v_type: str = "f32", n_swa: int = 0,
         emulate_cm: tuple[int, int] | None = None, part: View | None = None, n_split: int = 1,
-        min_tiles: int = 8, v_dim: int = 0,
+        min_tiles: int = 8, v_dim: int = 0, noncausal: bool = False,
     ) -> Dispatch:
         """``attention`` for many tokens (prefill, attn_prefill.comp): a work group per
         tile of consecutive tokens and group of query heads of one KV head
@@ -1472,7 +1479,24 @@ class Ops:
         type), K rows of up to 576; attn_prefill.comp's LATENT form on every device (the
         cooperative-matrix kernels take head dims up to 256), on the tile
         ``prefill_latent_tile`` chooses; only those ``v_dim`` dims of each output head
-        (and of each partial) are written."""
+        (and of each partial) are written.
+
+        ``noncausal``: each token sees up to the step's ``STEP_VIS`` of it instead of its
+        own position (a step with a non-causal entry): attn_prefill.comp's NONCAUSAL form,
+        unsplit, on every device (the cooperative-matrix kernels stay causal)."""
+        if noncausal:
+            assert not v_dim and emulate_cm is None and n_split == 1 and self.prefill_ok(head_dim)
+            kt, vt = _kv(k_type), _kv(v_type)
+            _check_head(kt, head_dim, "K")
+            _check_head(vt, head_dim, "V")
+            g, bq = prefill_tile(n_head, n_head_kv, head_dim, rows=self.prefill_rows)
+            s = 1.0 / math.sqrt(head_dim) if scale is None else scale
+            nk = self.kernels.get("attn_prefill", n_bindings=6, n_push=12, local_size=128,
+                                  defines={**kv_defines(K_TYPE=kt, V_TYPE=vt), "NONCAUSAL": 1},
+                                  spec={1: g, 2: bq, 3: head_dim})
+            push = (n_head, n_head_kv, head_dim, n_ctx, n_head_kv * head_dim, q_stride, o_stride, float(s), n_swa)
+            return Dispatch(nk, (q, k_cache, v_cache, o, step, o), (*push, 1, min_tiles, 0),
+                            (math.ceil(cap / bq), n_head // g, 1))
         latent = self.prefill_latent_tile(n_head, n_head_kv, head_dim, v_dim) if v_dim else None
         if v_dim:
             assert latent is not None and emulate_cm is None

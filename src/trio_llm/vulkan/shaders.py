@@ -707,6 +707,8 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for k, v in ((3, 1), (1, 4)):
         for name in ("attention", "attn_decode", "attn_decode2", "attn_prefill"):
             yield name, kv_defines(K_TYPE=k, V_TYPE=v)
+    for code in KV_CODES:  # steps with a non-causal entry (gemma3's image rows): the scalar prefill kernel
+        yield "attn_prefill", {**kv_defines(K_TYPE=code, V_TYPE=code), "NONCAUSAL": 1}
     for code in KV_CODES:  # a latent cache's flash-decoding and prefill (MLA: V is K's first DV values)
         yield "attn_decode", {**kv_defines(K_TYPE=code, V_TYPE=code), "LATENT": 1}
         yield "attn_prefill", {**kv_defines(K_TYPE=code, V_TYPE=code), "LATENT": 1}
