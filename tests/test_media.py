@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trio_llm.errors import InvalidRequest
+from trio_llm.errors import ConfigError, InvalidRequest
 from trio_llm.model.hf_cache import find_mmproj
 from trio_llm.server import media as MD
 from trio_llm.server.slots import Work, plan_batch
@@ -76,15 +76,41 @@ def test_extract_images() -> None:
         {"role": "user", "content": [{"type": "text", "text": "what is"}, {"type": "image_url", "image_url": {"url": url}},
                                      {"type": "text", "text": "this?"}]},
     ]
-    out, images = MD.extract_images(messages, enabled=True)
+    out, images = MD.extract_images(messages, "<m>")
     assert images == [b"one"]
     assert out[0] == messages[0]
-    assert out[1]["content"][1] == {"type": "text", "text": MD.MARKER}
+    # the marker is glued to the text on both sides (llama-server's join)
+    assert out[1]["content"] == [{"type": "text", "text": "what is<m>this?"}]
     assert messages[1]["content"][1]["type"] == "image_url"  # the request's copy is untouched
     with pytest.raises(InvalidRequest, match="provide the mmproj"):
-        MD.extract_images(messages, enabled=False)
+        MD.extract_images(messages, None)
     with pytest.raises(InvalidRequest, match="audio"):
-        MD.extract_images([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], enabled=True)
+        MD.extract_images([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "<m>")
+
+
+def test_extract_images_joins_as_llama_server() -> None:
+    """What llama-server's /apply-template gives for these part lists (checked with the
+    xllamacpp wheel): text parts joined by newlines, a marker glued to its neighbours."""
+    img = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+    def text(t: str) -> dict[str, str]:
+        return {"type": "text", "text": t}
+
+    cases = [([img, text("a")], ["<m>a"]), ([text("a"), img], ["a<m>"]),
+             ([text("a"), text("b"), img, text("c")], ["a", "b<m>c"]), ([img, img], ["<m><m>"]),
+             ([text("a"), img, text("b"), text("c")], ["a<m>b", "c"])]
+    for parts, want in cases:
+        out, images = MD.extract_images([{"role": "user", "content": parts}], "<m>")
+        assert [p["text"] for p in out[0]["content"]] == want and len(images) == parts.count(img)
+
+
+def test_media_marker() -> None:
+    """LLAMA_MEDIA_MARKER if set, else a random marker per process (llama-server's)."""
+    assert MD.media_marker({"LLAMA_MEDIA_MARKER": "<__media__>"}) == "<__media__>"
+    a, b = MD.media_marker({}), MD.media_marker({})
+    assert a != b and a.startswith("<__media_") and a.endswith("__>") and a != MD.MARKER
+    with pytest.raises(ConfigError, match="must not be empty"):
+        MD.media_marker({"LLAMA_MEDIA_MARKER": ""})
 
 
 def test_plan_batch_keeps_an_image_whole() -> None:

@@ -460,6 +460,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
                 "model_alias": ctx.model_id,
                 "chat_template": e.template.source,
                 "modalities": {"vision": e.media is not None, "audio": False},
+                "media_marker": e.media.marker if e.media is not None else MD.MARKER,
                 "build_info": f"trio-llm {__version__}",
                 "backend": e.backend_name,
                 "is_sleeping": e.gate.is_sleeping(),
@@ -606,7 +607,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         template = eng().template
         images: list[bytes] = []
         if isinstance(body, dict) and "messages" in body:
-            messages, images = MD.extract_images(body["messages"], eng().media is not None)
+            media = eng().media
+            messages, images = MD.extract_images(body["messages"], media.marker if media is not None else None)
             body = dict(body, messages=messages)
         inputs = P.chat_inputs(body, ctx.config, template.source)
         text = str(template.render(inputs.messages, add_generation_prompt=inputs.add_generation_prompt,
@@ -732,6 +734,11 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
     # -- generation ----------------------------------------------------------------------
 
+    def render_prompt(prompt: tuple[int, ...]) -> str:
+        """A prompt as llama-server writes it back: its images as the media marker."""
+        e = eng()
+        return MD.render(prompt, e.tokenizer.decode, e.media.marker if e.media is not None else MD.MARKER)
+
     def verbose_of(body: Any, req: P.CompletionRequest, finals: Sequence[TaskFinal]) -> dict[str, Any]:
         """llama-server's ``__verbose`` (the request's ``verbose``, on by default with
         ``-v``): the first answer in the native shape, with the prompt as text, special
@@ -740,7 +747,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             return {}
         native = R.native_final(finals[0], piece, model=ctx.model_id, settings=req.params.to_json(), stream=False,
                                 n_probs=req.params.sampling.n_probs)
-        return {"__verbose": native | {"prompt": MD.render(req.prompt, eng().tokenizer.decode)}}
+        return {"__verbose": native | {"prompt": render_prompt(req.prompt)}}
 
     @app.post("/completion")
     @app.post("/completions")
@@ -761,7 +768,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
                                       n_probs=n_probs, index=i) for i, f in enumerate(finals)]
             # llama-server's answer holds the prompt as text (special tokens written out)
             prompts = [p for p, _ in choices]
-            texts = await trio.to_thread.run_sync(lambda: [MD.render(p, e.tokenizer.decode) for p in prompts])
+            texts = await trio.to_thread.run_sync(lambda: [render_prompt(p) for p in prompts])
             for answer, text in zip(answers, texts, strict=True):
                 answer["prompt"] = text
             # several prompts: a list of answers, as llama-server gives

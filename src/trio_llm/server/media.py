@@ -21,6 +21,8 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import os
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -29,15 +31,30 @@ from typing import Any
 import attrs
 import numpy as np
 
-from trio_llm.errors import InvalidRequest
+from trio_llm.errors import ConfigError, InvalidRequest
 
-#: llama-server's default media marker (``mtmd_default_marker``)
+#: libmtmd's default media marker; llama-server uses it only when LLAMA_MEDIA_MARKER
+#: says so (``media_marker``)
 MARKER = "<__media__>"
 #: gemma3's wrapping of an image (mtmd.cpp: ``img_beg`` / ``img_end``)
 IMG_BEG = "<start_of_image>"
 IMG_END = "<end_of_image>"
 #: encoded images kept, by content (a conversation sends its images again every turn)
 CACHE_IMAGES = 16
+
+
+def media_marker(environ: Mapping[str, str] | None = None) -> str:
+    """The marker that stands for an image in a prompt's text: ``LLAMA_MEDIA_MARKER``
+    if set, else a random one per process, as llama-server (October 2026,
+    ``get_media_marker``) does so that text cannot smuggle a marker in; ``/props``
+    reports it (``media_marker``)."""
+    env = os.environ if environ is None else environ
+    marker = env.get("LLAMA_MEDIA_MARKER")
+    if marker is not None:
+        if not marker:
+            raise ConfigError("LLAMA_MEDIA_MARKER: media_marker must not be empty")
+        return marker
+    return f"<__media_{secrets.token_hex(8)}__>"
 
 
 def is_media(token: int) -> bool:
@@ -84,6 +101,7 @@ class MediaEncoder:
 
     projector: Any  # trio_llm.vision.Projector
     tokenizer: Any  # trio_llm.model.tokenizer.Tokenizer
+    marker: str = attrs.field(factory=media_marker)
     _cache: OrderedDict[int, np.ndarray] = attrs.field(init=False, factory=OrderedDict)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
     n_encoded: int = 0  # images run through the encoder (not found in the cache)
@@ -120,7 +138,7 @@ class MediaEncoder:
                  add_special: bool = True) -> list[int]:
         """``text`` with one image per marker, as ``mtmd_tokenize`` does; the images'
         rows go into ``table`` (media id -> rows)."""
-        pieces = text.split(MARKER)
+        pieces = text.split(self.marker)
         if len(pieces) - 1 != len(images):
             raise InvalidRequest(f"number of bitmaps ({len(images)}) does not match number of markers "
                                  f"({len(pieces) - 1})")
@@ -179,23 +197,28 @@ def check_media(prompt: Sequence[int], media: Mapping[int, np.ndarray]) -> None:
             raise InvalidRequest("an image's positions are cut")
 
 
-def render(prompt: Sequence[int], decode: Any) -> str:
+def render(prompt: Sequence[int], decode: Any, marker: str = MARKER) -> str:
     """A prompt as text, each image written as the media marker (as llama-server's
     ``server_tokens`` detokenizes one)."""
     out: list[str] = []
     start = 0
     for a, b in media_runs(prompt):
         out.append(decode(list(prompt[start:a])))
-        out.append(MARKER)
+        out.append(marker)
         start = b
     out.append(decode(list(prompt[start:])))
     return "".join(out)
 
 
-def extract_images(messages: Any, enabled: bool) -> tuple[Any, list[bytes]]:
+def _is_text(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+def extract_images(messages: Any, marker: str | None) -> tuple[Any, list[bytes]]:
     """OpenAI chat messages with each ``image_url`` part replaced by a text part holding
     the marker, and the images' bytes in order (llama-server's
-    ``oaicompat_chat_params_parse``). Without a projector an image part is refused."""
+    ``oaicompat_chat_params_parse``). Without a projector (``marker`` None) an image
+    part is refused."""
     if not isinstance(messages, list):
         return messages, []
     images: list[bytes] = []
@@ -205,19 +228,30 @@ def extract_images(messages: Any, enabled: bool) -> tuple[Any, list[bytes]]:
         if not isinstance(content, list):
             out.append(message)
             continue
-        parts = []
+        # llama-server joins text parts with newlines but glues a marker to the text
+        # on both sides of it: [text "a", image, text "b", text "c"] is "a<m>b\nc"
+        parts: list[Any] = []
+        glue = False
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "image_url":
-                if not enabled:
+                if marker is None:
                     raise InvalidRequest("image input is not supported - hint: if this is unexpected, you may need "
                                          "to provide the mmproj")
                 url = part.get("image_url")
                 images.append(image_url_bytes(url.get("url") if isinstance(url, dict) else url))
-                parts.append({"type": "text", "text": MARKER})
-            elif kind == "input_audio":
+                if parts and _is_text(parts[-1]):
+                    parts[-1] = {**parts[-1], "text": parts[-1]["text"] + marker}
+                else:
+                    parts.append({"type": "text", "text": marker})
+                glue = True
+                continue
+            if kind == "input_audio":
                 raise InvalidRequest(f"messages[{i}].content[{j}]: audio input is not supported")
+            if glue and _is_text(part) and parts and _is_text(parts[-1]):
+                parts[-1] = {**parts[-1], "text": parts[-1]["text"] + part["text"]}
             else:
                 parts.append(part)
+            glue = False
         out.append({**message, "content": parts})
     return out, images

@@ -196,7 +196,7 @@ def prompt_tokens(value: Any, tok: Encoder, limits: Limits, key: str = "prompt",
         )
     if isinstance(value, dict):
         ids = _multimodal_prompt(value, tok, limits, media)
-    elif isinstance(value, str) and limits.media is not None and MD.MARKER in value:
+    elif isinstance(value, str) and limits.media is not None and limits.media.marker in value:
         ids = limits.media.tokenize(value, [], {})  # a marker without its image: refused as llama-server does
     elif isinstance(value, str):
         ids = encode_prompt(tok, value)
@@ -602,7 +602,7 @@ def parse_chat(body: Any, tok: Encoder, limits: Limits, rendered: str, grammar: 
     if top and not logprobs:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
     media: dict[int, Any] = {}
-    if limits.media is not None and (images or MD.MARKER in rendered):
+    if limits.media is not None and (images or limits.media.marker in rendered):
         prompt = list(limits.media.tokenize(rendered, images, media))
     else:
         prompt = encode_prompt(tok, rendered)
