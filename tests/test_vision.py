@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from trio_llm.errors import InvalidRequest, ModelLoadError, UnsupportedModelError
+from trio_llm.errors import InvalidRequest, ModelLoadError
 from trio_llm.vision import Projector, decode_image, load_projector, preprocess
 from trio_llm.vision import synth as vsynth
 from trio_llm.vision.image import fit_to_square, resize_bilinear_pillow
+from trio_llm.vision.mmproj import UnsupportedProjector
 from trio_llm.vision.siglip import Hparams, tensor_shapes
 
 TINY = dict(n_embd_text=256, image_size=64, patch_size=8, n_embd=64, n_ff=128, n_head=4, n_layer=2,
@@ -84,8 +85,9 @@ def _one_line(exc: pytest.ExceptionInfo[ModelLoadError], path: Path) -> str:
 
 def test_refuses_a_text_model(model_path) -> None:  # type: ignore[no-untyped-def]
     path = model_path("tiny-gemma3", "Q8_0")
-    with pytest.raises(UnsupportedModelError) as exc:
+    with pytest.raises(ModelLoadError) as exc:
         load_projector(path)
+    assert not isinstance(exc.value, UnsupportedProjector)  # a wrong file: the server does not start
     assert "general.architecture is 'gemma3'" in _one_line(exc, path)
 
 
@@ -109,14 +111,14 @@ def _bare_clip(path: Path, **kv: object) -> Path:
 
 def test_refuses_other_projector_types(tmp_path: Path) -> None:
     path = _bare_clip(tmp_path / "pixtral.gguf", clip__has_vision_encoder=True, clip__projector_type="pixtral")
-    with pytest.raises(UnsupportedModelError) as exc:
+    with pytest.raises(UnsupportedProjector) as exc:
         load_projector(path)
     assert "projector type 'pixtral' is not supported" in _one_line(exc, path)
 
 
 def test_refuses_an_audio_only_projector(tmp_path: Path) -> None:
     path = _bare_clip(tmp_path / "audio.gguf", clip__has_audio_encoder=True, clip__projector_type="ultravox")
-    with pytest.raises(UnsupportedModelError) as exc:
+    with pytest.raises(UnsupportedProjector) as exc:
         load_projector(path)
     assert "audio only" in _one_line(exc, path)
 

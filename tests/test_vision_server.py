@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -260,3 +261,35 @@ async def test_random_marker(start: Start, monkeypatch: pytest.MonkeyPatch) -> N
         assert r.status_code == 200 and r.json()["prompt"].count(marker) == 1, r.text
         r = await c.post("/completion", json={"prompt": "plain <__media__> text", "n_predict": 2})
         assert r.status_code == 200 and "<__media__>" in r.json()["prompt"], r.text
+
+
+async def test_projectors_this_server_cannot_run(start: Start, files: tuple[Path, Path], tmp_path: Path,
+                                                 tiny_model: Path) -> None:
+    """Another encoder type, or a text model without image input here: a warning and a
+    text-only server (images 400). A text model given as the projector stops the start
+    in one line, as llama-server does."""
+    import gguf
+
+    w = gguf.GGUFWriter(path=None, arch="clip")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_string("clip.projector_type", "pixtral")
+    w.add_tensor("v.patch_embd.weight", np.zeros((4, 4), np.float32))
+    pixtral = tmp_path / "mmproj-pixtral.gguf"
+    w.write_header_to_file(pixtral)
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for overrides in ({"mmproj": pixtral}, {"model": tiny_model}):
+        handle = await start(**overrides)
+        async with httpx.AsyncClient(base_url=handle.url, timeout=60) as c:
+            assert (await c.get("/props")).json()["modalities"]["vision"] is False
+            r = await c.post("/completion", json=completion_body(TURN.format("<__media__>"), [png(1)]))
+            assert r.status_code == 400 and "does not support multimodal" in r.text
+            r = await c.post("/completion", json={"prompt": "hello", "n_predict": 2})
+            assert r.status_code == 200
+    text, _ = files
+    proc = await trio.run_process([sys.executable, "-m", "trio_llm", "serve", "-m", str(text), "--mmproj", str(text),
+                                   "--backend", "numpy", "--port", "0", "--no-warmup"],
+                                  capture_stdout=True, capture_stderr=True, check=False)
+    lines = proc.stderr.decode().strip().splitlines()
+    assert proc.returncode == 1 and "not a multimodal projector" in lines[-1], proc.stderr.decode()

@@ -190,6 +190,7 @@ def _load_projector(config: ServerConfig, model: Any) -> Any:
         return None
     from trio_llm.errors import UnsupportedModelError
     from trio_llm.vision import load_projector
+    from trio_llm.vision.mmproj import UnsupportedProjector
 
     if config.embeddings:
         log.warning("--mmproj %s: ignored with --embeddings (images are for generation here)", config.mmproj)
@@ -200,9 +201,7 @@ def _load_projector(config: ServerConfig, model: Any) -> Any:
         return None
     try:
         projector = load_projector(config.mmproj)
-    except UnsupportedModelError as exc:
-        if not Path(config.mmproj).is_file():
-            raise
+    except UnsupportedProjector as exc:
         log.warning("--mmproj %s: serving text only, requests with images are refused", exc)
         return None
     if projector.n_embd_out != model.config.n_embd:

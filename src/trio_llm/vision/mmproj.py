@@ -86,6 +86,11 @@ class Projector:
         return siglip.encode(self.hparams, self._tensors, pixels)
 
 
+class UnsupportedProjector(UnsupportedModelError):
+    """A well-formed projector file of an encoder this server does not run (the server
+    then serves text only); every other problem of the file is a ``ModelLoadError``."""
+
+
 def load_projector(path: str | os.PathLike[str]) -> Projector:
     """Open and validate a gemma3 ``--mmproj`` file; raise ``ModelLoadError`` (or its
     subclass ``UnsupportedModelError``) with one line naming the file and the problem."""
@@ -114,17 +119,17 @@ def _check_kind(path: Path, md: dict[str, Any]) -> None:
     if arch != "clip":
         if arch is None:
             raise ModelLoadError(path, "not a multimodal projector: no general.architecture")
-        raise UnsupportedModelError(
+        raise ModelLoadError(
             path, f"not a multimodal projector: general.architecture is {arch!r}, expected 'clip' "
                   "(a text model given as --mmproj?)")
     if not md.get("clip.has_vision_encoder", False):
         what = "audio only" if md.get("clip.has_audio_encoder", False) else "no vision encoder"
-        raise UnsupportedModelError(path, f"the projector has {what} (clip.has_vision_encoder is not set)")
+        raise UnsupportedProjector(path, f"the projector has {what} (clip.has_vision_encoder is not set)")
     ptype = md.get("clip.projector_type") or md.get("clip.vision.projector_type")
     if ptype is None:
         raise ModelLoadError(path, "missing metadata key 'clip.projector_type'")
     if ptype != "gemma3":
-        raise UnsupportedModelError(
+        raise UnsupportedProjector(
             path, f"projector type {ptype!r} is not supported (trio-llm runs gemma3 projectors only)")
 
 
