@@ -27,7 +27,7 @@ F32_KV = {"cache_type_k": "f32", "cache_type_v": "f32"}
 
 def test_fill_step_lays_the_arrays_out_by_the_buffer_length() -> None:
     """The header's third word is the arrays' length, and each array starts that many
-    words after the previous one: what STEP_POS / STEP_SEQ / STEP_OUT read."""
+    words after the previous one: what STEP_POS / STEP_SEQ / STEP_OUT / STEP_VIS read."""
     for cap in (STEP_CAP, 2048):
         words = np.full(step_words(cap), 7, np.uint32)
         fill_step(words, np.array([11, 12, 13], np.uint32), np.array([100, 101, 102], np.uint32),
@@ -38,6 +38,11 @@ def test_fill_step_lays_the_arrays_out_by_the_buffer_length() -> None:
         assert words[h + cap : h + cap + 3].tolist() == [100, 101, 102]
         assert words[h + 2 * cap : h + 2 * cap + 3].tolist() == [0, 0, 1]
         assert words[h + 3 * cap] == 2
+        assert (words[h + 4 * cap : h + 5 * cap] == 7).all()  # STEP_VIS: left alone unless given
+        fill_step(words, np.array([11, 12, 13], np.uint32), np.array([100, 101, 102], np.uint32),
+                  np.array([0, 0, 1], np.uint32), np.array([2], np.uint32), np.array([101, 101, 102], np.uint32))
+        assert words[h + 4 * cap : h + 4 * cap + 3].tolist() == [101, 101, 102]
+        assert len(words) == h + 5 * cap
     with pytest.raises(AssertionError):
         fill_step(np.zeros(step_words(16), np.uint32), np.zeros(17, np.uint32), np.zeros(17, np.uint32),
                   np.zeros(17, np.uint32), np.zeros(1, np.uint32))

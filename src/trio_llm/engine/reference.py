@@ -187,7 +187,8 @@ class Step:
     pos: np.ndarray  # [N] positions
     bounds: np.ndarray  # [B + 1] where each entry's tokens start
     out_rows: np.ndarray  # [O] rows whose logits are wanted
-    embd: list[tuple[int, np.ndarray]]  # (first row, [n, n_embd] rows) of the entries carrying embeddings
+    #: (first row, [n, n_embd] rows) of the entries carrying embeddings
+    embd: list[tuple[int, np.ndarray]] = attrs.field(factory=list)
 
 
 #: float32 bytes of dequantized experts kept between forward passes (least recently
@@ -627,7 +628,6 @@ class NumpyBackend:
             pos=np.concatenate([e.pos0 + np.arange(len(e.tokens)) for e in entries]),
             bounds=np.cumsum([0] + [len(e.tokens) for e in entries]),
             out_rows=np.asarray(out_rows, dtype=np.int64),
-            embd=[],
         )
         for i, e in enumerate(entries):
             if e.embd is not None:

@@ -192,7 +192,8 @@ class Graph:
     def attention(self, q: Tensor, k: Tensor, v: Tensor, name: str, *, n_head: int, n_head_kv: int,
                   head_dim: int, scale: float, window: int = 0, v_is_k: bool = False, v_dim: int = 0) -> Tensor:
         """Store this step's ``k`` and ``v`` in the current layer's cache, then causal
-        grouped-query attention of ``q`` over it: ``[T, n_head * head_dim]``. Query head h
+        grouped-query attention of ``q`` over it (a ``causal=False`` entry's rows also see
+        the entry's later rows: ``SeqBatch``): ``[T, n_head * head_dim]``. Query head h
         reads KV head ``h // (n_head / n_head_kv)``. ``window`` > 0: a key at position j is
         seen from position p only if ``p - j < window`` (sliding-window layers, whose cache
         then keeps only the positions a window can still reach).
