@@ -293,3 +293,14 @@ async def test_projectors_this_server_cannot_run(start: Start, files: tuple[Path
                                   capture_stdout=True, capture_stderr=True, check=False)
     lines = proc.stderr.decode().strip().splitlines()
     assert proc.returncode == 1 and "not a multimodal projector" in lines[-1], proc.stderr.decode()
+
+
+async def test_image_larger_than_a_pass(start: Start) -> None:
+    """An image is decoded in one pass: with -ub below its rows, a request with one is
+    refused (400) and text is still served."""
+    handle = await start(ubatch_size=N_IMG // 2)
+    async with httpx.AsyncClient(base_url=handle.url, timeout=60) as c:
+        r = await c.post("/completion", json=completion_body(TURN.format("<__media__>"), [png(1)]))
+        assert r.status_code == 400 and f"takes {N_IMG} positions" in r.text, r.text
+        r = await c.post("/completion", json={"prompt": "hello", "n_predict": 2})
+        assert r.status_code == 200

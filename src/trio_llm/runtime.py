@@ -208,6 +208,9 @@ def _load_projector(config: ServerConfig, model: Any) -> Any:
         raise UnsupportedModelError(config.mmproj, f"mismatch between text model (n_embd = {model.config.n_embd}) "
                                                    f"and mmproj (n_embd = {projector.n_embd_out})")
     log.info("mmproj %s: %d tokens an image, encoded on the CPU", config.mmproj, projector.n_tokens)
+    if projector.n_tokens > config.n_batch:
+        log.warning("--mmproj: an image takes %d positions, more than a pass holds (-b/-ub %d): requests with "
+                    "images will be refused; raise -b and -ub", projector.n_tokens, config.n_batch)
     return projector
 
 
@@ -544,6 +547,13 @@ async def _run_loaded(
                         async with gate.resident():
                             await client.decode([SeqBatch(i, np.array([first], np.int32), 0) for i in range(rows)],
                                                 [DeviceChain.greedy()] * rows, zeros, zeros)
+                    proj = loaded.projector
+                    if proj is not None and proj.n_tokens <= min(config.n_batch, backend.n_ctx - 1):
+                        # an image's pass: its own graph (embedding rows, non-causal attention)
+                        rows = np.zeros((proj.n_tokens, model.config.n_embd), np.float32)
+                        async with gate.resident():
+                            await client.forward([SeqBatch(0, np.zeros(proj.n_tokens, np.int32), 0, embd=rows,
+                                                           causal=False)])
                 device = await client.call(lambda b: b.device_info(), "device_info")
                 embedder = None
                 if config.embeddings:
@@ -575,7 +585,8 @@ async def _run_loaded(
                         created=int(loaded.stat.st_mtime),
                         grammars=grammars,
                         embedder=embedder,
-                        media=MediaEncoder(loaded.projector, tokenizer) if loaded.projector is not None else None,
+                        media=(MediaEncoder(loaded.projector, tokenizer, max_rows=config.n_batch)
+                               if loaded.projector is not None else None),
                     )
                 )
                 log.info("ready")

@@ -102,6 +102,9 @@ class MediaEncoder:
     projector: Any  # trio_llm.vision.Projector
     tokenizer: Any  # trio_llm.model.tokenizer.Tokenizer
     marker: str = attrs.field(factory=media_marker)
+    #: rows a pass holds (-b/-ub): an image is decoded in one pass (its rows attend to
+    #: each other), so a larger one is refused, as llama.cpp refuses it
+    max_rows: int = 1 << 30
     _cache: OrderedDict[int, np.ndarray] = attrs.field(init=False, factory=OrderedDict)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
     n_encoded: int = 0  # images run through the encoder (not found in the cache)
@@ -138,6 +141,9 @@ class MediaEncoder:
                  add_special: bool = True) -> list[int]:
         """``text`` with one image per marker, as ``mtmd_tokenize`` does; the images'
         rows go into ``table`` (media id -> rows)."""
+        if images and self.n_tokens > self.max_rows:
+            raise InvalidRequest(f"an image takes {self.n_tokens} positions, more than one pass holds ({self.max_rows}:"
+                                 " -b/-ub): it cannot be decoded")
         pieces = text.split(self.marker)
         if len(pieces) - 1 != len(images):
             raise InvalidRequest(f"number of bitmaps ({len(images)}) does not match number of markers "
