@@ -550,9 +550,9 @@ async def _run_loaded(
                     proj = loaded.projector
                     if proj is not None and proj.n_tokens <= min(config.n_batch, backend.n_ctx - 1):
                         # an image's pass: its own graph (embedding rows, non-causal attention)
-                        rows = np.zeros((proj.n_tokens, model.config.n_embd), np.float32)
+                        image = np.zeros((proj.n_tokens, model.config.n_embd), np.float32)
                         async with gate.resident():
-                            await client.forward([SeqBatch(0, np.zeros(proj.n_tokens, np.int32), 0, embd=rows,
+                            await client.forward([SeqBatch(0, np.zeros(proj.n_tokens, np.int32), 0, embd=image,
                                                            causal=False)])
                 device = await client.call(lambda b: b.device_info(), "device_info")
                 embedder = None
