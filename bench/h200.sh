@@ -11,6 +11,7 @@
 # matvecs' local memory: unrolled in the SPIR-V and/or one row per subgroup, pipemem and batched decode A/B, then coldmem), nv2pp / nv2sweep32 (attn_prefill_nv2 A/B, its tiles), ppdepth (the last pass of a long prefill kernel by kernel), glm (deepseek2's latent kernels, the GLM-4.7-Flash shape), nv2gate (the NV coopmat2 kernels' tests on
 # their defaults; a failing kernel is turned off for the later stages, e2e among them), verify (the Vulkan correctness tests on the H200), tune7 (the late 2026-12-01 defaults' tests and choices), tune (decode split, prefill cm, matmul_cm2, norm fusion A/B), cm2 (matmul_cm2's tests and pp512 A/B alone), nv2mm (matmul_nv2 on VK_NV_cooperative_matrix2: its tests, op level beside matmul_cm2, pp512 with TRIO_LLM_MATMUL_NV2=0 / 1), cm2sweep (matmul_cm3's variants: their tests on the GPU, op level against matmul_cm2, pp512 of the best two), prefillcm2 (attn_prefill_cm2's tests, op level and pp8192 A/B), nv2attn (attn_prefill_nv2 on NVIDIA's cooperative_matrix2: its tests on the GPU, op level beside attn_prefill_cm2 with its tiles, pp8192 A/B), attnsweep (attn_prefill_cm3's variants: their tests on the GPU, op level beside attn_prefill_cm2 at 8k / 32k), prefill (prefill attention), decodeg3 (gemma3-4b), attndepth (decode attention at
 # depth, op level), decode, decodeab (before/after), qtypes (the newer weight types' mixes),
+# vision (gemma-3 with an image: the CPU encoder alone, then through HTTP beside llama-server with the same mmproj),
 # decode1b, vkmem, moe (qwen3-30b-a3b Q4_K_M: the MoE kernel tests, then decode/prefill, the pp512 graph
 #   with grouped expert matmuls against per-pair matvecs; MOE35=1 adds qwen35-35b-a3b's),
 # cpumoe (qwen35-35b-a3b Q4_K_M at --n-cpu-moe 0, 10, 10.5, 20),
@@ -46,7 +47,7 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 # on the 16 cores), at nice 19 so that our own server, measured meanwhile, keeps its CPU.
 # Its own session (setsid), so that the end of this script can stop it by its group id.
 LCPP=/tmp/lcpp; CUDA_BUILD=0
-case " $STAGES " in *" e2e "*|*" e2emoe "*|*" mem128k "*|*" serve128k "*|*" glm "*)
+case " $STAGES " in *" e2e "*|*" e2emoe "*|*" mem128k "*|*" serve128k "*|*" glm "*|*" vision "*)
   if [ -x $LCPP/cuda/bin/llama-server ] && [ "$(cat $LCPP/cuda.done 2>/dev/null)" = 0 ]; then
     CUDA_BUILD=1  # a warm machine's earlier call built it: used as it is
   elif [ -f .lcpp/h200.sh ] && [ -f .lcpp/src.tgz ] && [ "${E2E_CUDA:-1}" = 1 ]; then
@@ -110,7 +111,7 @@ say "start; stages: $STAGES"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader | tee -a "$OUT/summary.txt"
 # the big model is made in the background while the small ones are measured (NO8B=1: not at all)
 if [ "${NO8B:-0}" = 1 ]; then M8=""; else ( model $B8 Q4_K_M > /dev/null ) 2> "$RES/make-8b.log" & M8=$!; fi
-case " $STAGES " in *" decodeg3 "*)
+case " $STAGES " in *" decodeg3 "*|*" vision "*)
   ( model gemma3-4b Q4_K_M > /dev/null ) 2> "$RES/make-gemma3.log" & MG3=$! ;; esac
 M1=$(model $B1 Q8_0)
 say "$B1 model made"
@@ -551,6 +552,30 @@ d = shared_device(); print('nv_coopmat2', d.nv_coopmat2, 'max_wg', d.nv_coopmat2
         ${LL[@]+"${LL[@]}"} --budget-s "$left" --reserve-s 15 --log-dir "$RES/e2e-glm-logs" --note "glm-4.7-flash shape"
       stop_build
     fi ;;
+  vision)  # gemma-3 with an image (--mmproj): the CPU encoder alone on the host's cores (bench/vision.py), then one
+    # image request through HTTP beside llama-server Vulkan (and CUDA once built), gemma3-4b Q4_K_M and a full-size
+    # random gemma-3 projector (f16); SMALL=1: tiny-gemma3 and a 64-pixel projector on lavapipe
+    if [ "${SMALL:-0}" = 1 ]; then VT=$(model tiny-gemma3 Q8_0); VSIZE=64; export GGML_VK_VISIBLE_DEVICES=0
+      VARGS="image_size=64, patch_size=8, n_embd=64, n_ff=128, n_head=4, n_layer=2, n_merge=2"
+    else wait $MG3 2>/dev/null; VT=/tmp/m/gemma3-4b-Q4_K_M.gguf; VSIZE=896
+      VARGS="image_size=896, patch_size=14, n_embd=1152, n_ff=4304, n_head=16, n_layer=27, n_merge=4"; fi
+    VM=/tmp/m/mmproj-$(basename $VT .gguf)-f16.gguf
+    [ -f $VM ] || $PY -c "import sys; from trio_llm.model.gguf import load_gguf; from trio_llm.vision.synth import \
+write_mmproj; write_mmproj(sys.argv[2], n_embd_text=load_gguf(sys.argv[1]).config.n_embd, wtype='f16', $VARGS)" \
+      $VT $VM > "$RES/make-mmproj.log" 2>&1
+    [ "${SMALL:-0}" = 1 ] || stage vision-encode 200 $PY bench/vision.py --repeats 2
+    LL=()
+    if [ -f .lcpp/h200.sh ]; then
+      VK=$(bash .lcpp/h200.sh vulkan 2> "$RES/lcpp-vulkan.log" | tail -n 1)
+      [ -n "$VK" ] && [ -x "$VK" ] && LL=(--llama-vulkan "$VK")
+      if [ $CUDA_BUILD = 1 ]; then
+        while [ ! -f $LCPP/cuda.done ] && [ $(elapsed) -lt ${E2E_END:-565} ]; do sleep 5; done
+        [ "$(cat $LCPP/cuda.done 2>/dev/null)" = 0 ] && LL+=(--llama-cuda $LCPP/cuda/bin/llama-server)
+      fi
+    fi
+    stage e2e-vision 300 $PY bench/e2e_vision.py --model $VT --mmproj $VM --image-size $VSIZE --repeats 2 \
+      --backend vulkan ${LL[@]+"${LL[@]}"} --log-dir "$RES/e2e-vision-logs"
+    stop_build ;;
   cpumoe)  # qwen35-35b-a3b Q4_K_M (21 GB) with --n-cpu-moe 0, 10, 10.5, 20: decode cost per host-resident layer
     if [ "${SMALL:-0}" = 1 ]; then MOE=tiny-qwen35moe; NS="0 1 1.5"; else MOE=qwen35-35b-a3b; NS="0 10 10.5 20"; fi
     [ -f /tmp/m/$MOE-Q4_K_M.gguf ] || stage make-moe35 480 $PY -m trio_llm make-model --preset $MOE --quant Q4_K_M \
