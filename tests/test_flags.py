@@ -38,7 +38,7 @@ def test_short_names_are_never_bundled_or_prefix_matched() -> None:
 @pytest.mark.parametrize(
     ("args", "needle"),
     [(["-hf"], "-hf: expected a value"), (["-md", "draft.gguf"], "-md: speculative decoding"),
-     (["--mmproj", "x.gguf"], "--mmproj: multimodal"), (["--lora", "a.gguf"], "--lora: LoRA"),
+     (["--mmproj-url", "http://h/x.gguf"], "--mmproj-url: nothing is downloaded"), (["--lora", "a.gguf"], "--lora: LoRA"),
      (["-ctk", "tk"], "-ctk: unsupported cache type 'tk'"), (["-ctk", "iq4_nl"], "-ctk iq4_nl: cache type"),
      (["--spec-type", "draft-mtp"], "--spec-type draft-mtp: speculative"), (["--prio", "7"], "--prio: invalid"),
      (["-fa", "maybe"], "-fa: invalid value 'maybe'"), (["--pooling", "max"], "--pooling: invalid value 'max'"),
@@ -105,8 +105,7 @@ def test_environment_variables_and_the_flag_wins() -> None:
     assert parse_config([], {"LLAMA_ARG_ENDPOINT_METRICS": "0"}).metrics is False
     with pytest.raises(UsageError, match=r"^LLAMA_ARG_CTX_SIZE \(-c/--ctx-size\): invalid value 'big'"):
         parse_config([], {"LLAMA_ARG_CTX_SIZE": "big"})
-    with pytest.raises(UsageError, match=r"^LLAMA_ARG_MMPROJ \(-mm/--mmproj\): multimodal"):
-        parse_config([], {"LLAMA_ARG_MMPROJ": "p.gguf"})
+    assert parse_config([], {"LLAMA_ARG_MMPROJ": "p.gguf"}).mmproj == Path("p.gguf")
 
 
 def test_llama_cpp_spellings() -> None:
@@ -174,6 +173,10 @@ def test_hf_resolves_the_hub_layout_by_quant_tag(tmp_path: Path) -> None:
     assert resolve("unsloth/Qwen3.5-0.8B-GGUF", "qwen3.5-0.8b-q8_0.gguf", env) == snap / "Qwen3.5-0.8B-Q8_0.gguf"
     c = parse_config(["-hf", "unsloth/Qwen3.5-0.8B-GGUF:Q4_K_XL"], env)
     assert c.model == snap / "Qwen3.5-0.8B-UD-Q4_K_XL.gguf" and c.model_ids == ("unsloth/Qwen3.5-0.8B-GGUF:Q4_K_XL",)
+    # llama-server's -hf takes the repository's projector too, unless --no-mmproj or --mmproj names one
+    assert c.mmproj == snap / "mmproj-F16.gguf"
+    assert parse_config(["-hf", "unsloth/Qwen3.5-0.8B-GGUF:Q4_K_XL", "--no-mmproj"], env).mmproj is None
+    assert parse_config(["-hf", "unsloth/Qwen3.5-0.8B-GGUF", "--mmproj", "own.gguf"], env).mmproj == Path("own.gguf")
 
 
 def test_hf_resolves_the_flat_layout(tmp_path: Path) -> None:
