@@ -55,6 +55,20 @@ class Continuation:
         return [s.token for s in self.steps]
 
 
+def server_params(path: Path, n_ctx: int) -> xllamacpp.CommonParams:
+    """llama-server's parameters as every reference here starts it: one slot, one CPU
+    thread, no warm-up, quiet."""
+    params = xllamacpp.CommonParams()
+    params.model.path = str(path)
+    params.n_ctx = n_ctx
+    params.n_parallel = 1
+    params.cpuparams.n_threads = 1
+    params.cpuparams_batch.n_threads = 1
+    params.warmup = False
+    params.verbosity = -1
+    return params
+
+
 class Reference:
     """One GGUF file loaded in llama.cpp (CPU, one thread, no prompt cache).
 
@@ -64,19 +78,12 @@ class Reference:
 
     def __init__(self, path: Path, *, n_ctx: int = 256, cache_type_k: str = "f16", cache_type_v: str = "f16",
                  n_ubatch: int | None = None) -> None:
-        params = xllamacpp.CommonParams()
-        params.model.path = str(path)
-        params.n_ctx = n_ctx
+        params = server_params(path, n_ctx)
         if n_ubatch is not None:  # llama-server's -ub (and -b, so that it is the pass size)
             params.n_batch = max(params.n_batch, n_ubatch)
             params.n_ubatch = n_ubatch
         params.cache_type_k = getattr(xllamacpp.ggml_type, f"GGML_TYPE_{cache_type_k.upper()}")
         params.cache_type_v = getattr(xllamacpp.ggml_type, f"GGML_TYPE_{cache_type_v.upper()}")
-        params.n_parallel = 1
-        params.cpuparams.n_threads = 1
-        params.cpuparams_batch.n_threads = 1
-        params.warmup = False
-        params.verbosity = -1
         self._server = xllamacpp.Server(params)  # raises if llama.cpp refuses the file
         self._client = httpx.Client(base_url=self._server.listening_address, timeout=60.0)
 

@@ -22,6 +22,7 @@ from trio_llm.model.gguf import load_gguf
 from trio_llm.server import embeddings as EM
 
 xllamacpp = pytest.importorskip("xllamacpp")
+from llamacpp_ref import server_params  # noqa: E402  (after the wheel is known to be there)
 
 PRESETS = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-spm", "tiny-gemma3", "tiny-qwen3moe", "tiny-qwen35",
            "tiny-qwen35moe"]
@@ -40,14 +41,7 @@ class Llama:
     """One GGUF in llama.cpp with embeddings on, through its in-process llama-server."""
 
     def __init__(self, path: Path, pooling: str) -> None:
-        params = xllamacpp.CommonParams()
-        params.model.path = str(path)
-        params.n_ctx = 512
-        params.n_parallel = 1
-        params.cpuparams.n_threads = 1
-        params.cpuparams_batch.n_threads = 1
-        params.warmup = False
-        params.verbosity = -1
+        params = server_params(path, 512)
         params.embedding = True
         params.pooling_type = getattr(xllamacpp.llama_pooling_type, f"LLAMA_POOLING_TYPE_{pooling.upper()}")
         self._server = xllamacpp.Server(params)

@@ -16,6 +16,7 @@ from trio_llm.model.tokenizer import Tokenizer
 from trio_llm.server import infill as IN
 
 xllamacpp = pytest.importorskip("xllamacpp")
+from llamacpp_ref import server_params  # noqa: E402  (after the wheel is known to be there)
 
 BODY: dict[str, Any] = {
     "input_extra": [{"filename": "llama.h", "text": "LLAMA_API int32_t llama_n_threads();\n"}],
@@ -28,15 +29,8 @@ BODY: dict[str, Any] = {
 
 def llama_infill(path: Path, body: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp's answer (-c 2048 -b 1024 -np 1, as llama.cpp's own infill tests)."""
-    params = xllamacpp.CommonParams()
-    params.model.path = str(path)
-    params.n_ctx = 2048
+    params = server_params(path, 2048)
     params.n_batch = 1024
-    params.n_parallel = 1
-    params.cpuparams.n_threads = 1
-    params.cpuparams_batch.n_threads = 1
-    params.warmup = False
-    params.verbosity = -1
     server = xllamacpp.Server(params)
     try:
         r = httpx.post(server.listening_address + "/infill", json=body, timeout=60)

@@ -22,7 +22,7 @@ import trio
 import xllamacpp
 from PIL import Image
 
-from llamacpp_ref import N_PROBS, TIE_TOL
+from llamacpp_ref import N_PROBS, TIE_TOL, server_params
 from trio_llm.config import ServerConfig
 from trio_llm.model.gguf import load_gguf
 from trio_llm.runtime import ServerHandle, serve
@@ -73,15 +73,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def llamacpp(files: tuple[Path, Path]) -> AsyncIterator[httpx.Client]:
     text, mmproj = files
-    params = xllamacpp.CommonParams()
-    params.model.path = str(text)
+    params = server_params(text, 512)
     params.mmproj.path = str(mmproj)
-    params.n_ctx = 512
-    params.n_parallel = 1
-    params.cpuparams.n_threads = 1
-    params.cpuparams_batch.n_threads = 1
-    params.warmup = False
-    params.verbosity = -1
     server = xllamacpp.Server(params)
     with httpx.Client(base_url=server.listening_address, timeout=120.0) as client:
         yield client
