@@ -297,3 +297,35 @@ async def test_image_larger_than_a_pass(start: Start) -> None:
         assert r.status_code == 400 and f"takes {N_IMG} positions" in r.text, r.text
         r = await c.post("/completion", json={"prompt": "hello", "n_predict": 2})
         assert r.status_code == 200
+
+
+async def test_slot_save_restore_and_streamed_chat_with_an_image(start: Start, tmp_path: Path) -> None:
+    """A slot that holds an image survives save, erase and restore: the same request
+    then reuses it (the image's positions carry its content id in the file); a streamed
+    chat with the same image encodes nothing again."""
+    handle = await start(slot_save_path=tmp_path)
+    text = TURN.format("Look: <__media__> and say")
+    media = handle.context.engine.media  # type: ignore[union-attr]
+    async with httpx.AsyncClient(base_url=handle.url, timeout=300) as c:
+        first = (await c.post("/completion", json=completion_body(text, [png(11)], cache_prompt=True))).json()
+        assert media.n_encoded == 1
+        r = await c.post("/slots/0?action=save", json={"filename": "img.bin"})
+        assert r.status_code == 200 and r.json()["n_saved"] > N_IMG, r.text
+        assert (await c.post("/slots/0?action=erase")).status_code == 200
+        r = await c.post("/slots/0?action=restore", json={"filename": "img.bin"})
+        assert r.status_code == 200, r.text
+        again = (await c.post("/completion", json=completion_body(text, [png(11)], cache_prompt=True))).json()
+        assert again["tokens"] == first["tokens"]
+        assert again["timings"]["prompt_n"] == 1  # all but the last token from the restored cache
+        url = "data:image/png;base64," + b64(png(11))
+        body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                           {"type": "text", "text": "and now?"}]}],
+                "max_tokens": 4, "stream": True}
+        events = []
+        async with c.stream("POST", "/v1/chat/completions", json=body) as s:
+            assert s.status_code == 200
+            async for line in s.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(line)
+        assert len(events) >= 2
+        assert media.n_encoded == 1  # the same image: from the encoder's cache
