@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -329,3 +330,35 @@ async def test_slot_save_restore_and_streamed_chat_with_an_image(start: Start, t
                     events.append(line)
         assert len(events) >= 2
         assert media.n_encoded == 1  # the same image: from the encoder's cache
+
+
+async def test_hf_line_takes_the_cached_projector(files: tuple[Path, Path], tmp_path: Path) -> None:
+    """A llama-swap line as users write it for gemma-3 (``-hf REPO:QUANT``, no --mmproj),
+    as a real process: the projector cached beside the model is loaded (llama.cpp's
+    choice among several), /props says vision, and an image is answered; with
+    --no-mmproj the same line serves text only."""
+    from serve_procs import wait_ready
+
+    text, mmproj = files
+    snap = tmp_path / "models--unsloth--gemma-3-4b-it-GGUF" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("0" * 40)
+    (snap / "gemma-3-4b-it-UD-Q4_K_XL.gguf").symlink_to(text)
+    (snap / "mmproj-F16.gguf").symlink_to(mmproj)
+    (snap / "mmproj-F32.gguf").write_bytes(b"not chosen: 32 bits are further from 4 than 16")
+    env = dict(os.environ, LLAMA_CACHE=str(tmp_path))
+    line = ["-hf", "unsloth/gemma-3-4b-it-GGUF:Q4_K_XL", "--ctx-size", "512", "--temp", "1.0", "--top-k", "64",
+            "--top-p", "0.95", "--no-warmup", "--port", "0", "--mlock", "--no-mmap", "--backend", "numpy"]
+    for extra, vision in (([], True), (["--no-mmproj"], False)):
+        proc = await trio.lowlevel.open_process([sys.executable, "-m", "trio_llm", "serve", *line, *extra],
+                                                stderr=subprocess.PIPE, env=env)
+        try:
+            url, _ = await wait_ready(proc, 120)
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                assert (await c.get("/props")).json()["modalities"]["vision"] is vision
+                r = await c.post("/completion", json=completion_body(TURN.format("<__media__>"), [png(1)]))
+                assert r.status_code == (200 if vision else 400), r.text
+        finally:
+            proc.terminate()
+            await proc.wait()
