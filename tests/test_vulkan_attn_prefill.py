@@ -19,7 +19,10 @@ for emulated subgroups of 32 and 64 lanes and 16, 32 and 64 keys per tile. The
 ``coopmat3*`` rows run attn_prefill_cm3.comp (TRIO_LLM_PREFILL_CM2_VARIANT's variants) on
 a GPU; ``test_cm3_*`` its emulated form here. ``test_latent_*``: the LATENT form for a
 latent cache (deepseek2's MLA: K rows of 576 or 288, V the first 512 or 256 values of
-each), on the scalar kernel on every device, its tiles, refusals and prebuilt variants."""
+each), on the scalar kernel on every device, its tiles, refusals and prebuilt variants.
+``test_noncausal_*``: the NONCAUSAL form (gemma3's image rows: a row sees up to its
+step's STEP_VIS, the window's low bound still its own position) against numpy and, on
+the same inputs, far from the causal kernel's output wherever a row sees past itself."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import pytest
 from test_vulkan_kv import _typed_cache, attention_inputs
 from test_vulkan_ops import Env, open_env
 from trio_llm.engine.backend import SeqBatch
+from trio_llm.engine.reference import attend
 from trio_llm.errors import ConfigError
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.kvtypes import KV_TYPES
@@ -43,6 +47,7 @@ from trio_llm.vulkan.ops import (
     PREFILL_CM2_KEYS,
     Ops,
     attention_part_floats,
+    fill_step,
     prefill_cm2_prefer,
     prefill_cm2_shared,
     prefill_cm3_choose,
@@ -79,17 +84,20 @@ def ops(request: pytest.FixtureRequest, env: Env) -> Ops:
                         prefill_cm2_variant=attn_variant(CM3_FIXTURE[request.param]) if cm3 else None)
 
 
-def np_attention(q, k, v, pos, seq, n_head_kv, n_swa, scale):  # type: ignore[no-untyped-def]
+def np_attention(q, k, v, pos, seq, n_head_kv, n_swa, scale, hi=None):  # type: ignore[no-untyped-def]
     """q [ntok, n_head, hd]; k, v [n_seq, n_ctx, n_head_kv, hd (v: up to hd)], position p at row
     p % n_ctx; token t sees positions [pos - n_swa + 1, pos] (all of [0, pos] without
-    a window), in float64."""
+    a window), in float64; ``hi``: up to hi[t] instead of pos (STEP_VIS: the rows of a
+    non-causal entry), the window's low bound still from pos."""
     ntok, n_head, hd = q.shape
     n_ctx = k.shape[1]
     g = n_head // n_head_kv
+    hi = pos if hi is None else hi
     out = np.zeros((ntok, n_head, v.shape[-1]))  # V as wide as K, or narrower (a latent cache's)
     for t in range(ntok):
         lo = max(0, pos[t] - n_swa + 1) if n_swa else 0
-        r = np.arange(lo, pos[t] + 1) % n_ctx
+        assert hi[t] - lo < n_ctx  # the ring holds every position the row sees
+        r = np.arange(lo, hi[t] + 1) % n_ctx
         for h in range(n_head):
             kk = k[seq[t], r, h // g].astype(np.float64)
             vv = v[seq[t], r, h // g].astype(np.float64)
@@ -129,10 +137,12 @@ class PrefillRun:
 def run_prefill(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int], seq: list[int], n_ctx: int,
                 k_type: str = "f16", v_type: str | None = None, n_swa: int = 0, scale: float | None = None,
                 seed: int = 0, cap: int | None = None, emulate: tuple[int, int] | None = None, n_split: int = 1,
-                caches: Callable[[View, View], None] | None = None) -> PrefillRun:
+                caches: Callable[[View, View], None] | None = None, vis: list[int] | None = None) -> PrefillRun:
     """``ops.attention_prefill`` (then ``attention_combine`` where split) over random q and
     caches (``attention_inputs``; ``caches`` may write into the K and V views first), the
-    output and the partials starting as NaN."""
+    output and the partials starting as NaN; ``vis``: its NONCAUSAL form, each token's
+    highest visible position in the step buffer (``fill_step``'s ``vis``, as the backend
+    writes it)."""
     v_type = k_type if v_type is None else v_type
     ntok, n_seq = len(pos), max(seq) + 1
     q, kc, kh, vc, vh = attention_inputs(env, ntok=ntok, n_seq=n_seq, n_ctx=n_ctx, n_head=n_head, n_kv=n_kv,
@@ -141,13 +151,17 @@ def run_prefill(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: lis
         caches(kc, vc)
     qv, o = env.put(q), env.put(np.full(q.size, np.nan, np.float32))
     st = env.step([0] * ntok, pos, seq)
+    if vis is not None:
+        assert st.buffer.array is not None
+        fill_step(st.buffer.array.view(np.uint32), np.zeros(ntok, np.uint32), np.asarray(pos, np.uint32),
+                  np.asarray(seq, np.uint32), np.zeros(0, np.uint32), np.asarray(vis, np.uint32))
     s = 1.0 / np.sqrt(hd) if scale is None else scale
     cap = cap or ntok
     part = env.put(np.full(attention_part_floats(cap, n_head, hd, n_split), np.nan, np.float32))
     run: list[Op] = [ops.attention_prefill(
         qv, kc, vc, o, st, n_head=n_head, n_head_kv=n_kv, head_dim=hd, n_ctx=n_ctx, q_stride=n_head * hd,
         o_stride=n_head * hd, cap=cap, scale=s, k_type=k_type, v_type=v_type, n_swa=n_swa,
-        emulate_cm=emulate, part=part, n_split=n_split, min_tiles=1)]
+        emulate_cm=emulate, part=part, n_split=n_split, min_tiles=1, noncausal=vis is not None)]
     if n_split > 1:
         run += [Barrier(), ops.attention_combine(part, o, st, n_head=n_head, head_dim=hd, n_split=n_split,
                                                  o_stride=n_head * hd, cap=cap)]
@@ -710,3 +724,132 @@ def test_the_latent_prefill_variants_are_prebuilt(env: Env) -> None:
                               o_stride=2304, cap=16, k_type=name, v_type=name, v_dim=512)
     assert len(asked) == len(TYPES) and all(n == "attn_prefill" and d.get("LATENT") == 1 for n, d in asked)
     assert all((n, shaders.cache_key(n, d)) in prebuilt for n, d in asked), asked
+
+
+# -- non-causal entries (gemma3's image rows): attn_prefill.comp's NONCAUSAL form
+
+
+def visible(*runs: tuple[int, int, int, bool]) -> tuple[list[int], list[int], list[int]]:
+    """``batch``'s positions and sequence ids of runs (seq, p0, n, causal), and each
+    token's highest visible position (STEP_VIS, as the backend fills it): its own in a
+    causal run, the run's last (p0 + n - 1) in a non-causal one."""
+    pos, seq = batch(*((s, p0, n) for s, p0, n, _ in runs))
+    vis = [p if causal else p0 + n - 1 for _, p0, n, causal in runs for p in range(p0, p0 + n)]
+    return pos, seq, vis
+
+
+def check_noncausal(env: Env, *, hd: int, n_head: int, n_kv: int, runs: list[tuple[int, int, int, bool]],
+                    n_ctx: int, k_type: str = "f16", n_swa: int = 0, scale: float | None = None,
+                    seed: int = 0) -> PrefillRun:
+    """The NONCAUSAL form (the scalar kernel on every device) against numpy within the
+    scalar kernel's 3e-5 of V's largest value, then the causal kernel on the same inputs:
+    every row that sees past its own position is more than 20 times that bound away from
+    it (one more key than its causal row's among a hundred: 64 times at least here; the
+    largest gaps are thousands of times), every other row within it, so a kernel that
+    ignored STEP_VIS would fail."""
+    pos, seq, vis = visible(*runs)
+    kw = dict(hd=hd, n_head=n_head, n_kv=n_kv, pos=pos, seq=seq, n_ctx=n_ctx, k_type=k_type, n_swa=n_swa,
+              scale=scale, seed=seed)
+    r = run_prefill(env, env.ops, vis=vis, **kw)  # type: ignore[arg-type]
+    assert r.kernel == "attn_prefill"
+    tol = 3e-5 * np.abs(r.vh).max()
+    want = np_attention(r.q, r.kh, r.vh, pos, seq, n_kv, n_swa, r.scale, hi=vis)
+    np.testing.assert_allclose(r.got, want, atol=tol, rtol=0)
+    causal = run_prefill(env, env.ops, **kw)  # type: ignore[arg-type]
+    gap = np.abs(r.got - causal.got).max(axis=(1, 2))  # [ntok]
+    more = np.array(vis) > np.array(pos)
+    assert more.any() and gap[more].min() > 20 * tol and gap.max() > 1000 * tol, gap[more] / tol
+    assert (gap[~more] <= tol).all()
+    return r
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_noncausal_entry_alone(env: Env, name: str) -> None:
+    """A step of one non-causal entry (an image's 41 rows, not a multiple of the tile's
+    8 tokens) from position 0, then one after 37 positions already in the cache (whole
+    visible key tiles first), in every KV cache type."""
+    for p0 in (0, 37):
+        check_noncausal(env, hd=64, n_head=4, n_kv=2, runs=[(0, p0, 41, False)], n_ctx=96, k_type=name,
+                        seed=TYPES.index(name) + p0)
+
+
+@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize("gqa", [1, 2, 4])
+def test_noncausal_head_dims_and_gqa(env: Env, gqa: int, hd: int) -> None:
+    """Two non-causal entries of two sequences in one step: from position 0 and after a
+    prefix of 70, neither a multiple of the tile (which straddles them), on each head
+    dim and GQA ratio (head groups of 1, 2 and 4 rows per token)."""
+    n_kv = 1 if hd == 256 else 2
+    g, bq = prefill_tile(gqa * n_kv, n_kv, hd)
+    assert g == gqa
+    check_noncausal(env, hd=hd, n_head=gqa * n_kv, n_kv=n_kv, runs=[(0, 0, 2 * bq + 3, False), (1, 70, bq + 5, False)],
+                    n_ctx=160, seed=hd + gqa)
+
+
+@pytest.mark.parametrize("name", ["f16", "q8_0"])
+def test_noncausal_sliding_window(env: Env, name: str) -> None:
+    """gemma3's sliding-window layers (window 16, its scale, head_dim 256): an image's 45
+    rows from position 0 each see all the later ones (the first row keys up to 44
+    positions after it) while the window still hides the keys 16 or more before it
+    (numpy's mask, which the window-less attention misses by far; the numpy backend's
+    ``attend(causal=False)`` agrees); then over a ring of 70 rows, an image from position
+    200 beside one from 0, and a window of 33 over a ring of 72 (the first row's keys
+    fill it exactly)."""
+    scale = 1.0 / np.sqrt(160.0)
+    r = check_noncausal(env, hd=256, n_head=4, n_kv=1, runs=[(0, 0, 45, False)], n_ctx=64, k_type=name, n_swa=16,
+                        scale=scale, seed=11)
+    pos, seq, vis = visible((0, 0, 45, False))
+    tol = 3e-5 * np.abs(r.vh).max()
+    wide = np_attention(r.q, r.kh, r.vh, pos, seq, 1, 0, r.scale, hi=vis)
+    assert np.abs(r.got - wide).max(axis=(1, 2))[16:].min() > 100 * tol  # rows 16.. lose keys to the window
+    nb = attend(r.q, r.kh[0, :45], r.vh[0, :45], 0, window=16, scale=r.scale, causal=False)
+    np.testing.assert_allclose(nb, np_attention(r.q, r.kh, r.vh, pos, seq, 1, 16, r.scale, hi=vis), atol=1e-5, rtol=0)
+    check_noncausal(env, hd=256, n_head=4, n_kv=1, runs=[(0, 200, 45, False), (1, 0, 30, False)], n_ctx=70,
+                    k_type=name, n_swa=20, scale=scale, seed=12)
+    check_noncausal(env, hd=64, n_head=4, n_kv=2, runs=[(0, 130, 40, False)], n_ctx=72, k_type=name, n_swa=33,
+                    seed=13)
+
+
+def test_noncausal_beside_causal(env: Env) -> None:
+    """Each row its own mask in one step: a text entry of one sequence (causal) beside an
+    image of another and a third sequence's text; then one sequence's text, image and
+    text in a row (the image's rows see its last but not the text after it, the text
+    after it all of the image), with a window over a ring, in q8_0."""
+    check_noncausal(env, hd=128, n_head=4, n_kv=2,
+                    runs=[(0, 30, 20, True), (1, 10, 37, False), (2, 0, 9, True)], n_ctx=96, seed=21)
+    check_noncausal(env, hd=64, n_head=8, n_kv=2,
+                    runs=[(0, 50, 9, True), (0, 59, 30, False), (0, 89, 5, True), (1, 3, 17, False)], n_ctx=80,
+                    k_type="q8_0", n_swa=24, seed=22)
+
+
+def test_noncausal_kernel_choice(env: Env) -> None:
+    """``noncausal`` takes attn_prefill.comp's NONCAUSAL form, unsplit, on the scalar
+    tile, whatever cooperative-matrix kernels the device would otherwise take (prebuilt
+    for every cache type); it refuses a split, an emulated tile and a latent cache."""
+    asked: list[tuple[str, dict[str, object]]] = []
+
+    class Spy:
+        device = env.device
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(env.ops.kernels, name)
+
+        def get(self, name: str, **kw: object) -> object:
+            asked.append((name, dict(kw.get("defines") or {})))  # type: ignore[call-overload]
+            return env.ops.kernels.get(name, **kw)  # type: ignore[arg-type]
+
+    hw = attrs.evolve(env.ops, kernels=Spy(), coopmat=True, prefill_cm=True, prefill_cm2=True,  # type: ignore[arg-type]
+                      prefill_nv2=True, subgroup=32, prefill_cm2_variant=attn_variant("v"))
+    v = env.zeros(64)
+    kw = dict(n_head=8, n_head_kv=2, head_dim=64, n_ctx=64, q_stride=512, o_stride=512, cap=64, noncausal=True)
+    d = hw.attention_prefill(v, v, v, v, v, k_type="q8_0", v_type="q8_0", **kw)  # type: ignore[arg-type]
+    g, bq = prefill_tile(8, 2, 64)
+    assert d.kernel.name == "attn_prefill" and d.groups == (64 // bq, 8 // g, 1)  # type: ignore[union-attr]
+    assert asked[-1][1].get("NONCAUSAL") == 1
+    prebuilt = {(n, shaders.cache_key(n, dd)) for n, dd in shaders.all_variants()}
+    for name in TYPES:
+        hw.attention_prefill(v, v, v, v, v, k_type=name, v_type=name, **kw)  # type: ignore[arg-type]
+        assert (asked[-1][0], shaders.cache_key(*asked[-1])) in prebuilt, name
+    for bad in ({"n_split": 2, "part": v}, {"emulate_cm": (4, 8)}, {"v_dim": 32}):
+        with pytest.raises(AssertionError):
+            hw.attention_prefill(v, v, v, v, v, **kw, **bad)  # type: ignore[arg-type]
