@@ -62,11 +62,62 @@ def test_image_urls() -> None:
     data = b"\x89PNG not really"
     url = "data:image/png;base64," + base64.b64encode(data).decode()
     assert MD.image_url_bytes(url) == data
-    for bad, why in [("http://example.com/a.png", "not fetched"), ("file:///tmp/a.png", "not fetched"),
+    for bad, why in [("file://a.png", "unless --media-path"),
                      ("data:image/png,rawbytes", "must be base64"), ("", "non-empty"), (3, "non-empty"),
                      ("nonsense", "Invalid image_url")]:
         with pytest.raises(InvalidRequest, match=why):
             MD.image_url_bytes(bad)
+
+
+def test_file_urls_under_media_path(tmp_path: Path) -> None:
+    """llama-server's --media-path: relative file:// paths inside the directory, nothing
+    outside it (no .., no absolute path, no symlink out)."""
+    root = tmp_path / "media"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "a.png").write_bytes(b"A")
+    (tmp_path / "secret.png").write_bytes(b"S")
+    (root / "link.png").symlink_to(tmp_path / "secret.png")
+    assert MD.image_url_bytes("file://sub/a.png", root) == b"A"
+    for bad in ("file://../secret.png", "file://sub/../../secret.png", "file:///etc/passwd", "file://link.png",
+                "file://", "file://sub//a.png"):
+        with pytest.raises(InvalidRequest, match="not allowed"):
+            MD.image_url_bytes(bad, root)
+    with pytest.raises(InvalidRequest, match="does not exist"):
+        MD.image_url_bytes("file://sub/none.png", root)
+
+
+def test_remote_urls_are_fetched() -> None:
+    """http(s) image URLs are fetched as llama-server fetches them (a real server on
+    loopback): the body, an HTTP error, a body over the size limit, a refused connection."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    big = b"x" * (MD.REMOTE_MAX_BYTES + 1)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = {"/a.png": b"PNGDATA", "/big.png": big}.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert MD.image_url_bytes(base + "/a.png") == b"PNGDATA"
+        with pytest.raises(InvalidRequest, match="HTTP 404"):
+            MD.image_url_bytes(base + "/none.png")
+        with pytest.raises(InvalidRequest, match="larger than"):
+            MD.image_url_bytes(base + "/big.png")
+    finally:
+        server.shutdown()
+    with pytest.raises(InvalidRequest, match="Failed to download image"):
+        MD.image_url_bytes(base + "/a.png")  # nobody listens there now
 
 
 def test_extract_images() -> None:

@@ -218,8 +218,11 @@ async def test_refusals(start: Start) -> None:
             ({"prompt": {"prompt_string": "x <__media__>", "multimodal_data": ["!!not base64!!"]}}, "not valid base64"),
             ({"prompt": {"prompt_string": "x <__media__>", "multimodal_data": [b64(b"not an image")]}}, "image"),
             ({"prompt": "a marker alone <__media__>"}, "number of bitmaps (0)"),
-            ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
-             "not fetched"),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                         "image_url": {"url": "http://127.0.0.1:9/y.png"}}]}]},
+             "Failed to download image"),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file://a.png"}}]}]},
+             "not allowed unless --media-path"),
         ]
         for body, why in cases:
             path = "/v1/chat/completions" if "messages" in body else "/completion"
@@ -362,3 +365,23 @@ async def test_hf_line_takes_the_cached_projector(files: tuple[Path, Path], tmp_
         finally:
             proc.terminate()
             await proc.wait()
+
+
+async def test_media_path_file_urls(start: Start, tmp_path: Path) -> None:
+    """--media-path: a file:// image answers as the same image sent inline."""
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "one.png").write_bytes(png(12))
+    handle = await start(media_path=tmp_path)
+
+    def chat(url: str) -> dict[str, Any]:
+        return {"messages": [{"role": "user", "content": [{"type": "text", "text": "see"},
+                                                           {"type": "image_url", "image_url": {"url": url}}]}],
+                "max_tokens": 6, "temperature": 0.0, "cache_prompt": False}
+
+    async with httpx.AsyncClient(base_url=handle.url, timeout=120) as c:
+        by_file = await c.post("/v1/chat/completions", json=chat("file://pics/one.png"))
+        inline = await c.post("/v1/chat/completions", json=chat("data:image/png;base64," + b64(png(12))))
+        assert by_file.status_code == inline.status_code == 200, by_file.text
+        assert by_file.json()["choices"][0]["message"] == inline.json()["choices"][0]["message"]
+        r = await c.post("/v1/chat/completions", json=chat("file://../x.png"))
+        assert r.status_code == 400 and "not allowed" in r.text

@@ -82,6 +82,7 @@ class ServerConfig:
     hf_file: str | None = None  # -hff
     mmproj: Path | None = None  # --mmproj: gemma3's vision projector (with -hf: found beside the model)
     mmproj_auto: bool = True  # --no-mmproj: -hf takes no projector
+    media_path: Path | None = None  # --media-path: where file:// image URLs are read (None: refused)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
@@ -130,6 +131,8 @@ class ServerConfig:
         _check(self.repeat_last_n >= -1, "--repeat-last-n", "must be >= -1")
         _check(-1 <= self.seed < 1 << 64, "--seed", "must be -1 (random) or a 64-bit unsigned integer")
         _check(self.backend in BACKEND_KINDS, "--backend", f"{self.backend!r} is not one of {BACKEND_KINDS}")
+        _check(self.media_path is None or Path(self.media_path).is_dir(), "--media-path",
+               f"{self.media_path} is not a directory")
         _check(self.sleep_mode in SLEEP_MODES, "--sleep-mode", f"{self.sleep_mode!r} is not one of {SLEEP_MODES}")
         _check(
             self.sleep_idle_seconds == -1 or self.sleep_idle_seconds >= 0,

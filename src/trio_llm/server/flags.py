@@ -576,7 +576,8 @@ FLAGS: tuple[Flag, ...] = (
       env="LLAMA_ARG_ENDPOINT_SLOTS", dest="endpoint_slots"),
     W("--slot-save-path", "folder of POST /slots/{id}?action=save|restore files", value="PATH",
       env="LLAMA_ARG_SLOT_SAVE_PATH", dest="slot_save_path", conv=Path),
-    N("--media-path", "file:// image URLs are not read here: send images as base64 data: URLs", value="PATH"),
+    W("--media-path", "directory file:// image URLs are read from (relative paths inside it only; default: "
+      "file:// refused)", value="PATH", dest="media_path", conv=Path),
     R("--models-dir", "router mode is not supported: run one server per model (llama-swap routes)",
       value="PATH", env="LLAMA_ARG_MODELS_DIR"),
     R("--models-preset", "router mode is not supported: run one server per model", value="PATH",

@@ -608,7 +608,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         images: list[bytes] = []
         if isinstance(body, dict) and "messages" in body:
             media = eng().media
-            messages, images = MD.extract_images(body["messages"], media.marker if media is not None else None)
+            messages, images = MD.extract_images(body["messages"], media.marker if media is not None else None,
+                                                 ctx.config.media_path)
             body = dict(body, messages=messages)
         inputs = P.chat_inputs(body, ctx.config, template.source)
         text = str(template.render(inputs.messages, add_generation_prompt=inputs.add_generation_prompt,

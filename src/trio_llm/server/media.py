@@ -26,6 +26,7 @@ import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -77,9 +78,16 @@ def decode_base64(text: Any, what: str) -> bytes:
         raise InvalidRequest(f"{what} is not valid base64") from None
 
 
-def image_url_bytes(url: Any) -> bytes:
-    """The image of an OpenAI ``image_url`` part: a ``data:`` URL (base64). Remote and
-    file URLs are refused in one line: this server fetches nothing."""
+#: llama-server's limits on a remote image (``handle_media``): 10 MB in 10 s
+REMOTE_MAX_BYTES = 10 * 1024 * 1024
+REMOTE_TIMEOUT_S = 10.0
+
+
+def image_url_bytes(url: Any, media_path: Path | None = None) -> bytes:
+    """The image of an OpenAI ``image_url`` part, as llama-server reads one: a base64
+    ``data:`` URL; an ``http(s)://`` URL, fetched (at most ``REMOTE_MAX_BYTES`` within
+    ``REMOTE_TIMEOUT_S``); a ``file://`` path relative to ``--media-path``, only with it
+    and never outside it."""
     if not isinstance(url, str) or not url:
         raise InvalidRequest("image_url.url must be a non-empty string")
     if url.startswith("data:"):
@@ -87,10 +95,47 @@ def image_url_bytes(url: Any) -> bytes:
         if not sep or ";base64" not in head:
             raise InvalidRequest("Invalid image_url.url format: a data: URL must be base64 (data:image/...;base64,...)")
         return decode_base64(data, "image_url.url")
-    if url.startswith(("http://", "https://", "file://")):
-        raise InvalidRequest("image_url.url: remote and file URLs are not fetched here; send the image as a base64 "
-                             "data: URL")
+    if url.startswith(("http://", "https://")):
+        return _fetch(url)
+    if url.startswith("file://"):
+        return _local_file(url[len("file://"):], media_path)
     raise InvalidRequest("Invalid image_url.url value")
+
+
+def _fetch(url: str) -> bytes:
+    import httpx
+
+    from trio_llm import __version__
+
+    try:
+        with httpx.stream("GET", url, timeout=REMOTE_TIMEOUT_S, follow_redirects=True,
+                          headers={"User-Agent": f"trio-llm/{__version__}"}) as r:
+            if not 200 <= r.status_code < 300:
+                raise InvalidRequest(f"Failed to download image: HTTP {r.status_code}")
+            data = bytearray()
+            for chunk in r.iter_bytes():
+                data += chunk
+                if len(data) > REMOTE_MAX_BYTES:
+                    raise InvalidRequest(f"Failed to download image: larger than {REMOTE_MAX_BYTES} bytes")
+    except httpx.HTTPError as exc:
+        raise InvalidRequest(f"Failed to download image: {type(exc).__name__}") from None
+    return bytes(data)
+
+
+def _local_file(rel: str, media_path: Path | None) -> bytes:
+    if media_path is None:
+        raise InvalidRequest("file:// URLs are not allowed unless --media-path is specified")
+    root = media_path.resolve()
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in rel or "\0" in rel:
+        raise InvalidRequest("file path is not allowed")
+    path = (root / rel).resolve()
+    if not path.is_relative_to(root):  # a symlink out of the directory
+        raise InvalidRequest("file path is not allowed")
+    try:
+        return path.read_bytes()
+    except OSError:
+        raise InvalidRequest("file does not exist or cannot be opened") from None
 
 
 @attrs.define(eq=False)
@@ -220,7 +265,7 @@ def _is_text(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
 
 
-def extract_images(messages: Any, marker: str | None) -> tuple[Any, list[bytes]]:
+def extract_images(messages: Any, marker: str | None, media_path: Path | None = None) -> tuple[Any, list[bytes]]:
     """OpenAI chat messages with each ``image_url`` part replaced by a text part holding
     the marker, and the images' bytes in order (llama-server's
     ``oaicompat_chat_params_parse``). Without a projector (``marker`` None) an image
@@ -245,7 +290,7 @@ def extract_images(messages: Any, marker: str | None) -> tuple[Any, list[bytes]]
                     raise InvalidRequest("image input is not supported - hint: if this is unexpected, you may need "
                                          "to provide the mmproj")
                 url = part.get("image_url")
-                images.append(image_url_bytes(url.get("url") if isinstance(url, dict) else url))
+                images.append(image_url_bytes(url.get("url") if isinstance(url, dict) else url, media_path))
                 if parts and _is_text(parts[-1]):
                     parts[-1] = {**parts[-1], "text": parts[-1]["text"] + marker}
                 else:
