@@ -116,6 +116,7 @@ def test_remote_urls_are_fetched() -> None:
             MD.image_url_bytes(base + "/big.png")
     finally:
         server.shutdown()
+        server.server_close()
     with pytest.raises(InvalidRequest, match="Failed to download image"):
         MD.image_url_bytes(base + "/a.png")  # nobody listens there now
 
