@@ -29,15 +29,6 @@ def test_media_runs_and_cut() -> None:
         assert MD.cut_before_media(p, keep) == keep
 
 
-def test_check_media() -> None:
-    rows = np.zeros((3, 4), np.float32)
-    MD.check_media([1, IMG, IMG, IMG, 2], {IMG: rows})
-    with pytest.raises(InvalidRequest, match="cut"):
-        MD.check_media([1, IMG, IMG, 2], {IMG: rows})
-    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
-        MD.check_media([1, -3, 2], {IMG: rows})
-
-
 def test_render_writes_the_marker() -> None:
     def decode(ids: list[int]) -> str:
         assert all(i >= 0 for i in ids)

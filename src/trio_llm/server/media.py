@@ -236,21 +236,11 @@ def cut_before_media(prompt: Sequence[int], keep: int) -> int:
     return keep
 
 
-def check_media(prompt: Sequence[int], media: Mapping[int, np.ndarray]) -> None:
-    """Every image run of ``prompt`` is one image's rows, whole (token ids a client sent
-    are never negative: an image is wrapped in its begin and end tokens, so two never
-    touch)."""
-    for a, b in media_runs(prompt):
-        rows = media.get(prompt[a])
-        if rows is None:
-            raise InvalidRequest(f"token {prompt[a]} is outside the vocabulary")
-        if b - a != rows.shape[0]:
-            raise InvalidRequest("an image's positions are cut")
-
-
 def render(prompt: Sequence[int], decode: Any, marker: str = MARKER) -> str:
     """A prompt as text, each image written as the media marker (as llama-server's
     ``server_tokens`` detokenizes one)."""
+    if not prompt or min(prompt) >= 0:  # no image: one decode, no Python pass over the ids
+        return str(decode(list(prompt)))
     out: list[str] = []
     start = 0
     for a, b in media_runs(prompt):

@@ -208,13 +208,14 @@ class Slot:
         stop = self.checkpoint_stop()
         if stop is not None:
             rest = rest[: stop - self.n_past]  # the prompt piece ends where a checkpoint is taken
-        if rest and rest[0] < 0:  # an image's rows, whole
-            assert self.task is not None
-            rows = self.task.params.media[rest[0]]
-            return Work(self.id, rest[: len(rows)], self.n_past, False, rows)
-        first = next((i for i, t in enumerate(rest) if t < 0), None)
-        if first is not None:
-            rest = rest[:first]  # the text before an image
+        media = self.task.params.media if self.task is not None else None
+        if media:  # (a text prompt is not scanned: a long one would cost a pass of Python per step)
+            if rest and rest[0] < 0:  # an image's rows, whole
+                rows = media[rest[0]]
+                return Work(self.id, rest[: len(rows)], self.n_past, False, rows)
+            first = next((i for i, t in enumerate(rest) if t < 0), None)
+            if first is not None:
+                rest = rest[:first]  # the text before an image
         # after a lost KV cache a generating slot re-evaluates its text as a prompt chunk
         return Work(self.id, rest, self.n_past, bool(self.generated) and len(rest) == 1)
 
