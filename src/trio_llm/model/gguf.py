@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,17 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     """Open and validate ``path``; raise ``ModelLoadError`` (or its subclass
     ``UnsupportedModelError``) with one line naming the file and the problem."""
     path = Path(path)
+    metadata, tensors, data = read_gguf(path)
+    config = _config_from(path, metadata, tensors)
+    _check_tensors(path, config, tensors)
+    return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors, map=data)
+
+
+def read_gguf(path: Path, check: Callable[[dict[str, Any]], None] | None = None,
+              ) -> tuple[dict[str, Any], dict[str, TensorInfo], np.ndarray]:
+    """A GGUF file's metadata, tensors (views of the mapping) and the mapping itself,
+    checked as far as the format goes (``ModelLoadError`` in one line); ``check`` sees
+    the metadata before the tensors are read (what kind of file it is)."""
     data = _open_map(path)
     try:
         metadata, directory, data_start, alignment = _Header(data.data).parse()
@@ -107,10 +119,9 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
         raise ModelLoadError(path, f"truncated or corrupt GGUF file ({_one_line(exc)})") from None
     except _Corrupt as exc:
         raise ModelLoadError(path, str(exc)) from None
-    tensors = _read_tensors(path, data, directory, data_start, alignment)
-    config = _config_from(path, metadata, tensors)
-    _check_tensors(path, config, tensors)
-    return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors, map=data)
+    if check is not None:
+        check(metadata)
+    return metadata, _read_tensors(path, data, directory, data_start, alignment), data
 
 
 def _open_map(path: Path) -> np.ndarray:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import os
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +29,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from trio_llm.errors import ModelLoadError, UnsupportedModelError
-from trio_llm.model.gguf import TensorInfo, _one_line, _open_map, _read_tensors
-from trio_llm.model.gguf import _Corrupt as _GGUFCorrupt
-from trio_llm.model.gguf import _Header as _GGUFHeader
+from trio_llm.model.gguf import TensorInfo, read_gguf
 from trio_llm.vision import siglip
 from trio_llm.vision.siglip import FfnOp, Hparams
 
@@ -95,15 +92,7 @@ def load_projector(path: str | os.PathLike[str]) -> Projector:
     """Open and validate a gemma3 ``--mmproj`` file; raise ``ModelLoadError`` (or its
     subclass ``UnsupportedModelError``) with one line naming the file and the problem."""
     path = Path(path)
-    data = _open_map(path)
-    try:
-        md, directory, data_start, alignment = _GGUFHeader(data.data).parse()
-    except (struct.error, UnicodeDecodeError, ValueError, OverflowError) as exc:
-        raise ModelLoadError(path, f"truncated or corrupt GGUF file ({_one_line(exc)})") from None
-    except _GGUFCorrupt as exc:
-        raise ModelLoadError(path, str(exc)) from None
-    _check_kind(path, md)
-    tensors = _read_tensors(path, data, directory, data_start, alignment)
+    md, tensors, _ = read_gguf(path, lambda md: _check_kind(path, md))
     hp = _hparams(path, md, tensors)
     _check_tensors(path, hp, tensors)
     mean = _triple(path, md, "clip.vision.image_mean")
