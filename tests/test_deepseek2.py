@@ -5,6 +5,8 @@ q_lora and with an MTP block, and the GLM-4.7-Flash preset's shapes."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -301,19 +303,7 @@ def test_vulkan_decodes_a_latent_cache_at_depth_by_flash_decoding(model_path, mo
     with a q8_0 cache those of the plain attention.comp path (numpy's q8_0 run differs
     from the device's by ~1e-2 after the 300-token prefill, on either path, because numpy
     rounds q to q8_0 before its dot products as llama.cpp's CPU does: see the test below)."""
-    from trio_llm.vulkan.backend import VulkanBackend
-    from trio_llm.vulkan.ops import Ops
-
-    calls: list[int] = []
-    orig = Ops.attention_decode
-
-    def spy(self, *a, **kw):  # type: ignore[no-untyped-def]
-        calls.append(kw.get("v_dim", 0))
-        return orig(self, *a, **kw)
-
-    monkeypatch.setattr(Ops, "attention_decode", spy)
     model = load_gguf(model_path("tiny-deepseek2", "F32", sharp=True))
-    cfg = model.config
     toks = np.arange(300, dtype=np.int32) * 37 % 1000 + 3
     steps = [SeqBatch(0, np.array([t], np.int32), 300 + i) for i, t in enumerate((5, 77, 901))]
 
@@ -324,21 +314,8 @@ def test_vulkan_decodes_a_latent_cache_at_depth_by_flash_decoding(model_path, mo
         finally:
             be.close()
 
-    for kt in ("f32", "q8_0"):
-        kw = dict(n_ctx=512, n_seq=1, cache_type_k=kt, cache_type_v=kt)
-        if kt == "f32":
-            want = run(NumpyBackend(model, **kw))  # type: ignore[arg-type]
-        else:
-            with monkeypatch.context() as m:
-                m.setattr(Ops, "decode_latent_ok", lambda *a: False)
-                calls.clear()
-                want = run(VulkanBackend(model, **kw))  # type: ignore[arg-type]
-                assert not calls  # attention.comp served the latent layers
-        calls.clear()
-        got = run(VulkanBackend(model, **kw))  # type: ignore[arg-type]
-        assert calls and set(calls) == {cfg.n_lora_kv}  # every decode attention was the latent one
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+    _latent_against_fallback(monkeypatch, model, "attention_decode", ("decode_latent_ok", lambda *a: False), run,
+                             n_seq=1, tols={"f32": (1e-4, 1e-4), "q8_0": (1e-4, 1e-4)})
 
 
 @pytest.mark.vulkan
@@ -354,19 +331,7 @@ def test_vulkan_prefills_a_latent_cache_by_tiled_attention(model_path, monkeypat
     an f32 q comes as close). numpy itself is no reference at q8_0: it rounds q to q8_0
     before its dot products, as llama.cpp's CPU flash attention does and no shader
     does (~1e-2 apart at this depth, as for tiny and tiny-qwen3)."""
-    from trio_llm.vulkan.backend import VulkanBackend
-    from trio_llm.vulkan.ops import Ops
-
-    calls: list[int] = []
-    orig = Ops.attention_prefill
-
-    def spy(self, *a, **kw):  # type: ignore[no-untyped-def]
-        calls.append(kw.get("v_dim", 0))
-        return orig(self, *a, **kw)
-
-    monkeypatch.setattr(Ops, "attention_prefill", spy)
     model = load_gguf(model_path("tiny-deepseek2", "F32", sharp=True))
-    cfg = model.config
     toks = np.arange(300, dtype=np.int32) * 37 % 1000 + 3
     other = np.arange(45, dtype=np.int32) * 11 % 1000 + 7
     steps = [[SeqBatch(0, toks[:170], 0)], [SeqBatch(0, toks[170:], 170), SeqBatch(1, other, 0)],
@@ -378,19 +343,40 @@ def test_vulkan_prefills_a_latent_cache_by_tiled_attention(model_path, monkeypat
         finally:
             be.close()
 
+    _latent_against_fallback(monkeypatch, model, "attention_prefill", ("prefill_latent_tile", lambda *a: None), run,
+                             n_seq=2, tols={"f32": (1e-4, 0.0), "q8_0": (2e-3, 0.0)})
+
+
+def _latent_against_fallback(monkeypatch, model, spied: str, refuse: tuple[str, Any], run: Any, *,  # type: ignore[no-untyped-def]
+                             n_seq: int, tols: dict[str, tuple[float, float]]) -> None:
+    """Every call of ``Ops.<spied>`` is the latent form (``v_dim`` = kv_lora_rank), and
+    ``run``'s logits match numpy's with an f32 cache, and with a q8_0 cache those of the
+    Vulkan backend with the latent form refused (``refuse``: the method and its stand-in;
+    attention.comp then serves the latent layers), within ``tols[type]`` (atol, rtol)."""
+    from trio_llm.vulkan.backend import VulkanBackend
+    from trio_llm.vulkan.ops import Ops
+
+    calls: list[int] = []
+    orig = getattr(Ops, spied)
+
+    def spy(self, *a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(kw.get("v_dim", 0))
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(Ops, spied, spy)
     for kt in ("f32", "q8_0"):
-        kw = dict(n_ctx=512, n_seq=2, cache_type_k=kt, cache_type_v=kt)
+        kw = dict(n_ctx=512, n_seq=n_seq, cache_type_k=kt, cache_type_v=kt)
         if kt == "f32":
-            want = run(NumpyBackend(model, **kw))  # type: ignore[arg-type]
+            want = run(NumpyBackend(model, **kw))
         else:
             with monkeypatch.context() as m:
-                m.setattr(Ops, "prefill_latent_tile", lambda *a: None)
+                m.setattr(Ops, *refuse)
                 calls.clear()
-                want = run(VulkanBackend(model, **kw))  # type: ignore[arg-type]
+                want = run(VulkanBackend(model, **kw))
                 assert not calls  # attention.comp served the latent layers
         calls.clear()
-        got = run(VulkanBackend(model, **kw))  # type: ignore[arg-type]
-        assert calls and set(calls) == {cfg.n_lora_kv}  # every prefill attention was the latent one
-        tol = 1e-4 if kt == "f32" else 2e-3
+        got = run(VulkanBackend(model, **kw))
+        assert calls and set(calls) == {model.config.n_lora_kv}  # every such attention was the latent one
+        atol, rtol = tols[kt]
         for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g, w, atol=tol, rtol=0)
+            np.testing.assert_allclose(g, w, atol=atol, rtol=rtol)
