@@ -307,7 +307,7 @@ async def test_slot_save_restore_and_streamed_chat_with_an_image(start: Start, t
     """A slot that holds an image survives save, erase and restore: the same request
     then reuses it (the image's positions carry its content id in the file); a streamed
     chat with the same image encodes nothing again."""
-    handle = await start(slot_save_path=tmp_path)
+    handle = await start(slot_save_path=tmp_path, metrics=True)
     text = TURN.format("Look: <__media__> and say")
     media = handle.context.engine.media  # type: ignore[union-attr]
     async with httpx.AsyncClient(base_url=handle.url, timeout=300) as c:
@@ -333,6 +333,12 @@ async def test_slot_save_restore_and_streamed_chat_with_an_image(start: Start, t
                     events.append(line)
         assert len(events) >= 2
         assert media.n_encoded == 1  # the same image: from the encoder's cache
+        metrics = (await c.get("/metrics")).text
+        assert "trio_llm_images_encoded_total 1.0" in metrics
+        assert "trio_llm_images_cached_total 2.0" in metrics
+        seconds = next(float(ln.split()[-1]) for ln in metrics.splitlines()
+                       if ln.startswith("trio_llm_image_encode_seconds_total"))
+        assert seconds > 0
 
 
 async def test_hf_line_takes_the_cached_projector(files: tuple[Path, Path], tmp_path: Path) -> None:

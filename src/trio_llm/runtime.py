@@ -560,10 +560,13 @@ async def _run_loaded(
                     embedder = embeddings.Embedder(
                         client, gate, embeddings.resolve_pooling(config.pooling, model.metadata),
                         output=loaded.output, arch=model.config.arch, n_seq=backend.n_seq)
+                media = (MediaEncoder(loaded.projector, tokenizer, max_rows=config.n_batch)
+                         if loaded.projector is not None else None)
                 registry = make_registry(
                     StatisticsSources(slots.statistics, queue.statistics, actor.statistics, gate.is_sleeping,
                                       arena=getattr(gate, "arena_statistics", None),
-                                      embeddings=embedder.statistics if embedder is not None else None)
+                                      embeddings=embedder.statistics if embedder is not None else None,
+                                      media=media.statistics if media is not None else None)
                 )
                 path = Path(model.path)
                 ctx.set_engine(
@@ -585,8 +588,7 @@ async def _run_loaded(
                         created=int(loaded.stat.st_mtime),
                         grammars=grammars,
                         embedder=embedder,
-                        media=(MediaEncoder(loaded.projector, tokenizer, max_rows=config.n_batch)
-                               if loaded.projector is not None else None),
+                        media=media,
                     )
                 )
                 log.info("ready")

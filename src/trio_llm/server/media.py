@@ -24,6 +24,7 @@ import hashlib
 import os
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -138,6 +139,13 @@ def _local_file(rel: str, media_path: Path | None) -> bytes:
         raise InvalidRequest("file does not exist or cannot be opened") from None
 
 
+@attrs.frozen
+class MediaStatistics:
+    n_encoded: int  # images run through the encoder
+    n_cached: int  # images found in its cache instead
+    t_encode: float  # seconds of encoding (worker threads)
+
+
 @attrs.define(eq=False)
 class MediaEncoder:
     """The loaded projector behind the HTTP edge: images to embedding rows (on the
@@ -153,6 +161,12 @@ class MediaEncoder:
     _cache: OrderedDict[int, np.ndarray] = attrs.field(init=False, factory=OrderedDict)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
     n_encoded: int = 0  # images run through the encoder (not found in the cache)
+    n_cached: int = 0  # images found in the cache
+    t_encode: float = 0.0  # seconds spent encoding
+
+    def statistics(self) -> MediaStatistics:
+        with self._lock:
+            return MediaStatistics(self.n_encoded, self.n_cached, self.t_encode)
 
     @property
     def n_tokens(self) -> int:
@@ -169,10 +183,15 @@ class MediaEncoder:
             rows = self._cache.get(mid)
             if rows is not None:
                 self._cache.move_to_end(mid)
+                self.n_cached += 1
                 return mid, rows
+        # a duration measured on a worker thread, where trio's clock cannot be read; it
+        # is only reported (/metrics), nothing waits on it
+        t0 = time.perf_counter()
         rows = np.ascontiguousarray(self.projector.encode(preprocess(pixels, self.projector)), dtype=np.float32)
         rows.setflags(write=False)
         with self._lock:
+            self.t_encode += time.perf_counter() - t0
             self.n_encoded += 1
             self._cache[mid] = rows
             while len(self._cache) > CACHE_IMAGES:

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from trio_llm.engine.actor import BackendActorStatistics
 from trio_llm.residency.sleep import ArenaStatistics
 from trio_llm.server.embeddings import EmbedderStatistics
+from trio_llm.server.media import MediaStatistics
 from trio_llm.server.queue import QueueStatistics
 from trio_llm.server.slots import SlotsStatistics
 
@@ -48,6 +49,8 @@ class StatisticsSources:
     #: an embedding server's passes (``Embedder.statistics``), counted with the slots'
     #: prompt figures as llama-server counts its embedding tasks; None: not one
     embeddings: Callable[[], EmbedderStatistics] | None = None
+    #: the image encoder's figures (``MediaEncoder.statistics``); None: no --mmproj
+    media: Callable[[], MediaStatistics] | None = None
 
 
 @attrs.define(eq=False)
@@ -123,6 +126,12 @@ class ServerCollector(Collector):
         yield gauge("trio_llm_is_sleeping", "1 while the model is not resident.", float(self.sources.is_sleeping()))
         if self.sources.arena is not None:
             yield from _arena_metrics(self.sources.arena())
+        if self.sources.media is not None:
+            m = self.sources.media()
+            yield counter("trio_llm_images_encoded", "Images run through the image encoder (--mmproj).", m.n_encoded)
+            yield counter("trio_llm_images_cached", "Images found in the encoder's cache (not encoded again).",
+                          m.n_cached)
+            yield counter("trio_llm_image_encode_seconds", "Time spent encoding images (on the CPU).", m.t_encode)
 
 
 def _arena_metrics(a: ArenaStatistics) -> Iterator[Metric]:
