@@ -164,8 +164,12 @@ def test_plan_batch_keeps_an_image_whole() -> None:
     # room for everything: the image whole, then text
     plan = plan_batch([dec, img, text], 16)
     assert [w.id_slot for w in plan] == [0, 1, 2] and plan[1] is img
-    # too little room beside other work: the image waits for a pass of its own
+    # past the budget beside decoding tokens only: whole all the same (many decoding
+    # slots must not hold it back for ever); the prompt after it waits
     plan = plan_batch([dec, img, text], 5)
+    assert [w.id_slot for w in plan] == [0, 1] and plan[1] is img
+    # beside another prompt's chunk that used the room, it waits for a later pass
+    plan = plan_batch([dec, text, img], 5)
     assert [w.id_slot for w in plan] == [0, 2] and plan[1].tokens == (5, 6, 7, 8)
     # alone it goes whole even past the budget (it cannot be split)
     plan = plan_batch([img], 4)

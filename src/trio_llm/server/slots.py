@@ -114,8 +114,11 @@ def plan_batch(wants: Sequence[Work], n_batch: int) -> list[Work]:
     for w in wants:
         if w.decoding or budget <= 0:
             continue
-        if w.embd is not None:  # an image goes whole: in a pass of its own if it must
-            if len(w.tokens) > budget and out:
+        if w.embd is not None:
+            # an image goes whole (the backend passes it alone if it must): past the
+            # budget beside decoding tokens only, so that many decoding slots cannot
+            # hold it back for ever; beside another prompt's chunk it waits for room
+            if len(w.tokens) > budget and any(not o.decoding for o in out):
                 continue
             out.append(w)
             budget -= len(w.tokens)
