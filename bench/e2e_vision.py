@@ -9,7 +9,9 @@ What a client of a vision model waits for: per server, one warm-up request, then
 ``--repeats`` ``/completion`` requests of a short text with one image each (a new
 random image every request, so no server answers from a cache of encoded images or of
 the prompt: ``cache_prompt: false``), ``n_predict`` tokens greedy with ``ignore_eos``.
-Kept per request: the client's wall time, the server's ``timings`` (prompt_n counts
+Every server gets the same ``logit_bias`` banning the tokens that are not whole UTF-8
+alone (bench/e2e.py's ``--ban-partial-utf8``: llama-server answers HTTP 500 to a
+random-weight model's broken UTF-8). Kept per request: the client's wall time, the server's ``timings`` (prompt_n counts
 the image's rows), and (streamed, once per server) the time to the first token. The
 media marker is fixed for every server through ``LLAMA_MEDIA_MARKER``.
 
@@ -34,7 +36,7 @@ from typing import Any
 import common
 import httpx
 import numpy as np
-from e2e import Server, ServerFailed, free_port
+from e2e import Prompts, Server, ServerFailed, free_port
 
 MARKER = "<__media__>"
 TEXT = "<start_of_turn>user\nDescribe this picture: {}<end_of_turn>\n<start_of_turn>model\n"
@@ -50,10 +52,14 @@ def image_png(seed: int, size: int) -> bytes:
     return buf.getvalue()
 
 
-def body(seed: int, size: int, n_predict: int, stream: bool) -> dict[str, Any]:
+def body(seed: int, size: int, n_predict: int, stream: bool, ban: list[int] | None = None) -> dict[str, Any]:
     data = base64.b64encode(image_png(seed, size)).decode()
-    return {"prompt": {"prompt_string": TEXT.format(MARKER), "multimodal_data": [data]}, "n_predict": n_predict,
-            "stream": stream, "cache_prompt": False, "ignore_eos": True, "temperature": 0}
+    b: dict[str, Any] = {"prompt": {"prompt_string": TEXT.format(MARKER), "multimodal_data": [data]},
+                         "n_predict": n_predict, "stream": stream, "cache_prompt": False, "ignore_eos": True,
+                         "temperature": 0}
+    if ban:  # e2e.py's --ban-partial-utf8: llama-server answers 500 to a random model's broken UTF-8
+        b["logit_bias"] = [[t, False] for t in ban]
+    return b
 
 
 def argv_of(name: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict[str, str]]:
@@ -69,7 +75,7 @@ def argv_of(name: str, args: argparse.Namespace, port: int) -> tuple[list[str], 
     return [str(binary), *common_flags, "-ngl", "99", "-fa", "on"], env
 
 
-def measure(name: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+def measure(name: str, args: argparse.Namespace, logs: Path, ban: list[int]) -> dict[str, Any]:
     port = free_port()
     argv, env = argv_of(name, args, port)
     server = Server(name, argv, env, logs / f"{name}.log", port)
@@ -78,13 +84,13 @@ def measure(name: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         out["ready_s"] = server.wait_healthy(common.now() + args.start_timeout)
         with httpx.Client(base_url=server.url, timeout=args.request_timeout) as c:
             seed = 1000
-            r = c.post("/completion", json=body(seed, args.image_size, args.n_predict, False))
+            r = c.post("/completion", json=body(seed, args.image_size, args.n_predict, False, ban))
             if r.status_code != 200:
                 raise ServerFailed(f"{name}: HTTP {r.status_code}: {r.text[:300]}")
             runs = []
             for i in range(args.repeats):
                 t0 = common.now()
-                r = c.post("/completion", json=body(seed + 1 + i, args.image_size, args.n_predict, False))
+                r = c.post("/completion", json=body(seed + 1 + i, args.image_size, args.n_predict, False, ban))
                 wall = common.now() - t0
                 if r.status_code != 200:
                     raise ServerFailed(f"{name}: HTTP {r.status_code}: {r.text[:300]}")
@@ -93,7 +99,8 @@ def measure(name: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
                                                                           "predicted_ms")}})
             out["runs"] = runs
             t0 = common.now()
-            with c.stream("POST", "/completion", json=body(seed + 99, args.image_size, args.n_predict, True)) as s:
+            with c.stream("POST", "/completion",
+                          json=body(seed + 99, args.image_size, args.n_predict, True, ban)) as s:
                 for line in s.iter_lines():
                     if line.startswith("data:"):
                         out["ttft_s"] = common.now() - t0
@@ -138,8 +145,12 @@ def main() -> int:
     servers = [s for s, on in (("trio", not args.no_trio), ("vulkan", args.llama_vulkan), ("cuda", args.llama_cuda))
                if on]
     figures: dict[str, Any] = {"encode": encode_alone(args)} if not args.no_trio else {}
+    # the same ban for every server (the same decode for all): the tokens that are not
+    # whole UTF-8 alone, which a random model emits and llama-server answers 500 to
+    ban = Prompts(args.model, 0, "hello").partial_utf8()
+    figures["banned_tokens"] = len(ban)
     for name in servers:
-        figures[name] = measure(name, args, args.log_dir)
+        figures[name] = measure(name, args, args.log_dir, ban)
     rows = []
     for name in servers:
         f = figures[name]
