@@ -306,26 +306,18 @@ def test_refusals(gemma: str, model_path, make: Make, kind: str) -> None:  # typ
     llama.forward([SeqBatch(0, z, 0, causal=False)])  # type: ignore[attr-defined]  # tokens: any attention model
 
 
+@pytest.mark.parametrize("kind", ["numpy", pytest.param("vulkan", marks=pytest.mark.vulkan)])
 @pytest.mark.parametrize("preset, why", [("tiny-deepseek2", "latent cache"), ("tiny-qwen35", "recurrent state")])
-def test_latent_and_recurrent_memories_refuse_non_causal(model_path, preset: str, why: str) -> None:  # type: ignore[no-untyped-def]
-    be = NumpyBackend(load_gguf(model_path(preset, "Q8_0")), n_ctx=32, n_seq=1)
+def test_latent_and_recurrent_memories_refuse_non_causal(model_path, kind: str, preset: str, why: str) -> None:  # type: ignore[no-untyped-def]
+    if kind == "vulkan":
+        from trio_llm.vulkan.backend import VulkanBackend as backend
+    else:
+        backend = NumpyBackend  # type: ignore[assignment]
+    be = backend(load_gguf(model_path(preset, "Q8_0")), n_ctx=32, n_seq=1)
     try:
         with pytest.raises(InvalidRequest, match=why):
             be.forward([SeqBatch(0, np.zeros(3, np.int32), 0, causal=False)])
         be.forward([SeqBatch(0, np.zeros(3, np.int32), 0)])
-    finally:
-        be.close()
-
-
-@pytest.mark.vulkan
-@pytest.mark.parametrize("preset, why", [("tiny-deepseek2", "latent cache"), ("tiny-qwen35", "recurrent state")])
-def test_vulkan_latent_and_recurrent_memories_refuse_non_causal(model_path, preset: str, why: str) -> None:  # type: ignore[no-untyped-def]
-    from trio_llm.vulkan.backend import VulkanBackend
-
-    be = VulkanBackend(load_gguf(model_path(preset, "Q8_0")), n_ctx=32, n_seq=1)
-    try:
-        with pytest.raises(InvalidRequest, match=why):
-            be.forward([SeqBatch(0, np.zeros(3, np.int32), 0, causal=False)])
     finally:
         be.close()
 

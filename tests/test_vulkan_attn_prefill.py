@@ -27,6 +27,7 @@ the same inputs, far from the causal kernel's output wherever a row sees past it
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import numpy as np
@@ -701,9 +702,8 @@ def test_latent_prefill_tile_and_refusals(env: Env) -> None:
                                              q_stride=20 * 576, o_stride=20 * 576, cap=16, v_dim=512)
 
 
-def test_the_latent_prefill_variants_are_prebuilt(env: Env) -> None:
-    """Every cache type's LATENT attn_prefill, as attention_prefill asks for it, is in
-    ``all_variants`` (``trio-llm compile-shaders``: the GPU machine compiles nothing)."""
+def spy_kernels(env: Env) -> tuple[Any, list[tuple[str, dict[str, object]]]]:
+    """Kernels that note every (shader, defines) asked of them, and that list."""
     asked: list[tuple[str, dict[str, object]]] = []
 
     class Spy:
@@ -716,7 +716,14 @@ def test_the_latent_prefill_variants_are_prebuilt(env: Env) -> None:
             asked.append((name, dict(kw.get("defines") or {})))  # type: ignore[call-overload]
             return env.ops.kernels.get(name, **kw)  # type: ignore[arg-type]
 
-    ops = attrs.evolve(env.ops, kernels=Spy())  # type: ignore[arg-type]
+    return Spy(), asked
+
+
+def test_the_latent_prefill_variants_are_prebuilt(env: Env) -> None:
+    """Every cache type's LATENT attn_prefill, as attention_prefill asks for it, is in
+    ``all_variants`` (``trio-llm compile-shaders``: the GPU machine compiles nothing)."""
+    spy, asked = spy_kernels(env)
+    ops = attrs.evolve(env.ops, kernels=spy)
     prebuilt = {(n, shaders.cache_key(n, d)) for n, d in shaders.all_variants()}
     v = env.zeros(1 << 16)
     for name in TYPES:
@@ -826,19 +833,8 @@ def test_noncausal_kernel_choice(env: Env) -> None:
     """``noncausal`` takes attn_prefill.comp's NONCAUSAL form, unsplit, on the scalar
     tile, whatever cooperative-matrix kernels the device would otherwise take (prebuilt
     for every cache type); it refuses a split, an emulated tile and a latent cache."""
-    asked: list[tuple[str, dict[str, object]]] = []
-
-    class Spy:
-        device = env.device
-
-        def __getattr__(self, name: str) -> object:
-            return getattr(env.ops.kernels, name)
-
-        def get(self, name: str, **kw: object) -> object:
-            asked.append((name, dict(kw.get("defines") or {})))  # type: ignore[call-overload]
-            return env.ops.kernels.get(name, **kw)  # type: ignore[arg-type]
-
-    hw = attrs.evolve(env.ops, kernels=Spy(), coopmat=True, prefill_cm=True, prefill_cm2=True,  # type: ignore[arg-type]
+    spy, asked = spy_kernels(env)
+    hw = attrs.evolve(env.ops, kernels=spy, coopmat=True, prefill_cm=True, prefill_cm2=True,  # type: ignore[arg-type]
                       prefill_nv2=True, subgroup=32, prefill_cm2_variant=attn_variant("v"))
     v = env.zeros(64)
     kw = dict(n_head=8, n_head_kv=2, head_dim=64, n_ctx=64, q_stride=512, o_stride=512, cap=64, noncausal=True)

@@ -24,6 +24,7 @@ import sys
 import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -722,10 +723,7 @@ def make_model(
         workers = _usable_cpus() if n_values > POOL_THRESHOLD else 1
     path = Path(path)
     writer = _writer(p, quant, plans)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+    with atomic_gguf(writer, path) as tmp:
         writer.write_header_to_file(tmp)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -738,6 +736,19 @@ def make_model(
             last_of_group = index + 1 == len(plans) or _group(plans[index + 1].name) != group
             if progress is not None and last_of_group:
                 progress(f"{group}: {written / 1e6:,.1f} of {total / 1e6:,.1f} MB written")
+    return path
+
+
+@contextmanager
+def atomic_gguf(writer: gguf.GGUFWriter, path: Path) -> Iterator[Path]:
+    """A temporary file beside ``path`` for ``writer`` to write: renamed onto ``path``
+    (mode 0644) when the block ends, removed on any error, so a half-written file never
+    stands at ``path``."""
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
         writer.close()
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
@@ -745,7 +756,6 @@ def make_model(
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
-    return path
 
 
 def generator_version() -> str:

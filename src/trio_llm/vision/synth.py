@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 
 import gguf
@@ -30,6 +29,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from trio_llm.model.quant import block_size, quantize
+from trio_llm.model.synth import atomic_gguf
 from trio_llm.vision.siglip import Hparams, tensor_shapes
 
 WTYPES: dict[str, T] = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0}
@@ -120,18 +120,8 @@ def write_mmproj(
         ggml_type = _type_of(name, shape, WTYPES[wtype])
         data = quantize(_values(seed, name, shape), ggml_type)  # uint8 [..., row_bytes]
         writer.add_tensor(name, data, raw_dtype=ggml_type)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+    with atomic_gguf(writer, path) as tmp:
         writer.write_header_to_file(tmp)
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-        writer.close()
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
     return path
