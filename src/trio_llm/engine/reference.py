@@ -275,6 +275,7 @@ class NumpyBackend:
     _kv: list[tuple[np.ndarray, np.ndarray]] | None = attrs.field(init=False, default=None)
     _host_kv: list[tuple[np.ndarray, np.ndarray]] | None = attrs.field(init=False, default=None)
     _mem: dict[int, LayerMemory] = attrs.field(init=False, factory=dict)
+    _embd_width: int = attrs.field(init=False, default=0)  # the graph's embd_rows width (0: none)
     _tables: dict[int, tuple[np.ndarray, np.ndarray]] = attrs.field(init=False, factory=dict)
     _level: Level | None = attrs.field(init=False, default=None)  # None: resident
     _closed: bool = attrs.field(init=False, default=False)
@@ -312,6 +313,7 @@ class NumpyBackend:
             raise ModelLoadError(model.path, str(exc)) from None
         self.layers = plan_memory(self.graph, n_ctx=n_ctx, chunk=max_chunk)
         self._mem = {m.layer: m for m in self.layers}
+        self._embd_width = self.graph.embd_width()  # read once: every forward checks against it
         self._weights = load_weights(model, list(self.graph.weights), progress)
         self._experts = load_experts(model, list(self.graph.weights))
         self._weight_bytes = sum(a.nbytes for a in self._weights.values()) + sum(
@@ -601,7 +603,7 @@ class NumpyBackend:
         if self._level is not None:
             raise BackendError(f"forward while released (level {self._level.value}); restore first")
         check_batch(entries, n_seq=self.n_seq, n_ctx=self.n_ctx, n_vocab=self.config.n_vocab,
-                    n_embd=self.graph.embd_width())
+                    n_embd=self._embd_width)
         if not all(e.causal for e in entries):
             refuse = ("this model's memory (recurrent state) has no non-causal form" if self.recurrent
                       else "this model's attention (a latent cache) has no non-causal form"
