@@ -224,8 +224,8 @@ def test_the_compute_reserve_counts_logits_of_512_tokens_at_most() -> None:
 
 def test_fit_lowers_an_unset_context_and_keeps_a_set_one() -> None:
     per = fit.kv_bytes_per_position(CFG, "f16", "f16")  # 512 bytes
-    common = dict(n_ctx_train=32768, parallel=2, weights=1 << 20, per_position=per, compute=1 << 20,
-                  margin=1 << 20, fit_ctx=1024)
+    need = fit.linear_need(weights=1 << 20, per_position=per, compute=1 << 20)
+    common = dict(n_ctx_train=32768, parallel=2, need=need, margin=1 << 20, fit_ctx=1024)
     free = (3 << 20) + per * 10_000
     got = fit.choose_ctx(ctx_size=0, ctx_set=False, free=free, **common)
     assert got.changed and got.fits and got.ctx_size == 9728  # a multiple of 256 x 2 slots
@@ -236,6 +236,24 @@ def test_fit_lowers_an_unset_context_and_keeps_a_set_one() -> None:
     assert (small.ctx_size, small.fits, small.changed) == (4096, True, False)
     floor = fit.choose_ctx(ctx_size=0, ctx_set=False, free=3 << 20, **common)
     assert (floor.ctx_size, floor.fits) == (1024, False)  # never below --fit-ctx
+
+
+def test_fit_searches_a_projection_that_is_not_a_line() -> None:
+    """The plan's projection grows in steps and flattens (a sliding window's cache stops
+    growing at its window): the choice is the largest multiple of 256 x slots whose
+    projection fits, found in a logarithmic number of projections."""
+    asked: list[int] = []
+
+    def need(ctx: int) -> int:  # 1000 bytes a position up to 5000, then 10 a position
+        asked.append(ctx)
+        return 1_000_000 + 1000 * min(ctx, 5000) + 10 * max(0, ctx - 5000)
+
+    budget = 1_000_000 + 1000 * 5000 + 10 * 20_000 + 5  # fits up to 25,000 positions
+    got = fit.choose_ctx(ctx_size=0, ctx_set=False, n_ctx_train=131072, parallel=1, need=need, free=budget + 7,
+                         margin=7, fit_ctx=4096)
+    assert len(asked) <= 2 + 10  # the whole context, the choice, and a bisection of 512 steps
+    assert (got.ctx_size, got.fits, got.changed) == (24832, True, True)  # 97 x 256
+    assert got.need == need(24832) and need(24832 + 256) > got.budget
 
 
 def test_priority_is_set_as_llama_server(tmp_path: Path) -> None:

@@ -36,7 +36,14 @@ from trio_llm.engine.actor import BackendActor, BackendClient
 from trio_llm.engine.backend import Backend, SeqBatch
 from trio_llm.engine.constraint import Grammars
 from trio_llm.engine.devsample import DeviceChain
-from trio_llm.errors import ArenaRefused, ConfigError, ModelLoadError, TrioLLMError
+from trio_llm.errors import (
+    ArenaRefused,
+    BackendError,
+    ConfigError,
+    InvalidRequest,
+    ModelLoadError,
+    TrioLLMError,
+)
 from trio_llm.residency.arbiter import Arbiter, Share, open_arbiter
 from trio_llm.residency.residency import Residency, resolve_level
 from trio_llm.residency.sleep import SleepConfig, SleepController
@@ -154,23 +161,59 @@ def _load(config: ServerConfig, progress: LoadProgress) -> Loaded:
     else:
         template = ChatTemplate.from_metadata(model.metadata, tokenizer)
     n_ctx = fit_slot_ctx(config, model)
-    extra: dict[str, Any] = {}
-    if backend_takes_cache_types():
-        extra = {"cache_type_k": config.cache_type_k, "cache_type_v": config.cache_type_v}
     if config.threads > 0:
         # -t: the numpy backend's matrix products run in BLAS; its pool is process-wide
         from threadpoolctl import threadpool_limits
 
         threadpool_limits(limits=config.threads, user_api="blas")
+    extra = _backend_args(config, model)
+    backend = open_backend(config.backend, model, n_ctx=n_ctx, n_seq=config.parallel, progress=progress,
+                           max_chunk=config.n_batch, **extra)
+    return Loaded(model, tokenizer, template, backend, os.stat(model.path), extra.get("output", "logits"),
+                  projector)
+
+
+def _backend_args(config: ServerConfig, model: Any) -> dict[str, Any]:
+    """The backend's arguments from the flags, beside the context and the slots (the
+    load and the memory projection of ``--fit`` / ``--arena-budget`` pass the same)."""
+    extra: dict[str, Any] = {}
+    if backend_takes_cache_types():
+        extra = {"cache_type_k": config.cache_type_k, "cache_type_v": config.cache_type_v}
     if config.n_cpu_moe:
         extra["n_cpu_moe"] = config.n_cpu_moe
     output = embeddings.backend_output(config.embeddings, embeddings.resolve_pooling(config.pooling, model.metadata),
                                        model.tensors)
     if output != "logits":
         extra["output"] = output
-    backend = open_backend(config.backend, model, n_ctx=n_ctx, n_seq=config.parallel, progress=progress,
-                           max_chunk=config.n_batch, **extra)
-    return Loaded(model, tokenizer, template, backend, os.stat(model.path), output, projector)
+    return extra
+
+
+#: what a projection that cannot be planned counts: more than any device has
+UNPLANNABLE = 1 << 62
+
+
+def device_need(config: ServerConfig, model: Any) -> Any:
+    """``positions -> device bytes`` of this model under these flags: the Vulkan backend's
+    own plan (``VulkanBackend.plan``), memoised; a context the backend would refuse
+    (one layer's cache past a binding, an allocation past the device's limit) needs
+    ``UNPLANNABLE`` bytes, so that it never fits."""
+    import functools
+
+    from trio_llm.vulkan.backend import VulkanBackend
+
+    extra = _backend_args(config, model)
+
+    @functools.cache
+    def need(ctx_total: int) -> int:
+        try:
+            plan = VulkanBackend.plan(model, n_ctx=max(1, ctx_total // config.parallel), n_seq=config.parallel,
+                                      max_chunk=config.n_batch, **extra)
+        except (BackendError, InvalidRequest) as exc:
+            log.debug("fit: %d positions cannot be planned: %s", ctx_total, exc)
+            return UNPLANNABLE
+        return sum(plan.values())
+
+    return need
 
 
 #: text architectures whose graph takes an image's rows (``embd_rows``) and whose
@@ -220,8 +263,6 @@ def _check_gpu_layers(config: ServerConfig, n_layer: int) -> None:
     "all"/"auto", is the whole model on the device; numpy runs everything on the CPU)."""
     ngl = config.n_gpu_layers
     if ngl is not None and 0 <= ngl < n_layer and config.backend != "numpy":
-        from trio_llm.errors import InvalidRequest
-
         raise InvalidRequest(f"-ngl {ngl}: keeping {n_layer - ngl} of the model's {n_layer} layers on the CPU is "
                              "not supported (the whole model runs on the device): use -ngl all, or "
                              "--n-cpu-moe for expert weights")
@@ -239,10 +280,8 @@ def fit_slot_ctx(config: ServerConfig, model: Any) -> int:
     cfg = model.config
     choice = fit.choose_ctx(
         ctx_size=config.ctx_size, ctx_set="ctx_size" in config.set_by_user, n_ctx_train=cfg.n_ctx_train,
-        parallel=config.parallel, weights=model.weight_bytes(),
-        per_position=fit.kv_bytes_per_position(cfg, config.cache_type_k, config.cache_type_v),
-        compute=fit.compute_bytes(cfg, config.n_batch), free=free, margin=config.fit_target * fit.MiB,
-        fit_ctx=config.fit_ctx,
+        parallel=config.parallel, need=device_need(config, model), free=free,
+        margin=config.fit_target * fit.MiB, fit_ctx=config.fit_ctx,
     )
     mib = fit.MiB
     if choice.changed:
@@ -292,8 +331,8 @@ def arena_share(config: ServerConfig) -> Share | None:
     """Blocking: what ``--arena-budget`` / ``--arena-pin`` bring to the arena's ledger, or
     None (take turns, as without the flag). Read before the token is taken, so from the
     GGUF header and the device's properties, not from a loaded model: the footprint is
-    ``--fit``'s projection at the context the load will use. Bad input is one line:
-    ``ConfigError`` (a budget beyond the device) or ``ArenaRefused`` (a model larger
+    ``--fit``'s projection (the Vulkan backend's plan) at the context the load will
+    use. Bad input is one line: ``ConfigError`` (a budget beyond the device) or ``ArenaRefused`` (a model larger
     than the budget); ``auto`` without a Vulkan device is a warning and no share."""
     from trio_llm.engine import fit
     from trio_llm.model.gguf import load_gguf
@@ -320,11 +359,17 @@ def arena_share(config: ServerConfig) -> Share | None:
     model = load_gguf(_model_path(config))
     try:
         ctx_total = fit_slot_ctx(config, model) * config.parallel
-        footprint = fit.footprint_bytes(model.config, weights=model.weight_bytes(), ctx_total=ctx_total,
-                                        type_k=config.cache_type_k, type_v=config.cache_type_v,
-                                        n_batch=config.n_batch)
+        if device is not None:  # what the Vulkan backend will hold
+            footprint = device_need(config, model)(ctx_total)
+        else:  # the numpy backend: the formula
+            footprint = fit.footprint_bytes(model.config, weights=model.weight_bytes(), ctx_total=ctx_total,
+                                            type_k=config.cache_type_k, type_v=config.cache_type_v,
+                                            n_batch=config.n_batch)
     finally:
         model.close()
+    if footprint >= UNPLANNABLE:
+        raise ArenaRefused(f"--arena-budget: the device cannot hold this model at {ctx_total} positions "
+                           "(lower -c or the slots)")
     if footprint > budget:
         raise ArenaRefused(f"--arena-budget: the model needs {footprint / mib:.1f} MiB on the device, more than "
                            f"the {budget / mib:.1f} MiB budget")

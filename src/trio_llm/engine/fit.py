@@ -4,13 +4,20 @@ llama-server's ``--fit on`` (its default) adjusts the arguments the user left un
 until the projected memory use fits the free device memory minus ``--fit-target``
 MiB; it lowers the context no further than ``--fit-ctx``. Here the whole model always
 runs on the device (no layers move to the CPU), so the context is the one thing to
-adjust: ``choose_ctx`` is that decision, a pure function over byte counts, and
-``device_free_bytes`` reads the free memory of the Vulkan device the backend will use.
+adjust: ``choose_ctx`` is that decision, a search over a projection of the bytes a
+context needs, and ``device_free_bytes`` reads the free memory of the Vulkan device the
+backend will use.
 
-The projection: the weights as stored (``GGUFModel.weight_bytes``), the KV cache
-(``kv_bytes_per_position`` x positions, of the ``-ctk``/``-ctv`` types; K only for a
-latent cache), and a compute reserve for one forward pass of ``n_batch`` tokens
-(activations, and the logits of up to ``LOGIT_ROWS`` of them, float32).
+The projection is the Vulkan backend's own plan (``VulkanBackend.plan``: its
+constructor's sizing on an allocator that makes nothing), so it counts what the backend
+will hold: the weights' device segments, the K and V of the attention layers only (a
+hybrid's delta-net layers have none; a sliding-window layer keeps its window and a
+pass), the recurrent state, the activations of its largest pass, the attention's
+partials, and the upload and readback buffers. Where the backend cannot plan (no
+Vulkan), ``linear_need`` is the formula: the weights as stored
+(``GGUFModel.weight_bytes``), every layer's K and V (``kv_bytes_per_position`` x
+positions, of the ``-ctk``/``-ctv`` types; K only for a latent cache), and a compute
+reserve for one pass of ``n_batch`` tokens (``compute_bytes``).
 A context the user set is kept even when it does not fit (llama-server would move
 layers to the CPU, which cannot happen here): that is logged, and the load then fails
 or succeeds on the device's own terms.
@@ -19,6 +26,7 @@ or succeeds on the device's own terms.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import attrs
 
@@ -68,25 +76,36 @@ class FitChoice:
     changed: bool
 
 
+def linear_need(*, weights: int, per_position: int, compute: int) -> Callable[[int], int]:
+    """The formula projection: weights, a compute reserve, and every layer's K and V
+    for each position (what ``choose_ctx`` is given where the backend cannot plan)."""
+    return lambda ctx: weights + compute + per_position * ctx
+
+
 def choose_ctx(
-    *, ctx_size: int, ctx_set: bool, n_ctx_train: int, parallel: int, weights: int,
-    per_position: int, compute: int, free: int, margin: int, fit_ctx: int,
+    *, ctx_size: int, ctx_set: bool, n_ctx_train: int, parallel: int, need: Callable[[int], int],
+    free: int, margin: int, fit_ctx: int,
 ) -> FitChoice:
-    """The context to load with. ``ctx_size`` 0 means the model's training context."""
+    """The context to load with. ``ctx_size`` 0 means the model's training context;
+    ``need(positions)`` projects the device bytes at a total context, and does not fall
+    as the context grows (the search for the largest that fits relies on it)."""
     total = ctx_size or n_ctx_train
     budget = free - margin
-
-    def need(ctx: int) -> int:
-        return weights + compute + per_position * ctx
-
-    if need(total) <= budget or ctx_set:
-        return FitChoice(total, need(total) <= budget, need(total), budget, False)
-    room = (budget - weights - compute) // max(per_position, 1)
+    at_total = need(total)
+    if at_total <= budget or ctx_set:
+        return FitChoice(total, at_total <= budget, at_total, budget, False)
     step = CTX_STEP * parallel
-    chosen = (room // step) * step
+    lo, hi = 0, total // step  # the most steps that fit: lo fits (0 trivially), hi + 1 does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if need(mid * step) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
     floor = min(fit_ctx, total)
-    chosen = max(min(chosen, total), floor)
-    return FitChoice(chosen, need(chosen) <= budget, need(chosen), budget, chosen != total)
+    chosen = max(min(lo * step, total), floor)
+    at = need(chosen)
+    return FitChoice(chosen, at <= budget, at, budget, chosen != total)
 
 
 def device_free_bytes() -> int | None:

@@ -69,7 +69,7 @@ from trio_llm.vulkan.forward import (
 from trio_llm.vulkan.graph import Graph, Op
 from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.kvcache import LayerKV
-from trio_llm.vulkan.memory import Allocator, Buffer, allocate_and_copy
+from trio_llm.vulkan.memory import Allocator, Buffer, PlanAllocator, allocate_and_copy
 from trio_llm.vulkan.ops import (
     Ops,
     attention_counters,
@@ -120,6 +120,7 @@ class VulkanBackend:
         cache_type_v: str = DEFAULT_KV_TYPE,
         n_cpu_moe: float = 0.0,
         output: Output = "logits",
+        plan_only: bool = False,
     ) -> None:
         if n_ctx < 1 or n_seq < 1:
             raise InvalidRequest(f"n_ctx and n_seq must be positive, got {n_ctx} and {n_seq}")
@@ -151,6 +152,7 @@ class VulkanBackend:
         self._forwards = self._tokens = self._submits = self._recorded = 0
         self._releases = self._restores = 0
         self._host_tensors = cpu_moe_tensors(cfg, n_cpu_moe)
+        self._plan_only = plan_only
         self._device: Device | None = shared_device(device)
         try:
             with self._device.lock, vk_errors("load model"):
@@ -163,7 +165,7 @@ class VulkanBackend:
         cfg = self.config
         device = self._device
         assert device is not None
-        self._alloc = Allocator(device)
+        self._alloc = PlanAllocator(device) if self._plan_only else Allocator(device)
         kernels = device.extras.get("kernels")
         if kernels is None:
             kernels = device.extras["kernels"] = KernelCache(device)
@@ -261,6 +263,14 @@ class VulkanBackend:
         self.decode_steps_max = (0 if self._output != "logits" else MAX_STEPS
                                  if all(m.kind == "kv" and not m.window for m in self._mem) and not self._rs.sizes
                                  else 1)
+        if self._plan_only:  # plan(): the buffers counted, nothing read, made or copied
+            for seg in self._weights.segments:
+                if not seg.host:
+                    self._alloc.create(seg.size, "weights", "device")
+            self._act.allocate()
+            self._kv.allocate()
+            self._rs.allocate()
+            return
         total = self._weights.total_bytes()
         self._weights.ensure_shadow(self._progress)
         self._weights.upload()
@@ -278,6 +288,17 @@ class VulkanBackend:
         if self._host_tensors:
             log.info("vulkan: --n-cpu-moe keeps %d expert tensors (%d MiB) in host memory",
                      len(self._host_tensors), self._weights.host_bytes() >> 20)
+
+    @classmethod
+    def plan(cls, model: GGUFModel, **kwargs: object) -> dict[str, int]:
+        """The device bytes a backend made with these arguments would hold once loaded
+        (``memory()``'s categories), without taking any: the constructor's own sizing
+        runs on a ``PlanAllocator``. ``--fit`` and ``--arena-budget`` project with it."""
+        be = cls(model, plan_only=True, **kwargs)  # type: ignore[arg-type]
+        try:
+            return be.memory()
+        finally:
+            be.close()
 
     # -- the Backend interface -------------------------------------------------------
 
@@ -704,6 +725,9 @@ class VulkanBackend:
         self._closed = True
         device, self._device = self._device, None
         if device is None:
+            return
+        if self._plan_only:  # nothing of it is on the device
+            self._alloc.free_all()
             return
         with device.lock:
             with contextlib.suppress(Exception):

@@ -452,7 +452,8 @@ class Activations:
             self.bufs["readback"] = self.alloc.create(4 * self.out_cap * self.n_vocab, "scratch", "readback")
             for name, (nbytes, category, place) in self.extra.items():
                 self.bufs[name] = self.alloc.create(nbytes, category, place)
-            self._upload_consts()
+            if not self.alloc.planning:
+                self._upload_consts()
         except BaseException:
             self.free()
             raise

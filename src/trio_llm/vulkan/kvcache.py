@@ -160,6 +160,8 @@ class KVCache:
             self.part = self.alloc.create(4 * self.part_floats, "compute", "device")
         if self.counters is None and self.n_counters:
             self.counters = self.alloc.create(4 * self.n_counters, "compute", "device")
+            if self.alloc.planning:
+                return
             device = self.alloc.device
             with device.one_shot("zero attention counters") as cmd:
                 device.vk.vkCmdFillBuffer(cmd, self.counters.handle, 0, self.counters.size, 0)

@@ -76,6 +76,8 @@ class Allocator:
 
     device: Device
     _live: set[Buffer] = attrs.field(factory=set)
+    #: True for ``PlanAllocator``: buffers without memory, owners skip their device work
+    planning = False
 
     def _usage(self) -> int:
         vk = self.device.vk
@@ -303,6 +305,34 @@ class CopyJob:
     src: Buffer
     assign: Callable[[Buffer], None]
 
+
+
+class PlanAllocator(Allocator):
+    """An ``Allocator`` that makes no Vulkan object: ``create`` returns a buffer with no
+    handle (a zeroed host array where a real one would be mapped) and counts it as the
+    real one would, rounded to 256 bytes; ``free`` forgets it. ``VulkanBackend.plan``
+    builds a backend on it, so that ``--fit`` and ``--arena-budget`` project a model's
+    device memory by running the backend's own sizing code, not a formula beside it.
+    Owners skip their device work (uploads, fills) when ``alloc.planning`` is set."""
+
+    planning = True
+
+    def create(self, size: int, category: str, place: str = "device") -> Buffer:
+        size = max(256, -(-size // 256) * 256)
+        if size > self.device.limits.max_allocation_size:
+            raise DeviceOutOfMemory(
+                f"{category}: {size} bytes exceed maxMemoryAllocationSize "
+                f"{self.device.limits.max_allocation_size}"
+            )
+        # np.zeros takes its pages lazily: a large readback buffer costs nothing here
+        buf = Buffer(None, None, size, category, place, None if place == "device" else np.zeros(size, np.uint8))
+        self._live.add(buf)
+        return buf
+
+    def free(self, buf: Buffer | None) -> None:
+        if buf is not None:
+            self._live.discard(buf)
+            buf.array = None
 
 def allocate_and_copy(alloc: Allocator, jobs: Sequence[CopyJob], during: Callable[[], None] | None = None) -> None:
     """Allocate each job's device buffer and copy its source into it, in order.
