@@ -77,16 +77,19 @@ def test_file_urls_under_media_path(tmp_path: Path) -> None:
         MD.image_url_bytes("file://sub/none.png", root)
 
 
-def test_remote_urls_are_fetched() -> None:
+async def test_remote_urls_are_fetched() -> None:
     """http(s) image URLs are fetched as llama-server fetches them (a real server on
-    loopback): the body, an HTTP error, a body over the size limit, a refused connection."""
+    loopback), on trio before the parse: the body, an HTTP error, a body over the size
+    limit, a refused connection; the parse takes them from what was fetched."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     big = b"x" * (MD.REMOTE_MAX_BYTES + 1)
+    paths: list[str] = []
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            paths.append(self.path)
             body = {"/a.png": b"PNGDATA", "/big.png": big}.get(self.path)
             self.send_response(200 if body is not None else 404)
             self.send_header("Content-Length", str(len(body or b"")))
@@ -100,16 +103,23 @@ def test_remote_urls_are_fetched() -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        assert MD.image_url_bytes(base + "/a.png") == b"PNGDATA"
+        assert await MD.fetch_image(base + "/a.png") == b"PNGDATA"
         with pytest.raises(InvalidRequest, match="HTTP 404"):
-            MD.image_url_bytes(base + "/none.png")
+            await MD.fetch_image(base + "/none.png")
         with pytest.raises(InvalidRequest, match="larger than"):
-            MD.image_url_bytes(base + "/big.png")
+            await MD.fetch_image(base + "/big.png")
+        # every remote image of the messages, each URL once
+        part = {"type": "image_url", "image_url": {"url": base + "/a.png"}}
+        messages = [{"role": "user", "content": [part, {"type": "text", "text": "and"}, part]}]
+        paths.clear()
+        fetched = await MD.fetch_images(messages)
+        assert fetched == {base + "/a.png": b"PNGDATA"} and paths == ["/a.png"]
+        assert MD.extract_images(messages, "<m>", fetched=fetched)[1] == [b"PNGDATA", b"PNGDATA"]
     finally:
         server.shutdown()
         server.server_close()
     with pytest.raises(InvalidRequest, match="Failed to download image"):
-        MD.image_url_bytes(base + "/a.png")  # nobody listens there now
+        await MD.fetch_image(base + "/a.png")  # nobody listens there now
 
 
 def test_extract_images() -> None:

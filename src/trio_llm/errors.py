@@ -90,3 +90,9 @@ class ScenarioError(TrioLLMError):
 class ArenaRefused(TrioLLMError):
     """This server cannot take part in the arena as configured (a pin that does not fit
     beside the other pins, a footprint larger than the budget): one line, no start."""
+
+
+class EncodeCancelled(TrioLLMError):
+    """An image encode stopped early because its cancel event was set: the request it
+    was for is gone (``server.media.run_sync_cancellable`` turns it into the request's
+    ``trio.Cancelled``). Nothing of it is kept."""

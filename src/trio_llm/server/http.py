@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -601,15 +602,24 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         text = await trio.to_thread.run_sync(tok.decode, ids)
         return _json({"content": text})
 
-    def chat_prompt(body: Any) -> tuple[str, CO.OutputSpec, str | None, list[bytes]]:
+    async def remote_images(body: Any) -> dict[str, bytes]:
+        """A chat request's ``http(s)://`` images, fetched here on trio, so that a
+        cancelled request ends its downloads (``MD.fetch_images``); none without a
+        projector, where an image part is refused unread."""
+        if eng().media is None or not isinstance(body, dict):
+            return {}
+        return await MD.fetch_images(body.get("messages"))
+
+    def chat_prompt(body: Any, fetched: dict[str, bytes]) -> tuple[str, CO.OutputSpec, str | None, list[bytes]]:
         """The rendered prompt of a chat request, how its answer is to be read, the
-        grammar of a forced tool call, and the images its markers stand for."""
+        grammar of a forced tool call, and the images its markers stand for (the
+        remote ones from ``fetched``: ``remote_images``)."""
         template = eng().template
         images: list[bytes] = []
         if isinstance(body, dict) and "messages" in body:
             media = eng().media
             messages, images = MD.extract_images(body["messages"], media.marker if media is not None else None,
-                                                 ctx.config.media_path)
+                                                 ctx.config.media_path, fetched)
             body = dict(body, messages=messages)
         inputs = P.chat_inputs(body, ctx.config, template.source)
         text = str(template.render(inputs.messages, add_generation_prompt=inputs.add_generation_prompt,
@@ -625,9 +635,9 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         spec = attrs.evolve(inputs.output, thinking_open=text.rstrip().endswith(CO.THINK_OPEN))
         return text, spec, inputs.grammar, images
 
-    def render_chat(body: Any) -> str:
+    def render_chat(body: Any, fetched: dict[str, bytes]) -> str:
         """Blocking (a template over the whole conversation): call on a worker thread."""
-        return chat_prompt(body)[0]
+        return chat_prompt(body, fetched)[0]
 
     async def check_grammar(grammar: str | None) -> None:
         """A grammar the vocabulary cannot follow is a 400 before a slot is taken
@@ -638,7 +648,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     @app.post("/apply-template")
     async def apply_template() -> Response:
         body = await _body()
-        return _json({"prompt": await trio.to_thread.run_sync(render_chat, body)})
+        fetched = await remote_images(body)
+        return _json({"prompt": await trio.to_thread.run_sync(render_chat, body, fetched)})
 
     # -- embeddings and reranking (server/embeddings.py) ----------------------------------
 
@@ -758,7 +769,10 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     async def complete(body: Any) -> Response:
         """llama-server's native completion of ``body`` (also /infill's, with its prompt built)."""
         e = eng()
-        req = await trio.to_thread.run_sync(P.parse_completion, body, e.tokenizer, limits())
+        lim = limits()
+        # a request gone mid-parse stops its images' encodes (MD.run_sync_cancellable)
+        req = await MD.run_sync_cancellable(
+            lambda cancel: P.parse_completion(body, e.tokenizer, attrs.evolve(lim, cancel=cancel)))
         await check_grammar(req.params.grammar)
         n_probs = req.params.sampling.n_probs
         settings = req.params.to_json()
@@ -787,7 +801,9 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     async def oai_completions() -> Response:
         e = eng()
         body = await _body()
-        req = await trio.to_thread.run_sync(P.parse_oai_completion, body, e.tokenizer, limits())
+        lim = limits()
+        req = await MD.run_sync_cancellable(
+            lambda cancel: P.parse_oai_completion(body, e.tokenizer, attrs.evolve(lim, cancel=cancel)))
         await check_grammar(req.params.grammar)
         id_ = f"cmpl-{e.queue.new_id_task()}"
         top = req.n_logprobs
@@ -835,13 +851,14 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         e = eng()
         body = await _body()
         lim = limits()
+        fetched = await remote_images(body)
 
-        def parse() -> tuple[P.CompletionRequest, CO.OutputSpec]:
-            # the template and the tokenizer: CPU work, off the event loop
-            prompt, spec, forced, images = chat_prompt(body)
-            return P.parse_chat(body, e.tokenizer, lim, prompt, forced, images), spec
+        def parse(cancel: threading.Event) -> tuple[P.CompletionRequest, CO.OutputSpec]:
+            # the template, the tokenizer and the image encoder: CPU work, off the event loop
+            prompt, spec, forced, images = chat_prompt(body, fetched)
+            return P.parse_chat(body, e.tokenizer, attrs.evolve(lim, cancel=cancel), prompt, forced, images), spec
 
-        req, spec = await trio.to_thread.run_sync(parse)
+        req, spec = await MD.run_sync_cancellable(parse)
         await check_grammar(req.params.grammar)
         id_ = f"chatcmpl-{e.queue.new_id_task()}"
         top = req.n_logprobs

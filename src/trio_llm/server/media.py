@@ -14,26 +14,41 @@ split at each ``<__media__>`` marker, every text piece is tokenized on its own (
 parsed, no BOS), each image is written as ``<start_of_image>``, its rows,
 ``<end_of_image>`` (gemma3's wrapping, tokenized the same way), and one BOS goes in
 front when the vocabulary adds one. The count of markers and of images must match.
+
+Cancellation. A request's parse (its images' encodes with it) runs on a worker thread
+that is never abandoned: the encoder holds its lock and every core. So that a request
+whose client went away does not hold them for the rest of its image (about 30 s for
+gemma-3's on a few cores), ``run_sync_cancellable`` sets the parse's cancel event
+when the request is cancelled, and the encoder stops at its next check, within one
+piece of a transformer block (``vision.siglip``); nothing of it is cached. Encodes are
+not shared between requests (two sending one new image at once each encode it, one
+after the other), so stopping one never stops another's. Remote images are fetched
+on trio before the parse (``fetch_images``), where a cancellation ends the download
+at once.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import contextvars
 import hashlib
 import os
 import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import attrs
 import numpy as np
+import outcome
+import trio
 
-from trio_llm.errors import ConfigError, InvalidRequest
+from trio_llm.errors import ConfigError, EncodeCancelled, InvalidRequest
 
 #: libmtmd's default media marker; llama-server uses it only when LLAMA_MEDIA_MARKER
 #: says so (``media_marker``)
@@ -84,11 +99,15 @@ REMOTE_MAX_BYTES = 10 * 1024 * 1024
 REMOTE_TIMEOUT_S = 10.0
 
 
-def image_url_bytes(url: Any, media_path: Path | None = None) -> bytes:
+def _is_remote(url: Any) -> bool:
+    return isinstance(url, str) and url.startswith(("http://", "https://"))
+
+
+def image_url_bytes(url: Any, media_path: Path | None = None, fetched: Mapping[str, bytes] | None = None) -> bytes:
     """The image of an OpenAI ``image_url`` part, as llama-server reads one: a base64
-    ``data:`` URL; an ``http(s)://`` URL, fetched (at most ``REMOTE_MAX_BYTES`` within
-    ``REMOTE_TIMEOUT_S``); a ``file://`` path relative to ``--media-path``, only with it
-    and never outside it."""
+    ``data:`` URL; an ``http(s)://`` URL, taken from ``fetched`` (``fetch_images`` got
+    it beforehand, on trio); a ``file://`` path relative to ``--media-path``, only with
+    it and never outside it."""
     if not isinstance(url, str) or not url:
         raise InvalidRequest("image_url.url must be a non-empty string")
     if url.startswith("data:"):
@@ -96,31 +115,61 @@ def image_url_bytes(url: Any, media_path: Path | None = None) -> bytes:
         if not sep or ";base64" not in head:
             raise InvalidRequest("Invalid image_url.url format: a data: URL must be base64 (data:image/...;base64,...)")
         return decode_base64(data, "image_url.url")
-    if url.startswith(("http://", "https://")):
-        return _fetch(url)
+    if _is_remote(url):
+        if fetched is None or url not in fetched:
+            raise RuntimeError("remote images are fetched before the request is parsed (fetch_images)")
+        return fetched[url]
     if url.startswith("file://"):
         return _local_file(url[len("file://"):], media_path)
     raise InvalidRequest("Invalid image_url.url value")
 
 
-def _fetch(url: str) -> bytes:
+def _http_client() -> Any:
+    """An ``httpx.AsyncClient`` for one download. Blocking (the import, the TLS context
+    reading its CA file): call on a worker thread."""
     import httpx
 
     from trio_llm import __version__
 
+    return httpx.AsyncClient(timeout=REMOTE_TIMEOUT_S, follow_redirects=True,
+                             headers={"User-Agent": f"trio-llm/{__version__}"})
+
+
+async def fetch_image(url: str) -> bytes:
+    """A remote image, as llama-server fetches one: at most ``REMOTE_MAX_BYTES``, the
+    whole download within ``REMOTE_TIMEOUT_S``, redirects followed; any failure is a
+    400 "Failed to download image". On trio, so a cancelled request ends its download
+    at once (a blocking client on a worker thread would run on to its timeout)."""
+    client = await trio.to_thread.run_sync(_http_client)
+    import httpx  # imported by _http_client
+
+    data = bytearray()
     try:
-        with httpx.stream("GET", url, timeout=REMOTE_TIMEOUT_S, follow_redirects=True,
-                          headers={"User-Agent": f"trio-llm/{__version__}"}) as r:
-            if not 200 <= r.status_code < 300:
-                raise InvalidRequest(f"Failed to download image: HTTP {r.status_code}")
-            data = bytearray()
-            for chunk in r.iter_bytes():
-                data += chunk
-                if len(data) > REMOTE_MAX_BYTES:
-                    raise InvalidRequest(f"Failed to download image: larger than {REMOTE_MAX_BYTES} bytes")
+        async with client:
+            with trio.move_on_after(REMOTE_TIMEOUT_S) as deadline:
+                async with client.stream("GET", url) as r:
+                    if not 200 <= r.status_code < 300:
+                        raise InvalidRequest(f"Failed to download image: HTTP {r.status_code}")
+                    async for chunk in r.aiter_bytes():
+                        data += chunk
+                        if len(data) > REMOTE_MAX_BYTES:
+                            raise InvalidRequest(f"Failed to download image: larger than {REMOTE_MAX_BYTES} bytes")
     except httpx.HTTPError as exc:
         raise InvalidRequest(f"Failed to download image: {type(exc).__name__}") from None
+    if deadline.cancelled_caught:
+        raise InvalidRequest(f"Failed to download image: not done within {REMOTE_TIMEOUT_S:g} s")
     return bytes(data)
+
+
+async def fetch_images(messages: Any) -> dict[str, bytes]:
+    """The remote images of OpenAI chat messages (``image_url`` parts with an
+    ``http(s)://`` URL), each URL fetched once, one after another: what
+    ``extract_images`` takes as ``fetched``."""
+    fetched: dict[str, bytes] = {}
+    for url in _image_urls(messages):
+        if _is_remote(url) and url not in fetched:
+            fetched[url] = await fetch_image(url)
+    return fetched
 
 
 def _local_file(rel: str, media_path: Path | None) -> bytes:
@@ -160,9 +209,9 @@ class MediaEncoder:
     max_rows: int = 1 << 30
     _cache: OrderedDict[int, np.ndarray] = attrs.field(init=False, factory=OrderedDict)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
-    n_encoded: int = 0  # images run through the encoder (not found in the cache)
+    n_encoded: int = 0  # images run through the encoder (not found in the cache); not cancelled ones
     n_cached: int = 0  # images found in the cache
-    t_encode: float = 0.0  # seconds spent encoding
+    t_encode: float = 0.0  # seconds spent encoding (images encoded whole)
 
     def statistics(self) -> MediaStatistics:
         with self._lock:
@@ -173,10 +222,13 @@ class MediaEncoder:
         """Positions an image takes."""
         return int(self.projector.n_tokens)
 
-    def encode(self, data: bytes) -> tuple[int, np.ndarray]:
-        """(media id, rows ``[n_tokens, n_embd]`` float32) of an image file's bytes."""
+    def encode(self, data: bytes, cancel: threading.Event | None = None) -> tuple[int, np.ndarray]:
+        """(media id, rows ``[n_tokens, n_embd]`` float32) of an image file's bytes.
+        Once ``cancel`` is set it raises ``EncodeCancelled`` at its next check (the
+        encoder's, within one piece of a block) and caches nothing."""
         from trio_llm.vision import decode_image, preprocess
 
+        _check(cancel)
         pixels = decode_image(data)  # [h, w, 3] uint8
         mid = media_id(pixels)
         with self._lock:
@@ -188,7 +240,8 @@ class MediaEncoder:
         # a duration measured on a worker thread, where trio's clock cannot be read; it
         # is only reported (/metrics), nothing waits on it
         t0 = time.perf_counter()
-        rows = np.ascontiguousarray(self.projector.encode(preprocess(pixels, self.projector)), dtype=np.float32)
+        planar = preprocess(pixels, self.projector)  # [3, S, S]
+        rows = np.ascontiguousarray(self.projector.encode(planar, cancel=cancel), dtype=np.float32)
         rows.setflags(write=False)
         with self._lock:
             self.t_encode += time.perf_counter() - t0
@@ -202,9 +255,9 @@ class MediaEncoder:
         return list(self.tokenizer.encode(text, add_special=False, parse_special=True))
 
     def tokenize(self, text: str, images: Sequence[bytes], table: dict[int, np.ndarray], *,
-                 add_special: bool = True) -> list[int]:
+                 add_special: bool = True, cancel: threading.Event | None = None) -> list[int]:
         """``text`` with one image per marker, as ``mtmd_tokenize`` does; the images'
-        rows go into ``table`` (media id -> rows)."""
+        rows go into ``table`` (media id -> rows). ``cancel``: as ``encode``'s."""
         if images and self.n_tokens > self.max_rows:
             raise InvalidRequest(f"an image takes {self.n_tokens} positions, more than one pass holds ({self.max_rows}:"
                                  " -b/-ub): it cannot be decoded")
@@ -217,7 +270,7 @@ class MediaEncoder:
             if piece:
                 ids += self._text(piece)
             if i < len(images):
-                mid, rows = self.encode(images[i])
+                mid, rows = self.encode(images[i], cancel)
                 table[mid] = rows
                 ids += self._text(IMG_BEG)
                 ids += [mid] * rows.shape[0]
@@ -270,15 +323,94 @@ def render(prompt: Sequence[int], decode: Any, marker: str = MARKER) -> str:
     return "".join(out)
 
 
+def _check(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise EncodeCancelled("the image encode was cancelled")
+
+
+T = TypeVar("T")
+
+
+async def run_sync_cancellable(fn: Callable[[threading.Event], T]) -> T:
+    """``fn(cancel)`` on a worker thread: a request's parse, which may encode images.
+
+    Waited for as ``trio.to_thread.run_sync(abandon_on_cancel=False)`` waits (same
+    default thread limiter): the thread is never left running behind the task, since
+    an encode holds the encoder's lock and every core. What that call lacks is word of
+    the cancellation while it waits. Here the task's cancellation sets ``cancel`` the
+    moment it is delivered; the encoder stops at its next check with
+    ``EncodeCancelled``, and the caller gets ``trio.Cancelled``. A ``fn`` that ends
+    anyway returns its value (the caller's next checkpoint raises).
+
+    Not a watcher task beside ``to_thread.run_sync`` setting the event: its nursery
+    would hand every caller the cancellation wrapped in an ExceptionGroup.
+    """
+    cancel = threading.Event()
+    task = trio.lowlevel.current_task()
+    token = trio.lowlevel.current_trio_token()
+    limiter = trio.to_thread.current_default_thread_limiter()
+    borrower = object()
+    await limiter.acquire_on_behalf_of(borrower)
+    context = contextvars.copy_context()
+
+    def deliver(result: outcome.Outcome[T]) -> None:  # on the worker thread, fn done
+        def back() -> None:
+            limiter.release_on_behalf_of(borrower)
+            trio.lowlevel.reschedule(task, result)
+
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(back)
+
+    try:
+        trio.lowlevel.start_thread_soon(lambda: context.run(fn, cancel), deliver, name="trio-llm parse")
+    except BaseException:
+        limiter.release_on_behalf_of(borrower)
+        raise
+    raise_cancel: list[Callable[[], NoReturn]] = []
+
+    def abort(rc: Callable[[], NoReturn]) -> trio.lowlevel.Abort:
+        raise_cancel[:] = [rc]
+        cancel.set()
+        return trio.lowlevel.Abort.FAILED  # the thread's end reschedules the task
+
+    try:
+        result: T = await trio.lowlevel.wait_task_rescheduled(abort)
+    except EncodeCancelled:
+        if raise_cancel:
+            raise_cancel[0]()  # trio.Cancelled, for the scope that was cancelled
+        raise
+    return result
+
+
 def _is_text(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
 
 
-def extract_images(messages: Any, marker: str | None, media_path: Path | None = None) -> tuple[Any, list[bytes]]:
+def _part_url(part: dict[str, Any]) -> Any:
+    url = part.get("image_url")
+    return url.get("url") if isinstance(url, dict) else url
+
+
+def _image_urls(messages: Any) -> Iterator[Any]:
+    """The URL of every ``image_url`` part of ``messages``, in order (as
+    ``extract_images`` walks them)."""
+    if not isinstance(messages, list):
+        return
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    yield _part_url(part)
+
+
+def extract_images(messages: Any, marker: str | None, media_path: Path | None = None,
+                   fetched: Mapping[str, bytes] | None = None) -> tuple[Any, list[bytes]]:
     """OpenAI chat messages with each ``image_url`` part replaced by a text part holding
     the marker, and the images' bytes in order (llama-server's
-    ``oaicompat_chat_params_parse``). Without a projector (``marker`` None) an image
-    part is refused."""
+    ``oaicompat_chat_params_parse``); remote ones come from ``fetched``
+    (``fetch_images``). Without a projector (``marker`` None) an image part is
+    refused."""
     if not isinstance(messages, list):
         return messages, []
     images: list[bytes] = []
@@ -298,8 +430,7 @@ def extract_images(messages: Any, marker: str | None, media_path: Path | None = 
                 if marker is None:
                     raise InvalidRequest("image input is not supported - hint: if this is unexpected, you may need "
                                          "to provide the mmproj")
-                url = part.get("image_url")
-                images.append(image_url_bytes(url.get("url") if isinstance(url, dict) else url, media_path))
+                images.append(image_url_bytes(_part_url(part), media_path, fetched))
                 if parts and _is_text(parts[-1]):
                     parts[-1] = {**parts[-1], "text": parts[-1]["text"] + marker}
                 else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -39,13 +40,15 @@ class Encoder(Protocol):
 
 @attrs.frozen
 class Limits:
-    """What the running server allows."""
+    """What the running server allows (and the request's cancel event, for its images'
+    encodes: ``media.run_sync_cancellable`` sets it)."""
 
     n_ctx: int  # positions per slot
     n_vocab: int
     n_slots: int
     defaults: ServerConfig
     media: Any = None  # trio_llm.server.media.MediaEncoder: with --mmproj only
+    cancel: threading.Event | None = None  # set: the request is gone, stop encoding its images
 
 
 _MISSING: Any = object()
@@ -232,7 +235,7 @@ def _multimodal_prompt(value: dict[str, Any], tok: Encoder, limits: Limits, medi
     if limits.media is None or media is None:
         return encode_prompt(tok, text)
     images = [MD.decode_base64(d, "multimodal_data") for d in data]
-    return list(limits.media.tokenize(text, images, media))
+    return list(limits.media.tokenize(text, images, media, cancel=limits.cancel))
 
 
 def check_fits(ids: Sequence[int], limits: Limits) -> None:
@@ -603,7 +606,7 @@ def parse_chat(body: Any, tok: Encoder, limits: Limits, rendered: str, grammar: 
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
     media: dict[int, Any] = {}
     if limits.media is not None and (images or limits.media.marker in rendered):
-        prompt = list(limits.media.tokenize(rendered, images, media))
+        prompt = list(limits.media.tokenize(rendered, images, media, cancel=limits.cancel))
     else:
         prompt = encode_prompt(tok, rendered)
     check_fits(prompt, limits)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -76,11 +77,12 @@ class Projector:
     def weight_bytes(self) -> int:
         return sum(t.n_bytes for t in self._tensors.values())
 
-    def encode(self, pixels: np.ndarray) -> np.ndarray:
+    def encode(self, pixels: np.ndarray, *, cancel: threading.Event | None = None) -> np.ndarray:
         """A preprocessed image (``image.preprocess``: [3, S, S] float32) ->
         [n_tokens, n_embd_out] float32, the rows llama.cpp feeds the text model.
-        Blocks (seconds for a real gemma-3 tower); run it in a worker thread."""
-        return siglip.encode(self.hparams, self._tensors, pixels)
+        Blocks (seconds for a real gemma-3 tower); run it in a worker thread. Setting
+        ``cancel`` stops it early with ``EncodeCancelled``."""
+        return siglip.encode(self.hparams, self._tensors, pixels, cancel=cancel)
 
 
 class UnsupportedProjector(UnsupportedModelError):

@@ -42,6 +42,13 @@ the mapped f16 file to save the conversion, a few per cent of an image's time (a
 75 ms of one thread a block). The vectors (norms, biases, position embeddings) are
 small and converted once.
 
+Cancelling: ``encode`` takes a ``threading.Event``; once it is set, the encode stops at
+the next check, before a transformer block and before each worker's next piece of
+work (a projection's column slice, an attention task), and raises ``EncodeCancelled``:
+the lock and the cores are free again within one piece of work, not after the whole
+image (seconds a block for gemma-3's tower on a few cores). The server sets it when the
+request is cancelled (``server.media.run_sync_cancellable``).
+
 The results match the single-threaded form within float32 rounding (a product's
 columns computed apart can round differently in BLAS's last bits).
 
@@ -64,6 +71,7 @@ import attrs
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
+from trio_llm.errors import EncodeCancelled
 from trio_llm.model.gguf import TensorInfo
 from trio_llm.model.quant import dequantize
 
@@ -71,6 +79,11 @@ FfnOp = Literal["gelu", "silu", "gelu_quick"]
 
 #: one encode at a time: each takes every core, and the BLAS limit it sets is process-wide
 _ENCODE_LOCK = threading.Lock()
+
+
+def _check(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise EncodeCancelled("the image encode was cancelled")
 
 
 @attrs.frozen
@@ -223,14 +236,17 @@ class _Workers:
 
     n: int
     pool: ThreadPoolExecutor | None  # None: run inline (one worker)
+    cancel: threading.Event | None = None  # set: stop before the next item (EncodeCancelled)
 
     def each(self, items: Sequence[_Item], make: Callable[[], Callable[[_Item], None]]) -> None:
         """Call a worker's ``make()`` once, then its result on items taken in order
         from ``items`` until none are left; return when all are done (the first
-        exception is re-raised after every worker has stopped)."""
+        exception is re-raised after every worker has stopped). Every worker checks
+        ``cancel`` before each item it takes."""
         if self.pool is None or len(items) <= 1:
             fn = make()
             for item in items:
+                _check(self.cancel)
                 fn(item)
             return
         shared = iter(items)  # list iterators hand out each item once across threads
@@ -238,6 +254,7 @@ class _Workers:
         def drain() -> None:
             fn = make()
             for item in shared:
+                _check(self.cancel)
                 fn(item)
 
         futures = [self.pool.submit(drain) for _ in range(min(self.n, len(items)))]
@@ -348,22 +365,27 @@ def unfold_patches(pixels: np.ndarray, patch: int) -> np.ndarray:
     return x.transpose(1, 3, 0, 2, 4).reshape(n * n, c * patch * patch)
 
 
-def encode(hp: Hparams, tensors: Mapping[str, TensorInfo], pixels: np.ndarray) -> np.ndarray:
+def encode(hp: Hparams, tensors: Mapping[str, TensorInfo], pixels: np.ndarray, *,
+           cancel: threading.Event | None = None) -> np.ndarray:
     """One preprocessed image [3, S, S] float32 -> [n_tokens, n_embd_out] float32.
 
     Runs on ``encoder_threads()`` threads of its own, with BLAS limited to one thread
     meanwhile (process-wide: a numpy text backend's products at the same time run on one
-    thread too); encodes in several threads take turns."""
+    thread too); encodes in several threads take turns. Once ``cancel`` is set it stops
+    within one piece of work and raises ``EncodeCancelled``, its threads ended and the
+    lock released; one set while waiting for its turn raises as the turn comes, having
+    encoded nothing (a thread lock's wait cannot be interrupted short of polling)."""
     s = hp.image_size
     pixels = np.asarray(pixels, dtype=np.float32)
     if pixels.shape != (3, s, s):
         raise ValueError(f"pixels must be [3, {s}, {s}] (planar RGB), got {list(pixels.shape)}")
     with _ENCODE_LOCK:
+        _check(cancel)  # given up while another image was encoded
         n = encoder_threads()
         if n == 1:
-            return _encode(_Workers(1, None), hp, tensors, pixels)
+            return _encode(_Workers(1, None, cancel), hp, tensors, pixels)
         with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(n, "siglip") as pool:
-            return _encode(_Workers(n, pool), hp, tensors, pixels)
+            return _encode(_Workers(n, pool, cancel), hp, tensors, pixels)
 
 
 def encoder_threads() -> int:
@@ -397,6 +419,7 @@ def _encode(workers: _Workers, hp: Hparams, tensors: Mapping[str, TensorInfo], p
         y *= scale
 
     for il in range(hp.n_layer):
+        _check(workers.cancel)
         b = f"v.blk.{il}"
         cur = _layer_norm_rows(workers, x, v(f"{b}.ln1.weight"), v(f"{b}.ln1.bias"), hp.eps)  # [T, n_embd]
         q = _linear(workers, cur, tensors[f"{b}.attn_q.weight"], v(f"{b}.attn_q.bias"), then=scale_q)  # [T, n_embd]
@@ -414,6 +437,7 @@ def _encode(workers: _Workers, hp: Hparams, tensors: Mapping[str, TensorInfo], p
         del up
         for name in [n for n in vec if n.startswith(b + ".")]:
             del vec[name]
+    _check(workers.cancel)
     x = _layer_norm(x, v("v.post_ln.weight"), v("v.post_ln.bias"), hp.eps)  # [T, n_embd]
     return project(hp, tensors, x)
 
