@@ -74,11 +74,16 @@ class Reference:
 
     ``cache_type_k`` / ``cache_type_v`` are llama-server's ``-ctk`` / ``-ctv`` names
     (f16 is its default), for rows that compare a KV cache type; ``n_ubatch`` its
-    ``-ub`` (512 by default)."""
+    ``-ub`` (512 by default); ``rope`` its --rope-* / --yarn-* settings by CommonParams
+    name (``rope_scaling_type`` as none, linear or yarn)."""
 
     def __init__(self, path: Path, *, n_ctx: int = 256, cache_type_k: str = "f16", cache_type_v: str = "f16",
-                 n_ubatch: int | None = None) -> None:
+                 n_ubatch: int | None = None, rope: dict[str, object] | None = None) -> None:
         params = server_params(path, n_ctx)
+        for name, value in (rope or {}).items():  # llama-server's --rope-* / --yarn-* (CommonParams names)
+            if name == "rope_scaling_type":
+                value = getattr(xllamacpp.llama_rope_scaling_type, f"LLAMA_ROPE_SCALING_TYPE_{str(value).upper()}")
+            setattr(params, name, value)
         if n_ubatch is not None:  # llama-server's -ub (and -b, so that it is the pass size)
             params.n_batch = max(params.n_batch, n_ubatch)
             params.n_ubatch = n_ubatch

@@ -78,6 +78,16 @@ class ServerConfig:
     fit: bool = True  # --fit: shrink the context the user did not set to fit the device
     fit_target: int = 1024  # --fit-target: MiB left free on the device
     fit_ctx: int = 4096  # --fit-ctx: the smallest context --fit chooses
+    # --rope-* / --yarn-*: over the file's RoPE (trio_llm.models.llama.rope_scaling); 0 or
+    # a negative value (llama-server's "not set"): the file's
+    rope_scaling: str | None = None  # --rope-scaling none|linear|yarn
+    rope_freq_base: float = 0.0  # --rope-freq-base
+    rope_freq_scale: float = 0.0  # --rope-freq-scale, or 1 / --rope-scale
+    yarn_orig_ctx: int = 0  # --yarn-orig-ctx
+    yarn_ext_factor: float = -1.0  # --yarn-ext-factor
+    yarn_attn_factor: float = -1.0  # --yarn-attn-factor
+    yarn_beta_slow: float = -1.0  # --yarn-beta-slow
+    yarn_beta_fast: float = -1.0  # --yarn-beta-fast
     hf_repo: str | None = None  # -hf REPO[:QUANT], resolved into model at parse time
     hf_file: str | None = None  # -hff
     mmproj: Path | None = None  # --mmproj: gemma3's vision projector (with -hf: found beside the model)
@@ -120,6 +130,9 @@ class ServerConfig:
         _check(bool(self.host), "--host", "empty host")
         _check(0 <= self.ctx_size <= MAX_CTX, "-c/--ctx-size", f"{self.ctx_size} is not in [0, {MAX_CTX}]")
         _check(1 <= self.parallel <= 256, "-np/--parallel", f"{self.parallel} is not in [1, 256]")
+        _check(self.rope_freq_base >= 0, "--rope-freq-base", f"{self.rope_freq_base} is negative")
+        _check(self.rope_freq_scale >= 0, "--rope-freq-scale", f"{self.rope_freq_scale} is negative")
+        _check(self.yarn_orig_ctx >= 0, "--yarn-orig-ctx", f"{self.yarn_orig_ctx} is negative")
         _check(1 <= self.batch_size <= 1 << 16, "-b/--batch-size", f"{self.batch_size} is not in [1, 65536]")
         _check(self.n_predict >= -1, "-n/--n-predict", "must be -1 (unlimited) or >= 0")
         _check(0.0 <= self.temp <= 100.0, "--temp", f"{self.temp} is not in [0, 100]")
@@ -210,6 +223,18 @@ class ServerConfig:
         if self.reasoning_effort != "default":
             out["reasoning_effort"] = self.reasoning_effort
         return out | self.chat_template_kwargs
+
+    def model_overrides(self) -> dict[str, Any]:
+        """What the command line sets over the file's hyper-parameters (``load_gguf``'s
+        ``overrides``): the --rope-* / --yarn-* values that were given."""
+        out: dict[str, Any] = {}
+        for name in ("rope_scaling", "rope_freq_base", "rope_freq_scale", "yarn_orig_ctx"):
+            if getattr(self, name):
+                out[name] = getattr(self, name)
+        for name in ("yarn_ext_factor", "yarn_attn_factor", "yarn_beta_slow", "yarn_beta_fast"):
+            if getattr(self, name) >= 0:
+                out[name] = getattr(self, name)
+        return out
 
     def slot_ctx(self, n_ctx_train: int) -> int:
         """Positions per slot: ``-c`` split evenly over ``-np``, as llama-server does."""

@@ -152,7 +152,7 @@ def _load(config: ServerConfig, progress: LoadProgress) -> Loaded:
     from trio_llm.model.gguf import load_gguf
     from trio_llm.model.tokenizer import Tokenizer
 
-    model = load_gguf(_model_path(config))
+    model = load_gguf(_model_path(config), config.model_overrides())
     _check_gpu_layers(config, model.config.n_layer)
     projector = _load_projector(config, model)
     tokenizer = Tokenizer.from_metadata(model.metadata)
@@ -356,7 +356,7 @@ def arena_share(config: ServerConfig) -> Share | None:
         if device is not None and budget > device.heap_bytes:
             raise ConfigError(f"--arena-budget {config.arena_budget:g} MiB is more than the device's "
                               f"{device.heap_bytes / mib:.0f} MiB ({device.name})")
-    model = load_gguf(_model_path(config))
+    model = load_gguf(_model_path(config), config.model_overrides())
     try:
         ctx_total = fit_slot_ctx(config, model) * config.parallel
         if device is not None:  # what the Vulkan backend will hold

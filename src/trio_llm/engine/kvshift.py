@@ -30,7 +30,7 @@ import attrs
 import numpy as np
 
 from trio_llm.engine.memory import LayerMemory
-from trio_llm.graph import Graph, Node
+from trio_llm.graph import Graph, Node, rope_divisors
 from trio_llm.model.kvtypes import hadamard
 
 
@@ -105,9 +105,12 @@ def shift_k(k: np.ndarray, delta: int, rope: Node | None, factors: np.ndarray | 
         x = x.copy()
     half = nr // 2
     inv = rope.attr("theta") ** (-np.arange(half, dtype=np.float64) * 2.0 / nr)  # [half]
-    if factors is not None:
-        inv = inv / factors.astype(np.float64)
-    angle = delta * rope.attr("freq_scale") * inv  # [half]
+    if "yarn" in rope.attrs:  # YaRN: the forward's own per-frequency divisors
+        angle = delta * inv / rope_divisors(rope, factors)  # [half]
+    else:
+        if factors is not None:
+            inv = inv / factors.astype(np.float64)
+        angle = delta * rope.attr("freq_scale") * inv  # [half]
     cos = np.broadcast_to(np.cos(angle).astype(np.float32), (len(x), half))
     sin = np.broadcast_to(np.sin(angle).astype(np.float32), (len(x), half))
     from trio_llm.engine.reference import apply_rope  # the forward's own rotation

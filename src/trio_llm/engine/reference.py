@@ -42,7 +42,7 @@ from trio_llm.engine.memory import (
     state_layout,
 )
 from trio_llm.errors import BackendError, GraphError, InvalidRequest, ModelLoadError
-from trio_llm.graph import Graph, Node, Output, Tensor
+from trio_llm.graph import Graph, Node, Output, Tensor, rope_divisors
 from trio_llm.model.config import ModelConfig
 from trio_llm.model.gguf import GGUFModel, TensorInfo, load_gguf
 from trio_llm.model.kvtypes import DEFAULT_KV_TYPE, hadamard, kv_type, rotation_blocks, roundtrip
@@ -261,6 +261,7 @@ class NumpyBackend:
     layers: list[LayerMemory] = attrs.field(init=False)
     _chunk: int = attrs.field(init=False)
     _path: Path = attrs.field(init=False)
+    _overrides: dict[str, Any] = attrs.field(init=False, factory=dict)
     _progress: Progress | None = attrs.field(init=False)
     _weights: dict[str, np.ndarray] | None = attrs.field(init=False, default=None)
     _experts: dict[str, Experts] = attrs.field(init=False, factory=dict)
@@ -306,6 +307,7 @@ class NumpyBackend:
                 raise InvalidRequest(f"a {t} {what} cache needs head_dim a multiple of {kv_type(t).block}, "
                                      f"not {self.config.head_dim}")
         self._path = Path(model.path)
+        self._overrides = dict(model.overrides)
         self._progress = progress
         try:
             self.graph = build_graph(self.config, {n: t.shape for n, t in model.tensors.items()}, output)
@@ -585,7 +587,7 @@ class NumpyBackend:
         return out
 
     def _reload(self) -> dict[str, np.ndarray]:
-        model = load_gguf(self._path)
+        model = load_gguf(self._path, self._overrides)
         try:
             if model.config != self.config:
                 raise ModelLoadError(self._path, "the file changed since it was loaded")
@@ -614,8 +616,11 @@ class NumpyBackend:
         tables = self._tables.get(node.out.id)
         if tables is None:
             dim = node.attrs.get("n_rot", node.attr("head_dim"))  # partial RoPE: frequencies over n_rot
-            tables = self._tables[node.out.id] = rope_angles(
-                dim, node.attr("theta"), self.n_ctx, factors, node.attr("freq_scale"))
+            if "yarn" in node.attrs:  # YaRN's per-frequency blend of the scaled positions
+                tables = rope_angles(dim, node.attr("theta"), self.n_ctx, rope_divisors(node, factors))
+            else:
+                tables = rope_angles(dim, node.attr("theta"), self.n_ctx, factors, node.attr("freq_scale"))
+            self._tables[node.out.id] = tables
         return tables
 
     def _run(self, entries: list[SeqBatch], out_rows: np.ndarray) -> np.ndarray:

@@ -172,13 +172,18 @@ class Graph:
         return self._node("rms_norm", (x, w), x.shape, name, eps=float(eps), group=n)
 
     def rope(self, x: Tensor, name: str, *, n_heads: int, head_dim: int, mode: RopeMode, theta: float,
-             freq_scale: float = 1.0, factors: Tensor | None = None, n_rot: int = 0) -> Tensor:
+             freq_scale: float = 1.0, factors: Tensor | None = None, n_rot: int = 0,
+             yarn: tuple[float, float, float] | None = None) -> Tensor:
         """Rotary embedding of every head of ``x`` ``[T, n_heads * head_dim]`` at each
         token's position; ``factors`` ``[head_dim / 2]`` divide the frequencies (llama 3
         long-context scaling), ``freq_scale`` multiplies the positions (linear scaling).
         ``n_rot`` > 0: only the first ``n_rot`` values of each head rotate (partial RoPE,
-        frequencies over ``n_rot``), the rest pass through."""
+        frequencies over ``n_rot``), the rest pass through. ``yarn`` (ext_factor, low,
+        high): YaRN's blend of each frequency's scaled and unscaled position, by a ramp
+        over the frequency index from ``low`` to ``high`` (``rope_divisors``); its
+        magnitude factor is the model's business (a softmax scale)."""
         self._check(0 <= n_rot <= head_dim and n_rot % 2 == 0, name, f"rope of {n_rot} of {head_dim} values")
+        self._check(yarn is None or not n_rot or n_rot == head_dim, name, "YaRN of a partial RoPE is not supported")
         self._check(x.shape == (TOKENS, n_heads * head_dim), name,
                 f"rope of {n_heads} heads of {head_dim} needs [T, {n_heads * head_dim}], got {x!r}")
         self._check(head_dim % 2 == 0, name, f"rope needs an even head_dim, got {head_dim}")
@@ -186,6 +191,8 @@ class Graph:
         if factors is not None:
             self._check(factors.shape == (head_dim // 2,), name, f"rope factors must be [{head_dim // 2}], got {factors!r}")
         kw: dict[str, Any] = {"n_rot": int(n_rot)} if n_rot and n_rot != head_dim else {}
+        if yarn is not None:  # only then an attribute: every other rope node is as it was
+            kw["yarn"] = tuple(float(v) for v in yarn)
         return self._node("rope", inputs, x.shape, name, n_heads=n_heads, head_dim=head_dim, mode=mode,
                           theta=float(theta), freq_scale=float(freq_scale), **kw)
 
@@ -388,6 +395,40 @@ class Graph:
     def attention_layers(self) -> dict[int, Node]:
         """Each layer's attention node (the layers that have a KV cache)."""
         return {n.layer: n for n in self.nodes if n.op == "attention"}
+
+
+def rope_divisors(node: Node, factors: Any = None) -> Any:
+    """The divisor of each frequency of a ``rope`` node, float64 ``[dim / 2]``: the angle
+    of frequency i at position p is ``p * theta^(-2i/dim) / divisor_i``. That is the
+    file's ``factors`` over ``freq_scale``, or with YaRN over ggml's blend
+    ``freq_scale * (1 - r_i) + r_i``, where ``r_i = ext_factor * (1 - clamp((i - low) /
+    max(0.001, high - low), 0, 1))`` (ggml's ``rope_yarn_ramp``): the fast frequencies keep
+    their positions, the slow ones are scaled. Every backend's RoPE and the KV shift
+    read their frequencies from here."""
+    import numpy as np
+
+    dim = int(node.attrs.get("n_rot", node.attr("head_dim")))
+    half = dim // 2
+    base = np.ones(half) if factors is None else np.asarray(factors, np.float64).reshape(half)
+    fs = float(node.attr("freq_scale"))
+    if "yarn" not in node.attrs:
+        return base / fs
+    ext, low, high = node.attr("yarn")
+    i = np.arange(half, dtype=np.float64)
+    ramp = (1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)) * ext
+    return base / (fs * (1.0 - ramp) + ramp)
+
+
+def yarn_corr_dims(n_dims: int, n_ctx_orig: int, theta: float, beta_fast: float, beta_slow: float) -> tuple[float, float]:
+    """ggml's ``ggml_rope_yarn_corr_dims``: the frequency indices where YaRN's ramp starts
+    and ends, from the rotations (``beta_fast``, ``beta_slow``) a frequency makes over
+    the original context."""
+    import math
+
+    def dim(n_rot: float) -> float:
+        return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    return max(0.0, float(math.floor(dim(beta_fast)))), min(n_dims - 1.0, float(math.ceil(dim(beta_slow))))
 
 
 def _expect(ok: bool, name: str, problem: str) -> None:

@@ -43,6 +43,9 @@ class ModelConfig:
     swa_layers: tuple[bool, ...] = ()
     rope_theta_swa: float = 0.0  # the RoPE base of the sliding-window layers
     rope_freq_scale: float = 1.0  # linear RoPE scaling of the other layers (1 / factor)
+    #: YaRN (ext_factor, low, high): the ramp of ``trio_llm.graph.rope_divisors``; empty:
+    #: none. Its magnitude factor is in ``attn_scale`` (squared: q and k both carry it)
+    rope_yarn: tuple[float, ...] = ()
     attn_scale: float = 0.0  # softmax scale of q.k; 0: 1 / sqrt(head_dim)
     # mixture of experts (qwen3moe): experts per layer, chosen per token, their FFN width
     n_expert: int = 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,9 @@ class GGUFModel:
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
     _map: np.ndarray | None = attrs.field(default=None, repr=False)
+    #: the command line's settings over the file (``load_gguf``'s ``overrides``): a
+    #: reload of the same file passes them again
+    overrides: dict[str, Any] = attrs.field(factory=dict)
 
     def tensor(self, name: str) -> TensorInfo:
         try:
@@ -97,14 +100,17 @@ class GGUFModel:
         self.tensors = {}
 
 
-def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
+def load_gguf(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> GGUFModel:
     """Open and validate ``path``; raise ``ModelLoadError`` (or its subclass
-    ``UnsupportedModelError``) with one line naming the file and the problem."""
+    ``UnsupportedModelError``) with one line naming the file and the problem.
+    ``overrides``: what the command line sets over the file's hyper-parameters
+    (``trio_llm.models.Meta.over``: llama-server's ``--rope-*`` / ``--yarn-*``)."""
     path = Path(path)
     metadata, tensors, data = read_gguf(path)
-    config = _config_from(path, metadata, tensors)
+    config = _config_from(path, metadata, tensors, overrides or {})
     _check_tensors(path, config, tensors)
-    return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors, map=data)
+    return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors, map=data,
+                     overrides=dict(overrides or {}))
 
 
 def read_gguf(path: Path, check: Callable[[dict[str, Any]], None] | None = None,
@@ -310,10 +316,11 @@ def _read_tensors(
     return tensors
 
 
-def _config_from(path: Path, md: dict[str, Any], tensors: dict[str, TensorInfo]) -> ModelConfig:
+def _config_from(path: Path, md: dict[str, Any], tensors: dict[str, TensorInfo],
+                 overrides: Mapping[str, Any] | None = None) -> ModelConfig:
     from trio_llm.models import load_config
 
-    return load_config(path, md, tensors)
+    return load_config(path, md, tensors, overrides)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

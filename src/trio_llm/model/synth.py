@@ -23,7 +23,7 @@ import os
 import sys
 import tempfile
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
@@ -699,13 +699,16 @@ def make_model(
     pure: bool = False,
     sharp: bool = False,
     mtp: int = 0,
+    metadata: Mapping[str, str | int | float] | None = None,
 ) -> Path:
     """Write the ``preset`` model as ``quant`` to ``path`` atomically; return the path.
 
     ``quant`` is a ``QUANTS`` name: a plain type, or a llama-quantize mix whose base
     type ``pure`` puts on every matrix instead (llama-quantize's ``--pure``). ``sharp``:
     see ``plan_tensors``. ``mtp``: that many multi-token-prediction blocks after the
-    trunk (``Preset.mtp``; the hybrids and deepseek2 only).
+    trunk (``Preset.mtp``; the hybrids and deepseek2 only). ``metadata``: keys set over
+    the preset's (``{arch}.`` is written out; a str, an int as UINT32, a float as
+    FLOAT32), e.g. a RoPE scaling the preset does not have.
 
     ``workers`` defaults to one process per CPU for models above ``POOL_THRESHOLD``
     values and to in-process generation below it; the bytes are the same either way.
@@ -723,6 +726,10 @@ def make_model(
         workers = _usable_cpus() if n_values > POOL_THRESHOLD else 1
     path = Path(path)
     writer = _writer(p, quant, plans)
+    for key, value in (metadata or {}).items():
+        kind = (gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.FLOAT32
+                if isinstance(value, float) else gguf.GGUFValueType.UINT32)
+        writer.kv_data[0][key] = gguf.GGUFValue(value, kind)  # over the preset's own value, if any
     with atomic_gguf(writer, path) as tmp:
         writer.write_header_to_file(tmp)
         writer.write_kv_data_to_file()

@@ -33,6 +33,11 @@ class Meta:
     path: Path
     md: Mapping[str, Any]
     arch: str
+    #: what the command line sets over the file (``load_gguf``'s ``overrides``): by
+    #: llama-server's names without dashes: ``rope_freq_base``, ``rope_scaling``,
+    #: ``rope_freq_scale``, ``yarn_orig_ctx``, ``yarn_ext_factor``, ``yarn_attn_factor``,
+    #: ``yarn_beta_fast``, ``yarn_beta_slow``
+    over: Mapping[str, Any] = attrs.field(factory=dict)
 
     def get(self, key: str, kind: type, default: Any = None) -> Any:
         value = self.md.get(key, default)
@@ -74,12 +79,14 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(_registry())
 
 
-def load_config(path: Path, md: Mapping[str, Any], tensors: Mapping[str, Any]) -> ModelConfig:
-    """The config of a file (``tensors``: name -> anything with ``.shape``)."""
+def load_config(path: Path, md: Mapping[str, Any], tensors: Mapping[str, Any],
+                overrides: Mapping[str, Any] | None = None) -> ModelConfig:
+    """The config of a file (``tensors``: name -> anything with ``.shape``), with the
+    command line's ``overrides`` (``Meta.over``)."""
     arch = md.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelLoadError(path, "missing metadata key 'general.architecture'")
-    cfg: ModelConfig = architecture(arch, path).hparams(Meta(path, md, arch), tensors)
+    cfg: ModelConfig = architecture(arch, path).hparams(Meta(path, md, arch, dict(overrides or {})), tensors)
     return cfg
 
 

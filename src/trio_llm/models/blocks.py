@@ -8,7 +8,7 @@ follow llama.cpp's ``cb(cur, "...", il)`` names.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -22,6 +22,7 @@ class Rope:
     theta: float
     freq_scale: float = 1.0
     factors: str | None = None  # a tensor of per-frequency divisors (llama 3 long context)
+    yarn: tuple[float, ...] = ()  # ModelConfig.rope_yarn
 
 
 @attrs.frozen
@@ -78,7 +79,10 @@ def attention(g: Graph, h: Tensor, il: int, a: Attn, rope: Rope) -> Tensor:
         q = g.rms_norm(q, g.weight(b + "attn_q_norm.weight"), a.eps, "Qcur_normed", group=a.head_dim)
         k = g.rms_norm(k, g.weight(b + "attn_k_norm.weight"), a.eps, "Kcur_normed", group=a.head_dim)
     factors = g.weight(rope.factors) if rope.factors is not None and g.has(rope.factors) else None
-    kw = dict(head_dim=a.head_dim, mode=rope.mode, theta=rope.theta, freq_scale=rope.freq_scale, factors=factors)
+    kw: dict[str, Any] = dict(head_dim=a.head_dim, mode=rope.mode, theta=rope.theta, freq_scale=rope.freq_scale,
+                              factors=factors)
+    if rope.yarn:
+        kw["yarn"] = rope.yarn
     q = g.rope(q, "Qcur_rope", n_heads=a.n_head, **kw)  # type: ignore[arg-type]
     k = g.rope(k, "Kcur_rope", n_heads=a.n_head_kv, **kw)  # type: ignore[arg-type]
     att = g.attention(q, k, v, "kqv_out", n_head=a.n_head, n_head_kv=a.n_head_kv, head_dim=a.head_dim,

@@ -36,7 +36,7 @@ from trio_llm.graph import Graph, Tensor
 from trio_llm.model.config import ModelConfig
 from trio_llm.models import Meta
 from trio_llm.models.blocks import Moe, ffn, head, head_tensors, moe_ffn, moe_tensors, norm
-from trio_llm.models.llama import common_hparams
+from trio_llm.models.llama import common_hparams, no_rope_scaling
 
 ARCHS = ("deepseek2",)
 MIN_BLOCK_TENSORS = 11
@@ -72,6 +72,7 @@ def hparams(meta: Meta, tensors: Mapping[str, Any]) -> ModelConfig:
     scaling = meta.md.get(f"{a}.rope.scaling.type", "none")
     if scaling != "none" or meta.arch_get("rope.scaling.factor", float, 1.0) not in (0.0, 1.0):
         raise UnsupportedModelError(path, f"deepseek2 with RoPE scaling {scaling!r} (YaRN) is not supported")
+    no_rope_scaling(meta, hp, "YaRN of MLA")  # the command line's --rope-* / --yarn-*
     if meta.arch_get("attention.temperature_scale", float, 0.0) != 0.0:
         raise UnsupportedModelError(path, "deepseek2 with attention temperature scaling is not supported")
     if meta.arch_get("expert_group_count", int, 0) > 1:

@@ -34,7 +34,7 @@ from trio_llm.models.blocks import (
     head_tensors,
     norm,
 )
-from trio_llm.models.llama import common_hparams
+from trio_llm.models.llama import common_hparams, rope_base
 
 ARCHS = ("gemma3",)
 MIN_BLOCK_TENSORS = 13
@@ -45,12 +45,18 @@ ROPE_THETA_SWA = 10000.0
 
 def hparams(meta: Meta, tensors: Mapping[str, Any]) -> ModelConfig:
     hp = common_hparams(meta, tensors, rms_eps_default=1e-6)
-    hp["rope_theta"] = meta.arch_get("rope.freq_base", float, 1e6)
+    hp["rope_theta"] = rope_base(meta, 1e6)
     n_layer = hp["n_layer"]
     n_swa = meta.arch_get("attention.sliding_window", int, 0)
     if n_swa < 0:
         raise UnsupportedModelError(meta.path, f"negative gemma3.attention.sliding_window {n_swa}")
-    factor = meta.arch_get("rope.scaling.factor", float, 0.0)
+    # the global layers' linear scaling (llama.cpp's freq_scale; --rope-scale over it)
+    kind = meta.over.get("rope_scaling") or meta.arch_get("rope.scaling.type", str, "linear")
+    if kind not in ("none", "linear") or any(k.startswith("yarn_") for k in meta.over):
+        raise UnsupportedModelError(meta.path, f"RoPE scaling {kind!r} of gemma3 is not supported (none, linear)")
+    factor = 0.0 if kind == "none" else meta.arch_get("rope.scaling.factor", float, 0.0)
+    if meta.over.get("rope_freq_scale"):
+        factor = 1.0 / meta.over["rope_freq_scale"]
     if meta.arch_get("final_logit_softcapping", float, 0.0) > 0:
         raise UnsupportedModelError(meta.path, "gemma3 with final_logit_softcapping is not supported")
     return ModelConfig(**hp, **derived(n_layer, hp["n_embd"], hp["n_head"], hp["head_dim"], n_swa, factor))

@@ -26,7 +26,7 @@ from trio_llm.graph import Graph, Tensor
 from trio_llm.model.config import ModelConfig
 from trio_llm.models import Meta
 from trio_llm.models.blocks import ffn, head, head_tensors, norm
-from trio_llm.models.llama import common_hparams
+from trio_llm.models.llama import common_hparams, no_rope_scaling
 
 ARCHS = ("qwen35",)
 MIN_BLOCK_TENSORS = 9
@@ -69,6 +69,7 @@ def hparams(meta: Meta, tensors: Mapping[str, Any]) -> ModelConfig:
     hp["n_rot"] = meta.positive("rope.dimension_count", hp["head_dim"])
     if hp["n_rot"] > hp["head_dim"] or hp["n_rot"] % 2:
         raise ModelLoadError(meta.path, f"rope.dimension_count {hp['n_rot']} does not fit head_dim {hp['head_dim']}")
+    no_rope_scaling(meta, hp, "partial RoPE")
     return ModelConfig(**hp, **ssm_hparams(meta, hp["n_layer"]))
 
 

@@ -15,7 +15,7 @@ from trio_llm.graph import Graph
 from trio_llm.model.config import ModelConfig
 from trio_llm.models import Meta
 from trio_llm.models.blocks import Moe, head_tensors, moe_ffn, moe_tensors
-from trio_llm.models.llama import common_hparams
+from trio_llm.models.llama import common_hparams, no_rope_scaling
 from trio_llm.models.qwen35 import build_layers, layer_tensors, ssm_hparams
 
 ARCHS = ("qwen35moe",)
@@ -30,6 +30,7 @@ def hparams(meta: Meta, tensors: Mapping[str, Any]) -> ModelConfig:
     hp = common_hparams(meta, tensors, rms_eps_default=1e-6)
     hp["qk_norm"] = True
     hp["n_rot"] = meta.positive("rope.dimension_count", hp["head_dim"])
+    no_rope_scaling(meta, hp, "partial RoPE")
     n_expert = meta.positive("expert_count")
     n_used = meta.positive("expert_used_count")
     if n_used > n_expert:

@@ -29,7 +29,7 @@ from trio_llm.models.blocks import (
     moe_ffn,
     norm,
 )
-from trio_llm.models.llama import common_hparams
+from trio_llm.models.llama import common_hparams, rope_scaling
 
 ARCHS = ("qwen3moe",)
 MIN_BLOCK_TENSORS = 11
@@ -46,7 +46,8 @@ def hparams(meta: Meta, tensors: Mapping[str, Any]) -> ModelConfig:
         raise ModelLoadError(meta.path, f"metadata key '{meta.arch}.expert_feed_forward_length' is {n_ff_exp}")
     if not hp["qk_norm"]:
         raise ModelLoadError(meta.path, "missing tensor 'blk.0.attn_q_norm.weight' (qwen3moe has QK-norm)")
-    return ModelConfig(**hp, n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp)
+    return ModelConfig(**{**hp, **rope_scaling(meta, hp)}, n_expert=n_expert, n_expert_used=n_used,
+                       n_ff_exp=n_ff_exp)
 
 
 def tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -75,7 +76,7 @@ def build(g: Graph, cfg: ModelConfig) -> None:
     eps = cfg.rms_eps
     a = Attn(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim, eps=eps,
              scale=cfg.kq_scale, qk_norm=True)
-    rope = Rope(mode="neox", theta=cfg.rope_theta)
+    rope = Rope(mode="neox", theta=cfg.rope_theta, freq_scale=cfg.rope_freq_scale, yarn=cfg.rope_yarn)
     moe = Moe(n_expert=cfg.n_expert, n_expert_used=cfg.n_expert_used, norm=True)
     x = g.get_rows(g.weight("token_embd.weight"), g.tokens())  # [T, n_embd]
     for il in range(cfg.n_layer):

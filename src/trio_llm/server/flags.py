@@ -108,6 +108,14 @@ def _budget(text: str) -> float | str:
     return mib
 
 
+def _inverse(text: str) -> float:
+    """--rope-scale N: llama-server stores 1 / N as the frequency scale."""
+    value = _float(text)
+    if value <= 0:
+        raise FlagValueError(f"invalid value {text!r} (a positive number)")
+    return 1.0 / value
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def conv(text: str) -> str:
         if text not in choices:
@@ -323,16 +331,25 @@ FLAGS: tuple[Flag, ...] = (
     N("--perf", "llama.cpp's internal timings; /completion's timings are always given", neg="--no-perf",
       env="LLAMA_ARG_PERF"),
     N("-e --escape", "escapes in -p prompts; the server takes prompts over HTTP", neg="--no-escape"),
-    R("--rope-scaling", "overriding the model's RoPE is not supported (the GGUF's values are used)",
-      value="{none,linear,yarn}", env="LLAMA_ARG_ROPE_SCALING_TYPE"),
-    R("--rope-scale", "overriding the model's RoPE is not supported", value="N", env="LLAMA_ARG_ROPE_SCALE"),
-    R("--rope-freq-base", "overriding the model's RoPE is not supported", value="N", env="LLAMA_ARG_ROPE_FREQ_BASE"),
-    R("--rope-freq-scale", "overriding the model's RoPE is not supported", value="N", env="LLAMA_ARG_ROPE_FREQ_SCALE"),
-    R("--yarn-orig-ctx", "YaRN is not supported", value="N", env="LLAMA_ARG_YARN_ORIG_CTX"),
-    R("--yarn-ext-factor", "YaRN is not supported", value="N", env="LLAMA_ARG_YARN_EXT_FACTOR"),
-    R("--yarn-attn-factor", "YaRN is not supported", value="N", env="LLAMA_ARG_YARN_ATTN_FACTOR"),
-    R("--yarn-beta-slow", "YaRN is not supported", value="N", env="LLAMA_ARG_YARN_BETA_SLOW"),
-    R("--yarn-beta-fast", "YaRN is not supported", value="N", env="LLAMA_ARG_YARN_BETA_FAST"),
+    W("--rope-scaling", "RoPE frequency scaling over the file's (llama, qwen2, qwen3, qwen3moe; gemma3: none or "
+      "linear; the partial-RoPE and MLA architectures refuse any scaling)", value="{none,linear,yarn}",
+      env="LLAMA_ARG_ROPE_SCALING_TYPE", dest="rope_scaling", conv=_choice("none", "linear", "yarn")),
+    W("--rope-scale", "RoPE context scaling factor: the positions are divided by N (--rope-freq-scale 1/N)",
+      value="N", env="LLAMA_ARG_ROPE_SCALE", dest="rope_freq_scale", conv=_inverse),
+    W("--rope-freq-base", "RoPE base frequency over the file's", value="N", env="LLAMA_ARG_ROPE_FREQ_BASE",
+      dest="rope_freq_base", conv=_float),
+    W("--rope-freq-scale", "RoPE frequency scaling factor: the positions are multiplied by N", value="N",
+      env="LLAMA_ARG_ROPE_FREQ_SCALE", dest="rope_freq_scale", conv=_float),
+    W("--yarn-orig-ctx", "YaRN: the model's original context (0: the file's, else its training context)",
+      value="N", env="LLAMA_ARG_YARN_ORIG_CTX", dest="yarn_orig_ctx", conv=_int),
+    W("--yarn-ext-factor", "YaRN: extrapolation mix factor (-1: 1 with yarn, else 0)", value="N",
+      env="LLAMA_ARG_YARN_EXT_FACTOR", dest="yarn_ext_factor", conv=_float),
+    W("--yarn-attn-factor", "YaRN: the magnitude factor where extrapolation is off (-1: 1)", value="N",
+      env="LLAMA_ARG_YARN_ATTN_FACTOR", dest="yarn_attn_factor", conv=_float),
+    W("--yarn-beta-slow", "YaRN: high correction dim (-1: 1)", value="N", env="LLAMA_ARG_YARN_BETA_SLOW",
+      dest="yarn_beta_slow", conv=_float),
+    W("--yarn-beta-fast", "YaRN: low correction dim (-1: 32)", value="N", env="LLAMA_ARG_YARN_BETA_FAST",
+      dest="yarn_beta_fast", conv=_float),
     N("-kvo --kv-offload", "the KV cache lives with the model (on the device); --no-kv-offload is refused",
       neg="-nkvo --no-kv-offload", env="LLAMA_ARG_KV_OFFLOAD",
       refuse=_not(True, "the KV cache cannot be kept off the device here")),

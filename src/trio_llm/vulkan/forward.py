@@ -36,7 +36,7 @@ import numpy as np
 
 from trio_llm.engine.memory import LayerMemory
 from trio_llm.errors import GraphError
-from trio_llm.graph import OUTPUTS, Graph, Node, Tensor
+from trio_llm.graph import OUTPUTS, Graph, Node, Tensor, rope_divisors
 from trio_llm.model.kvtypes import rotation_blocks
 from trio_llm.vulkan.graph import Barrier, Copy, Op
 from trio_llm.vulkan.kvcache import KVCache
@@ -515,7 +515,10 @@ def rope_consts(graph: Graph, factors: dict[str, np.ndarray]) -> tuple[dict[int,
             continue
         half = node.attr("head_dim") // 2
         base = factors[node.inputs[1].name] if len(node.inputs) > 1 else np.ones(half, np.float32)
-        arr = (base.astype(np.float64) / node.attr("freq_scale")).astype(np.float32)
+        if "yarn" in node.attrs:  # YaRN's per-frequency blend (full RoPE only: Graph.rope)
+            arr = rope_divisors(node, base).astype(np.float32)
+        else:
+            arr = (base.astype(np.float64) / node.attr("freq_scale")).astype(np.float32)
         key = arr.tobytes()
         if key not in by_bytes:
             by_bytes[key] = f"rope{len(by_bytes)}"
