@@ -88,6 +88,7 @@ class ServerConfig:
     yarn_attn_factor: float = -1.0  # --yarn-attn-factor
     yarn_beta_slow: float = -1.0  # --yarn-beta-slow
     yarn_beta_fast: float = -1.0  # --yarn-beta-fast
+    kv_overrides: dict[str, Any] = attrs.field(factory=dict)  # --override-kv: metadata over the file's
     hf_repo: str | None = None  # -hf REPO[:QUANT], resolved into model at parse time
     hf_file: str | None = None  # -hff
     mmproj: Path | None = None  # --mmproj: gemma3's vision projector (with -hf: found beside the model)
@@ -225,8 +226,8 @@ class ServerConfig:
         return out | self.chat_template_kwargs
 
     def model_overrides(self) -> dict[str, Any]:
-        """What the command line sets over the file's hyper-parameters (``load_gguf``'s
-        ``overrides``): the --rope-* / --yarn-* values that were given."""
+        """What the command line sets over the file (``load_gguf``'s ``overrides``): the
+        --rope-* / --yarn-* values that were given, and --override-kv's keys ("kv")."""
         out: dict[str, Any] = {}
         for name in ("rope_scaling", "rope_freq_base", "rope_freq_scale", "yarn_orig_ctx"):
             if getattr(self, name):
@@ -234,6 +235,8 @@ class ServerConfig:
         for name in ("yarn_ext_factor", "yarn_attn_factor", "yarn_beta_slow", "yarn_beta_fast"):
             if getattr(self, name) >= 0:
                 out[name] = getattr(self, name)
+        if self.kv_overrides:
+            out["kv"] = dict(self.kv_overrides)
         return out
 
     def slot_ctx(self, n_ctx_train: int) -> int:

@@ -14,6 +14,7 @@ serves as the host shadow of the weights when the device copy is released.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import struct
@@ -28,6 +29,8 @@ from gguf import GGMLQuantizationType as T
 
 from trio_llm.errors import ModelLoadError, UnsupportedModelError
 from trio_llm.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 #: tensor types the backends implement (quantized ones are dequantized on the fly)
 SUPPORTED_TYPES: frozenset[T] = frozenset({
@@ -107,10 +110,34 @@ def load_gguf(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None 
     (``trio_llm.models.Meta.over``: llama-server's ``--rope-*`` / ``--yarn-*``)."""
     path = Path(path)
     metadata, tensors, data = read_gguf(path)
+    if overrides and overrides.get("kv"):
+        metadata = _kv_overridden(path, metadata, overrides["kv"])
     config = _config_from(path, metadata, tensors, overrides or {})
     _check_tensors(path, config, tensors)
     return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors, map=data,
                      overrides=dict(overrides or {}))
+
+
+def _kv_overridden(path: Path, md: dict[str, Any], kv: Mapping[str, Any]) -> dict[str, Any]:
+    """``--override-kv``: the metadata with each override over the file's value, as
+    llama.cpp's model loader reads it (everything that reads the metadata, the
+    tokenizer and the chat template included, sees the new value). An override whose
+    type is not the file's key's (int, float, bool, str) is ignored with a warning,
+    as llama.cpp's ``validate_override`` does."""
+
+    def kind(v: Any) -> str:
+        return "bool" if isinstance(v, bool) else "int" if isinstance(v, int) else \
+            "float" if isinstance(v, float) else "str" if isinstance(v, str) else type(v).__name__
+
+    out = dict(md)
+    for key, value in kv.items():
+        if key in md and kind(md[key]) != kind(value):
+            log.warning("%s: --override-kv %s: the file's value is %s, not %s: ignored", path, key, kind(md[key]),
+                        kind(value))
+            continue
+        log.info("%s: metadata override %s = %r", path, key, value)
+        out[key] = value
+    return out
 
 
 def read_gguf(path: Path, check: Callable[[dict[str, Any]], None] | None = None,

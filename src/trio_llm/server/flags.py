@@ -25,6 +25,7 @@ extension: ``--name=value`` for a flag that takes a value.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -114,6 +115,32 @@ def _inverse(text: str) -> float:
     if value <= 0:
         raise FlagValueError(f"invalid value {text!r} (a positive number)")
     return 1.0 / value
+
+
+def _kv_override(text: str) -> dict[str, bool | int | float | str]:
+    """--override-kv: llama.cpp's ``string_parse_kv_override`` over a comma-separated row
+    (quotes protect commas): ``KEY=int:N``, ``float:X``, ``bool:true|false``, ``str:S``."""
+    out: dict[str, bool | int | float | str] = {}
+    for item in next(csv.reader([text], skipinitialspace=True), []):
+        key, sep, typed = item.partition("=")
+        kind, colon, raw = typed.partition(":")
+        if not sep or not key or len(key) >= 128 or not colon:
+            raise FlagValueError(f"malformed override {item!r} (KEY=TYPE:VALUE)")
+        try:
+            if kind == "int":
+                out[key] = int(raw)
+            elif kind == "float":
+                out[key] = float(raw)
+            elif kind == "bool" and raw in ("true", "false"):
+                out[key] = raw == "true"
+            elif kind == "str" and len(raw) <= 127:
+                out[key] = raw
+            else:
+                raise ValueError
+        except ValueError:
+            raise FlagValueError(f"invalid value in override {item!r} (types: int, float, bool, str; a str of "
+                                 "127 characters at most)") from None
+    return out
 
 
 def _choice(*choices: str) -> Callable[[str], str]:
@@ -400,7 +427,9 @@ FLAGS: tuple[Flag, ...] = (
     W("-fitc --fit-ctx", "smallest context --fit may choose", value="N", env="LLAMA_ARG_FIT_CTX",
       dest="fit_ctx", conv=_int),
     N("--check-tensors", "tensor data is not scanned for invalid values"),
-    R("--override-kv", "overriding model metadata is not supported", value="KEY=TYPE:VALUE,..."),
+    W("--override-kv", "model metadata over the file's, for the hyper-parameters, tokenizer and template "
+      "(types int, float, bool, str; a value of another type than the file's key is ignored with a warning, "
+      "as llama.cpp); repeats add up", value="KEY=TYPE:VALUE,...", dest="kv_overrides", conv=_kv_override),
     N("--op-offload", "every operation runs on the device", neg="--no-op-offload"),
     R("--lora", "LoRA adapters are not supported", value="FNAME"),
     R("--lora-scaled", "LoRA adapters are not supported", value="FNAME:SCALE,..."),
@@ -762,7 +791,10 @@ def _apply(flag: Flag, shown: str, value: Any, values: dict[str, Any]) -> None:
     if flag.refuse is not None and (why := flag.refuse(value)) is not None:
         raise UsageError(f"{shown} {value if flag.value else ''}".rstrip() + f": {why}")
     if flag.dest is not None:
-        values[flag.dest] = value
+        old = values.get(flag.dest)
+        # a repeated object flag adds its keys (llama.cpp: --override-kv appends, and
+        # --chat-template-kwargs sets each key it names); any other flag: the last wins
+        values[flag.dest] = {**old, **value} if isinstance(old, dict) and isinstance(value, dict) else value
 
 
 def _convert(flag: Flag, shown: str, text: str) -> Any:
