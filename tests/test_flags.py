@@ -59,7 +59,7 @@ def test_every_refused_flag_says_why_in_one_line(capsys: pytest.CaptureFixture[s
             assert err == f"trio-llm serve: error: {name}: {flag.help}"
 
 
-SAMPLES = ["1", "0", "-1", "auto", "on", "f16", "none", "*", "distribute", "layer", "greedy", "x", "a/b", "{}", "chatml", "weights", "k=int:1"]
+SAMPLES = ["1", "0", "-1", "auto", "on", "f16", "none", "*", "distribute", "layer", "greedy", "x", "a/b", "{}", "chatml", "weights", "k=int:1", "5+1"]
 
 
 def test_every_accepted_flag_takes_some_value_of_its_kind(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ as real processes, and the flags that change what the HTTP API does, in-process.
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import subprocess
@@ -18,6 +19,7 @@ import trio
 
 from serve_procs import wait_ready
 from trio_llm.runtime import ServerHandle, backend_takes_cache_types, parse_config, serve
+from trio_llm.server.flags import UsageError
 
 SERVE = [sys.executable, "-m", "trio_llm", "serve"]
 
@@ -304,3 +306,34 @@ async def test_ignore_eos_shows_in_generation_settings(start: Start) -> None:
         assert bias and all(e["bias"] is None for e in bias)
         body["ignore_eos"] = False
         assert (await c.post("/completion", json=body)).json()["generation_settings"]["logit_bias"] == []
+
+
+async def test_reverse_prompt_and_logit_bias_are_a_requests_defaults(start: Start) -> None:
+    """-r and -l, as llama-server: a request without stop words stops on -r's (also one
+    whose stop words are all empty), one with its own does not; a request without
+    logit_bias gets -l's, one with its own (even an empty one) gets only that."""
+    body = {"prompt": "Once upon a time", "n_predict": 12, "temperature": 0, "cache_prompt": False,
+            "return_tokens": True}
+    plain = await start()
+    async with client(plain) as c:
+        free = (await c.post("/completion", json=body)).json()
+    text, tokens = free["content"], free["tokens"]
+    word = text[len(text) // 2:len(text) // 2 + 2]
+    assert len(word) == 2 and text.index(word) > 0
+    first = tokens[0]
+    h = await start("-r", "zzzq", "--reverse-prompt", word, "-l", f"{first}-inf", "-l", "1+0.5")
+    assert h.context.config.reverse_prompt == ("zzzq", word)
+    assert h.context.config.logit_bias == ((first, -math.inf), (1, 0.5))
+    async with client(h) as c:
+        biased = (await c.post("/completion", json={**body, "stop": ["zzzz"], "logit_bias": []})).json()
+        assert biased["tokens"] == tokens  # its own (empty) bias replaced -l's
+        for stop in (None, [""]):
+            r = (await c.post("/completion", json={**body, "stop": stop, "logit_bias": []})).json()
+            assert (r["stop_type"], r["stopping_word"], r["content"]) == ("word", word, text[:text.index(word)])
+        r = (await c.post("/completion", json={**body, "stop": ["zzzz"], "logit_bias": []})).json()
+        assert r["content"] == text and r["stop_type"] == "limit"
+        r = (await c.post("/completion", json={**body, "stop": ["zzzz"]})).json()
+        assert r["tokens"][0] != first  # -l's ban
+    for bad in (["-l", "12"], ["-l", "x+1"], ["-l", "5*2"]):
+        with pytest.raises(UsageError, match=r"^-l: invalid value"):
+            parse_config(bad, {})

@@ -29,6 +29,7 @@ import csv
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -115,6 +116,25 @@ def _inverse(text: str) -> float:
     if value <= 0:
         raise FlagValueError(f"invalid value {text!r} (a positive number)")
     return 1.0 / value
+
+
+def _one(text: str) -> tuple[str, ...]:
+    """A flag that appends (``_apply`` joins tuples): -r."""
+    return (text,)
+
+
+def _bias(text: str) -> tuple[tuple[int, float], ...]:
+    """-l: llama.cpp's ``TOKEN_ID(+/-)BIAS``, one pair per flag (repeats append)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([+-])\s*([0-9.eE+-]+|inf)\s*", text)
+    try:
+        if m is None:
+            raise ValueError
+        bias = float(m[3]) * (-1.0 if m[2] == "-" else 1.0)
+        if math.isnan(bias):
+            raise ValueError
+    except ValueError:
+        raise FlagValueError(f"invalid value {text!r} (TOKEN_ID+BIAS or TOKEN_ID-BIAS)") from None
+    return ((int(m[1]), bias),)
 
 
 def _kv_override(text: str) -> dict[str, bool | int | float | str]:
@@ -500,8 +520,9 @@ FLAGS: tuple[Flag, ...] = (
       refuse=_not(0, "Mirostat sampling is not implemented")),
     N("--mirostat-lr", "only matters with --mirostat", value="N", conv=_float),
     N("--mirostat-ent", "only matters with --mirostat", value="N", conv=_float),
-    R("-l --logit-bias", "a server-wide logit bias is not supported (send logit_bias in the request)",
-      value="TOKEN_ID(+/-)BIAS"),
+    W("-l --logit-bias", "a default logit bias (TOKEN_ID+BIAS or TOKEN_ID-BIAS; repeats add up): a request "
+      "without logit_bias gets it, a request's own replaces it, as llama-server", value="TOKEN_ID(+/-)BIAS",
+      dest="logit_bias", conv=_bias),
     W("--grammar", "default GBNF grammar of every request (llguidance; a request's own grammar, json_schema "
       "or response_format replaces it)", value="GRAMMAR", dest="grammar", conv=_gbnf),
     W("--grammar-file", "--grammar from a file", value="FNAME", dest="grammar", conv=lambda t: _gbnf(_read_text(t))),
@@ -531,8 +552,8 @@ FLAGS: tuple[Flag, ...] = (
     N("--context-shift", "no context shift: a full context ends the generation (stop_type limit); "
       "--context-shift is refused", neg="--no-context-shift", env="LLAMA_ARG_CONTEXT_SHIFT",
       refuse=_not(False, "context shift is not implemented")),
-    R("-r --reverse-prompt", "server-wide stop words are not supported (send stop in the request)",
-      value="PROMPT"),
+    W("-r --reverse-prompt", "a default stop word (repeats add up): a request without stop words (or with "
+      "only empty ones) stops on these, as llama-server", value="PROMPT", dest="reverse_prompt", conv=_one),
     R("-sp --special", "control tokens are always left out of the text (printing them is not implemented)"),
     W("--warmup", "warm-up passes before the server reports ready", neg="--no-warmup", dest="warmup"),
     W("--spm-infill", "/infill puts the suffix before the prefix (SPM order), as llama-server", dest="spm_infill"),
@@ -793,8 +814,13 @@ def _apply(flag: Flag, shown: str, value: Any, values: dict[str, Any]) -> None:
     if flag.dest is not None:
         old = values.get(flag.dest)
         # a repeated object flag adds its keys (llama.cpp: --override-kv appends, and
-        # --chat-template-kwargs sets each key it names); any other flag: the last wins
-        values[flag.dest] = {**old, **value} if isinstance(old, dict) and isinstance(value, dict) else value
+        # --chat-template-kwargs sets each key it names), a list flag its items (-r, -l);
+        # any other flag: the last wins
+        if isinstance(old, dict) and isinstance(value, dict):
+            value = {**old, **value}
+        elif isinstance(old, tuple) and isinstance(value, tuple):
+            value = old + value
+        values[flag.dest] = value
 
 
 def _convert(flag: Flag, shown: str, text: str) -> Any:

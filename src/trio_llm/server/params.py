@@ -92,16 +92,18 @@ def get_float(body: Mapping[str, Any], key: str, default: float, lo: float, hi: 
     return float(v)
 
 
-def get_stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+def get_stop(body: Mapping[str, Any], default: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The request's stop words; ``default`` (-r) when it gives none, or only empty
+    ones (llama-server falls back to its command line's the same way)."""
     v = _get(body, "stop")
     if v is _MISSING:
-        return ()
+        return default
     words = [v] if isinstance(v, str) else v
     if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
         raise InvalidRequest("'stop' must be a string or a list of strings")
     if len(words) > MAX_STOP_WORDS:
         raise InvalidRequest(f"'stop' holds at most {MAX_STOP_WORDS} strings")
-    return tuple(w for w in words if w)
+    return tuple(w for w in words if w) or default
 
 
 def _logit_bias(body: Mapping[str, Any], n_vocab: int, tok: Encoder | None = None) -> list[tuple[int, float]]:
@@ -148,7 +150,10 @@ def sampling_params(
     body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_probs: int
 ) -> SamplingParams:
     d = limits.defaults
-    bias = _logit_bias(body, limits.n_vocab, tok)
+    if _get(body, "logit_bias") is _MISSING:  # -l: the server's, tokens of this vocabulary only
+        bias = [(t, b) for t, b in d.logit_bias if 0 <= t < limits.n_vocab]
+    else:
+        bias = _logit_bias(body, limits.n_vocab, tok)
     if get_bool(body, "ignore_eos", d.ignore_eos):
         bias += [(t, -math.inf) for t in sorted(tok.eog_ids)]
     seed = get_int(body, "seed", d.seed, -1, (1 << 64) - 1)
@@ -308,7 +313,7 @@ def _task_params(body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_pre
         grammar=grammar if grammar is not None else _request_grammar(body, limits.defaults),
         n_predict=n_predict,
         sampling=sampling_params(body, limits, tok, n_probs=n_probs),
-        stop=get_stop(body),
+        stop=get_stop(body, limits.defaults.reverse_prompt),
         cache_prompt=get_bool(body, "cache_prompt", limits.defaults.cache_prompt),
         id_slot=get_int(body, "id_slot", -1, -1, limits.n_slots - 1),
         stream=get_bool(body, "stream", False),
