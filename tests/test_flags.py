@@ -38,12 +38,12 @@ def test_short_names_are_never_bundled_or_prefix_matched() -> None:
 @pytest.mark.parametrize(
     ("args", "needle"),
     [(["-hf"], "-hf: expected a value"), (["-md", "draft.gguf"], "-md: speculative decoding"),
-     (["--mmproj-url", "http://h/x.gguf"], "--mmproj-url: nothing is downloaded"), (["--lora", "a.gguf"], "--lora: LoRA"),
+     (["--samplers", "top_k;bogus"], "--samplers: "), (["--lora", "a.gguf"], "--lora: LoRA"),
      (["-ctk", "tk"], "-ctk: unsupported cache type 'tk'"), (["-ctk", "iq4_nl"], "-ctk iq4_nl: cache type"),
      (["--spec-type", "draft-mtp"], "--spec-type draft-mtp: speculative"), (["--prio", "7"], "--prio: invalid"),
      (["-fa", "maybe"], "-fa: invalid value 'maybe'"), (["--pooling", "max"], "--pooling: invalid value 'max'"),
      (["--chat-template", "no-such-name"], "--chat-template: 'no-such-name' is neither"),
-     (["--chat-template-kwargs", "[1]"], "must be a JSON object"), (["--dry-multiplier", "0.8"], "DRY"),
+     (["--chat-template-kwargs", "[1]"], "must be a JSON object"), (["--dry-penalty-last-n", "-1"], "--dry-penalty-last-n: invalid"),
      (["--context-shift"], "--context-shift: context shift"), (["--warmup=1"], "takes no value")],
 )
 def test_a_refusal_is_one_line_naming_the_flag(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -59,7 +59,7 @@ def test_every_refused_flag_says_why_in_one_line(capsys: pytest.CaptureFixture[s
             assert err == f"trio-llm serve: error: {name}: {flag.help}"
 
 
-SAMPLES = ["1", "0", "-1", "auto", "on", "f16", "none", "*", "distribute", "layer", "greedy", "x", "a/b", "{}", "chatml", "weights", "k=int:1", "5+1"]
+SAMPLES = ["1", "0", "-1", "auto", "on", "f16", "none", "*", "distribute", "layer", "greedy", "x", "a/b", "{}", "chatml", "weights", "k=int:1", "5+1", "top_k"]
 
 
 def test_every_accepted_flag_takes_some_value_of_its_kind(tmp_path: Path) -> None:

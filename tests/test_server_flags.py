@@ -50,7 +50,7 @@ USERS_LINES = [
      "--prio 2 --no-mmproj " + BASE_ARGS, "flat:unsloth/Qwen3.5-0.8B-GGUF:Qwen3.5-0.8B-UD-Q4_K_XL.gguf", "starts"),
     ("qwen35-4b-heretic", "-hf mradermacher/Qwen3.5-4B-heretic-GGUF:Q4_K_M " + MMPROJ + " --ctx-size 131072 "
      + QWEN35_THINK + " " + COMMON_ARGS, "hub:mradermacher/Qwen3.5-4B-heretic-GGUF:Qwen3.5-4B-heretic.Q4_K_M.gguf",
-     "--mmproj-url: nothing is downloaded here: put the projector file at /root/.cache/llama.cpp/"),
+     "starts"),  # a qwen35 text model takes no image here: the projector is not fetched
     ("qwen36-mtp", "-hf unsloth/Qwen3.6-35B-A3B-MTP-GGUF:Q4_K_M --ctx-size 262144 " + QWEN35_THINK
      + " --spec-type draft-mtp --spec-draft-n-max 1 --parallel 1 " + COMMON_ARGS,
      "hub:unsloth/Qwen3.6-35B-A3B-MTP-GGUF:Qwen3.6-35B-A3B-MTP-Q4_K_M.gguf",

@@ -48,6 +48,24 @@ class ServerConfig:
     top_p: float = 0.95
     min_p: float = 0.05
     typical_p: float = 1.0  # --typical: 1 = off
+    # llama.cpp's other samplers (trio_llm.engine.sampling): defaults are llama-server's
+    top_n_sigma: float = -1.0  # --top-n-sigma: -1 = off
+    xtc_probability: float = 0.0  # --xtc-probability: 0 = off
+    xtc_threshold: float = 0.1
+    dynatemp_range: float = 0.0  # --dynatemp-range: 0 = off
+    dynatemp_exponent: float = 1.0
+    dry_multiplier: float = 0.0  # --dry-multiplier: 0 = off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64  # 0: off
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
+    mirostat: int = 0  # 1: Mirostat, 2: Mirostat 2.0
+    mirostat_tau: float = 5.0  # --mirostat-ent
+    mirostat_eta: float = 0.1  # --mirostat-lr
+    min_keep: int = 0
+    adaptive_target: float = -1.0  # --adaptive-target: negative = off
+    adaptive_decay: float = 0.9
+    samplers: tuple[str, ...] | None = None  # --samplers / --sampler-seq; None: llama.cpp's order
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int = -1  # -1: a fresh random seed per request
@@ -95,6 +113,10 @@ class ServerConfig:
     hf_file: str | None = None  # -hff
     mmproj: Path | None = None  # --mmproj: gemma3's vision projector (with -hf: found beside the model)
     mmproj_auto: bool = True  # --no-mmproj: -hf takes no projector
+    model_url: str | None = None  # -mu: downloaded to ``model`` at startup (runtime.fetch_urls)
+    mmproj_url: str | None = None  # --mmproj-url: downloaded to ``mmproj`` at startup
+    hf_token: str | None = None  # -hft / HF_TOKEN: the downloads' bearer token
+    offline: bool = False  # --offline: the downloads use the local file only
     media_path: Path | None = None  # --media-path: where file:// image URLs are read (None: refused)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -143,6 +165,14 @@ class ServerConfig:
         _check(0.0 <= self.top_p <= 1.0, "--top-p", f"{self.top_p} is not in [0, 1]")
         _check(0.0 <= self.min_p <= 1.0, "--min-p", f"{self.min_p} is not in [0, 1]")
         _check(0.0 <= self.typical_p <= 1.0, "--typical", f"{self.typical_p} is not in [0, 1]")
+        _check(0.0 <= self.xtc_probability <= 1.0, "--xtc-probability", f"{self.xtc_probability} is not in [0, 1]")
+        _check(0.0 <= self.xtc_threshold <= 1.0, "--xtc-threshold", f"{self.xtc_threshold} is not in [0, 1]")
+        _check(self.dry_multiplier >= 0.0, "--dry-multiplier", f"{self.dry_multiplier} is negative")
+        _check(self.dry_allowed_length >= 0, "--dry-allowed-length", f"{self.dry_allowed_length} is negative")
+        _check(self.mirostat in (0, 1, 2), "--mirostat", f"{self.mirostat} is not 0, 1 or 2")
+        _check(self.min_keep >= 0, "--min-keep", f"{self.min_keep} is negative")
+        _check(self.adaptive_target <= 1.0, "--adaptive-target", f"{self.adaptive_target} is above 1")
+        _check(0.0 <= self.adaptive_decay <= 0.99, "--adaptive-decay", f"{self.adaptive_decay} is not in [0, 0.99]")
         _check(0.0 < self.repeat_penalty <= 100.0, "--repeat-penalty", "must be in (0, 100]")
         _check(self.repeat_last_n >= -1, "--repeat-last-n", "must be >= -1")
         _check(-1 <= self.seed < 1 << 64, "--seed", "must be -1 (random) or a 64-bit unsigned integer")
@@ -261,4 +291,20 @@ class ServerConfig:
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "ignore_eos": self.ignore_eos,
+            "top_n_sigma": self.top_n_sigma,
+            "xtc_probability": self.xtc_probability,
+            "xtc_threshold": self.xtc_threshold,
+            "dynatemp_range": self.dynatemp_range,
+            "dynatemp_exponent": self.dynatemp_exponent,
+            "dry_multiplier": self.dry_multiplier,
+            "dry_base": self.dry_base,
+            "dry_allowed_length": self.dry_allowed_length,
+            "dry_penalty_last_n": self.dry_penalty_last_n,
+            "dry_sequence_breakers": list(self.dry_sequence_breakers),
+            "mirostat": self.mirostat,
+            "mirostat_tau": self.mirostat_tau,
+            "mirostat_eta": self.mirostat_eta,
+            "min_keep": self.min_keep,
+            "adaptive_target": self.adaptive_target,
+            "adaptive_decay": self.adaptive_decay,
         }

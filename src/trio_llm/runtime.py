@@ -526,9 +526,39 @@ async def _watch_signals(stop: trio.Event, root: trio.CancelScope) -> None:
             stop.set()
 
 
+def fetch_urls(config: ServerConfig) -> None:
+    """Blocking: ``-mu`` and ``--mmproj-url``'s downloads (``model/download.py``: a file
+    already there is kept while the server's ETag says it is current), before anything
+    reads the files. A projector is not fetched for a text model that takes no image
+    here (``_load_projector`` then warns and serves text only). A cancelled startup
+    stops a download at its next chunk; the partial file stays for a resume."""
+    from trio_llm.model.download import download
+
+    def cancelled(_done: int, _total: int | None) -> None:
+        trio.from_thread.check_cancelled()
+
+    kw: dict[str, Any] = dict(token=config.hf_token, offline=config.offline, progress=cancelled)
+    if config.model_url and config.model is not None:
+        download(config.model_url, config.model, **kw)
+    if config.mmproj_url and config.mmproj is not None and not config.embeddings:
+        from trio_llm.model.gguf import load_gguf
+
+        model = load_gguf(_model_path(config), config.model_overrides())
+        try:
+            arch = model.config.arch
+        finally:
+            model.close()
+        if arch in VISION_ARCHS:
+            download(config.mmproj_url, config.mmproj, **kw)
+        else:
+            log.warning("--mmproj-url: not downloaded: image input to a %s model is not supported here", arch)
+
+
 async def _run_engine(ctx: ServerContext, stop: trio.Event, http_done: trio.Event, show_progress: bool) -> None:
     """Load the model and run the actors until the HTTP server has shut down."""
     config = ctx.config
+    if config.model_url or config.mmproj_url:
+        await trio.to_thread.run_sync(fetch_urls, config)
     share = await trio.to_thread.run_sync(arena_share, config)
     arbiter = await open_arbiter(config.vram_arena, priority=config.arena_priority, share=share)
     try:
@@ -768,6 +798,10 @@ def _setup_logging(config: ServerConfig) -> None:
         handler.setFormatter(logging.Formatter("trio-llm: %(message)s"))
         logging.getLogger().addHandler(handler)
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
+    # httpx logs every request's whole URL at INFO: a download's or an image's query
+    # string may carry a credential (model/download.py logs them masked)
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 #: --prio -1..3 -> the nice value ggml_set_process_priority gives on Linux

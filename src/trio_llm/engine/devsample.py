@@ -9,7 +9,8 @@ drew from the request's seeded generator (``sampling.draw_u``). Everything else 
 on the host, and a slot asking for it takes the logits path: more than
 ``DEVICE_BIASES`` logit biases, the repetition penalties (they read the recent tokens), typical-p, grammar masks,
 ``n_probs``, top-k of 0 or above ``DEVICE_TOP_K`` (the device sorts its candidates in
-shared memory).
+shared memory), and llama.cpp's other samplers or another order
+(``SamplingParams.host_only``).
 
 ``decode_steps`` is the reference of ``Backend.decode`` for any backend that only has
 ``forward`` (the numpy backend's ``decode`` is it): the same ids the device path must
@@ -51,6 +52,8 @@ class DeviceChain:
     def of(cls, params: SamplingParams, n_vocab: int) -> DeviceChain | None:
         """The device form of ``params``, or None when the host must sample."""
         if len(params.logit_bias) > DEVICE_BIASES or params.typical_p < 1.0 or params.n_probs > 0:
+            return None
+        if params.host_only:  # DRY, XTC, top-n-sigma, dynamic temperature, Mirostat, another order...
             return None
         if params.repeat_last_n != 0 and (params.repeat_penalty != 1.0 or params.presence_penalty != 0.0
                                           or params.frequency_penalty != 0.0):

@@ -166,7 +166,7 @@ class SamplingParams:
     dry_multiplier: float = attrs.field(default=0.0, validator=_finite("dry_multiplier"))
     dry_base: float = attrs.field(default=1.75, validator=_finite("dry_base"))  # below 1: off
     dry_allowed_length: int = attrs.field(default=2, validator=_at_least("dry_allowed_length", 0))
-    dry_penalty_last_n: int = attrs.field(default=-1, validator=_at_least("dry_penalty_last_n", -1))  # -1: all
+    dry_penalty_last_n: int = attrs.field(default=64, validator=_at_least("dry_penalty_last_n", -1))  # -1: all
     dry_sequence_breakers: tuple[str, ...] = attrs.field(default=("\n", ":", "\"", "*"), converter=_strings)
     # XTC: with this chance, drop every token at least xtc_threshold likely but the least of them
     xtc_probability: float = attrs.field(default=0.0, validator=_in_range("xtc_probability", 0.0, 1.0))

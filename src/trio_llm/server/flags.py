@@ -118,6 +118,20 @@ def _inverse(text: str) -> float:
     return 1.0 / value
 
 
+#: --dry-sequence-breaker none: clears the breakers given before it (to_config)
+_NONE = "\x00none"
+
+
+def _samplers(value: str | list[str]) -> tuple[str, ...]:
+    from trio_llm.engine.sampling import sampler_names
+    from trio_llm.errors import InvalidRequest
+
+    try:
+        return sampler_names(value)
+    except InvalidRequest as exc:
+        raise FlagValueError(str(exc)) from None
+
+
 def _one(text: str) -> tuple[str, ...]:
     """A flag that appends (``_apply`` joins tuples): -r."""
     return (text,)
@@ -458,20 +472,24 @@ FLAGS: tuple[Flag, ...] = (
     R("--control-vector-layer-range", "control vectors are not supported", value="START END"),
     W("-m --model", "GGUF file (default: the embedded demo model)", value="FNAME", env="LLAMA_ARG_MODEL",
       dest="model", conv=Path),
-    R("-mu --model-url", _NO_DL, value="MODEL_URL", env="LLAMA_ARG_MODEL_URL"),
+    W("-mu --model-url", "download the model from this URL to -m's path (else $LLAMA_CACHE's file of the URL's "
+      "name) when it is missing or changed (its ETag), as llama-server", value="MODEL_URL",
+      env="LLAMA_ARG_MODEL_URL", dest="model_url"),
     R("-dr --docker-repo", _NO_DL, value="[<repo>/]<model>[:quant]", env="LLAMA_ARG_DOCKER_REPO"),
     W("-hf -hfr --hf-repo", "a model from llama.cpp's local cache ($LLAMA_CACHE, else the Hugging Face hub "
       "cache, else the flat ~/.cache/llama.cpp layout); nothing is downloaded", value="<user>/<model>[:quant]",
       env="LLAMA_ARG_HF_REPO", dest="hf_repo", conv=_hf_repo),
     W("-hff --hf-file", "the file of --hf-repo to use (instead of the quant tag)", value="FILE",
       env="LLAMA_ARG_HF_FILE", dest="hf_file"),
-    N("-hft --hf-token", "nothing is downloaded, so no token is needed", value="TOKEN", env="HF_TOKEN"),
+    W("-hft --hf-token", "bearer token of the -mu / --mmproj-url downloads (-hf downloads nothing)",
+      value="TOKEN", env="HF_TOKEN", dest="hf_token"),
     W("--log-disable", "log nothing", dest="log_disable"),
     W("--log-file", "log to this file too", value="FNAME", env="LLAMA_ARG_LOG_FILE", dest="log_file", conv=Path),
     N("--log-jsonl", "logs are plain lines", neg="--no-log-jsonl", env="LLAMA_ARG_LOG_JSONL"),
     N("--log-colors", "logs are plain lines", value="[on|off|auto]", env="LLAMA_ARG_LOG_COLORS", conv=_on_off_auto),
     W("-v --verbose --log-verbose", "log everything (debug)", dest="verbose"),
-    N("--offline", "always offline: nothing is downloaded", env="LLAMA_ARG_OFFLINE"),
+    W("--offline", "-mu / --mmproj-url use the local file and ask the network nothing", env="LLAMA_ARG_OFFLINE",
+      dest="offline"),
     W("-lv --verbosity --log-verbosity", "4 and above: debug logging", value="N",
       env="LLAMA_ARG_LOG_VERBOSITY", dest="verbosity", conv=_int),
     N("--log-prefix", "logs are plain lines", neg="--no-log-prefix", env="LLAMA_ARG_LOG_PREFIX"),
@@ -481,9 +499,10 @@ FLAGS: tuple[Flag, ...] = (
     N("--spec-draft-type-v -ctvd --cache-type-v-draft", "only for a draft model (none here)", value="TYPE",
       env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V", conv=_cache_type),
     # -- sampling ------------------------------------------------------------------------
-    R("--samplers", "the sampler order is fixed here (penalties, top-k, typical, top-p, min-p, temperature)",
-      value="SAMPLERS"),
-    R("--sampler-seq --sampling-seq", "the sampler order is fixed here", value="SEQUENCE"),
+    W("--samplers", "default sampler order, names separated by ';' (llama.cpp's names and aliases)",
+      value="SAMPLERS", dest="samplers", conv=lambda t: _samplers(t.split(";"))),
+    W("--sampler-seq --sampling-seq", "default sampler order as llama.cpp's sampler characters (e.g. edskypmxt)",
+      value="SEQUENCE", dest="samplers", conv=_samplers),
     W("-s --seed", "default seed (-1: a fresh random seed per request)", value="SEED", dest="seed", conv=_int),
     W("--ignore-eos", "default of the request field ignore_eos", dest="ignore_eos"),
     W("--temp --temperature", "default temperature", value="N", env="LLAMA_ARG_TEMPERATURE", dest="temp",
@@ -491,11 +510,9 @@ FLAGS: tuple[Flag, ...] = (
     W("--top-k", "default top-k", value="N", env="LLAMA_ARG_TOP_K", dest="top_k", conv=_int),
     W("--top-p", "default top-p", value="N", env="LLAMA_ARG_TOP_P", dest="top_p", conv=_float),
     W("--min-p", "default min-p", value="N", env="LLAMA_ARG_MIN_P", dest="min_p", conv=_float),
-    N("--top-nsigma --top-n-sigma", "top-n-sigma is not implemented: only -1 (off) is accepted", value="N",
-      conv=_float, refuse=_not(-1.0, "top-n-sigma sampling is not implemented")),
-    N("--xtc-probability", "XTC is not implemented: only 0 (off) is accepted", value="N", conv=_float,
-      refuse=_not(0.0, "XTC sampling is not implemented")),
-    N("--xtc-threshold", "only matters with --xtc-probability", value="N", conv=_float),
+    W("--top-nsigma --top-n-sigma", "default top-n-sigma (-1: off)", value="N", dest="top_n_sigma", conv=_float),
+    W("--xtc-probability", "default XTC probability (0: off)", value="N", dest="xtc_probability", conv=_float),
+    W("--xtc-threshold", "default XTC threshold", value="N", dest="xtc_threshold", conv=_float),
     W("--typical --typical-p", "default locally typical p (1: off)", value="N", dest="typical_p", conv=_float),
     W("--repeat-last-n", "default repeat window", value="N", dest="repeat_last_n", conv=_int),
     W("--repeat-penalty", "default repeat penalty", value="N", env="LLAMA_ARG_REPEAT_PENALTY",
@@ -504,22 +521,24 @@ FLAGS: tuple[Flag, ...] = (
       dest="presence_penalty", conv=_float),
     W("--frequency-penalty", "default frequency penalty", value="N", env="LLAMA_ARG_FREQUENCY_PENALTY",
       dest="frequency_penalty", conv=_float),
-    N("--dry-multiplier", "DRY is not implemented: only 0 (off) is accepted", value="N", conv=_float,
-      refuse=_not(0.0, "DRY sampling is not implemented")),
-    N("--dry-base", "only matters with --dry-multiplier", value="N", conv=_float),
-    N("--dry-allowed-length", "only matters with --dry-multiplier", value="N", conv=_int),
-    N("--dry-penalty-last-n", "only matters with --dry-multiplier", value="N", conv=_int),
-    N("--dry-sequence-breaker", "only matters with --dry-multiplier", value="STRING"),
-    N("--adaptive-target", "adaptive-p is not implemented: only a negative value (off) is accepted", value="N",
-      conv=_float, refuse=lambda v: None if v < 0 else "adaptive-p sampling is not implemented"),
-    N("--adaptive-decay", "only matters with --adaptive-target", value="N", conv=_float),
-    N("--dynatemp-range", "dynamic temperature is not implemented: only 0 (off) is accepted", value="N",
-      conv=_float, refuse=_not(0.0, "dynamic temperature is not implemented")),
-    N("--dynatemp-exp", "only matters with --dynatemp-range", value="N", conv=_float),
-    N("--mirostat", "Mirostat is not implemented: only 0 (off) is accepted", value="N", conv=_int,
-      refuse=_not(0, "Mirostat sampling is not implemented")),
-    N("--mirostat-lr", "only matters with --mirostat", value="N", conv=_float),
-    N("--mirostat-ent", "only matters with --mirostat", value="N", conv=_float),
+    W("--dry-multiplier", "default DRY multiplier (0: off)", value="N", dest="dry_multiplier", conv=_float),
+    W("--dry-base", "default DRY base (a value below 1 is ignored, as llama-server)", value="N",
+      dest="_dry_base", conv=_float),
+    W("--dry-allowed-length", "default DRY allowed length", value="N", dest="dry_allowed_length", conv=_int),
+    W("--dry-penalty-last-n", "default DRY window (0: off)", value="N",
+      dest="dry_penalty_last_n", conv=_nonneg),
+    W("--dry-sequence-breaker", "a DRY sequence breaker; the first replaces the defaults, \"none\" clears them",
+      value="STRING", dest="dry_sequence_breakers", conv=lambda t: (_NONE,) if t == "none" else (t,)),
+    W("--adaptive-target", "default adaptive-p target (negative: off)", value="N", dest="adaptive_target",
+      conv=_float),
+    W("--adaptive-decay", "default adaptive-p decay", value="N", dest="adaptive_decay", conv=_float),
+    W("--dynatemp-range", "default dynamic temperature range (0: off)", value="N", dest="dynatemp_range",
+      conv=_float),
+    W("--dynatemp-exp", "default dynamic temperature exponent", value="N", dest="dynatemp_exponent", conv=_float),
+    W("--mirostat", "default Mirostat (0: off, 1: Mirostat, 2: Mirostat 2.0)", value="N", dest="mirostat",
+      conv=_int),
+    W("--mirostat-lr", "default Mirostat learning rate (eta)", value="N", dest="mirostat_eta", conv=_float),
+    W("--mirostat-ent", "default Mirostat target entropy (tau)", value="N", dest="mirostat_tau", conv=_float),
     W("-l --logit-bias", "a default logit bias (TOKEN_ID+BIAS or TOKEN_ID-BIAS; repeats add up): a request "
       "without logit_bias gets it, a request's own replaces it, as llama-server", value="TOKEN_ID(+/-)BIAS",
       dest="logit_bias", conv=_bias),
@@ -566,8 +585,9 @@ FLAGS: tuple[Flag, ...] = (
       env="LLAMA_ARG_CONT_BATCHING"),
     W("-mm --mmproj", "multimodal projector file (gemma3's vision encoder; images through /completion's "
       "multimodal_data and chat image_url parts)", value="FILE", env="LLAMA_ARG_MMPROJ", dest="mmproj", conv=Path),
-    W("-mmu --mmproj-url", "nothing is downloaded here: the file at the --mmproj path must already be there",
-      value="URL", env="LLAMA_ARG_MMPROJ_URL", dest="_mmproj_url"),
+    W("-mmu --mmproj-url", "download the projector from this URL to --mmproj's path (else $LLAMA_CACHE's file of "
+      "the URL's name), as -mu; not fetched for a text model without image input here", value="URL",
+      env="LLAMA_ARG_MMPROJ_URL", dest="mmproj_url"),
     W("--mmproj-auto", "with -hf, use the projector file cached beside the model (as llama-server picks it)",
       neg="--no-mmproj --no-mmproj-auto", env="LLAMA_ARG_MMPROJ_AUTO", dest="mmproj_auto"),
     N("--mmproj-offload", "the image encoder runs on the CPU (numpy) whatever this says: there is no GPU "
@@ -961,13 +981,22 @@ def to_config(parsed: Parsed, environ: Mapping[str, str] | None = None) -> Any:
 
         values["model"] = resolve(values["hf_repo"], values.get("hf_file"), environ)
         values.setdefault("alias", values["hf_repo"])
-        if values.get("mmproj") is None and values.get("mmproj_auto", True):
+        if values.get("mmproj") is None and values.get("mmproj_auto", True) and not values.get("mmproj_url"):
             # llama-server's -hf takes the repository's projector too (--no-mmproj: not)
             values["mmproj"] = find_mmproj(values["model"], values["hf_repo"])
-    url = parsed.values.get("_mmproj_url")
-    if url and (values.get("mmproj") is None or not Path(values["mmproj"]).is_file()):
-        where = f"at {values['mmproj']}" if values.get("mmproj") is not None else "with --mmproj"
-        raise UsageError(f"--mmproj-url: nothing is downloaded here: put the projector file {where} ({url})")
+    # -mu / --mmproj-url: llama-server's local path for a URL when none is given; the
+    # download itself runs at startup (runtime.fetch_urls)
+    for url_key, path_key in (("model_url", "model"), ("mmproj_url", "mmproj")):
+        if values.get(url_key) and values.get(path_key) is None:
+            from trio_llm.model.download import cache_dir, default_path
+
+            values[path_key] = default_path(values[url_key], cache_dir(environ))
+    breakers = values.get("dry_sequence_breakers")
+    if breakers is not None and _NONE in breakers:  # "none" clears what came before it
+        values["dry_sequence_breakers"] = breakers[len(breakers) - breakers[::-1].index(_NONE):]
+    base = parsed.values.get("_dry_base")
+    if base is not None and base >= 1.0:  # llama-server ignores a base below 1
+        values["dry_base"] = base
     if parsed.values.get("_reranking"):  # llama-server: --reranking is --embeddings --pooling rank
         values["embeddings"] = True
         values["pooling"] = "rank"

@@ -18,7 +18,7 @@ import attrs
 
 from trio_llm.config import ServerConfig
 from trio_llm.engine import constraint as C
-from trio_llm.engine.sampling import DEFAULT_SEED, SamplingParams
+from trio_llm.engine.sampling import DEFAULT_SEED, SamplingParams, sampler_names
 from trio_llm.errors import ContextOverflow, InvalidRequest
 from trio_llm.model import chat_output as CO
 from trio_llm.server import media as MD
@@ -170,7 +170,51 @@ def sampling_params(
         seed=DEFAULT_SEED if seed < 0 else seed,
         n_probs=n_probs,
         logit_bias=tuple(bias),
+        **_other_samplers(body, d),
     )
+
+
+INT_MAX = (1 << 31) - 1
+BIG = 1e30
+
+
+def _other_samplers(body: Mapping[str, Any], d: Any) -> dict[str, Any]:
+    """llama.cpp's samplers beyond the basic chain, by llama-server's field names and
+    limits (``server-schema.cpp``); the server's flags are the defaults."""
+    base = get_float(body, "dry_base", d.dry_base, -BIG, BIG)
+    breakers = _get(body, "dry_sequence_breakers")
+    if breakers is _MISSING:
+        breakers = d.dry_sequence_breakers
+    elif not isinstance(breakers, list) or not breakers or not all(isinstance(b, str) for b in breakers):
+        raise InvalidRequest("'dry_sequence_breakers' must be a non-empty array of strings")
+    samplers = _get(body, "samplers")
+    if samplers is _MISSING:
+        order = d.samplers
+    elif isinstance(samplers, str) or (isinstance(samplers, list) and all(isinstance(x, str) for x in samplers)):
+        order = sampler_names(samplers)
+    else:
+        raise InvalidRequest("'samplers' must be an array of sampler names or a string of sampler characters")
+    out: dict[str, Any] = dict(
+        top_n_sigma=get_float(body, "top_n_sigma", d.top_n_sigma, -BIG, BIG),
+        xtc_probability=get_float(body, "xtc_probability", d.xtc_probability, 0.0, 1.0),
+        xtc_threshold=get_float(body, "xtc_threshold", d.xtc_threshold, 0.0, 1.0),
+        dynatemp_range=get_float(body, "dynatemp_range", d.dynatemp_range, -BIG, BIG),
+        dynatemp_exponent=get_float(body, "dynatemp_exponent", d.dynatemp_exponent, -BIG, BIG),
+        dry_multiplier=get_float(body, "dry_multiplier", d.dry_multiplier, 0.0, BIG),
+        dry_base=base if base >= 1.0 else d.dry_base,  # llama-server: a base below 1 is the server's
+        dry_allowed_length=get_int(body, "dry_allowed_length", d.dry_allowed_length, 0, INT_MAX),
+        dry_penalty_last_n=get_int(body, "dry_penalty_last_n", d.dry_penalty_last_n, 0, INT_MAX),
+        dry_sequence_breakers=tuple(breakers),
+        mirostat=get_int(body, "mirostat", d.mirostat, 0, 2),
+        mirostat_tau=get_float(body, "mirostat_tau", d.mirostat_tau, -BIG, BIG),
+        mirostat_eta=get_float(body, "mirostat_eta", d.mirostat_eta, -BIG, BIG),
+        min_keep=get_int(body, "min_keep", d.min_keep, 0, INT_MAX),
+        adaptive_target=get_float(body, "adaptive_target", d.adaptive_target, -BIG, 1.0),
+        adaptive_decay=get_float(body, "adaptive_decay", d.adaptive_decay, 0.0, 0.99),
+    )
+    if order is not None:
+        out["samplers"] = tuple(order)
+    return out
 
 
 def encode_prompt(tok: Encoder, text: str, *, add_special: bool = True) -> list[int]:
@@ -320,6 +364,7 @@ def _task_params(body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_pre
         return_progress=get_bool(body, "return_progress", False),
         timings_per_token=get_bool(body, "timings_per_token", False),
         n_cache_reuse=get_int(body, "n_cache_reuse", limits.defaults.cache_reuse, -(1 << 31), (1 << 31) - 1),
+        post_sampling_probs=get_bool(body, "post_sampling_probs", False),
     )
 
 

@@ -8,6 +8,7 @@ llama-server's ``/completion`` and OpenAI's chat and legacy completion objects.
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +35,11 @@ def error_body(message: str, code: int, type_: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message, "type": type_}}
 
 
+def _log(p: float) -> float | None:
+    """A probability's log; None (JSON null) for 0, as -inf has no JSON form."""
+    return math.log(p) if p > 0 else None
+
+
 def _text(piece: Piece, token: int) -> str:
     return piece(token).decode("utf-8", errors="replace")
 
@@ -42,10 +48,16 @@ def _text(piece: Piece, token: int) -> str:
 
 
 def native_probs(probs: Sequence[TokenProb], piece: Piece) -> list[dict[str, Any]]:
-    def one(tok: int, lp: float) -> dict[str, Any]:
-        return {"id": tok, "token": _text(piece, tok), "logprob": lp, "bytes": list(piece(tok))}
+    """llama-server's ``completion_probabilities``: log-probabilities of the raw
+    distribution, or with ``post_sampling_probs`` the chain's probabilities ("prob",
+    "top_probs")."""
 
-    return [one(p.id, p.logprob) | {"top_logprobs": [one(t, lp) for t, lp in p.top]} for p in probs]
+    def one(tok: int, v: float, post: bool) -> dict[str, Any]:
+        return {"id": tok, "token": _text(piece, tok), "prob" if post else "logprob": v, "bytes": list(piece(tok))}
+
+    return [one(p.id, p.logprob, p.post) | {"top_probs" if p.post else "top_logprobs": [one(t, v, p.post)
+                                                                                         for t, v in p.top]}
+            for p in probs]
 
 
 def partial_extras(msg: TaskPartial) -> dict[str, Any]:
@@ -116,12 +128,16 @@ def usage(finals: Sequence[TaskFinal], n: int = 1) -> dict[str, Any]:
 
 
 def chat_logprobs(probs: Sequence[TokenProb], piece: Piece, top: int) -> dict[str, Any]:
-    def one(tok: int, lp: float) -> dict[str, Any]:
-        return {"token": _text(piece, tok), "logprob": lp, "bytes": list(piece(tok))}
+    """OpenAI's ``logprobs.content``; with ``post_sampling_probs``, llama-server's
+    "prob" / "top_probs" of the chain's candidates instead."""
+
+    def one(tok: int, v: float, post: bool) -> dict[str, Any]:
+        return {"token": _text(piece, tok), "prob" if post else "logprob": v, "bytes": list(piece(tok))}
 
     return {
         "content": [
-            one(p.id, p.logprob) | {"top_logprobs": [one(t, lp) for t, lp in p.top[:top]]}
+            one(p.id, p.logprob, p.post) | {"top_probs" if p.post else "top_logprobs": [one(t, v, p.post)
+                                                                                        for t, v in p.top[:top]]}
             for p in probs
         ]
     }
@@ -135,8 +151,9 @@ def completion_logprobs(probs: Sequence[TokenProb], piece: Piece, top: int, offs
         offset += len(t)
     return {
         "tokens": tokens,
-        "token_logprobs": [p.logprob for p in probs],
-        "top_logprobs": [{_text(piece, t): lp for t, lp in p.top[:top]} for p in probs],
+        # OpenAI's legacy shape has log-probabilities only: post_sampling_probs' are logged
+        "token_logprobs": [_log(p.logprob) if p.post else p.logprob for p in probs],
+        "top_logprobs": [{_text(piece, t): _log(v) if p.post else v for t, v in p.top[:top]} for p in probs],
         "text_offset": offsets,
     }
 

@@ -36,7 +36,18 @@ from trio_llm.engine.actor import BackendClient
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.constraint import Constraint, Grammars, apply_masks
 from trio_llm.engine.kvshift import Move, reuse_chunks
-from trio_llm.engine.sampling import draw_u, log_softmax, make_rng, sample_u, top_logprobs
+from trio_llm.engine.sampling import (
+    DEFAULT_SEED,
+    SamplerState,
+    chain,
+    draw_u,
+    log_softmax,
+    make_rng,
+    make_state,
+    pick,
+    sample_u,
+    top_logprobs,
+)
 from trio_llm.errors import ContextOverflow, InvalidRequest, TrioLLMError
 from trio_llm.server.checkpoints import Checkpoints
 from trio_llm.server.decode import DEFAULT_DECODE_STEPS, DecodeWant, device_plan
@@ -145,6 +156,9 @@ class Slot:
     scanner: StopScanner = attrs.field(factory=lambda: StopScanner(()))
     text: TextStream | None = None  # whole UTF-8 characters only: tokens may split one
     rng: np.random.Generator | None = None
+    #: what llama.cpp's other samplers keep between steps (Mirostat's mu, XTC's draws,
+    #: DRY's breakers): made on the task's first sample when its params need it
+    sampler: SamplerState | None = None
     t_start: float = 0.0
     t_prompt_done: float = 0.0
     started_order: int = 0
@@ -282,6 +296,7 @@ class Slot:
         self.task = None
         self.seq = self.seq[: self.n_past]
         self.rng = None
+        self.sampler = None
         self.constraint = None
 
 
@@ -347,9 +362,24 @@ class SlotsEngine:
     _t_phases: dict[str, float] = attrs.field(factory=lambda: dict.fromkeys(("prompt", "decode", "device", "sample", "emit"), 0.0))
     #: id_task -> uniform numbers drawn ahead (for a look-ahead submit), consumed first
     _drawn: dict[int, list[float]] = attrs.field(factory=dict)
+    #: ``_pieces`` bound once: the samplers' DRY cache keys on this object
+    _piece_source: Callable[[], list[bytes]] | None = attrs.field(init=False, default=None)
+
+    def _tokenize(self, text: str) -> list[int]:
+        """A DRY breaker's text as tokens (no specials), as llama.cpp splits one."""
+        encode = getattr(self._tokenizer, "encode", None)
+        return [] if encode is None else list(encode(text, add_special=False, parse_special=False))
+
+    def _pieces(self) -> list[bytes]:
+        """Every token's bytes (DRY's sequence breakers are matched against them)."""
+        piece = getattr(self._tokenizer, "token_to_piece", None)
+        if piece is None:
+            return []
+        return [bytes(piece(i)) for i in range(self._client.backend.config.n_vocab)]
 
     def __attrs_post_init__(self) -> None:
         backend = self._client.backend
+        self._piece_source = self._pieces
         reusable = getattr(backend, "reusable_prefix", None) or (lambda n_cached, n_common, _=(): n_common)
         shift = bool(getattr(backend, "can_shift", False))
         self._slots = [Slot(i, self.n_ctx, reusable=reusable, can_shift=shift) for i in range(backend.n_seq)]
@@ -812,10 +842,13 @@ class SlotsEngine:
 
     async def _sample(self, ready: list[tuple[Slot, np.ndarray]]) -> list[tuple[int, TokenProb | None]]:
         jobs = []
-        for slot, row in ready:
+        seeds: dict[int, int] = {}  # slots whose sampler state is made in run()
+        for k, (slot, row) in enumerate(ready):
             assert slot.task is not None and slot.rng is not None
             params = slot.task.params.sampling
             jobs.append((row, params, self._next_u(slot), slot.seq[: slot.n_past]))
+            if params.host_only and slot.sampler is None:
+                seeds[k] = params.seed if params.seed != DEFAULT_SEED else int(slot.rng.integers(0, 1 << 32))
         constrained = [(k, slot) for k, (slot, _) in enumerate(ready)
                        if slot.task is not None and slot.task.params.grammar is not None]
 
@@ -834,18 +867,31 @@ class SlotsEngine:
                 masked = {k: r for (k, _), r in zip(constrained, rows, strict=True)}
             out: list[tuple[int, TokenProb | None]] = []
             for k, (row, params, u, recent) in enumerate(jobs):
-                token = sample_u(masked.get(k, row), params, u, recent)
-                constraint = ready[k][0].constraint
-                if constraint is not None:
-                    constraint.consume(token)
+                slot = ready[k][0]
+                assert slot.task is not None
+                if k in seeds:  # DRY's breakers may scan the vocabulary: here, off the loop
+                    slot.sampler = make_state(params, seeds[k], self._piece_source, tokenize=self._tokenize)
+                post = slot.task.params.post_sampling_probs and params.n_probs > 0
+                if params.host_only or post:
+                    ids, probs = chain(masked.get(k, row), params, recent, slot.sampler)
+                    token = pick(ids, probs, u, params, slot.sampler)
+                else:
+                    token = sample_u(masked.get(k, row), params, u, recent)
+                if slot.constraint is not None:
+                    slot.constraint.consume(token)
                 prob = None
-                if params.n_probs > 0:
+                if post:  # the chain's candidates, as llama-server's post_sampling_probs
+                    top = tuple((int(i), float(q)) for i, q in zip(ids[: params.n_probs], probs[: params.n_probs],
+                                                                     strict=True) if q > 0)
+                    mine = float(probs[ids == token][0]) if bool((ids == token).any()) else 0.0
+                    prob = TokenProb(token, mine, top, post=True)
+                elif params.n_probs > 0:
                     lp = float(log_softmax(row)[token])
                     prob = TokenProb(token, lp, tuple(top_logprobs(row, params.n_probs)))
                 out.append((token, prob))
             return out
 
-        if constrained or self._client.backend.config.n_vocab >= THREAD_SAMPLING_VOCAB:
+        if constrained or seeds or self._client.backend.config.n_vocab >= THREAD_SAMPLING_VOCAB:
             return await trio.to_thread.run_sync(run)
         return run()
 

@@ -42,6 +42,9 @@ class TaskParams:
     return_progress: bool = False
     timings_per_token: bool = False  # streaming: ``timings`` in every event, not only the last
     n_cache_reuse: int = 0  # --cache-reuse: least chunk moved by KV shifting (engine/kvshift.py); 0: off
+    #: n_probs reports the candidates' probabilities after the sampler chain ("prob",
+    #: "top_probs"), not the raw distribution's log-probabilities (llama-server's field)
+    post_sampling_probs: bool = False
     #: the prompt's images: media id (the negative number at each of an image's
     #: positions) -> its embedding rows [n, n_embd] (``server/media.py``)
     media: Mapping[int, np.ndarray] = attrs.field(factory=dict, eq=False, repr=False)
@@ -70,6 +73,24 @@ class TaskParams:
             "id_slot": self.id_slot,
             "timings_per_token": self.timings_per_token,
             "n_cache_reuse": self.n_cache_reuse,
+            "post_sampling_probs": self.post_sampling_probs,
+            "top_n_sigma": s.top_n_sigma,
+            "xtc_probability": s.xtc_probability,
+            "xtc_threshold": s.xtc_threshold,
+            "dynatemp_range": s.dynatemp_range,
+            "dynatemp_exponent": s.dynatemp_exponent,
+            "dry_multiplier": s.dry_multiplier,
+            "dry_base": s.dry_base,
+            "dry_allowed_length": s.dry_allowed_length,
+            "dry_penalty_last_n": s.dry_penalty_last_n,
+            "dry_sequence_breakers": list(s.dry_sequence_breakers),
+            "mirostat": s.mirostat,
+            "mirostat_tau": s.mirostat_tau,
+            "mirostat_eta": s.mirostat_eta,
+            "min_keep": s.min_keep,
+            "adaptive_target": s.adaptive_target,
+            "adaptive_decay": s.adaptive_decay,
+            "samplers": list(s.samplers),
         }
 
 
@@ -108,8 +129,9 @@ class TokenProb:
     """One generated token's log-probability and the most likely alternatives."""
 
     id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+    logprob: float  # with ``post``: the probability after the sampler chain
+    top: tuple[tuple[int, float], ...]  # (token id, logprob or, with ``post``, probability), most likely first
+    post: bool = False  # post_sampling_probs: probabilities of the chain's candidates
 
 
 @attrs.frozen
