@@ -856,7 +856,10 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         def parse(cancel: threading.Event) -> tuple[P.CompletionRequest, CO.OutputSpec]:
             # the template, the tokenizer and the image encoder: CPU work, off the event loop
             prompt, spec, forced, images = chat_prompt(body, fetched)
-            return P.parse_chat(body, e.tokenizer, attrs.evolve(lim, cancel=cancel), prompt, forced, images), spec
+            # the thinking budget's tags: a template that closes a thought (or opened one)
+            thinks = spec.thinking_open or CO.THINK_CLOSE in (e.template.source or "")
+            return P.parse_chat(body, e.tokenizer, attrs.evolve(lim, cancel=cancel), prompt, forced, images,
+                                thinking=(thinks, spec.thinking_open)), spec
 
         req, spec = await MD.run_sync_cancellable(parse)
         await check_grammar(req.params.grammar)
