@@ -127,6 +127,8 @@ class ServerConfig:
     chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)  # --chat-template-kwargs
     reasoning: str = "auto"  # --reasoning on|off|auto: the template's enable_thinking
     reasoning_effort: str = "default"  # --reasoning-effort: the template's reasoning_effort
+    reasoning_budget: int = -1  # --reasoning-budget: thinking tokens of a chat answer (-1: no limit)
+    reasoning_budget_message: str = ""  # --reasoning-budget-message: written before the forced </think>
     reasoning_format: str = "auto"  # --reasoning-format
     grammar: str | None = None  # --grammar/-j: the default llguidance grammar of a request
     prefill_assistant: bool = True  # --no-prefill-assistant: a last assistant message is not continued

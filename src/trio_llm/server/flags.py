@@ -132,6 +132,13 @@ def _samplers(value: str | list[str]) -> tuple[str, ...]:
         raise FlagValueError(str(exc)) from None
 
 
+def _think_budget(text: str) -> int:
+    n = _int(text)
+    if n < -1:
+        raise FlagValueError(f"invalid value {text!r} (-1, or a count of tokens)")
+    return n
+
+
 def _one(text: str) -> tuple[str, ...]:
     """A flag that appends (``_apply`` joins tuples): -r."""
     return (text,)
@@ -680,11 +687,11 @@ FLAGS: tuple[Flag, ...] = (
       value="[on|off|auto]", env="LLAMA_ARG_REASONING", dest="reasoning", conv=_on_off_auto),
     W("--reasoning-effort", "given to the template as reasoning_effort (default: the template's own)",
       value="LEVEL", env="LLAMA_ARG_REASONING_EFFORT", dest="reasoning_effort"),
-    N("--reasoning-budget", "a thinking budget is " + _LATER + ": only -1 (unrestricted) is accepted",
-      value="N", env="LLAMA_ARG_THINK_BUDGET", conv=_int,
-      refuse=_not(-1, "a reasoning budget is " + _LATER)),
-    N("--reasoning-budget-message", "only matters with --reasoning-budget", value="MESSAGE",
-      env="LLAMA_ARG_THINK_BUDGET_MESSAGE"),
+    W("--reasoning-budget", "thinking tokens of a chat answer (-1: no limit, 0: none): past them </think> is "
+      "forced and the answer goes on; a request's reasoning_budget_tokens / thinking_budget_tokens over it",
+      value="N", env="LLAMA_ARG_THINK_BUDGET", dest="reasoning_budget", conv=_think_budget),
+    W("--reasoning-budget-message", "text written before the forced </think>", value="MESSAGE",
+      env="LLAMA_ARG_THINK_BUDGET_MESSAGE", dest="reasoning_budget_message"),
     N("--reasoning-preserve", "the template sees the messages as sent", neg="--no-reasoning-preserve",
       env="LLAMA_ARG_REASONING_PRESERVE"),
     W("--chat-template", "a Jinja template, or any of llama-server's 54 built-in names (chatml, command-r, "

@@ -18,9 +18,11 @@ import attrs
 
 from trio_llm.config import ServerConfig
 from trio_llm.engine import constraint as C
+from trio_llm.engine.reasoning_budget import BudgetSpec
 from trio_llm.engine.sampling import DEFAULT_SEED, SamplingParams, sampler_names
 from trio_llm.errors import ContextOverflow, InvalidRequest
 from trio_llm.model import chat_output as CO
+from trio_llm.model.chat_output import THINK_CLOSE, THINK_OPEN
 from trio_llm.server import media as MD
 from trio_llm.server.tasks import TaskParams
 
@@ -351,8 +353,68 @@ def _request_grammar(body: Mapping[str, Any], config: ServerConfig) -> str | Non
     return config.grammar
 
 
+def _tags(value: Any, key: str) -> list[str]:
+    if isinstance(value, str):
+        return [value] if value else []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidRequest(f"'{key}' must be a string or a list of strings")
+    return [v for v in value if v]
+
+
+def reasoning_budget(body: Mapping[str, Any], tok: Encoder, config: ServerConfig, *,
+                     chat: tuple[bool, bool] | None = None) -> BudgetSpec | None:
+    """llama-server's thinking budget of a request, or None.
+
+    ``/completion`` names everything itself: ``reasoning_budget_tokens`` (-1: none),
+    ``reasoning_budget_start_tag``, ``reasoning_budget_end_tags`` (or ``_end_tag``),
+    ``reasoning_budget_message``. A chat request (``chat``: whether the template thinks,
+    and whether its prompt ends in an open ``<think>``) takes ``reasoning_budget_tokens``
+    or ``thinking_budget_tokens``, else ``--reasoning-budget``, and the template's tags
+    (``<think>``, ``</think>``), its message else ``--reasoning-budget-message``, as
+    llama-server's chat handler fills them in."""
+    if get_bool(body, "reasoning_control", False):
+        raise InvalidRequest("'reasoning_control' (ending a thought at runtime) is not supported")
+    budget = get_int(body, "reasoning_budget_tokens", -1, -1, (1 << 31) - 1)
+    if chat is not None:
+        if budget < 0:
+            budget = get_int(body, "thinking_budget_tokens", -1, -1, (1 << 31) - 1)
+        if budget < 0:
+            budget = config.reasoning_budget
+        thinks, opened = chat
+        if not thinks:
+            return None
+        start, ends = THINK_OPEN, [THINK_CLOSE]
+        message = _get(body, "reasoning_budget_message")
+        message = config.reasoning_budget_message if message is _MISSING else message
+    else:
+        start_v = _get(body, "reasoning_budget_start_tag")
+        start = "" if start_v is _MISSING else start_v
+        if not isinstance(start, str):
+            raise InvalidRequest("'reasoning_budget_start_tag' must be a string")
+        end_v = _get(body, "reasoning_budget_end_tags")
+        key = "reasoning_budget_end_tags"
+        if end_v is _MISSING:
+            end_v, key = _get(body, "reasoning_budget_end_tag"), "reasoning_budget_end_tag"
+        ends = [] if end_v is _MISSING else _tags(end_v, key)
+        message = _get(body, "reasoning_budget_message")
+        opened = False
+    if message is _MISSING or message is None:
+        message = ""
+    if not isinstance(message, str):
+        raise InvalidRequest("'reasoning_budget_message' must be a string")
+    if budget < 0 or not start or not ends:
+        return None
+
+    def ids(text: str) -> tuple[int, ...]:
+        return tuple(tok.encode(text, add_special=False, parse_special=True))
+
+    end_ids = tuple(ids(e) for e in ends)
+    forced = (ids(message) if message else ()) + end_ids[0]
+    return BudgetSpec(budget, (ids(start),), end_ids, forced, prefill=ids(start) if opened else ())
+
+
 def _task_params(body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_predict: int, n_probs: int,
-                 grammar: str | None = None) -> TaskParams:
+                 grammar: str | None = None, chat: tuple[bool, bool] | None = None) -> TaskParams:
     return TaskParams(
         grammar=grammar if grammar is not None else _request_grammar(body, limits.defaults),
         n_predict=n_predict,
@@ -365,6 +427,7 @@ def _task_params(body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_pre
         timings_per_token=get_bool(body, "timings_per_token", False),
         n_cache_reuse=get_int(body, "n_cache_reuse", limits.defaults.cache_reuse, -(1 << 31), (1 << 31) - 1),
         post_sampling_probs=get_bool(body, "post_sampling_probs", False),
+        reasoning=reasoning_budget(body, tok, limits.defaults, chat=chat),
     )
 
 
@@ -645,9 +708,11 @@ def chat_inputs(body: Any, config: ServerConfig, template_source: str | None) ->
 
 
 def parse_chat(body: Any, tok: Encoder, limits: Limits, rendered: str, grammar: str | None = None,
-               images: Sequence[bytes] = ()) -> CompletionRequest:
+               images: Sequence[bytes] = (), thinking: tuple[bool, bool] = (False, False)) -> CompletionRequest:
     """``POST /v1/chat/completions``, once the messages are rendered by the template
-    (their ``image_url`` parts written as markers, the images in ``images``)."""
+    (their ``image_url`` parts written as markers, the images in ``images``);
+    ``thinking``: whether the template thinks, and whether the prompt ends in an open
+    ``<think>`` (the thinking budget's tags and its start)."""
     body = _require_object(body)
     n = _get_n(body, limits)
     logprobs = get_bool(body, "logprobs", False)
@@ -663,7 +728,7 @@ def parse_chat(body: Any, tok: Encoder, limits: Limits, rendered: str, grammar: 
     params = _task_params(
         body, limits, tok,
         n_predict=_n_predict(body, limits, "max_completion_tokens", "max_tokens", "n_predict"),
-        n_probs=max(top, 1) if logprobs else 0, grammar=grammar,
+        n_probs=max(top, 1) if logprobs else 0, grammar=grammar, chat=thinking,
     )
     if media:
         params = attrs.evolve(params, media=media)

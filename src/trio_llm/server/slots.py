@@ -36,6 +36,7 @@ from trio_llm.engine.actor import BackendClient
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.constraint import Constraint, Grammars, apply_masks
 from trio_llm.engine.kvshift import Move, reuse_chunks
+from trio_llm.engine.reasoning_budget import ReasoningBudget, utf8_complete
 from trio_llm.engine.sampling import (
     DEFAULT_SEED,
     SamplerState,
@@ -159,6 +160,7 @@ class Slot:
     #: what llama.cpp's other samplers keep between steps (Mirostat's mu, XTC's draws,
     #: DRY's breakers): made on the task's first sample when its params need it
     sampler: SamplerState | None = None
+    budget: ReasoningBudget | None = None  # the task's thinking budget (engine/reasoning_budget.py)
     t_start: float = 0.0
     t_prompt_done: float = 0.0
     started_order: int = 0
@@ -170,6 +172,8 @@ class Slot:
     restore_at: int | None = None  # the checkpoint to write back before the next pass
     constraint: Constraint | None = None  # the task's grammar matcher, made on its first sample
     can_shift: bool = False  # the backend can move cache rows (every layer a full KV cache)
+    #: whether a token's bytes end on a whole UTF-8 character (the thinking budget's rule)
+    utf8_complete: Callable[[int], bool] = lambda _token: True
     #: KV moves (--cache-reuse) owed before the next pass, and the prefix valid until then
     shifts: tuple[Move, ...] = ()
     n_prefix: int = 0
@@ -217,6 +221,8 @@ class Slot:
         self.scanner = StopScanner(task.params.stop)
         self.text = text
         self.rng = make_rng(task.params.sampling.seed)
+        self.budget = None if task.params.reasoning is None else ReasoningBudget(task.params.reasoning,
+                                                                                   self.utf8_complete)
         self.t_start = self.t_prompt_done = now
         self.started_order = order
 
@@ -297,6 +303,7 @@ class Slot:
         self.seq = self.seq[: self.n_past]
         self.rng = None
         self.sampler = None
+        self.budget = None
         self.constraint = None
 
 
@@ -382,7 +389,10 @@ class SlotsEngine:
         self._piece_source = self._pieces
         reusable = getattr(backend, "reusable_prefix", None) or (lambda n_cached, n_common, _=(): n_common)
         shift = bool(getattr(backend, "can_shift", False))
-        self._slots = [Slot(i, self.n_ctx, reusable=reusable, can_shift=shift) for i in range(backend.n_seq)]
+        piece = getattr(self._tokenizer, "token_to_piece", None)
+        complete = (lambda t: utf8_complete(bytes(piece(t)))) if piece is not None else (lambda _t: True)
+        self._slots = [Slot(i, self.n_ctx, reusable=reusable, can_shift=shift, utf8_complete=complete)
+                       for i in range(backend.n_seq)]
         if any(getattr(backend.config, "recurrent_layers", ())) and self.ctx_checkpoints > 0:
             for slot in self._slots:
                 slot.checkpoints = Checkpoints(self.ctx_checkpoints, self.checkpoint_min_step)
@@ -695,7 +705,8 @@ class SlotsEngine:
             assert task is not None
             p = task.params
             left = p.n_predict - len(self._slots[w.id_slot].generated) if p.n_predict >= 0 else -1
-            wants.append(DecodeWant(p.sampling, p.grammar is not None, w.pos0, left))
+            # a grammar or a thinking budget decides tokens on the host
+            wants.append(DecodeWant(p.sampling, p.grammar is not None or p.reasoning is not None, w.pos0, left))
         chosen = device_plan(wants, n_vocab=backend.config.n_vocab, n_ctx=self.n_ctx, steps=self.decode_steps,
                              steps_max=steps_max, rows_max=8)
         if chosen is None:
@@ -872,7 +883,11 @@ class SlotsEngine:
                 if k in seeds:  # DRY's breakers may scan the vocabulary: here, off the loop
                     slot.sampler = make_state(params, seeds[k], self._piece_source, tokenize=self._tokenize)
                 post = slot.task.params.post_sampling_probs and params.n_probs > 0
-                if params.host_only or post:
+                forced = slot.budget.forced() if slot.budget is not None else None
+                if forced is not None:  # the thinking budget is spent: its end is written
+                    token = forced
+                    ids, probs = np.array([forced]), np.array([1.0])
+                elif params.host_only or post:
                     ids, probs = chain(masked.get(k, row), params, recent, slot.sampler)
                     token = pick(ids, probs, u, params, slot.sampler)
                 else:
@@ -904,6 +919,8 @@ class SlotsEngine:
             self._finish(slot, "eos", now)
             return
         slot.generated.append(token)
+        if slot.budget is not None:
+            slot.budget.accept(token)
         if prob is not None:
             slot.probs.append(prob)
         assert slot.text is not None

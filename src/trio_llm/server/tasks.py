@@ -21,6 +21,7 @@ import attrs
 import numpy as np
 import trio
 
+from trio_llm.engine.reasoning_budget import BudgetSpec
 from trio_llm.engine.sampling import SamplingParams
 
 StopType = Literal["none", "eos", "limit", "word"]
@@ -45,6 +46,8 @@ class TaskParams:
     #: n_probs reports the candidates' probabilities after the sampler chain ("prob",
     #: "top_probs"), not the raw distribution's log-probabilities (llama-server's field)
     post_sampling_probs: bool = False
+    #: a thinking budget (llama-server's reasoning_budget_*): ``engine/reasoning_budget.py``
+    reasoning: BudgetSpec | None = None
     #: the prompt's images: media id (the negative number at each of an image's
     #: positions) -> its embedding rows [n, n_embd] (``server/media.py``)
     media: Mapping[int, np.ndarray] = attrs.field(factory=dict, eq=False, repr=False)
@@ -91,6 +94,7 @@ class TaskParams:
             "adaptive_target": s.adaptive_target,
             "adaptive_decay": s.adaptive_decay,
             "samplers": list(s.samplers),
+            "reasoning_budget_tokens": self.reasoning.budget if self.reasoning is not None else -1,
         }
 
 

@@ -1,0 +1,171 @@
+"""The thinking budget (llama-server's ``--reasoning-budget`` and the
+``reasoning_budget_*`` / ``thinking_budget_tokens`` fields): the state machine on its
+own, then through the server, where a greedy answer with a budget must be llama.cpp's
+token for token (xllamacpp, the same request on the same file)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import trio
+
+from llamacpp_ref import Reference
+from trio_llm.engine.reasoning_budget import (
+    COUNTING,
+    DONE,
+    FORCING,
+    IDLE,
+    WAITING,
+    BudgetSpec,
+    ReasoningBudget,
+    utf8_complete,
+)
+from trio_llm.model.gguf import load_gguf
+from trio_llm.model.tokenizer import Tokenizer
+from trio_llm.runtime import ServerHandle, parse_config, serve
+
+START, END, MSG = (7,), ((8, 9),), (5,)
+
+
+def _walk(b: ReasoningBudget, tokens: list[int]) -> list[tuple[str, int | None]]:
+    out = []
+    for t in tokens:
+        b.accept(t)
+        out.append((b.state, b.forced()))
+    return out
+
+
+def test_the_state_machine_is_llamacpps() -> None:
+    spec = BudgetSpec(2, (START,), END, MSG + END[0])
+    b = ReasoningBudget(spec, lambda t: t != 66)
+    assert (b.state, b.forced()) == (IDLE, None)
+    # the start tag opens the count; two tokens spend it; the message and the end are forced
+    assert _walk(b, [1, 7, 2, 3]) == [(IDLE, None), (COUNTING, None), (COUNTING, None), (FORCING, 5)]
+    assert _walk(b, [5, 8, 9]) == [(FORCING, 8), (FORCING, 9), (DONE, None)]
+    # done: passthrough, until a new start tag with a fresh budget
+    assert _walk(b, [1, 2, 7, 8, 9]) == [(DONE, None)] * 2 + [(COUNTING, None), (COUNTING, None), (DONE, None)]
+    # a token that leaves a character unfinished postpones the forcing
+    b = ReasoningBudget(spec, lambda t: t != 66)
+    assert _walk(b, [7, 1, 66, 66, 4]) == [(COUNTING, None), (COUNTING, None), (WAITING, None), (WAITING, None),
+                                            (FORCING, 5)]
+    # budget 0, and a prompt that opened the thought: forced at once
+    b = ReasoningBudget(BudgetSpec(0, (START,), END, END[0], prefill=(3, 7)), lambda t: True)
+    assert (b.state, b.forced()) == (FORCING, 8)
+    # a natural end inside the budget
+    b = ReasoningBudget(BudgetSpec(5, (START,), END, END[0], prefill=START), lambda t: True)
+    assert _walk(b, [1, 8, 9, 2]) == [(COUNTING, None)] * 2 + [(DONE, None)] * 2
+
+
+def test_utf8_completeness_is_llamacpps() -> None:
+    assert utf8_complete(b"") and utf8_complete(b"abc") and utf8_complete("é".encode())
+    assert not utf8_complete("é".encode()[:1]) and not utf8_complete("€".encode()[:2])
+    assert utf8_complete("a€".encode()) and not utf8_complete(b"\x80\x80\x80\x80") and not utf8_complete(b"\x80")
+
+
+Start = Callable[..., Awaitable[ServerHandle]]
+
+
+@pytest.fixture
+async def start(nursery: trio.Nursery) -> AsyncIterator[Start]:
+    handles: list[tuple[ServerHandle, trio.Event]] = []
+
+    async def run(argv: list[str], done: trio.Event, *, task_status: Any) -> None:
+        try:
+            await serve(parse_config(argv, {}), task_status=task_status)
+        finally:
+            done.set()
+
+    async def go(path: Path, *argv: str) -> ServerHandle:
+        done = trio.Event()
+        h: ServerHandle = await nursery.start(run, ["-m", str(path), "--port", "0", "--backend", "numpy",
+                                                    "--no-warmup", "-c", "256", *argv], done)
+        with trio.fail_after(60):
+            await h.context.loaded.wait()
+        handles.append((h, done))
+        return h
+
+    yield go
+    for h, done in handles:
+        h.shutdown()
+        with trio.fail_after(10):
+            await done.wait()
+
+
+@pytest.fixture(scope="module")
+def sharp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from trio_llm.model.synth import make_model
+
+    return make_model("tiny-qwen3", "F32", tmp_path_factory.mktemp("rb") / "sharp.gguf", sharp=True)
+
+
+async def test_a_budget_of_completion_is_llamacpps_token_for_token(start: Start, sharp: Path) -> None:
+    """/completion names its tags: the start tag is a token the free answer writes, so
+    the count starts there; three tokens later the message and the end tag are forced
+    and the answer goes on, exactly as llama-server's."""
+    tok = Tokenizer.from_metadata(load_gguf(sharp).metadata)
+    plain = [i for i in range(tok.n_vocab) if not tok.is_special(i) and not tok.is_eog(i)]
+    prompt = [int(t) for t in np.random.default_rng(2).choice(plain, 16)]
+    body = {"prompt": prompt, "n_predict": 16, "temperature": 0, "cache_prompt": False, "return_tokens": True}
+    h = await start(sharp)
+    async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
+        free = (await c.post("/completion", json=body)).json()["tokens"]
+        # a start tag: the first generated token whose text tokenizes back to it alone
+        at = next(i for i, t in enumerate(free[:6]) if tok.encode(tok.decode([t]), add_special=False) == [t])
+        budget = {"reasoning_budget_tokens": 3, "reasoning_budget_start_tag": tok.decode([free[at]]),
+                  "reasoning_budget_end_tags": [" zebra"], "reasoning_budget_message": " stop"}
+        ours = (await c.post("/completion", json={**body, **budget})).json()
+    forced = tok.encode(" stop", add_special=False) + tok.encode(" zebra", add_special=False)
+    assert ours["tokens"][: at + 4] == free[: at + 4]
+    assert ours["tokens"][at + 4: at + 4 + len(forced)] == forced
+    ref = Reference(sharp, n_ctx=256)
+    try:
+        theirs = ref._client.post("/completion", json={**body, **budget}).json()
+    finally:
+        ref.close()
+    assert ours["tokens"] == theirs["tokens"], (ours["tokens"], theirs["tokens"])
+    assert ours["generation_settings"]["reasoning_budget_tokens"] == 3
+
+
+THINKING = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+            "<|im_start|>assistant\n<think>\n")
+
+
+async def test_a_chat_budget_closes_the_thought(start: Start, sharp: Path, tmp_path: Path) -> None:
+    """A template whose prompt opens a thought: the budget counts from the first token;
+    --reasoning-budget is the default, a request's thinking_budget_tokens over it; the
+    forced ``</think>`` ends the reasoning_content and the answer goes on as content."""
+    template = tmp_path / "t.jinja"
+    template.write_text(THINKING)
+    tok = Tokenizer.from_metadata(load_gguf(sharp).metadata)
+    h = await start(sharp, "--chat-template-file", str(template), "--reasoning-budget", "4",
+                    "--reasoning-budget-message", " (enough)")
+    # a random model writes pieces of characters: banned here, else the budget waits
+    # for a character to finish (as llama.cpp's does) and the thought never closes
+    broken = []
+    for i in range(tok.n_vocab):
+        try:
+            tok.token_to_piece(i).decode("utf-8")
+        except UnicodeDecodeError:
+            broken.append([i, False])
+    body = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True, "logit_bias": broken}
+    async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
+        r4 = (await c.post("/v1/chat/completions", json=body)).json()
+        r2 = (await c.post("/v1/chat/completions", json={**body, "thinking_budget_tokens": 2})).json()
+        # -1 is "not set": the server's budget, as llama-server
+        unset = (await c.post("/v1/chat/completions", json={**body, "reasoning_budget_tokens": -1})).json()
+        raw = (await c.post("/completion", json={"prompt": "x", "n_predict": 1})).json()
+    assert raw["generation_settings"]["reasoning_budget_tokens"] == -1  # /completion: no tags, no budget
+    for r, n in ((r4, 4), (r2, 2)):
+        msg = r["choices"][0]["message"]
+        thought = msg["reasoning_content"]
+        assert thought.endswith("(enough)"), msg
+        n_thought = len(tok.encode(thought.removesuffix(" (enough)"), add_special=False))
+        assert abs(n_thought - n) <= 1, (thought, n)  # retokenizing a decoded text may merge a pair
+        assert msg["content"] is not None
+    assert unset["choices"][0]["message"] == r4["choices"][0]["message"]
