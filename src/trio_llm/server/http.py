@@ -786,6 +786,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             texts = await trio.to_thread.run_sync(lambda: [render_prompt(p) for p in prompts])
             for answer, text in zip(answers, texts, strict=True):
                 answer["prompt"] = text
+            if req.params.response_fields:
+                answers = [R.pick_fields(a, req.params.response_fields) for a in answers]
             # several prompts: a list of answers, as llama-server gives
             return _json(answers[0] if len(answers) == 1 else answers)
 

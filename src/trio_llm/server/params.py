@@ -415,6 +415,7 @@ def reasoning_budget(body: Mapping[str, Any], tok: Encoder, config: ServerConfig
 
 def _task_params(body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_predict: int, n_probs: int,
                  grammar: str | None = None, chat: tuple[bool, bool] | None = None) -> TaskParams:
+    refuse_unbuilt(body)
     return TaskParams(
         grammar=grammar if grammar is not None else _request_grammar(body, limits.defaults),
         n_predict=n_predict,
@@ -428,7 +429,29 @@ def _task_params(body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_pre
         n_cache_reuse=get_int(body, "n_cache_reuse", limits.defaults.cache_reuse, -(1 << 31), (1 << 31) - 1),
         post_sampling_probs=get_bool(body, "post_sampling_probs", False),
         reasoning=reasoning_budget(body, tok, limits.defaults, chat=chat),
+        n_indent=get_int(body, "n_indent", 0, 0, (1 << 31) - 1),
+        t_max_predict_ms=get_int(body, "t_max_predict_ms", -1, -1, (1 << 62)),
+        response_fields=_response_fields(body),
     )
+
+
+def _response_fields(body: Mapping[str, Any]) -> tuple[str, ...]:
+    v = _get(body, "response_fields")
+    if v is _MISSING:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(f, str) for f in v):
+        raise InvalidRequest("'response_fields' must be a list of strings")
+    return tuple(v)
+
+
+def refuse_unbuilt(body: Mapping[str, Any]) -> None:
+    """llama-server's request fields that change the answer and are not built here: a
+    400 naming them, never a 200 that ignored them."""
+    lora = _get(body, "lora")
+    if lora is not _MISSING and lora != []:
+        raise InvalidRequest("'lora': LoRA adapters are not supported")
+    if get_bool(body, "grammar_lazy", False):
+        raise InvalidRequest("'grammar_lazy': lazy grammars (grammar_triggers) are not supported")
 
 
 def valid_filename(name: str) -> bool:
@@ -498,7 +521,14 @@ def parse_completion(body: Any, tok: Encoder, limits: Limits) -> CompletionReque
         params = attrs.evolve(params, media=media)
     if len(prompts) > 1 and params.id_slot >= 0:
         raise InvalidRequest("'id_slot' pins one slot; it cannot serve several prompts")
-    return CompletionRequest(tuple(prompts[0]), params, more_prompts=tuple(tuple(p) for p in prompts[1:]))
+    # llama-server's n_cmpl (alias n): completions of each prompt, all at once
+    n = get_int(body, "n_cmpl", get_int(body, "n", 1, 1, limits.n_slots), 1, limits.n_slots)
+    if len(prompts) * n > limits.n_slots:
+        raise InvalidRequest(f"{len(prompts)} prompt(s) x {n} completions need as many slots at once; this server "
+                             f"has {limits.n_slots} (-np)")
+    if n > 1 and params.id_slot >= 0:
+        raise InvalidRequest("'id_slot' pins one slot; it cannot serve several completions at once")
+    return CompletionRequest(tuple(prompts[0]), params, more_prompts=tuple(tuple(p) for p in prompts[1:]), n=n)
 
 
 def parse_oai_completion(body: Any, tok: Encoder, limits: Limits) -> CompletionRequest:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from trio_llm.model.chat_output import ChatAnswer
@@ -68,6 +68,21 @@ def partial_extras(msg: TaskPartial) -> dict[str, Any]:
         out["timings"] = msg.timings.to_json()
     if msg.progress is not None:
         out["prompt_progress"] = msg.progress.to_json()
+    return out
+
+
+def pick_fields(answer: Mapping[str, Any], paths: Sequence[str]) -> dict[str, Any]:
+    """llama-server's ``response_fields``: only these fields of an answer, a path "a/b"
+    naming a nested one (kept under the key "a/b"); a missing one is left out."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        cur: Any = answer
+        for key in path.split("/"):
+            if not isinstance(cur, Mapping) or key not in cur:
+                break
+            cur = cur[key]
+        else:
+            out[path] = cur
     return out
 
 

@@ -161,6 +161,9 @@ class Slot:
     #: DRY's breakers): made on the task's first sample when its params need it
     sampler: SamplerState | None = None
     budget: ReasoningBudget | None = None  # the task's thinking budget (engine/reasoning_budget.py)
+    #: n_indent / t_max_predict_ms: a newline was generated, and where the current line starts
+    has_new_line: bool = False
+    last_nl_pos: int = 0
     t_start: float = 0.0
     t_prompt_done: float = 0.0
     started_order: int = 0
@@ -218,6 +221,7 @@ class Slot:
         self.n_prefix = min(n_prefix, keep)
         self.task, self.n_prompt, self.n_cached = task, len(prompt), keep
         self.generated, self.probs = [], []
+        self.has_new_line, self.last_nl_pos = False, 0
         self.scanner = StopScanner(task.params.stop)
         self.text = text
         self.rng = make_rng(task.params.sampling.seed)
@@ -924,7 +928,8 @@ class SlotsEngine:
         if prob is not None:
             slot.probs.append(prob)
         assert slot.text is not None
-        text = slot.scanner.feed(slot.text.feed(token))
+        piece = slot.text.feed(token)
+        text = slot.scanner.feed(piece)
         timings = slot.timings(now) if params.timings_per_token else None
         partial = TaskPartial(slot.task.id_task, token, text, prob, timings=timings)
         if slot.scanner.stopping_word:
@@ -934,12 +939,40 @@ class SlotsEngine:
             return
         if params.stream and not self._send(slot, partial):
             return
-        if params.n_predict >= 0 and len(slot.generated) >= params.n_predict:
+        if self._fim_limits(slot, piece, now):
+            self._finish(slot, "limit", now)
+        elif params.n_predict >= 0 and len(slot.generated) >= params.n_predict:
             self._finish(slot, "limit", now)
         elif len(slot.seq) >= slot.n_ctx:
             self._finish(slot, "limit", now)  # no position left to feed the token back
         else:
             slot.seq.append(token)
+
+    def _fim_limits(self, slot: Slot, piece: str, now: float) -> bool:
+        """llama-server's limits for code completion, after a token's text ``piece``:
+        ``n_indent`` (a line begun with less indentation ends the answer, its text cut
+        off) and ``t_max_predict_ms`` (past that much generation time, a newline ends
+        it). True: the answer ends here (stop type "limit")."""
+        assert slot.task is not None
+        params = slot.task.params
+        stop = False
+        if slot.has_new_line and params.n_indent > 0:
+            text = slot.scanner.text
+            if slot.last_nl_pos > 0:
+                pos = slot.last_nl_pos
+                while pos < len(text) and text[pos] in " \t":
+                    pos += 1
+                if pos < len(text) and pos - slot.last_nl_pos < params.n_indent:
+                    slot.scanner.text = text[:pos]
+                    stop = True
+            nl = slot.scanner.text.find("\n", slot.last_nl_pos)
+            if nl >= 0:
+                slot.last_nl_pos = nl + 1
+        if "\n" in piece:
+            slot.has_new_line = True
+            if 0 < params.t_max_predict_ms < 1e3 * (now - slot.t_prompt_done):
+                stop = True
+        return stop
 
     def _report_progress(self, slot: Slot, now: float) -> bool:
         """Send a prompt progress report if the task asked for them (streaming with

@@ -48,6 +48,12 @@ class TaskParams:
     post_sampling_probs: bool = False
     #: a thinking budget (llama-server's reasoning_budget_*): ``engine/reasoning_budget.py``
     reasoning: BudgetSpec | None = None
+    #: FIM clients' limits (llama-server's): a line indented less than this ends the
+    #: answer, cut before its text; past this many ms of generation a newline ends it
+    n_indent: int = 0
+    t_max_predict_ms: int = -1
+    #: /completion: only these fields of the final answer ("a/b": a nested one, keyed so)
+    response_fields: tuple[str, ...] = ()
     #: the prompt's images: media id (the negative number at each of an image's
     #: positions) -> its embedding rows [n, n_embd] (``server/media.py``)
     media: Mapping[int, np.ndarray] = attrs.field(factory=dict, eq=False, repr=False)
@@ -95,6 +101,8 @@ class TaskParams:
             "adaptive_decay": s.adaptive_decay,
             "samplers": list(s.samplers),
             "reasoning_budget_tokens": self.reasoning.budget if self.reasoning is not None else -1,
+            "n_indent": self.n_indent,
+            "t_max_predict_ms": self.t_max_predict_ms,
         }
 
 
