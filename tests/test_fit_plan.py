@@ -93,7 +93,7 @@ def test_fit_chooses_the_largest_context_the_plan_fits(model_path: Any, monkeypa
     try:
         need = device_need(config, model)
         free = need(2 * 1400) + MiB  # room for 1,400 positions a slot (of the 4096 trained) and a little
-        monkeypatch.setattr(fit, "device_free_bytes", lambda: free)
+        monkeypatch.setattr(fit, "device_free_bytes", lambda selector=None: free)
         per_slot = fit_slot_ctx(config, model)
         assert per_slot == 1280  # the most 256-position steps of both slots under 1,400 a slot
         be = VulkanBackend(model, n_ctx=per_slot, n_seq=2, max_chunk=64, cache_type_k="q8_0", cache_type_v="q8_0")

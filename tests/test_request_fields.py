@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from trio_llm.runtime import ServerHandle, parse_config, serve
+from trio_llm.server.flags import UsageError
 from trio_llm.server.slots import Slot, SlotsEngine
 from trio_llm.server.stop import StopScanner
 from trio_llm.server.tasks import ServerTask, TaskParams
@@ -115,3 +116,62 @@ def test_t_max_predict_ms_ends_at_a_newline_past_the_time() -> None:
     never = _slot(TaskParams())
     never.t_prompt_done = 0.0
     assert not limits(None, never, "\n", 1e6)  # type: ignore[arg-type]
+
+
+def test_device_flags() -> None:
+    """-dev VulkanN / none and --list-devices, as llama-server names devices."""
+    assert parse_config(["-dev", "Vulkan0"], {}).device == "0"
+    none = parse_config(["-dev", "none"], {})
+    assert (none.device, none.backend) == (None, "numpy")
+    for bad, why in ((["-dev", "Vulkan0,Vulkan1"], "name one device"), (["-dev", "CUDA0"], "unknown device"),
+                     (["-dev", "none", "--backend", "vulkan"], "-dev none")):
+        with pytest.raises(UsageError, match=why):
+            parse_config(bad, {})
+
+
+@pytest.mark.vulkan
+def test_list_devices_and_a_chosen_device(tiny_model: Path) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "trio_llm", "serve", "--list-devices"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("Available devices:\n  Vulkan0: "), r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "trio_llm", "serve", "-m", str(tiny_model), "--port", "0",
+                        "--backend", "vulkan", "-dev", "Vulkan9"], capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith("trio-llm: listening on ")]
+    assert r.returncode != 0 and len(lines) == 1 and "no Vulkan device with index 9" in lines[0], r.stderr
+
+
+@pytest.mark.vulkan
+async def test_serving_on_the_named_device(start: Start) -> None:
+    h = await start("--backend", "vulkan", "-dev", "Vulkan0", "-c", "128")
+    async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
+        r = await c.post("/completion", json={"prompt": "hi", "n_predict": 2})
+    assert r.status_code == 200 and h.context.config.device == "0"
+
+
+async def test_api_prefix_and_static_files(start: Start, tmp_path: Path) -> None:
+    """--api-prefix serves every route under the prefix (404 outside it); --path serves
+    a directory's files before the routes, never a file outside it."""
+    site = tmp_path / "site"
+    (site / "js").mkdir(parents=True)
+    (site / "index.html").write_text("<h1>mine</h1>")
+    (site / "js" / "a.js").write_text("let a = 1;")
+    (tmp_path / "secret.txt").write_text("no")
+    h = await start("--api-prefix", "/llm/", "--path", str(site))
+    async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
+        assert (await c.get("/llm/health")).json() == {"status": "ok"}
+        assert (await c.post("/llm/completion", json={"prompt": "hi", "n_predict": 1})).status_code == 200
+        assert (await c.get("/health")).status_code == 404
+        assert (await c.get("/llmx/health")).status_code == 404
+        index = await c.get("/llm/")
+        assert index.text == "<h1>mine</h1>" and index.headers["content-type"].startswith("text/html")
+        js = await c.get("/llm/js/a.js")
+        assert js.text == "let a = 1;" and "javascript" in js.headers["content-type"]
+        head = await c.head("/llm/js/a.js")
+        assert head.status_code == 200 and head.content == b"" and head.headers["content-length"] == "10"
+        for sneaky in ("/llm/../secret.txt", "/llm/%2e%2e/secret.txt", "/llm/js/%2e%2e/%2e%2e/secret.txt"):
+            assert (await c.get(sneaky)).text != "no"
+    with pytest.raises(UsageError, match="static assets path not found"):
+        parse_config(["--path", str(tmp_path / "nope")], {})

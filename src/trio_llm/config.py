@@ -117,6 +117,9 @@ class ServerConfig:
     mmproj_url: str | None = None  # --mmproj-url: downloaded to ``mmproj`` at startup
     hf_token: str | None = None  # -hft / HF_TOKEN: the downloads' bearer token
     offline: bool = False  # --offline: the downloads use the local file only
+    device: str | None = None  # -dev VulkanN: the Vulkan device's index (None: the best one)
+    api_prefix: str = ""  # --api-prefix: every route under this path
+    static_path: Path | None = None  # --path: static files served before the routes
     media_path: Path | None = None  # --media-path: where file:// image URLs are read (None: refused)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -64,12 +64,28 @@ log = logging.getLogger("trio_llm.serve")
 # flags
 
 
+def _device_list() -> str:
+    """--list-devices, in llama.cpp's words: each Vulkan device as ``-dev`` names it."""
+    lines = ["Available devices:"]
+    try:
+        from trio_llm.vulkan.device import list_devices
+
+        devices = list_devices()
+    except (ImportError, OSError, TrioLLMError) as exc:
+        return "\n".join([*lines, f"  (no Vulkan device: {exc}; -dev none runs on the CPU)"])
+    for index, name, kind, heap in devices:
+        lines.append(f"  Vulkan{index}: {name} ({kind}, {heap >> 20} MiB)")
+    return "\n".join(lines)
+
+
 def parse_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> ServerConfig:
     """Flags (and ``LLAMA_ARG_*`` variables) → a validated ``ServerConfig``;
     ``UsageError`` or ``ConfigError`` otherwise (``trio_llm.server.flags``)."""
     parsed = flags.parse(argv, environ)
     if "_help" in parsed.values or "_version" in parsed.values:
         raise _Exit(flags.usage() if "_help" in parsed.values else f"trio-llm {__version__}")
+    if "_list_devices" in parsed.values:
+        raise _Exit(_device_list())
     config: ServerConfig = flags.to_config(parsed, environ)
     if (config.cache_type_k, config.cache_type_v) != ("f16", "f16") and not backend_takes_cache_types():
         which = "-ctk" if config.cache_type_k != "f16" else "-ctv"
@@ -181,6 +197,8 @@ def _backend_args(config: ServerConfig, model: Any) -> dict[str, Any]:
         extra = {"cache_type_k": config.cache_type_k, "cache_type_v": config.cache_type_v}
     if config.n_cpu_moe:
         extra["n_cpu_moe"] = config.n_cpu_moe
+    if config.device is not None:
+        extra["device"] = config.device
     output = embeddings.backend_output(config.embeddings, embeddings.resolve_pooling(config.pooling, model.metadata),
                                        model.tensors)
     if output != "logits":
@@ -274,7 +292,7 @@ def fit_slot_ctx(config: ServerConfig, model: Any) -> int:
 
     if not config.fit or config.backend == "numpy":
         return config.slot_ctx(model.config.n_ctx_train)
-    free = fit.device_free_bytes()
+    free = fit.device_free_bytes(config.device)
     if free is None:
         return config.slot_ctx(model.config.n_ctx_train)
     cfg = model.config
@@ -339,7 +357,7 @@ def arena_share(config: ServerConfig) -> Share | None:
 
     if config.arena_budget is None or config.vram_arena is None:
         return None
-    device = None if config.backend == "numpy" else fit.device_memory()
+    device = None if config.backend == "numpy" else fit.device_memory(config.device)
     mib = fit.MiB
     if config.arena_budget == "auto":
         if device is None:
@@ -472,6 +490,60 @@ class _HeaderCase:
         await self.app(scope, receive, cased)
 
 
+@attrs.frozen
+class _Mounted:
+    """ASGI wrapper for ``--api-prefix`` and ``--path``, as llama-server mounts them.
+
+    ``prefix``: every route is served under it (``/v1/x/health`` for ``--api-prefix
+    /v1/x``); a path outside it is a 404. ``static``: a GET or HEAD for a file of that
+    directory (``/`` is its ``index.html``) is answered with the file before any route
+    (cpp-httplib's mount point); a path that leaves the directory never is."""
+
+    app: Any
+    prefix: str
+    static: Path | None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "/")
+        if self.prefix:
+            if path != self.prefix and not path.startswith(self.prefix + "/"):
+                await _plain(send, 404, b"Not Found", "text/plain")
+                return
+            path = path[len(self.prefix):] or "/"
+            raw = scope.get("raw_path") or b""
+            scope = dict(scope, path=path, raw_path=raw[len(self.prefix.encode()):] or path.encode())
+        if self.static is not None and scope.get("method") in ("GET", "HEAD"):
+            body, kind = await trio.to_thread.run_sync(_static_file, self.static, path)
+            if body is not None:
+                await _plain(send, 200, body if scope["method"] == "GET" else b"", kind, length=len(body))
+                return
+        await self.app(scope, receive, send)
+
+
+def _static_file(root: Path, path: str) -> tuple[bytes | None, str]:
+    """The bytes and content type of ``path`` under ``root``; None if it is not a file
+    there (or leaves it, by ``..`` or a link)."""
+    import mimetypes
+    import urllib.parse
+
+    rel = urllib.parse.unquote(path).lstrip("/") or "index.html"
+    base = root.resolve()
+    target = (base / rel).resolve()
+    if base != target and base not in target.parents or not target.is_file():
+        return None, ""
+    return target.read_bytes(), mimetypes.guess_type(target.name)[0] or "application/octet-stream"
+
+
+async def _plain(send: Any, status: int, body: bytes, kind: str, length: int | None = None) -> None:
+    headers = [(b"content-type", kind.encode()), (b"content-length", str(len(body) if length is None
+                                                                          else length).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 #: after the shutdown grace, how long the requests it ended get to send their error
 ANSWER_FLUSH_SECONDS = 1.0
 
@@ -489,6 +561,8 @@ async def _serve_http(
     hc.errorlog = logging.getLogger("hypercorn.error")
     if config.ssl_cert_file is not None and config.ssl_key_file is not None:
         hc.certfile, hc.keyfile = str(config.ssl_cert_file), str(config.ssl_key_file)
+    if config.api_prefix or config.static_path is not None:
+        app = _Mounted(app, config.api_prefix, config.static_path)
     counted = _InFlight(_HeaderCase(app))
 
     async def end_when_drained(scope: trio.CancelScope) -> None:

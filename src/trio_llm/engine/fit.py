@@ -108,14 +108,14 @@ def choose_ctx(
     return FitChoice(chosen, at <= budget, at, budget, chosen != total)
 
 
-def device_free_bytes() -> int | None:
+def device_free_bytes(selector: str | None = None) -> int | None:
     """Free bytes of the device-local heap of the Vulkan device the backend uses
     (VK_EXT_memory_budget: budget minus usage; else the heap's size); None without
     a usable Vulkan device."""
     try:
         from trio_llm.vulkan.device import shared_device
 
-        device = shared_device()
+        device = shared_device(selector)
     except (ImportError, OSError, BackendError) as exc:  # no loader, no device: nothing to fit
         log.debug("fit: no Vulkan device (%s)", exc)
         return None
@@ -137,12 +137,12 @@ class DeviceMemory:
     budget_bytes: int
 
 
-def device_memory() -> DeviceMemory | None:
+def device_memory(selector: str | None = None) -> DeviceMemory | None:
     """The largest device-local heap of the Vulkan device; None without one."""
     try:
         from trio_llm.vulkan.device import shared_device
 
-        device = shared_device()
+        device = shared_device(selector)
     except (ImportError, OSError, BackendError) as exc:
         log.debug("fit: no Vulkan device (%s)", exc)
         return None

@@ -34,13 +34,15 @@ def open_backend(
     n_cpu_moe: float = 0.0,
     output: str = "logits",
     max_chunk: int | None = None,
+    device: str | None = None,
 ) -> Backend:
     """Build the backend named by ``kind``; raises ``BackendUnavailable`` when an
     explicit "vulkan" cannot run here and ``InvalidRequest`` for an unknown kind.
     ``output`` is what its graph computes (``trio_llm.graph.Output``: an embedding
     server's backend ends at the hidden states or the rank head). ``max_chunk`` is the
     physical batch (-ub): the most prompt tokens one forward pass takes (the backend's
-    default, 512, when None; the Vulkan backend takes at most 4096 a pass)."""
+    default, 512, when None; the Vulkan backend takes at most 4096 a pass). ``device``:
+    the Vulkan device's selector (``-dev``: its index; None: the best one)."""
     if kind not in BACKEND_KINDS:
         raise InvalidRequest(f"unknown backend {kind!r} (choose from {', '.join(BACKEND_KINDS)})")
     kw: dict[str, Any] = dict(n_ctx=n_ctx, n_seq=n_seq, progress=progress, cache_type_k=cache_type_k,
@@ -56,7 +58,8 @@ def open_backend(
     if kind == "numpy":
         return _numpy(model, **kw)  # everything is in host memory already
     try:
-        return _vulkan(model, **kw, **({"n_cpu_moe": n_cpu_moe} if n_cpu_moe else {}))
+        return _vulkan(model, **kw, **({"n_cpu_moe": n_cpu_moe} if n_cpu_moe else {}),
+                       **({"device": device} if device is not None else {}))
     except BackendUnavailable as exc:
         if kind == "vulkan":
             raise

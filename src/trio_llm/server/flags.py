@@ -139,6 +139,33 @@ def _think_budget(text: str) -> int:
     return n
 
 
+def _device(text: str) -> str:
+    """-dev: llama.cpp's backend device names; "none" keeps everything on the CPU."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["none"]:
+        return "none"
+    if len(names) != 1:
+        raise FlagValueError(f"{text!r}: " + _ONE_DEVICE + ": name one device (VulkanN) or none")
+    m = re.fullmatch(r"(?i)vulkan(\d+)", names[0])
+    if m is None:
+        raise FlagValueError(f"unknown device {names[0]!r} (VulkanN as --list-devices shows, or none)")
+    return m[1]
+
+
+def _dir(text: str) -> Path:
+    path = Path(text)
+    if not path.is_dir():
+        raise FlagValueError(f"static assets path not found: {text}")
+    return path
+
+
+def _prefix(text: str) -> str:
+    prefix = text.rstrip("/")
+    if prefix and not prefix.startswith("/"):
+        raise FlagValueError(f"invalid value {text!r} (a path that starts with /)")
+    return prefix
+
+
 def _one(text: str) -> tuple[str, ...]:
     """A flag that appends (``_apply`` joins tuples): -r."""
     return (text,)
@@ -439,9 +466,10 @@ FLAGS: tuple[Flag, ...] = (
       conv=_choice("on", "auto", "off")),
     N("--numa", "no NUMA placement here", value="TYPE", env="LLAMA_ARG_NUMA",
       conv=_choice("distribute", "isolate", "numactl")),
-    R("-dev --device", "choosing the device is not supported: the first Vulkan device is used (--backend numpy: the CPU)",
-      value="<dev1,dev2,..>", env="LLAMA_ARG_DEVICE"),
-    R("--list-devices", "listing devices is not implemented (vulkaninfo --summary lists them)"),
+    W("-dev --device", "the device: VulkanN (the N-th of --list-devices), or none (the CPU: --backend numpy); "
+      "one device runs the whole model", value="<dev1,dev2,..>", env="LLAMA_ARG_DEVICE", dest="device",
+      conv=_device),
+    W("--list-devices", "print the Vulkan devices and exit", dest="_list_devices"),
     R("-ot --override-tensor", "tensor buffer overrides are not supported: " + _ONE_DEVICE,
       value="<pattern>=<type>,...", env="LLAMA_ARG_OVERRIDE_TENSOR"),
     N("-cmoe --cpu-moe", "no expert weights stay on the CPU: " + _ONE_DEVICE, env="LLAMA_ARG_CPU_MOE"),
@@ -616,7 +644,8 @@ FLAGS: tuple[Flag, ...] = (
     W("--port", "port to listen on (0: any free port, logged)", value="PORT", env="LLAMA_ARG_PORT", dest="port",
       conv=_int),
     N("--reuse-port", "the port is bound once", env="LLAMA_ARG_REUSE_PORT"),
-    R("--path", "serving static files is not supported", value="PATH", env="LLAMA_ARG_STATIC_PATH"),
+    W("--path", "serve the files of this directory (GET, / is its index.html) before the API routes",
+      value="PATH", env="LLAMA_ARG_STATIC_PATH", dest="static_path", conv=_dir),
     W("--cors-origins", "allowed origins, comma-separated: * echoes any Origin; localhost only a loopback one",
       value="ORIGINS", env="LLAMA_ARG_CORS_ORIGINS", dest="cors_origins"),
     W("--cors-methods", "Access-Control-Allow-Methods of a preflight", value="METHODS", env="LLAMA_ARG_CORS_METHODS",
@@ -625,7 +654,8 @@ FLAGS: tuple[Flag, ...] = (
       dest="cors_headers"),
     W("--cors-credentials", "Access-Control-Allow-Credentials: true", neg="--no-cors-credentials",
       env="LLAMA_ARG_CORS_CREDENTIALS", dest="cors_credentials"),
-    R("--api-prefix", "serving under a path prefix is not supported", value="PREFIX", env="LLAMA_ARG_API_PREFIX"),
+    W("--api-prefix", "serve every route under this path prefix (no trailing slash)", value="PREFIX",
+      env="LLAMA_ARG_API_PREFIX", dest="api_prefix", conv=_prefix),
     N("--ui-config --webui-config", "there is no web UI", value="JSON", env="LLAMA_ARG_UI_CONFIG"),
     N("--ui-config-file --webui-config-file", "there is no web UI", value="PATH", env="LLAMA_ARG_UI_CONFIG_FILE"),
     N("--ui-mcp-proxy --webui-mcp-proxy", "there is no web UI", neg="--no-ui-mcp-proxy --no-webui-mcp-proxy",
@@ -1004,6 +1034,10 @@ def to_config(parsed: Parsed, environ: Mapping[str, str] | None = None) -> Any:
     base = parsed.values.get("_dry_base")
     if base is not None and base >= 1.0:  # llama-server ignores a base below 1
         values["dry_base"] = base
+    if values.get("device") == "none":  # llama.cpp's -dev none: nothing offloaded
+        if values.get("backend", "auto") == "vulkan":
+            raise UsageError("-dev none: the CPU runs the model, which --backend vulkan does not")
+        values["backend"], values["device"] = "numpy", None
     if parsed.values.get("_reranking"):  # llama-server: --reranking is --embeddings --pooling rank
         values["embeddings"] = True
         values["pooling"] = "rank"

@@ -354,6 +354,30 @@ def choose(candidates: list[tuple[int, str, int]], selector: str | None) -> int:
     return min(candidates, key=lambda c: (_TYPE_RANK.get(c[2], 9), c[0]))[0]
 
 
+def list_devices() -> list[tuple[int, str, str, int]]:
+    """Every Vulkan device the loader sees: (index, name, type, largest device-local
+    heap in bytes), in enumeration order (``-dev VulkanN`` names index N). An instance
+    is made and destroyed; no logical device. ``BackendUnavailable`` without a driver."""
+    vk = vk_module()
+    app = vk.VkApplicationInfo(pApplicationName="trio-llm", applicationVersion=1, pEngineName="trio-llm",
+                               engineVersion=1, apiVersion=vk.VK_MAKE_VERSION(1, 2, 0))
+    try:
+        instance = vk.vkCreateInstance(vk.VkInstanceCreateInfo(pApplicationInfo=app), None)
+    except (vk.VkErrorIncompatibleDriver, vk.VkErrorInitializationFailed) as exc:
+        raise BackendUnavailable(f"no usable Vulkan driver: {type(exc).__name__}") from exc
+    try:
+        out = []
+        for i, p in enumerate(vk.vkEnumeratePhysicalDevices(instance)):
+            props = vk.vkGetPhysicalDeviceProperties(p)
+            mem = vk.vkGetPhysicalDeviceMemoryProperties(p)
+            local = [int(mem.memoryHeaps[h].size) for h in range(mem.memoryHeapCount)
+                     if int(mem.memoryHeaps[h].flags) & 1]
+            out.append((i, _name(vk, props), _TYPE_NAME.get(int(props.deviceType), "other"), max(local, default=0)))
+        return out
+    finally:
+        vk.vkDestroyInstance(instance, None)
+
+
 def open_device(selector: str | None = None) -> Device:
     """Create an instance and a logical device on the best (or the selected) device.
 
