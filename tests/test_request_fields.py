@@ -175,3 +175,34 @@ async def test_api_prefix_and_static_files(start: Start, tmp_path: Path) -> None
             assert (await c.get(sneaky)).text != "no"
     with pytest.raises(UsageError, match="static assets path not found"):
         parse_config(["--path", str(tmp_path / "nope")], {})
+
+
+def test_cache_list_is_llamacpps(tmp_path: Path) -> None:
+    """-cl: the hub cache's models as REPO:TAG (first parts, quant-tagged names, no
+    sidecars), through the CLI with $LLAMA_CACHE."""
+    import os
+    import subprocess
+    import sys
+
+    def plant(repo: str, *names: str) -> None:
+        d = tmp_path / ("models--" + repo.replace("/", "--"))
+        (d / "refs").mkdir(parents=True)
+        (d / "refs" / "main").write_text("ab" * 20)
+        snap = d / "snapshots" / ("ab" * 20)
+        for n in names:
+            (snap / n).parent.mkdir(parents=True, exist_ok=True)
+            (snap / n).write_bytes(b"GGUF")
+
+    plant("unsloth/Qwen3.5-9B-GGUF", "Qwen3.5-9B-Q4_K_M.gguf", "Qwen3.5-9B-UD-Q4_K_XL.gguf", "mmproj-F16.gguf",
+          "BF16/Qwen3.5-9B-BF16-00001-of-00002.gguf", "BF16/Qwen3.5-9B-BF16-00002-of-00002.gguf", "README.md")
+    plant("ggml-org/gemma-3-4b-it-GGUF", "gemma-3-4b-it-Q8_0.gguf", "gemma-3-4b-it-q8_0.gguf", "notag.gguf")
+    r = subprocess.run([sys.executable, "-m", "trio_llm", "serve", "-cl"], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "LLAMA_CACHE": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "number of models in cache: 4",
+        "   1. ggml-org/gemma-3-4b-it-GGUF:Q8_0",
+        "   2. unsloth/Qwen3.5-9B-GGUF:BF16",
+        "   3. unsloth/Qwen3.5-9B-GGUF:Q4_K_M",
+        "   4. unsloth/Qwen3.5-9B-GGUF:Q4_K_XL",
+    ]

@@ -86,6 +86,12 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) 
         raise _Exit(flags.usage() if "_help" in parsed.values else f"trio-llm {__version__}")
     if "_list_devices" in parsed.values:
         raise _Exit(_device_list())
+    if "_cache_list" in parsed.values:
+        from trio_llm.model.hf_cache import cached_models
+
+        models = cached_models(environ)
+        raise _Exit("\n".join([f"number of models in cache: {len(models)}",
+                                *(f"{i:4d}. {m}" for i, m in enumerate(models, 1))]))
     config: ServerConfig = flags.to_config(parsed, environ)
     if (config.cache_type_k, config.cache_type_v) != ("f16", "f16") and not backend_takes_cache_types():
         which = "-ctk" if config.cache_type_k != "f16" else "-ctv"

@@ -119,6 +119,40 @@ def resolve(spec: str, hf_file: str | None = None, env: Mapping[str, str] | None
                           "nothing is downloaded: put the file there or use -m")
 
 
+_SPLIT_NAME = re.compile(r"^(.+)-(\d{5})-of-(\d{5})$", re.IGNORECASE)
+_TAG = re.compile(r"[-.]([A-Z0-9_]+)$", re.IGNORECASE)
+
+
+def cached_models(env: Mapping[str, str] | None = None) -> list[str]:
+    """``-cl/--cache-list``: the ``REPO:TAG`` of every model in the hub cache, as
+    llama.cpp's ``common_list_cached_models`` lists them: a GGUF file's first part
+    whose name ends in a quant tag (``-Q4_K_M.gguf``), sidecars (projectors, draft
+    heads) left out, each repository and tag once, repositories in name order."""
+    env = os.environ if env is None else env
+    hub = hub_cache_dir(env)
+    out: list[str] = []
+    if not hub.is_dir():
+        return out
+    for repo_dir in sorted(hub.glob("models--*--*")):
+        snap = _snapshot(repo_dir)
+        if snap is None:
+            continue
+        repo = repo_dir.name.removeprefix("models--").replace("--", "/", 1)
+        for f in sorted(str(p.relative_to(snap)) for p in snap.rglob("*.gguf") if p.is_file()):
+            prefix = f[: -len(".gguf")]
+            index = 1
+            m = _SPLIT_NAME.match(prefix)
+            if m is not None:
+                prefix, index = m.group(1), int(m.group(2))
+            tag = _TAG.search(prefix)
+            if index != 1 or tag is None or any(s in prefix for s in ("mmproj", *_SIDECARS[2:])):
+                continue
+            entry = f"{repo}:{tag.group(1).upper()}"
+            if entry not in out:
+                out.append(entry)
+    return out
+
+
 def _quant_bits(name: str) -> int | None:
     """The bit depth of a file name's trailing quant tag (``Q4_K_M`` 4, ``F16`` 16)."""
     stem = name.rsplit("/", 1)[-1].removesuffix(".gguf")

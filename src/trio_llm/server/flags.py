@@ -393,7 +393,8 @@ FLAGS: tuple[Flag, ...] = (
     # -- common ---------------------------------------------------------------------
     W("-h --help --usage", "print usage and exit", dest="_help"),
     W("--version", "print the version and exit", dest="_version"),
-    R("-cl --cache-list", "listing the model cache is not implemented (look in $LLAMA_CACHE)"),
+    W("-cl --cache-list", "print the models of the local Hugging Face cache (REPO:TAG, as -hf takes them) "
+      "and exit", dest="_cache_list"),
     R("--completion-bash", "no bash completion script is generated"),
     W("-t --threads", "CPU threads of the numpy backend's BLAS (the Vulkan backend computes on the device)",
       value="N", env="LLAMA_ARG_THREADS", dest="threads", conv=_int),
