@@ -206,3 +206,22 @@ def test_cache_list_is_llamacpps(tmp_path: Path) -> None:
         "   3. unsloth/Qwen3.5-9B-GGUF:Q4_K_M",
         "   4. unsloth/Qwen3.5-9B-GGUF:Q4_K_XL",
     ]
+
+
+async def test_special_writes_control_tokens(start: Start) -> None:
+    """-sp: a control token's text is in the answer, the end token's last, as
+    llama-server's --special (forced here by a logit bias)."""
+    from trio_llm.model.gguf import load_gguf
+    from trio_llm.model.tokenizer import Tokenizer
+
+    h = await start("-sp")
+    tok = Tokenizer.from_metadata(load_gguf(h.context.config.model).metadata)  # type: ignore[arg-type]
+    eog = min(tok.eog_ids)
+    body = {"prompt": "hi", "n_predict": 4, "temperature": 0, "logit_bias": [[eog, 100.0]]}
+    plain = await start()
+    async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
+        r = (await c.post("/completion", json=body)).json()
+    async with httpx.AsyncClient(base_url=plain.url, timeout=60) as c:
+        p = (await c.post("/completion", json=body)).json()
+    assert (r["stop_type"], p["stop_type"]) == ("eos", "eos")
+    assert r["content"] == tok.token_to_piece(eog).decode() and p["content"] == ""

@@ -119,6 +119,7 @@ class ServerConfig:
     offline: bool = False  # --offline: the downloads use the local file only
     device: str | None = None  # -dev VulkanN: the Vulkan device's index (None: the best one)
     api_prefix: str = ""  # --api-prefix: every route under this path
+    special: bool = False  # -sp: control tokens' text in the answers
     static_path: Path | None = None  # --path: static files served before the routes
     media_path: Path | None = None  # --media-path: where file:// image URLs are read (None: refused)
     presence_penalty: float = 0.0

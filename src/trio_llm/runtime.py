@@ -680,7 +680,7 @@ async def _run_loaded(
                     client, gate, tokenizer, queue.inbox(), assign_recv,
                     n_ctx=backend.n_ctx, n_batch=config.n_batch, grammars=grammars,
                     ctx_checkpoints=config.ctx_checkpoints, checkpoint_min_step=config.checkpoint_min_step,
-                    decode_steps=decode_steps_setting(),
+                    decode_steps=decode_steps_setting(), special=config.special,
                 )
                 await actors.start(queue.start_loop)
                 await actors.start(slots.start_loop)

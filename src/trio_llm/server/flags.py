@@ -609,7 +609,8 @@ FLAGS: tuple[Flag, ...] = (
       refuse=_not(False, "context shift is not implemented")),
     W("-r --reverse-prompt", "a default stop word (repeats add up): a request without stop words (or with "
       "only empty ones) stops on these, as llama-server", value="PROMPT", dest="reverse_prompt", conv=_one),
-    R("-sp --special", "control tokens are always left out of the text (printing them is not implemented)"),
+    W("-sp --special", "control tokens' text is part of the answer (the end-of-generation token's too)",
+      dest="special"),
     W("--warmup", "warm-up passes before the server reports ready", neg="--no-warmup", dest="warmup"),
     W("--spm-infill", "/infill puts the suffix before the prefix (SPM order), as llama-server", dest="spm_infill"),
     W("--pooling", "pooling of --embeddings (default: the file's pooling type, else none); rank: --reranking",

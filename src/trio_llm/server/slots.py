@@ -95,7 +95,7 @@ class Detokenizer(Protocol):
 
     def is_eog(self, token: int) -> bool: ...
 
-    def stream_decoder(self) -> TextStream: ...
+    def stream_decoder(self, *, skip_special: bool = True) -> TextStream: ...
 
 
 class SlotState(Enum):
@@ -355,6 +355,8 @@ class SlotsEngine:
     #: hand the backend the numbers of the decode call expected next, so that it can
     #: queue that submit while the host accepts this one's tokens (server/decode.py)
     look_ahead: bool = True
+    #: --special: control tokens' text is part of the answer (the end token's too)
+    special: bool = False
     _slots: list[Slot] = attrs.field(init=False)
     _released: list[SlotReleased] = attrs.field(init=False, factory=list)
     _order: int = 0
@@ -504,7 +506,7 @@ class SlotsEngine:
                 return
             self._order += 1
             try:
-                slot.begin(msg.task, self._tokenizer.stream_decoder(), now, self._order)
+                slot.begin(msg.task, self._tokenizer.stream_decoder(skip_special=not self.special), now, self._order)
                 self._n_prompt_cached += slot.n_cached
                 self._n_tokens_max = max(self._n_tokens_max, slot.n_prompt)
                 self._report_progress(slot, now)  # the first report: before any pass
@@ -920,6 +922,11 @@ class SlotsEngine:
         params = slot.task.params
         self._n_predicted += 1
         if self._tokenizer.is_eog(token):
+            if self.special and slot.text is not None:
+                # --special: the end token's text is the answer's last, as llama-server's
+                text = slot.scanner.feed(slot.text.feed(token))
+                if text and params.stream and not self._send(slot, TaskPartial(slot.task.id_task, token, text, prob)):
+                    return
             self._finish(slot, "eos", now)
             return
         slot.generated.append(token)
