@@ -35,6 +35,7 @@ from trio_llm.errors import (
 )
 from trio_llm.model import chat_output as CO
 from trio_llm.model.chat import normalize_messages
+from trio_llm.server import anthropic as AN
 from trio_llm.server import embeddings as EM
 from trio_llm.server import infill as IN
 from trio_llm.server import media as MD
@@ -59,7 +60,7 @@ log = logging.getLogger("trio_llm.http")
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 #: what an embedding server (``--embeddings``) does not serve: its graph has no logits
 GENERATION_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/v1/chat/completions",
-                              "/chat/completions", "/infill"})
+                              "/chat/completions", "/infill", "/v1/messages"})
 SLEEP_LEVELS = ("unload", "weights", "all")
 
 
@@ -925,6 +926,41 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             yield SSE_DONE
 
         return _stream(events())
+
+    @app.post("/v1/messages")
+    async def anthropic_messages() -> Response:
+        """Anthropic's Messages API: the body as the chat request it asks for, run as
+        one, the answer in Anthropic's shapes (server/anthropic.py)."""
+        e = eng()
+        body = await trio.to_thread.run_sync(AN.to_chat, await _body())
+        lim = limits()
+        fetched = await remote_images(body)
+
+        def parse(cancel: threading.Event) -> tuple[P.CompletionRequest, CO.OutputSpec]:  # as chat_completions'
+            prompt, spec, forced, images = chat_prompt(body, fetched)
+            thinks = spec.thinking_open or CO.THINK_CLOSE in (e.template.source or "")
+            return P.parse_chat(body, e.tokenizer, attrs.evolve(lim, cancel=cancel), prompt, forced, images,
+                                thinking=(thinks, spec.thinking_open)), spec
+
+        req, spec = await MD.run_sync_cancellable(parse)
+        await check_grammar(req.params.grammar)
+        if not req.params.stream:
+            final = (await _finals(e, req.choices(), open_requests))[0]
+            return _json(AN.message(final, CO.parse(final.content, spec)[0], id_=AN.message_id(), model=ctx.model_id))
+        out = AN.MessageStream(spec, AN.message_id(), ctx.model_id, len(req.prompt), dumps)
+        return _stream(out.events(_task_events(e, req.choices(), out.on_partial, out.on_final, open_requests)))
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens() -> Response:
+        body = await trio.to_thread.run_sync(AN.to_chat, await _body())
+        tok, lim = eng().tokenizer, limits()
+        fetched = await remote_images(body)
+
+        def count(cancel: threading.Event) -> int:
+            prompt, _, _, images = chat_prompt(body, fetched)
+            return AN.count_tokens(prompt, images, tok, attrs.evolve(lim, cancel=cancel))
+
+        return _json({"input_tokens": await MD.run_sync_cancellable(count)})
 
     return app
 
