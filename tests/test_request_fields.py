@@ -225,3 +225,31 @@ async def test_special_writes_control_tokens(start: Start) -> None:
         p = (await c.post("/completion", json=body)).json()
     assert (r["stop_type"], p["stop_type"]) == ("eos", "eos")
     assert r["content"] == tok.token_to_piece(eog).decode() and p["content"] == ""
+
+
+async def test_an_end_of_generation_token_counts_as_decoded(start: Start, tiny_model: Path) -> None:
+    """llama-server counts the end token in tokens_predicted, timings.predicted_n and
+    usage.completion_tokens: the same figures here (xllamacpp, the same request)."""
+    from llamacpp_ref import Reference
+    from trio_llm.model.gguf import load_gguf
+    from trio_llm.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_metadata(load_gguf(tiny_model).metadata)
+    first = next(iter(sorted(tok.eog_ids)))
+    plain = [i for i in range(tok.n_vocab) if not tok.is_special(i) and not tok.is_eog(i)]
+    body = {"prompt": plain[:5], "n_predict": 6, "temperature": 0, "cache_prompt": False,
+            "logit_bias": [[first, 100.0]]}
+    ref = Reference(tiny_model, n_ctx=128)
+    try:
+        theirs = ref._client.post("/completion", json=body).json()
+        theirs_oai = ref._client.post("/v1/completions", json={**body, "max_tokens": 6}).json()
+    finally:
+        ref.close()
+    h = await start()
+    async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
+        ours = (await c.post("/completion", json=body)).json()
+        ours_oai = (await c.post("/v1/completions", json={**body, "max_tokens": 6})).json()
+    assert ours["stop_type"] == theirs["stop_type"] == "eos"
+    assert ours["tokens_predicted"] == theirs["tokens_predicted"] == 1
+    assert ours["timings"]["predicted_n"] == theirs["timings"]["predicted_n"]
+    assert ours_oai["usage"]["completion_tokens"] == theirs_oai["usage"]["completion_tokens"] == 1

@@ -437,7 +437,7 @@ def message(final: TaskFinal, answer: CO.ChatAnswer, *, id_: str, model: str) ->
         "model": model,
         "stop_reason": reason,
         "stop_sequence": sequence,
-        "usage": usage(final.n_prompt, final.timings.cache_n, len(final.tokens)),
+        "usage": usage(final.n_prompt, final.timings.cache_n, final.timings.predicted_n),
     }
 
 
@@ -485,7 +485,7 @@ class MessageStream:
         reason, sequence = stop_reason(msg, self._calls)
         events.append(("message_delta", {"type": "message_delta",
                                          "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                         "usage": {"output_tokens": len(msg.tokens)}}))
+                                         "usage": {"output_tokens": msg.timings.predicted_n}}))
         events.append(("message_stop", {"type": "message_stop"}))
         return self._encode(events)
 

@@ -110,7 +110,7 @@ def native_final(
         "id_slot": final.id_slot,
         "stop": True,
         "model": model,
-        "tokens_predicted": len(final.tokens),
+        "tokens_predicted": final.timings.predicted_n,  # an end-of-generation token counts, as llama-server's
         "tokens_evaluated": final.n_prompt,
         "generation_settings": settings,
         "has_new_line": "\n" in final.content,
@@ -133,7 +133,7 @@ def usage(finals: Sequence[TaskFinal], n: int = 1) -> dict[str, Any]:
     once, every choice's tokens."""
     firsts = finals[::n]
     n_in = sum(f.n_prompt for f in firsts)
-    n_out = sum(len(f.tokens) for f in finals)
+    n_out = sum(f.timings.predicted_n for f in finals)  # an end-of-generation token counts, as llama-server's
     return {
         "prompt_tokens": n_in,
         "completion_tokens": n_out,

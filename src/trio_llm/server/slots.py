@@ -164,6 +164,8 @@ class Slot:
     #: n_indent / t_max_predict_ms: a newline was generated, and where the current line starts
     has_new_line: bool = False
     last_nl_pos: int = 0
+    #: the answer ended on an end-of-generation token: llama-server counts it as decoded
+    n_eog: int = 0
     t_start: float = 0.0
     t_prompt_done: float = 0.0
     started_order: int = 0
@@ -221,7 +223,7 @@ class Slot:
         self.n_prefix = min(n_prefix, keep)
         self.task, self.n_prompt, self.n_cached = task, len(prompt), keep
         self.generated, self.probs = [], []
-        self.has_new_line, self.last_nl_pos = False, 0
+        self.has_new_line, self.last_nl_pos, self.n_eog = False, 0, 0
         self.scanner = StopScanner(task.params.stop)
         self.text = text
         self.rng = make_rng(task.params.sampling.seed)
@@ -265,8 +267,8 @@ class Slot:
             prompt_n=(self.n_prompt if done else self.n_past) - self.n_cached,
             prompt_ms=1e3 * ((self.t_prompt_done if done else now) - self.t_start),
             cache_n=self.n_cached,
-            predicted_n=len(self.generated),
-            predicted_ms=1e3 * (now - self.t_prompt_done) if self.generated else 0.0,
+            predicted_n=len(self.generated) + self.n_eog,
+            predicted_ms=1e3 * (now - self.t_prompt_done) if self.generated or self.n_eog else 0.0,
         )
 
     def progress(self, now: float) -> TaskPartial:
@@ -922,6 +924,7 @@ class SlotsEngine:
         params = slot.task.params
         self._n_predicted += 1
         if self._tokenizer.is_eog(token):
+            slot.n_eog = 1
             if self.special and slot.text is not None:
                 # --special: the end token's text is the answer's last, as llama-server's
                 text = slot.scanner.feed(slot.text.feed(token))
