@@ -38,7 +38,7 @@ def test_short_names_are_never_bundled_or_prefix_matched() -> None:
 @pytest.mark.parametrize(
     ("args", "needle"),
     [(["-hf"], "-hf: expected a value"), (["-md", "draft.gguf"], "-md: speculative decoding"),
-     (["--samplers", "top_k;bogus"], "--samplers: "), (["--lora", "a.gguf"], "--lora: LoRA"),
+     (["--samplers", "top_k;bogus"], "--samplers: "), (["--lora-scaled", "a.gguf"], "--lora-scaled: invalid"),
      (["-ctk", "tk"], "-ctk: unsupported cache type 'tk'"), (["-ctk", "iq4_nl"], "-ctk iq4_nl: cache type"),
      (["--spec-type", "draft-mtp"], "--spec-type draft-mtp: speculative"), (["--prio", "7"], "--prio: invalid"),
      (["-fa", "maybe"], "-fa: invalid value 'maybe'"), (["--pooling", "max"], "--pooling: invalid value 'max'"),

@@ -120,6 +120,7 @@ class ServerConfig:
     device: str | None = None  # -dev VulkanN: the Vulkan device's index (None: the best one)
     api_prefix: str = ""  # --api-prefix: every route under this path
     special: bool = False  # -sp: control tokens' text in the answers
+    lora: tuple[tuple[str, float], ...] = ()  # --lora / --lora-scaled: (adapter file, scale)
     static_path: Path | None = None  # --path: static files served before the routes
     media_path: Path | None = None  # --media-path: where file:// image URLs are read (None: refused)
     presence_penalty: float = 0.0
@@ -275,6 +276,8 @@ class ServerConfig:
                 out[name] = getattr(self, name)
         if self.kv_overrides:
             out["kv"] = dict(self.kv_overrides)
+        if self.lora:
+            out["lora"] = list(self.lora)
         return out
 
     def slot_ctx(self, n_ctx_train: int) -> int:

@@ -90,6 +90,10 @@ class Graph:
     weights: dict[str, Tensor] = attrs.field(factory=dict)
     logits: Tensor | None = None
     output: Output = "logits"
+    #: LoRA deltas (``model/lora.py``): matrix name -> ((lora_a, lora_b, scale), ...), added
+    #: by ``linear``; ``lora_used`` says which ones a build reached
+    lora: Mapping[str, tuple[tuple[str, str, float], ...]] = attrs.field(factory=dict)
+    lora_used: set[str] = attrs.field(factory=set)
     _ids: int = 0
     _layer: int = -1
 
@@ -153,7 +157,14 @@ class Graph:
         self._check(w.kind == "weight" and len(w.shape) == 2, name, f"linear needs a weight matrix, got {w!r}")
         self._check(len(x.shape) == 2 and x.shape[1] == w.shape[1], name,
                 f"linear of {x!r} by {w!r}: input width {x.shape[-1]} != {w.shape[1]}")
-        return self._node("linear", (x, w), (x.shape[0], w.shape[0]), name)
+        out = self._node("linear", (x, w), (x.shape[0], w.shape[0]), name)
+        for i, (a, b, s) in enumerate(self.lora.get(w.name, ())):
+            # llama.cpp's build_lora_mm: W x + s B (A x), an adapter at a time
+            self.lora_used.add(w.name)
+            low = self._node("linear", (x, self.weight(a)), (x.shape[0], self.shapes[a][0]), f"{name}_lora{i}_a")
+            delta = self._node("linear", (low, self.weight(b)), out.shape, f"{name}_lora{i}_b")
+            out = self.add(out, self.scale(delta, s, f"{name}_lora{i}_scaled"), f"{name}_lora{i}")
+        return out
 
     def add(self, a: Tensor, b: Tensor, name: str) -> Tensor:
         """``a + b``, with ``b`` of ``a``'s shape or one row ``[n]`` (a bias) for every row."""

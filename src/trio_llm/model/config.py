@@ -77,6 +77,9 @@ class ModelConfig:
     # a rank head (llama.cpp's cls_out, a causal reranker such as Qwen3-Reranker):
     # ``cls.output.weight`` [n_cls_out, n_embd]; 0: none
     n_cls_out: int = 0
+    #: LoRA adapters' deltas (``model/lora.py``): (matrix, lora_a, lora_b, scale), each
+    #: ``scale * B (A x)`` added to that matrix's product
+    lora: tuple[tuple[str, str, str, float], ...] = ()
 
     def is_recurrent(self, il: int) -> bool:
         return bool(self.recurrent_layers) and self.recurrent_layers[il]

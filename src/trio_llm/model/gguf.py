@@ -77,6 +77,9 @@ class GGUFModel:
     #: the command line's settings over the file (``load_gguf``'s ``overrides``): a
     #: reload of the same file passes them again
     overrides: dict[str, Any] = attrs.field(factory=dict)
+    #: LoRA adapters (``model/lora.py``) whose tensors are among ``tensors``: they hold
+    #: their files' mappings
+    adapters: list[Any] = attrs.field(factory=list)
 
     def tensor(self, name: str) -> TensorInfo:
         try:
@@ -101,6 +104,7 @@ class GGUFModel:
         """
         self._map = None
         self.tensors = {}
+        self.adapters = []
 
 
 def load_gguf(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> GGUFModel:
@@ -114,8 +118,17 @@ def load_gguf(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None 
         metadata = _kv_overridden(path, metadata, overrides["kv"])
     config = _config_from(path, metadata, tensors, overrides or {})
     _check_tensors(path, config, tensors)
+    adapters: list[Any] = []
+    if overrides and overrides.get("lora"):  # --lora / --lora-scaled: their tensors join the model's
+        from trio_llm.model.lora import load_adapters
+
+        adapters, deltas = load_adapters(overrides["lora"], config.arch, tensors)
+        tensors = dict(tensors)
+        for adapter in adapters:
+            tensors.update(adapter.tensors)
+        config = attrs.evolve(config, lora=tuple((d.weight, d.a, d.b, d.scale) for d in deltas))
     return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors, map=data,
-                     overrides=dict(overrides or {}))
+                     overrides=dict(overrides or {}), adapters=adapters)
 
 
 def _kv_overridden(path: Path, md: dict[str, Any], kv: Mapping[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from trio_llm.errors import ModelLoadError, UnsupportedModelError
+from trio_llm.errors import GraphError, ModelLoadError, UnsupportedModelError
 from trio_llm.graph import Graph, Output
 from trio_llm.model.config import ModelConfig
 
@@ -107,9 +107,15 @@ def build_graph(cfg: ModelConfig, present: Mapping[str, tuple[int, ...]], output
     """The forward pass of ``cfg`` over the tensors a file has (``present``: name -> shape),
     ending in ``output``: logits, final-norm hidden states or rank scores. A rank graph
     of a file without a classifier is a ``GraphError`` naming the tensor."""
-    g = Graph(shapes=dict(present), output=output)
+    lora: dict[str, tuple[tuple[str, str, float], ...]] = {}
+    for weight, a, b, scale in cfg.lora:
+        lora[weight] = (*lora.get(weight, ()), (a, b, scale))
+    g = Graph(shapes=dict(present), output=output, lora=lora)
     architecture(cfg.arch).build(g, cfg)
     assert g.logits is not None, f"{cfg.arch}: the graph sets no logits"
+    missed = sorted(set(lora) - g.lora_used)
+    if missed:  # a matrix this model reads through another op than linear
+        raise GraphError(f"a LoRA on {missed[0]} is not supported for {cfg.arch} (it is not a plain product here)")
     return g
 
 

@@ -166,6 +166,19 @@ def _prefix(text: str) -> str:
     return prefix
 
 
+def _lora_scaled(text: str) -> tuple[tuple[str, float], ...]:
+    out = []
+    for item in text.split(","):
+        name, sep, scale = item.rpartition(":")
+        try:
+            out.append((name, float(scale)))
+        except ValueError:
+            sep = ""
+        if not sep or not name:
+            raise FlagValueError(f"invalid value {item!r} (FNAME:SCALE)")
+    return tuple(out)
+
+
 def _one(text: str) -> tuple[str, ...]:
     """A flag that appends (``_apply`` joins tuples): -r."""
     return (text,)
@@ -501,8 +514,10 @@ FLAGS: tuple[Flag, ...] = (
       "(types int, float, bool, str; a value of another type than the file's key is ignored with a warning, "
       "as llama.cpp); repeats add up", value="KEY=TYPE:VALUE,...", dest="kv_overrides", conv=_kv_override),
     N("--op-offload", "every operation runs on the device", neg="--no-op-offload"),
-    R("--lora", "LoRA adapters are not supported", value="FNAME"),
-    R("--lora-scaled", "LoRA adapters are not supported", value="FNAME:SCALE,..."),
+    W("--lora", "LoRA adapters at scale 1 (comma-separated; repeats add up)", value="FNAME", dest="lora",
+      conv=lambda t: tuple((f, 1.0) for f in t.split(",") if f)),
+    W("--lora-scaled", "LoRA adapters with their scales (repeats add up); the scales are fixed for the server's "
+      "life", value="FNAME:SCALE,...", dest="lora", conv=_lora_scaled),
     R("--control-vector", "control vectors are not supported", value="FNAME"),
     R("--control-vector-scaled", "control vectors are not supported", value="FNAME:SCALE,..."),
     R("--control-vector-layer-range", "control vectors are not supported", value="START END"),

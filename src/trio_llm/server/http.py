@@ -480,6 +480,20 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         await _body()
         return _json({"success": True})
 
+    @app.get("/lora-adapters")
+    async def lora_adapters() -> Response:
+        return _json([{"id": i, "path": path, "scale": scale} for i, (path, scale) in enumerate(ctx.config.lora)])
+
+    @app.post("/lora-adapters")
+    async def set_lora_adapters() -> Response:
+        """llama-server sets the adapters' scales here; this server's are fixed at start
+        (they are part of its graphs): the same scales succeed, others are a 400."""
+        body = await _body()
+        if P.lora_scales(body, ctx.config) != {i: s for i, (_, s) in enumerate(ctx.config.lora)}:
+            raise InvalidRequest("changing LoRA scales at runtime is not supported: they are fixed at start "
+                                 "(--lora-scaled)")
+        return _json({"success": True})
+
     @app.get("/slots")
     async def slots() -> Response:
         if not ctx.config.endpoint_slots:

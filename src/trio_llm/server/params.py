@@ -415,7 +415,7 @@ def reasoning_budget(body: Mapping[str, Any], tok: Encoder, config: ServerConfig
 
 def _task_params(body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_predict: int, n_probs: int,
                  grammar: str | None = None, chat: tuple[bool, bool] | None = None) -> TaskParams:
-    refuse_unbuilt(body)
+    refuse_unbuilt(body, limits.defaults)
     return TaskParams(
         grammar=grammar if grammar is not None else _request_grammar(body, limits.defaults),
         n_predict=n_predict,
@@ -444,12 +444,30 @@ def _response_fields(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(v)
 
 
-def refuse_unbuilt(body: Mapping[str, Any]) -> None:
+def lora_scales(value: Any, config: ServerConfig) -> dict[int, float]:
+    """llama-server's ``lora`` list (``[{"id", "scale"}]``) as every adapter's scale: an
+    adapter it leaves out has scale 0 (``construct_lora_list``)."""
+    if not isinstance(value, list) or not all(isinstance(e, dict) for e in value):
+        raise InvalidRequest("'lora' must be an array of objects with 'id' and 'scale' fields")
+    asked: dict[int, float] = {}
+    for e in value:
+        i, s = e.get("id", -1), e.get("scale", 0.0)
+        if isinstance(i, bool) or not isinstance(i, int) or isinstance(s, bool) or not isinstance(s, int | float):
+            raise InvalidRequest("'lora' entries need an integer 'id' and a number 'scale'")
+        if not 0 <= i < len(config.lora):
+            raise InvalidRequest(f"'lora': no adapter {i} (this server has {len(config.lora)})")
+        asked[i] = float(s)
+    return {i: asked.get(i, 0.0) for i in range(len(config.lora))}
+
+
+def refuse_unbuilt(body: Mapping[str, Any], config: ServerConfig) -> None:
     """llama-server's request fields that change the answer and are not built here: a
     400 naming them, never a 200 that ignored them."""
     lora = _get(body, "lora")
     if lora is not _MISSING and lora != []:
-        raise InvalidRequest("'lora': LoRA adapters are not supported")
+        if lora_scales(lora, config) != {i: s for i, (_, s) in enumerate(config.lora)}:
+            raise InvalidRequest("'lora': per-request adapter scales are not supported; this server's are "
+                                 + (", ".join(f"{i}: {s:g}" for i, (_, s) in enumerate(config.lora)) or "none"))
     if get_bool(body, "grammar_lazy", False):
         raise InvalidRequest("'grammar_lazy': lazy grammars (grammar_triggers) are not supported")
 

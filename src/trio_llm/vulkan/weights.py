@@ -44,6 +44,13 @@ TAIL_BYTES = 64 << 20
 MAX_GAP = 1 << 20  # tensors further apart than this start a new segment
 
 
+def _owner(a: np.ndarray) -> object:
+    """The object whose memory the array ``a`` views (the file's map, a buffer)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a.base if a.base is not None else a
+
+
 def _split_tail(groups: list[list]) -> None:
     """Make a small segment of the last group's trailing (else leading) tensors, at
     most ``TAIL_BYTES``, when the model is big enough for it to matter."""
@@ -130,7 +137,11 @@ class WeightStore:
         groups: list[list] = []
         for t in infos:
             addr = int(t.raw.ctypes.data)
-            if groups and (groups[-1][0].name in self.host_tensors) == (t.name in self.host_tensors):
+            # a segment never spans two allocations (the file's map, a LoRA adapter's
+            # buffer): the memory between them may not be mapped, and an imported
+            # shadow takes the whole span
+            if (groups and (groups[-1][0].name in self.host_tensors) == (t.name in self.host_tensors)
+                    and _owner(groups[-1][-1].raw) is _owner(t.raw)):
                 g = groups[-1]
                 start = int(g[0].raw.ctypes.data) & ~(PAGE - 1)
                 prev_end = int(g[-1].raw.ctypes.data) + g[-1].n_bytes
