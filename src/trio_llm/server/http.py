@@ -41,6 +41,7 @@ from trio_llm.server import infill as IN
 from trio_llm.server import media as MD
 from trio_llm.server import params as P
 from trio_llm.server import responses as R
+from trio_llm.server import responses_api as RA
 from trio_llm.server import slot_file
 from trio_llm.server.context import Engine, ServerContext
 from trio_llm.server.metrics import CONTENT_TYPE, PROCESS_START_UNIX, render
@@ -60,7 +61,8 @@ log = logging.getLogger("trio_llm.http")
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 #: what an embedding server (``--embeddings``) does not serve: its graph has no logits
 GENERATION_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/v1/chat/completions",
-                              "/chat/completions", "/infill", "/v1/messages"})
+                              "/chat/completions", "/infill", "/v1/messages", "/v1/responses",
+                              "/responses"})
 SLEEP_LEVELS = ("unload", "weights", "all")
 
 
@@ -975,6 +977,51 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             return AN.count_tokens(prompt, images, tok, attrs.evolve(lim, cancel=cancel))
 
         return _json({"input_tokens": await MD.run_sync_cancellable(count)})
+
+    @app.post("/v1/responses")
+    @app.post("/responses")
+    async def responses_create() -> Response:
+        """OpenAI's Responses API: the body as the chat request it asks for, run as one,
+        the answer in the Responses shapes (server/responses_api.py)."""
+        e = eng()
+        body = await trio.to_thread.run_sync(RA.to_chat, await _body())
+        lim = limits()
+        fetched = await remote_images(body)
+
+        def parse(cancel: threading.Event) -> tuple[P.CompletionRequest, CO.OutputSpec]:  # as chat_completions'
+            prompt, spec, forced, images = chat_prompt(body, fetched)
+            thinks = spec.thinking_open or CO.THINK_CLOSE in (e.template.source or "")
+            return P.parse_chat(body, e.tokenizer, attrs.evolve(lim, cancel=cancel), prompt, forced, images,
+                                thinking=(thinks, spec.thinking_open)), spec
+
+        req, spec = await MD.run_sync_cancellable(parse)
+        await check_grammar(req.params.grammar)
+        if not req.params.stream:
+            final = (await _finals(e, req.choices(), open_requests))[0]
+            return _json(RA.response(final, CO.parse(final.content, spec)[0], id_=RA.response_id(), model=ctx.model_id))
+        out = RA.ResponseStream(spec, RA.response_id(), ctx.model_id, dumps)
+        return _stream(_task_events(e, req.choices(), out.on_partial, out.on_final, open_requests))
+
+    async def input_tokens(body: Any) -> Response:
+        """The rendered prompt's tokens of a chat request (llama-server's input_tokens)."""
+        tok, lim = eng().tokenizer, limits()
+        fetched = await remote_images(body)
+
+        def count(cancel: threading.Event) -> int:
+            prompt, _, _, images = chat_prompt(body, fetched)
+            return AN.count_tokens(prompt, images, tok, attrs.evolve(lim, cancel=cancel))
+
+        return _json(RA.input_tokens(await MD.run_sync_cancellable(count)))
+
+    @app.post("/v1/responses/input_tokens")
+    @app.post("/responses/input_tokens")
+    async def responses_input_tokens() -> Response:
+        return await input_tokens(await trio.to_thread.run_sync(RA.to_chat, await _body()))
+
+    @app.post("/v1/chat/completions/input_tokens")
+    @app.post("/chat/completions/input_tokens")
+    async def chat_input_tokens() -> Response:
+        return await input_tokens(await _body())
 
     return app
 
