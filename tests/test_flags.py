@@ -44,7 +44,7 @@ def test_short_names_are_never_bundled_or_prefix_matched() -> None:
      (["-fa", "maybe"], "-fa: invalid value 'maybe'"), (["--pooling", "max"], "--pooling: invalid value 'max'"),
      (["--chat-template", "no-such-name"], "--chat-template: 'no-such-name' is neither"),
      (["--chat-template-kwargs", "[1]"], "must be a JSON object"), (["--dry-penalty-last-n", "-1"], "--dry-penalty-last-n: invalid"),
-     (["--context-shift"], "--context-shift: context shift"), (["--warmup=1"], "takes no value")],
+     (["--keep", "x"], "--keep: invalid"), (["--warmup=1"], "takes no value")],
 )
 def test_a_refusal_is_one_line_naming_the_flag(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert needle in one_line_exit(args, capsys)

@@ -121,6 +121,8 @@ class ServerConfig:
     api_prefix: str = ""  # --api-prefix: every route under this path
     special: bool = False  # -sp: control tokens' text in the answers
     lora: tuple[tuple[str, float], ...] = ()  # --lora / --lora-scaled: (adapter file, scale)
+    ctx_shift: bool = False  # --context-shift: a full context drops tokens instead of ending the answer
+    n_keep: int = 0  # --keep: the prompt tokens a context shift keeps (-1: all)
     static_path: Path | None = None  # --path: static files served before the routes
     media_path: Path | None = None  # --media-path: where file:// image URLs are read (None: refused)
     presence_penalty: float = 0.0

@@ -64,6 +64,19 @@ log = logging.getLogger("trio_llm.serve")
 # flags
 
 
+def _ctx_shift(config: ServerConfig, backend: Any, projector: Any) -> bool:
+    """--context-shift where the model can take it (llama-server's words otherwise)."""
+    if not config.ctx_shift:
+        return False
+    if projector is not None:
+        log.warning("ctx_shift is not supported by multimodal, it will be disabled")
+        return False
+    if not getattr(backend, "can_shift", False):
+        log.warning("ctx_shift is not supported by this context, it will be disabled")
+        return False
+    return True
+
+
 def _device_list() -> str:
     """--list-devices, in llama.cpp's words: each Vulkan device as ``-dev`` names it."""
     lines = ["Available devices:"]
@@ -681,6 +694,7 @@ async def _run_loaded(
                     n_ctx=backend.n_ctx, n_batch=config.n_batch, grammars=grammars,
                     ctx_checkpoints=config.ctx_checkpoints, checkpoint_min_step=config.checkpoint_min_step,
                     decode_steps=decode_steps_setting(), special=config.special,
+                    ctx_shift=_ctx_shift(config, backend, loaded.projector), add_bos=tokenizer.add_bos,
                 )
                 await actors.start(queue.start_loop)
                 await actors.start(slots.start_loop)

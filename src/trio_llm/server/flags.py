@@ -433,7 +433,8 @@ FLAGS: tuple[Flag, ...] = (
       "512; the Vulkan backend takes up to 4096 a pass, rounded up to a power of two, and runs a larger batch as "
       "several passes; /props device.max_chunk)",
       value="N", env="LLAMA_ARG_UBATCH", dest="ubatch_size", conv=_int),
-    N("--keep", "tokens kept by a context shift; there is no context shift here", value="N", conv=_int),
+    W("--keep", "the prompt tokens a context shift keeps (-1: all); a request's n_keep over it", value="N",
+      dest="n_keep", conv=_int),
     N("--swa-full", "the KV cache is always full-size", env="LLAMA_ARG_SWA_FULL"),
     W("-fa --flash-attn", "validated and shown in /props; one attention path exists (the fused one), used for all three",
       value="[on|off|auto]", env="LLAMA_ARG_FLASH_ATTN", dest="flash_attn", conv=_on_off_auto),
@@ -619,9 +620,10 @@ FLAGS: tuple[Flag, ...] = (
       env="LLAMA_ARG_KV_UNIFIED"),
     N("--cache-idle-slots", "no host-RAM prompt cache", neg="--no-cache-idle-slots",
       env="LLAMA_ARG_CACHE_IDLE_SLOTS"),
-    N("--context-shift", "no context shift: a full context ends the generation (stop_type limit); "
-      "--context-shift is refused", neg="--no-context-shift", env="LLAMA_ARG_CONTEXT_SHIFT",
-      refuse=_not(False, "context shift is not implemented")),
+    W("--context-shift", "a full context drops tokens after n_keep (half of the rest, or n_discard) and the "
+      "answer goes on (KV shifting; off by default, as llama-server; not for sliding-window, recurrent or "
+      "latent caches, nor with images)", neg="--no-context-shift", env="LLAMA_ARG_CONTEXT_SHIFT",
+      dest="ctx_shift"),
     W("-r --reverse-prompt", "a default stop word (repeats add up): a request without stop words (or with "
       "only empty ones) stops on these, as llama-server", value="PROMPT", dest="reverse_prompt", conv=_one),
     W("-sp --special", "control tokens' text is part of the answer (the end-of-generation token's too)",

@@ -114,7 +114,7 @@ def native_final(
         "tokens_evaluated": final.n_prompt,
         "generation_settings": settings,
         "has_new_line": "\n" in final.content,
-        "truncated": False,
+        "truncated": final.truncated,
         "stop_type": final.stop_type,
         "stopping_word": final.stopping_word,
         "tokens_cached": final.n_cached_end,

@@ -166,6 +166,7 @@ class Slot:
     last_nl_pos: int = 0
     #: the answer ended on an end-of-generation token: llama-server counts it as decoded
     n_eog: int = 0
+    truncated: bool = False  # a context shift dropped tokens of this task's sequence
     t_start: float = 0.0
     t_prompt_done: float = 0.0
     started_order: int = 0
@@ -223,7 +224,7 @@ class Slot:
         self.n_prefix = min(n_prefix, keep)
         self.task, self.n_prompt, self.n_cached = task, len(prompt), keep
         self.generated, self.probs = [], []
-        self.has_new_line, self.last_nl_pos, self.n_eog = False, 0, 0
+        self.has_new_line, self.last_nl_pos, self.n_eog, self.truncated = False, 0, 0, False
         self.scanner = StopScanner(task.params.stop)
         self.text = text
         self.rng = make_rng(task.params.sampling.seed)
@@ -297,6 +298,7 @@ class Slot:
             probs=tuple(self.probs),
             text_tail=tail,
             n_cached_end=self.n_past,
+            truncated=self.truncated,
         )
         return final
 
@@ -359,6 +361,9 @@ class SlotsEngine:
     look_ahead: bool = True
     #: --special: control tokens' text is part of the answer (the end token's too)
     special: bool = False
+    #: --context-shift (``_context_shift``), and whether prompts begin with a BOS it keeps
+    ctx_shift: bool = False
+    add_bos: bool = False
     _slots: list[Slot] = attrs.field(init=False)
     _released: list[SlotReleased] = attrs.field(init=False, factory=list)
     _order: int = 0
@@ -776,7 +781,7 @@ class SlotsEngine:
             if slot.shifts and slot.task is not None:
                 moves, slot.shifts = slot.shifts, ()
                 await self._client.shift_kv(slot.id, moves)
-                log.info("slot %d: reused %d cached tokens by KV shifting (%d chunks)", slot.id,
+                log.info("slot %d: moved %d cached tokens by KV shifting (%d chunks)", slot.id,
                          sum(m.n for m in moves), len(moves))
 
     async def _restore_checkpoints(self, plan: list[Work]) -> None:
@@ -953,10 +958,40 @@ class SlotsEngine:
             self._finish(slot, "limit", now)
         elif params.n_predict >= 0 and len(slot.generated) >= params.n_predict:
             self._finish(slot, "limit", now)
+        elif len(slot.seq) + 1 >= slot.n_ctx and self._context_shift(slot):
+            slot.seq.append(token)  # llama-server shifts when one position is left
         elif len(slot.seq) >= slot.n_ctx:
             self._finish(slot, "limit", now)  # no position left to feed the token back
         else:
             slot.seq.append(token)
+
+    def _context_shift(self, slot: Slot) -> bool:
+        """--context-shift, as llama-server's: the sequence keeps its first ``n_keep``
+        prompt tokens (and a BOS), drops ``n_discard`` after them (half of the rest when
+        0), and the rest moves down (KV shifting, made before the next pass), so the
+        answer goes on. False where it cannot: off, a cache that cannot shift, images."""
+        assert slot.task is not None
+        params = slot.task.params
+        if not self.ctx_shift or not slot.can_shift or params.media:
+            return False
+        n_keep = len(slot.task.prompt) if params.n_keep < 0 else params.n_keep
+        if self.add_bos:
+            n_keep += 1
+        n_keep = min(slot.n_ctx - 4, n_keep)
+        n_left = slot.n_past - n_keep
+        n_discard = params.n_discard or n_left // 2
+        n_discard = max(0, min(n_discard, n_left - 1))
+        if n_discard <= 0:
+            return False
+        log.warning("slot %d: context shift, n_keep = %d, n_left = %d, n_discard = %d", slot.id, n_keep, n_left,
+                    n_discard)
+        moved = slot.n_past - (n_keep + n_discard)
+        slot.shifts = (*slot.shifts, Move(n_keep + n_discard, n_keep, moved))
+        slot.n_prefix = n_keep  # what stays valid should the moves never be made
+        slot.seq = slot.seq[:n_keep] + slot.seq[n_keep + n_discard:]
+        slot.n_past -= n_discard
+        slot.truncated = True
+        return True
 
     def _fim_limits(self, slot: Slot, piece: str, now: float) -> bool:
         """llama-server's limits for code completion, after a token's text ``piece``:

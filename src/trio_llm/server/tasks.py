@@ -54,6 +54,10 @@ class TaskParams:
     t_max_predict_ms: int = -1
     #: /completion: only these fields of the final answer ("a/b": a nested one, keyed so)
     response_fields: tuple[str, ...] = ()
+    #: --context-shift: the prompt tokens kept at the front (-1: all of them; a BOS is
+    #: kept besides), and how many after them go (0: half of the rest)
+    n_keep: int = 0
+    n_discard: int = 0
     #: the prompt's images: media id (the negative number at each of an image's
     #: positions) -> its embedding rows [n, n_embd] (``server/media.py``)
     media: Mapping[int, np.ndarray] = attrs.field(factory=dict, eq=False, repr=False)
@@ -221,6 +225,7 @@ class TaskFinal:
     probs: tuple[TokenProb, ...]  # one per generated token when n_probs > 0
     text_tail: str  # text not yet sent as partials (for streaming clients)
     n_cached_end: int  # tokens the slot's cache holds afterwards (llama-server's tokens_cached)
+    truncated: bool = False  # a context shift dropped part of the sequence (--context-shift)
 
 
 @attrs.frozen
