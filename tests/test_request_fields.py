@@ -253,3 +253,15 @@ async def test_an_end_of_generation_token_counts_as_decoded(start: Start, tiny_m
     assert ours["tokens_predicted"] == theirs["tokens_predicted"] == 1
     assert ours["timings"]["predicted_n"] == theirs["timings"]["predicted_n"]
     assert ours_oai["usage"]["completion_tokens"] == theirs_oai["usage"]["completion_tokens"] == 1
+
+
+async def test_developer_messages_are_system_ones(start: Start) -> None:
+    """llama.cpp renders a "developer" message as "system" (every template but GPT-OSS's),
+    which OpenAI's newer clients (Codex) send."""
+    h = await start()
+    async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
+        dev = (await c.post("/apply-template", json={"messages": [{"role": "developer", "content": "Be brief."},
+                                                                  {"role": "user", "content": "hi"}]})).json()
+        sys_ = (await c.post("/apply-template", json={"messages": [{"role": "system", "content": "Be brief."},
+                                                                   {"role": "user", "content": "hi"}]})).json()
+    assert dev["prompt"] == sys_["prompt"] and "Be brief." in dev["prompt"]

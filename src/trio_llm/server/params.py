@@ -707,6 +707,9 @@ def chat_inputs(body: Any, config: ServerConfig, template_source: str | None) ->
     are described in a system message (llama.cpp's generic format)."""
     body = _require_object(body)
     messages = _template_messages(messages_of(body))
+    if "<|channel|>" not in (template_source or ""):
+        # llama.cpp's workaround: "developer" is "system" for every template but GPT-OSS's
+        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     kwargs = template_kwargs(body, config)
     tools = _tools(body)
     choice, named = _tool_choice(body, tools)
