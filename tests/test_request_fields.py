@@ -265,3 +265,24 @@ async def test_developer_messages_are_system_ones(start: Start) -> None:
         sys_ = (await c.post("/apply-template", json={"messages": [{"role": "system", "content": "Be brief."},
                                                                    {"role": "user", "content": "hi"}]})).json()
     assert dev["prompt"] == sys_["prompt"] and "Be brief." in dev["prompt"]
+
+
+def test_completion_bash_completes_flags_and_files(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = subprocess.run([sys.executable, "-m", "trio_llm", "serve", "--completion-bash"], capture_output=True,
+                            text=True, timeout=60, check=True).stdout
+    (tmp_path / "a.gguf").write_bytes(b"")
+    (tmp_path / "b.txt").write_bytes(b"")
+    (tmp_path / "c.sh").write_text(script)
+
+    def complete(*words: str) -> list[str]:
+        cmd = (f"source c.sh; COMP_WORDS=({' '.join(words)}); COMP_CWORD={len(words) - 1}; "
+               "_trio_llm_completions; printf '%s\\n' \"${COMPREPLY[@]}\"")
+        return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=tmp_path,
+                              check=True).stdout.split()
+
+    assert set(complete("trio-llm", "--mirostat")) == {"--mirostat", "--mirostat-lr", "--mirostat-ent"}
+    assert "--lora-init-without-apply" not in complete("trio-llm", "--lora")  # refused flags are not offered
+    assert complete("trio-llm", "-m", "") == ["a.gguf"]

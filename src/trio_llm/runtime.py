@@ -99,6 +99,8 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) 
         raise _Exit(flags.usage() if "_help" in parsed.values else f"trio-llm {__version__}")
     if "_list_devices" in parsed.values:
         raise _Exit(_device_list())
+    if "_completion_bash" in parsed.values:
+        raise _Exit(flags.completion_bash().rstrip("\n"))
     if "_cache_list" in parsed.values:
         from trio_llm.model.hf_cache import cached_models
 

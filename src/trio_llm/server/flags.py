@@ -408,7 +408,8 @@ FLAGS: tuple[Flag, ...] = (
     W("--version", "print the version and exit", dest="_version"),
     W("-cl --cache-list", "print the models of the local Hugging Face cache (REPO:TAG, as -hf takes them) "
       "and exit", dest="_cache_list"),
-    R("--completion-bash", "no bash completion script is generated"),
+    W("--completion-bash", "print a bash completion script for trio-llm serve (and llama-server) and exit",
+      dest="_completion_bash"),
     W("-t --threads", "CPU threads of the numpy backend's BLAS (the Vulkan backend computes on the device)",
       value="N", env="LLAMA_ARG_THREADS", dest="threads", conv=_int),
     N("-tb --threads-batch", "one thread count serves prompt and generation here (-t)", value="N", conv=_int),
@@ -988,6 +989,21 @@ def counts() -> dict[Kind, int]:
         if flag.names[0] not in OWN:
             out[flag.kind] += 1
     return out
+
+
+def completion_bash() -> str:
+    """``--completion-bash``: a script that completes every flag that is not refused, and
+    files by kind after -m / --grammar-file / --chat-template-file (llama.cpp's)."""
+    names = " ".join(n for f in FLAGS if f.kind != "refused" for n in (*f.names, *f.neg))
+    files = [("--model|-m|--mmproj|-mm|--lora|--lora-scaled", "*.gguf"), ("--grammar-file", "*.gbnf"),
+             ("--chat-template-file", "*.jinja")]
+    cases = "".join(f"        {flags})\n            COMPREPLY=( $(compgen -f -X '!{pattern}' -- \"$cur\") "
+                    f"$(compgen -d -- \"$cur\") )\n            return 0\n            ;;\n" for flags, pattern in files)
+    return ("_trio_llm_completions() {\n    local cur prev opts\n    COMPREPLY=()\n"
+            "    cur=\"${COMP_WORDS[COMP_CWORD]}\"\n    prev=\"${COMP_WORDS[COMP_CWORD-1]}\"\n"
+            f"    opts=\"{names}\"\n    case \"$prev\" in\n{cases}"
+            "        *)\n            COMPREPLY=( $(compgen -W \"${opts}\" -- \"$cur\") )\n            return 0\n"
+            "            ;;\n    esac\n}\n\ncomplete -F _trio_llm_completions trio-llm llama-server\n")
 
 
 def markdown_table() -> str:
