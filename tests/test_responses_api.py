@@ -226,9 +226,13 @@ def test_stream_of_reasoning_text_and_a_call() -> None:
         {"id": rs, "summary": [], "type": "reasoning", "content": [], "encrypted_content": "", "status": "in_progress"},
         {"content": [], "id": msg, "role": "assistant", "status": "in_progress", "type": "message"},
         {"id": fc, "arguments": "", "call_id": call.id, "name": "f", "type": "function_call", "status": "in_progress"}]
-    assert events[10][1] == {"type": "response.function_call_arguments.delta", "delta": '{"a": 1}', "item_id": fc}
+    assert events[10][1] == {"type": "response.function_call_arguments.delta", "delta": '{"a": 1}', "item_id": fc,
+                             "output_index": 2, "sequence_number": 10}
+    # OpenAI's indices (llama-server sends none): every event numbered, each item's place
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    assert [d.get("output_index") for _, d in events[2:-1]] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 0, 1, 1, 1, 2]
     done = events[-1][1]
-    assert list(done) == ["type", "response", "timings"]
+    assert list(done) == ["type", "response", "timings", "sequence_number"]
     assert list(done["response"]) == ["id", "object", "created_at", "status", "model", "output", "usage"]
     assert done["response"]["usage"] == {"input_tokens": 20, "output_tokens": len(pieces),
                                          "total_tokens": 20 + len(pieces), "input_tokens_details": {"cached_tokens": 12}}
@@ -311,6 +315,11 @@ async def test_text_streamed_and_not_through_the_openai_client(start: Start, tin
                      "response.output_text.done", "response.content_part.done", "response.output_item.done",
                      "response.incomplete"]
     assert _streamed_text(got) == r.output_text and "timings" in got[-1][1]
+    assert [d["sequence_number"] for _, d in got] == list(range(len(got)))
+    assert all(d["output_index"] == 0 for _, d in got[2:-1])  # the one message item
+    # the OpenAI SDK's stream helper (it reads those indices)
+    async with oc.responses.stream(**kw) as stream:
+        assert "".join([e.delta async for e in stream if e.type == "response.output_text.delta"]) == r.output_text
     usage = got[-1][1]["response"]["usage"]
     assert usage["input_tokens_details"]["cached_tokens"] > 0  # the same prompt again: read from the slot's cache
     await oc.close()
@@ -496,7 +505,9 @@ def _blank(obj: Any) -> Any:
     and the status of an answer cut at max_output_tokens (here "incomplete", as OpenAI's
     API says; llama-server says "completed")."""
     if isinstance(obj, dict):
-        out = {k: _blank(v) for k, v in obj.items() if k not in ("timings", "incomplete_details")}
+        # and OpenAI's stream indices, which llama-server does not send
+        out = {k: _blank(v) for k, v in obj.items()
+               if k not in ("timings", "incomplete_details", "sequence_number", "output_index", "content_index")}
         for key in ("id", "item_id", "created_at", "completed_at", "model"):
             if key in out:
                 out[key] = ""

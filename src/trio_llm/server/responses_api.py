@@ -55,7 +55,8 @@ The answer, as llama-server's: ``{"completed_at", "created_at", "id": "resp_..."
 ``function_call`` (``id`` ``fc_...``, ``call_id``, ``name``, ``arguments`` as JSON
 text), usage ``input_tokens`` (the cached ones among them in ``input_tokens_details``),
 ``output_tokens``, ``total_tokens``. Events of a stream, llama-server's names, fields and
-order (no ``sequence_number``, no ``output_index``): ``response.created`` and
+order, plus OpenAI's ``sequence_number``, ``output_index`` and ``content_index`` (which
+llama-server leaves out; the OpenAI SDK's ``responses.stream()`` needs them): ``response.created`` and
 ``response.in_progress`` with the first token, for each item ``response.output_item.added``
 then its deltas (``response.reasoning_text.delta``; ``response.content_part.added`` and
 ``response.output_text.delta``; ``response.function_call_arguments.delta``, a call's
@@ -459,6 +460,10 @@ class ResponseStream:
     _message_id: str = attrs.field(factory=lambda: new_id("msg_"))
     _reasoning: str | None = None  # None: no reasoning item opened yet
     _content: str | None = None  # None: no message item opened yet
+    #: OpenAI's stream fields llama-server leaves out (the OpenAI SDK's responses.stream()
+    #: needs them): every event's sequence_number, an item's output_index by its id
+    _sequence: int = 0
+    _index: dict[str, int] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self._reader = CO.StreamDeltas(self.spec)
@@ -566,4 +571,18 @@ class ResponseStream:
         return events
 
     def _encode(self, events: list[Event]) -> list[bytes]:
-        return [b"event: " + name.encode() + b"\ndata: " + self.dumps(data) + b"\n\n" for name, data in events]
+        out = []
+        for name, data in events:
+            item = data.get("item")
+            key = item.get("id") if isinstance(item, dict) else data.get("item_id")
+            if isinstance(key, str):
+                if name == "response.output_item.added":
+                    self._index.setdefault(key, len(self._index))
+                if key in self._index:
+                    data["output_index"] = self._index[key]
+                if "part" in data or name.startswith(("response.output_text.", "response.reasoning_text.")):
+                    data["content_index"] = 0
+            data["sequence_number"] = self._sequence
+            self._sequence += 1
+            out.append(b"event: " + name.encode() + b"\ndata: " + self.dumps(data) + b"\n\n")
+        return out
