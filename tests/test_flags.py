@@ -187,6 +187,11 @@ def test_hf_resolves_the_flat_layout(tmp_path: Path) -> None:
     (home / ".cache" / "llama.cpp").mkdir(parents=True)
     (home / ".cache" / "llama.cpp" / "a_b_b-Q8_0.gguf").write_bytes(b"m")
     assert resolve("a/b:Q8_0", env={"HOME": str(home)}) == home / ".cache" / "llama.cpp" / "a_b_b-Q8_0.gguf"
+    # $XDG_CACHE_HOME/llama.cpp before ~/.cache/llama.cpp, as llama.cpp's fs_get_cache_directory
+    xdg = tmp_path / "xdg"
+    (xdg / "llama.cpp").mkdir(parents=True)
+    (xdg / "llama.cpp" / "a_b_b-Q8_0.gguf").write_bytes(b"m")
+    assert resolve("a/b:Q8_0", env={"HOME": str(home), "XDG_CACHE_HOME": str(xdg)}) == xdg / "llama.cpp" / "a_b_b-Q8_0.gguf"
 
 
 def test_hf_not_cached_is_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str],

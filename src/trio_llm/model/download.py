@@ -102,15 +102,11 @@ def masked_url(url: str) -> str:
 
 
 def cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    """llama.cpp's ``fs_get_cache_directory`` on Linux: ``$LLAMA_CACHE``, else
-    ``$XDG_CACHE_HOME/llama.cpp``, else ``~/.cache/llama.cpp``. (``hf_cache``'s
-    ``flat_cache_dir`` skips ``XDG_CACHE_HOME``, which URL downloads honour.)"""
-    env = os.environ if env is None else env
-    if env.get("LLAMA_CACHE"):
-        return Path(env["LLAMA_CACHE"])
-    if env.get("XDG_CACHE_HOME"):
-        return Path(env["XDG_CACHE_HOME"]) / "llama.cpp"
-    return Path(env.get("HOME") or Path.home()) / ".cache" / "llama.cpp"
+    """llama.cpp's cache directory (``hf_cache.flat_cache_dir``): where a URL's file goes
+    without a path of its own."""
+    from trio_llm.model.hf_cache import flat_cache_dir
+
+    return flat_cache_dir(os.environ if env is None else env)
 
 
 def default_path(url: str, cache: Path) -> Path:

@@ -42,8 +42,12 @@ def hub_cache_dir(env: Mapping[str, str]) -> Path:
 
 
 def flat_cache_dir(env: Mapping[str, str]) -> Path:
+    """llama.cpp's ``fs_get_cache_directory`` on Linux: ``$LLAMA_CACHE``, else
+    ``$XDG_CACHE_HOME/llama.cpp``, else ``~/.cache/llama.cpp``."""
     if env.get("LLAMA_CACHE"):
         return Path(env["LLAMA_CACHE"])
+    if env.get("XDG_CACHE_HOME"):
+        return Path(env["XDG_CACHE_HOME"]) / "llama.cpp"
     return Path(env.get("HOME") or Path.home()) / ".cache" / "llama.cpp"
 
 
