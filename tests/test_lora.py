@@ -167,3 +167,26 @@ async def test_the_server_flags_endpoints_and_request_field(tmp_path: Path, nurs
     assert listed == [{"id": 0, "path": str(adapter), "scale": 0.7}]
     assert [(e["id"], e["path"], e["scale"]) for e in their_list] == [(0, str(adapter), pytest.approx(0.7))]
     assert post_same.json() == {"success": True} and post_other.status_code == 400
+
+
+@pytest.mark.parametrize("kind", ["numpy", pytest.param("vulkan", marks=pytest.mark.vulkan)])
+def test_adapters_survive_a_release(tmp_path: Path, kind: str) -> None:
+    """A release of everything (``--sleep-mode all``) and the restore keep the deltas:
+    the numpy backend reloads the file with its adapters, Vulkan restores their segments
+    from the shadows."""
+    from trio_llm.engine.backend import Level, SeqBatch
+
+    model = make_model("tiny", "F32", tmp_path / "m.gguf", sharp=True)
+    adapter = write_adapter(tmp_path / "a.gguf", model, WEIGHTS, seed=1)
+    backend = _backend(kind, load_gguf(model, {"lora": [(str(adapter), 0.7)]}))
+    plain = _backend(kind, load_gguf(model))
+    tokens = np.arange(9, dtype=np.int32) * 37 % 500 + 3
+    try:
+        before = backend.forward([SeqBatch(0, tokens, 0)])
+        assert not np.allclose(before, plain.forward([SeqBatch(0, tokens, 0)]), atol=1e-3)
+        backend.release(Level.ALL)
+        backend.restore()
+        np.testing.assert_allclose(backend.forward([SeqBatch(0, tokens, 0)]), before, rtol=1e-5, atol=1e-5)
+    finally:
+        backend.close()
+        plain.close()

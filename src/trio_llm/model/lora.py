@@ -75,7 +75,9 @@ def _padded(pairs: list[tuple[str, Any, int, int]]) -> dict[str, Any]:
         offsets.append(pos)
         pos += -(-a.nbytes // 256) * 256
     page = 4096
-    block = np.zeros(pos + page, np.uint8)
+    # room for the page-aligned start and a whole last page: an imported shadow spans
+    # whole pages from the first tensor on, and must not reach past this allocation
+    block = np.zeros(-(-pos // page) * page + 2 * page, np.uint8)
     start = -int(block.ctypes.data) % page
     out: dict[str, Any] = {}
     for (name, _info, _rank, _axis), a, off in zip(pairs, arrays, offsets, strict=True):
