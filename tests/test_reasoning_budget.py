@@ -169,3 +169,60 @@ async def test_a_chat_budget_closes_the_thought(start: Start, sharp: Path, tmp_p
         assert abs(n_thought - n) <= 1, (thought, n)  # retokenizing a decoded text may merge a pair
         assert msg["content"] is not None
     assert unset["choices"][0]["message"] == r4["choices"][0]["message"]
+
+
+async def test_reasoning_control_ends_a_thought_at_runtime(start: Start, sharp: Path, tmp_path: Path) -> None:
+    """llama-server's reasoning_control and POST /v1/chat/completions/control: a live,
+    streamed completion that asked for it has its thought ended when asked (``</think>``
+    forced), and its answer goes on as content; the endpoint's refusals are
+    llama-server's."""
+    import json
+
+    template = tmp_path / "t.jinja"
+    template.write_text(THINKING)
+    tok = Tokenizer.from_metadata(load_gguf(sharp).metadata)
+    broken = []
+    for i in range(tok.n_vocab):
+        try:
+            tok.token_to_piece(i).decode("utf-8")
+        except UnicodeDecodeError:
+            broken.append([i, False])
+    h = await start(sharp, "--chat-template-file", str(template))
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 60, "temperature": 0,
+            "ignore_eos": True, "logit_bias": broken, "stream": True, "reasoning_control": True}
+    reasoning, content, cmpl_id = "", "", ""
+    async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            asked = False
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                cmpl_id = chunk["id"]
+                delta = chunk["choices"][0]["delta"] if chunk.get("choices") else {}
+                reasoning += delta.get("reasoning_content") or ""
+                content += delta.get("content") or ""
+                if reasoning and not asked:
+                    asked = True
+                    ok = (await c.post("/v1/chat/completions/control",
+                                       json={"id": cmpl_id, "action": "reasoning_end"})).json()
+                    assert ok == {"success": True}
+        gone = (await c.post("/v1/chat/completions/control", json={"id": cmpl_id, "action": "reasoning_end"})).json()
+        plain = await c.post("/v1/chat/completions", json={**body, "reasoning_control": False, "stream": False,
+                                                           "max_tokens": 4})
+        bad = [await c.post("/v1/chat/completions/control", json=b)
+               for b in ({"action": "reasoning_end"}, {"id": cmpl_id, "action": "pause"}, [1])]
+    assert reasoning and content  # the thought ended early, the answer went on
+    assert len(tok.encode(reasoning, add_special=False)) < 40
+    assert gone == {"success": False, "message": "no active completion for this id"}
+    assert plain.status_code == 200
+    assert [b.status_code for b in bad] == [400, 400, 400]
+    assert "missing completion id" in bad[0].json()["error"]["message"]
+    assert "unknown control action" in bad[1].json()["error"]["message"]
+
+
+async def test_reasoning_control_needs_a_chat_request(start: Start, sharp: Path) -> None:
+    h = await start(sharp)
+    async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
+        r = await c.post("/completion", json={"prompt": "hi", "n_predict": 1, "reasoning_control": True})
+    assert r.status_code == 400 and "'reasoning_control' needs a chat request" in r.json()["error"]["message"]

@@ -36,6 +36,9 @@ class BudgetSpec:
     end: tuple[tuple[int, ...], ...]
     forced: tuple[int, ...]  # the message, then the first end sequence
     prefill: tuple[int, ...] = ()  # the generation prompt's tokens, fed before the first step
+    #: reasoning_control: the thought may be ended at runtime (``force``), as llama-server's
+    #: /v1/chat/completions/control
+    control: bool = False
 
 
 class _Matcher:
@@ -88,6 +91,15 @@ class ReasoningBudget:
             self.state, self.force_pos = FORCING, 0
         else:
             self.state = COUNTING
+
+    def force(self) -> bool:
+        """End the thought now (llama.cpp's ``common_reasoning_budget_force``): only while
+        counting; True when it was."""
+        if self.state != COUNTING:
+            return False
+        self.state, self.force_pos = FORCING, 0
+        self._end.reset()
+        return True
 
     def accept(self, token: int) -> None:
         """A token of the answer (or of the prefill) was taken."""

@@ -482,6 +482,22 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         await _body()
         return _json({"success": True})
 
+    @app.post("/v1/chat/completions/control")
+    async def chat_control() -> Response:
+        """llama-server's runtime control of a live chat completion: ``{"id":
+        "chatcmpl-...", "action": "reasoning_end"}`` ends its thought now (the request
+        must have asked for ``reasoning_control``)."""
+        body = await _body()
+        if not isinstance(body, dict):
+            raise InvalidRequest("the request body must be a JSON object")
+        cmpl_id, action = body.get("id"), body.get("action")
+        if not isinstance(cmpl_id, str) or not cmpl_id:
+            raise InvalidRequest("missing completion id")
+        if action != "reasoning_end":
+            raise InvalidRequest("unknown control action")
+        ok, message = eng().slots.end_reasoning(cmpl_id)
+        return _json({"success": ok} | ({"message": message} if message else {}))
+
     @app.get("/lora-adapters")
     async def lora_adapters() -> Response:
         return _json([{"id": i, "path": path, "scale": scale} for i, (path, scale) in enumerate(ctx.config.lora)])
@@ -883,6 +899,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         req, spec = await MD.run_sync_cancellable(parse)
         await check_grammar(req.params.grammar)
         id_ = f"chatcmpl-{e.queue.new_id_task()}"
+        req = attrs.evolve(req, params=attrs.evolve(req.params, cmpl_id=id_))  # for /v1/chat/completions/control
         top = req.n_logprobs
         if not req.params.stream:
             finals = await _finals(e, req.choices(), open_requests)

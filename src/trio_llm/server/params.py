@@ -372,8 +372,10 @@ def reasoning_budget(body: Mapping[str, Any], tok: Encoder, config: ServerConfig
     or ``thinking_budget_tokens``, else ``--reasoning-budget``, and the template's tags
     (``<think>``, ``</think>``), its message else ``--reasoning-budget-message``, as
     llama-server's chat handler fills them in."""
-    if get_bool(body, "reasoning_control", False):
-        raise InvalidRequest("'reasoning_control' (ending a thought at runtime) is not supported")
+    control = get_bool(body, "reasoning_control", False)
+    if control and chat is None:
+        raise InvalidRequest("'reasoning_control' needs a chat request (/v1/chat/completions/control ends its "
+                             "thought)")
     budget = get_int(body, "reasoning_budget_tokens", -1, -1, (1 << 31) - 1)
     if chat is not None:
         if budget < 0:
@@ -402,15 +404,17 @@ def reasoning_budget(body: Mapping[str, Any], tok: Encoder, config: ServerConfig
         message = ""
     if not isinstance(message, str):
         raise InvalidRequest("'reasoning_budget_message' must be a string")
-    if budget < 0 or not start or not ends:
+    if not start or not ends or (budget < 0 and not control):
         return None
+    if budget < 0:  # reasoning control alone: no count, the thought ends when asked
+        budget = (1 << 31) - 1
 
     def ids(text: str) -> tuple[int, ...]:
         return tuple(tok.encode(text, add_special=False, parse_special=True))
 
     end_ids = tuple(ids(e) for e in ends)
     forced = (ids(message) if message else ()) + end_ids[0]
-    return BudgetSpec(budget, (ids(start),), end_ids, forced, prefill=ids(start) if opened else ())
+    return BudgetSpec(budget, (ids(start),), end_ids, forced, prefill=ids(start) if opened else (), control=control)
 
 
 def _task_params(body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_predict: int, n_probs: int,

@@ -965,6 +965,17 @@ class SlotsEngine:
         else:
             slot.seq.append(token)
 
+    def end_reasoning(self, cmpl_id: str) -> tuple[bool, str]:
+        """/v1/chat/completions/control's ``reasoning_end``: force the end of the thought
+        of the live completion ``cmpl_id`` (llama-server's answers when it cannot)."""
+        slot = next((s for s in self._slots if s.task is not None and s.task.params.cmpl_id == cmpl_id), None)
+        if slot is None:
+            return False, "no active completion for this id"
+        if slot.budget is None or not slot.budget.spec.control:
+            return False, "reasoning control not enabled for this completion"
+        slot.budget.force()  # as llama-server: success even when no thought is being counted
+        return True, ""
+
     def _context_shift(self, slot: Slot) -> bool:
         """--context-shift, as llama-server's: the sequence keeps its first ``n_keep``
         prompt tokens (and a BOS), drops ``n_discard`` after them (half of the rest when

@@ -58,6 +58,7 @@ class TaskParams:
     #: kept besides), and how many after them go (0: half of the rest)
     n_keep: int = 0
     n_discard: int = 0
+    cmpl_id: str = ""  # the chat completion's id ("chatcmpl-..."), for /v1/chat/completions/control
     #: the prompt's images: media id (the negative number at each of an image's
     #: positions) -> its embedding rows [n, n_embd] (``server/media.py``)
     media: Mapping[int, np.ndarray] = attrs.field(factory=dict, eq=False, repr=False)
