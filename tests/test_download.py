@@ -32,7 +32,10 @@ from trio_llm.model.download import (
 )
 
 DATA = random.Random(0).randbytes(300_000)
-FAST = {"retry_delay": 0.01, "timeout": 5.0}
+#: every wait between attempts, in order: ``download``'s ``pause`` here (its default is
+#: trio's sleep from a worker thread; these tests call it from plain threads)
+PAUSES: list[float] = []
+FAST = {"retry_delay": 0.01, "timeout": 5.0, "pause": PAUSES.append}
 
 
 @attrs.frozen
@@ -252,7 +255,7 @@ def test_no_server_at_all_uses_the_cached_file(tmp_path: Path) -> None:
 def test_a_head_404_without_a_file_fails_at_once(served: Served, url: str, tmp_path: Path) -> None:
     served.status = 404
     with pytest.raises(DownloadError) as caught:
-        download(url, tmp_path / "model.gguf", retry_delay=5.0)
+        download(url, tmp_path / "model.gguf", retry_delay=5.0, pause=PAUSES.append)
     assert caught.value.status == 404
     assert isinstance(caught.value, ModelLoadError)
     assert served.methods() == ["HEAD"]
@@ -372,7 +375,7 @@ def test_a_stall_mid_body_times_out_and_resumes(served: Served, url: str, tmp_pa
     path = tmp_path / "model.gguf"
     served.cuts, served.stall = 1, True
     with pytest.raises(DownloadError, match="ReadTimeout"):
-        download(url, path, attempts=1, retry_delay=0.01, timeout=0.3)
+        download(url, path, attempts=1, retry_delay=0.01, timeout=0.3, pause=PAUSES.append)
     assert _partial(path).stat().st_size == 100_000
     download(url, path, attempts=1, **FAST)
     assert path.read_bytes() == DATA
@@ -457,7 +460,7 @@ def test_a_4xx_on_get_fails_at_once(served: Served, url: str, tmp_path: Path, st
     served.fail_gets, served.fail_status = 99, status
     t0 = time.monotonic()
     with pytest.raises(DownloadError, match=f"HTTP {status}") as caught:
-        download(url, tmp_path / "model.gguf", retry_delay=2.0)
+        download(url, tmp_path / "model.gguf", retry_delay=2.0, pause=PAUSES.append)
     assert time.monotonic() - t0 < 1.5
     assert caught.value.status == status
     assert len(served.gets()) == 1
@@ -516,3 +519,15 @@ def test_decisions() -> None:
     assert resume_offset(4, True, 10, '"a"', '"a"') == 4
     assert resume_offset(4, True, 10, '"a"', '"b"') == 0
     assert resume_offset(4, True, 10, "", '"b"') == 4  # a partial llama.cpp left
+
+
+async def test_the_default_pause_is_trios_sleep(autojump_clock: object) -> None:
+    """The wait between attempts is trio's sleep, from the worker thread ``download`` runs
+    on: trio's clock measures it exactly (no wall-clock sleep in src/)."""
+    import trio
+
+    from trio_llm.model.download import trio_pause
+
+    t0 = trio.current_time()
+    await trio.to_thread.run_sync(trio_pause, 5.0)
+    assert trio.current_time() - t0 == 5.0

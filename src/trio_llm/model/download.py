@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -144,12 +143,21 @@ def retryable(status: int) -> bool:
     return status >= 500 or status in (408, 429)
 
 
+def trio_pause(seconds: float) -> None:
+    """The wait between attempts from a ``trio.to_thread`` worker: trio's own sleep (its
+    clock, so a ``MockClock`` governs it; a cancellation ends it)."""
+    import trio
+
+    trio.from_thread.run(trio.sleep, seconds)
+
+
 def download(url: str, path: Path, *, token: str | None = None, offline: bool = False,
              progress: Progress | None = None, attempts: int = 3, retry_delay: float = 1.0,
-             timeout: float = 30.0) -> Path:
+             timeout: float = 30.0, pause: Callable[[float], None] = trio_pause) -> Path:
     """``url``'s file at ``path`` (returned), fetched only if needed: see the module
-    docstring. Blocking: run it on a worker thread. ``timeout`` bounds each network
-    wait (connecting, each read), not the whole download."""
+    docstring. Blocking: run it on a trio worker thread (``pause`` waits between
+    attempts, trio's sleep by default). ``timeout`` bounds each network wait
+    (connecting, each read), not the whole download."""
     path = Path(path)
     shown = masked_url(url)
     if offline:
@@ -166,7 +174,7 @@ def download(url: str, path: Path, *, token: str | None = None, offline: bool = 
         headers["Authorization"] = f"Bearer {token}"
     attempts = max(1, attempts)
     with httpx.Client(headers=headers, timeout=timeout, follow_redirects=True) as client:
-        head = _head(client, url, path, attempts, retry_delay)
+        head = _head(client, url, path, attempts, retry_delay, pause)
         if head is None:
             return path
         etag = head.headers.get("ETag", "")
@@ -183,7 +191,7 @@ def download(url: str, path: Path, *, token: str | None = None, offline: bool = 
         why = ""
         for attempt in range(attempts):
             if attempt:
-                _wait(retry_delay * 2 ** (attempt - 1), shown, why, attempt, attempts)
+                _wait(pause, retry_delay * 2 ** (attempt - 1), shown, why, attempt, attempts)
             try:
                 version = _pull(client, url, path, partial, ranges=ranges, etag=etag,
                                 head_total=total, progress=progress)
@@ -200,8 +208,8 @@ def download(url: str, path: Path, *, token: str | None = None, offline: bool = 
     raise DownloadError(path, f"{shown}: download failed after {attempts} attempts: {why}")
 
 
-def _head(client: httpx.Client, url: str, path: Path, attempts: int,
-          retry_delay: float) -> httpx.Response | None:
+def _head(client: httpx.Client, url: str, path: Path, attempts: int, retry_delay: float,
+          pause: Callable[[float], None]) -> httpx.Response | None:
     """The HEAD's answer, or None when it failed and ``path`` exists (use it as is)."""
     import httpx
 
@@ -209,7 +217,7 @@ def _head(client: httpx.Client, url: str, path: Path, attempts: int,
     why = ""
     for attempt in range(attempts):
         if attempt:
-            _wait(retry_delay * 2 ** (attempt - 1), shown, why, attempt, attempts)
+            _wait(pause, retry_delay * 2 ** (attempt - 1), shown, why, attempt, attempts)
         status = None
         try:
             r = client.head(url)
@@ -313,11 +321,11 @@ def _receive(r: httpx.Response, partial: Path, offset: int, total: int | None, s
     return done
 
 
-def _wait(seconds: float, shown: str, why: str, attempt: int, attempts: int) -> None:
+def _wait(pause: Callable[[float], None], seconds: float, shown: str, why: str, attempt: int,
+          attempts: int) -> None:
     log.warning("%s: %s; retrying in %.3g s (attempt %d of %d)", shown, why, seconds,
                 attempt + 1, attempts)
-    # A worker thread's pause between attempts: no trio clock to ask here.
-    time.sleep(seconds)  # noqa: TID251
+    pause(seconds)
 
 
 def _log_start(shown: str, path: Path, offset: int, total: int | None) -> None:
