@@ -880,12 +880,10 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
         return _stream(events())
 
-    @app.post("/v1/chat/completions")
-    @app.post("/chat/completions")
-    async def chat_completions() -> Response:
-        e = eng()
-        body = await _body()
-        lim = limits()
+    async def chat_request(body: Any) -> tuple[P.CompletionRequest, CO.OutputSpec]:
+        """A chat body as its task parameters and how its answer is read (the chat
+        completions, Anthropic and Responses routes all run this one path)."""
+        e, lim = eng(), limits()
         fetched = await remote_images(body)
 
         def parse(cancel: threading.Event) -> tuple[P.CompletionRequest, CO.OutputSpec]:
@@ -898,6 +896,25 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
         req, spec = await MD.run_sync_cancellable(parse)
         await check_grammar(req.params.grammar)
+        return req, spec
+
+    async def chat_tokens(body: Any) -> int:
+        """The rendered prompt's tokens of a chat body (images' positions included)."""
+        tok, lim = eng().tokenizer, limits()
+        fetched = await remote_images(body)
+
+        def count(cancel: threading.Event) -> int:
+            prompt, _, _, images = chat_prompt(body, fetched)
+            return AN.count_tokens(prompt, images, tok, attrs.evolve(lim, cancel=cancel))
+
+        return await MD.run_sync_cancellable(count)
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    async def chat_completions() -> Response:
+        e = eng()
+        body = await _body()
+        req, spec = await chat_request(body)
         id_ = f"chatcmpl-{e.queue.new_id_task()}"
         req = attrs.evolve(req, params=attrs.evolve(req.params, cmpl_id=id_))  # for /v1/chat/completions/control
         top = req.n_logprobs
@@ -965,18 +982,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         """Anthropic's Messages API: the body as the chat request it asks for, run as
         one, the answer in Anthropic's shapes (server/anthropic.py)."""
         e = eng()
-        body = await trio.to_thread.run_sync(AN.to_chat, await _body())
-        lim = limits()
-        fetched = await remote_images(body)
-
-        def parse(cancel: threading.Event) -> tuple[P.CompletionRequest, CO.OutputSpec]:  # as chat_completions'
-            prompt, spec, forced, images = chat_prompt(body, fetched)
-            thinks = spec.thinking_open or CO.THINK_CLOSE in (e.template.source or "")
-            return P.parse_chat(body, e.tokenizer, attrs.evolve(lim, cancel=cancel), prompt, forced, images,
-                                thinking=(thinks, spec.thinking_open)), spec
-
-        req, spec = await MD.run_sync_cancellable(parse)
-        await check_grammar(req.params.grammar)
+        req, spec = await chat_request(await trio.to_thread.run_sync(AN.to_chat, await _body()))
         if not req.params.stream:
             final = (await _finals(e, req.choices(), open_requests))[0]
             return _json(AN.message(final, CO.parse(final.content, spec)[0], id_=AN.message_id(), model=ctx.model_id))
@@ -985,15 +991,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
     @app.post("/v1/messages/count_tokens")
     async def anthropic_count_tokens() -> Response:
-        body = await trio.to_thread.run_sync(AN.to_chat, await _body())
-        tok, lim = eng().tokenizer, limits()
-        fetched = await remote_images(body)
-
-        def count(cancel: threading.Event) -> int:
-            prompt, _, _, images = chat_prompt(body, fetched)
-            return AN.count_tokens(prompt, images, tok, attrs.evolve(lim, cancel=cancel))
-
-        return _json({"input_tokens": await MD.run_sync_cancellable(count)})
+        return _json({"input_tokens": await chat_tokens(await trio.to_thread.run_sync(AN.to_chat, await _body()))})
 
     @app.post("/v1/responses")
     @app.post("/responses")
@@ -1001,44 +999,22 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         """OpenAI's Responses API: the body as the chat request it asks for, run as one,
         the answer in the Responses shapes (server/responses_api.py)."""
         e = eng()
-        body = await trio.to_thread.run_sync(RA.to_chat, await _body())
-        lim = limits()
-        fetched = await remote_images(body)
-
-        def parse(cancel: threading.Event) -> tuple[P.CompletionRequest, CO.OutputSpec]:  # as chat_completions'
-            prompt, spec, forced, images = chat_prompt(body, fetched)
-            thinks = spec.thinking_open or CO.THINK_CLOSE in (e.template.source or "")
-            return P.parse_chat(body, e.tokenizer, attrs.evolve(lim, cancel=cancel), prompt, forced, images,
-                                thinking=(thinks, spec.thinking_open)), spec
-
-        req, spec = await MD.run_sync_cancellable(parse)
-        await check_grammar(req.params.grammar)
+        req, spec = await chat_request(await trio.to_thread.run_sync(RA.to_chat, await _body()))
         if not req.params.stream:
             final = (await _finals(e, req.choices(), open_requests))[0]
             return _json(RA.response(final, CO.parse(final.content, spec)[0], id_=RA.response_id(), model=ctx.model_id))
         out = RA.ResponseStream(spec, RA.response_id(), ctx.model_id, dumps)
         return _stream(_task_events(e, req.choices(), out.on_partial, out.on_final, open_requests))
 
-    async def input_tokens(body: Any) -> Response:
-        """The rendered prompt's tokens of a chat request (llama-server's input_tokens)."""
-        tok, lim = eng().tokenizer, limits()
-        fetched = await remote_images(body)
-
-        def count(cancel: threading.Event) -> int:
-            prompt, _, _, images = chat_prompt(body, fetched)
-            return AN.count_tokens(prompt, images, tok, attrs.evolve(lim, cancel=cancel))
-
-        return _json(RA.input_tokens(await MD.run_sync_cancellable(count)))
-
     @app.post("/v1/responses/input_tokens")
     @app.post("/responses/input_tokens")
     async def responses_input_tokens() -> Response:
-        return await input_tokens(await trio.to_thread.run_sync(RA.to_chat, await _body()))
+        return _json(RA.input_tokens(await chat_tokens(await trio.to_thread.run_sync(RA.to_chat, await _body()))))
 
     @app.post("/v1/chat/completions/input_tokens")
     @app.post("/chat/completions/input_tokens")
     async def chat_input_tokens() -> Response:
-        return await input_tokens(await _body())
+        return _json(RA.input_tokens(await chat_tokens(await _body())))
 
     return app
 
