@@ -181,17 +181,25 @@ def _tool_result_content(value: Any, where: str) -> str | list[dict[str, Any]]:
     for k, block in enumerate(value):
         at = f"{where}.content[{k}]"
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            parts.append({"type": "text", "text": _str(block, "text", at)})
-        elif kind == "image":
-            parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), at)}})
-        elif kind == "document":
-            parts.append({"type": "text", "text": _document_text(block, at)})
-        else:
+        part = _content_part(block, kind, at)
+        if part is None:
             raise _fail(at, f"a tool result holds text and image blocks, not {kind!r}")
+        parts.append(part)
     if all(p["type"] == "text" for p in parts):
         return "".join(p["text"] for p in parts)
     return parts
+
+
+def _content_part(block: dict[str, Any], kind: Any, at: str) -> dict[str, Any] | None:
+    """A text, image or document block as the OpenAI content part it becomes; None for
+    another kind (the caller says what its place holds)."""
+    if kind == "text":
+        return {"type": "text", "text": _str(block, "text", at)}
+    if kind == "image":
+        return {"type": "image_url", "image_url": {"url": _image_url(block.get("source"), at)}}
+    if kind == "document":
+        return {"type": "text", "text": _document_text(block, at)}
+    return None
 
 
 def _turn(message: Any, i: int, called: frozenset[str]) -> tuple[list[dict[str, Any]], frozenset[str]]:
@@ -225,12 +233,9 @@ def _turn(message: Any, i: int, called: frozenset[str]) -> tuple[list[dict[str, 
                 raise _fail(at, f"a {kind!r} block belongs in a {other} turn, not a {role} turn")
             raise _fail(at, f"content block type {kind!r} is not supported "
                             f"(a {role} turn holds {', '.join(sorted(BLOCKS[role]))})")
-        if kind == "text":
-            parts.append({"type": "text", "text": _str(block, "text", at)})
-        elif kind == "image":
-            parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), at)}})
-        elif kind == "document":
-            parts.append({"type": "text", "text": _document_text(block, at)})
+        part = _content_part(block, kind, at)
+        if part is not None:
+            parts.append(part)
         elif kind == "thinking":
             reasoning += _str(block, "thinking", at)
         elif kind == "redacted_thinking":
