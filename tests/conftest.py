@@ -1,20 +1,54 @@
-"""Shared fixtures: synthetic model files, made once per test session.
+"""Shared fixtures: synthetic model files, made once per test session, and servers.
 
 ``model_path(preset, quant)`` writes ``trio-llm make-model``'s output for that preset
 into a session temporary directory the first time a key is asked for and returns the
 cached path after that. The tiny presets take a fraction of a second each.
+``serve_argv(*argv)`` starts a real ``trio-llm serve`` in-process (HTTP on a loopback
+port) from a command line, waits for its model, and shuts it down after the test.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from trio_llm.model.synth import make_model
 
 ModelPathFactory = Callable[..., Path]
+ServeFactory = Callable[..., Awaitable[Any]]  # (*argv) -> trio_llm.runtime.ServerHandle
+
+
+@pytest.fixture
+async def serve_argv(nursery: Any) -> AsyncIterator[ServeFactory]:
+    """Factory: a server from ``argv`` plus ``--port 0 --no-warmup``, once loaded."""
+    import trio
+
+    from trio_llm.runtime import parse_config, serve
+
+    running: list[tuple[Any, trio.Event]] = []
+
+    async def run(argv: list[str], done: trio.Event, *, task_status: Any) -> None:
+        try:
+            await serve(parse_config(argv, {}), task_status=task_status)
+        finally:
+            done.set()
+
+    async def go(*argv: str) -> Any:
+        done = trio.Event()
+        handle = await nursery.start(run, ["--port", "0", "--no-warmup", *map(str, argv)], done)
+        with trio.fail_after(60):
+            await handle.context.loaded.wait()
+        running.append((handle, done))
+        return handle
+
+    yield go
+    for handle, done in running:
+        handle.shutdown()
+        with trio.fail_after(10):
+            await done.wait()
 
 
 @pytest.fixture(scope="session")

@@ -5,49 +5,29 @@ ctx_shift) on the same file: the same greedy tokens through the shifts."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-import trio
 
+from conftest import ServeFactory
 from llamacpp_ref import TIE_TOL, server_params
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.synth import make_model
 from trio_llm.model.tokenizer import Tokenizer
-from trio_llm.runtime import ServerHandle, parse_config, serve
+from trio_llm.runtime import ServerHandle
 
 N_CTX = 256  # llama.cpp pads a context to a multiple of 256: the same one both sides
 Start = Callable[..., Awaitable[ServerHandle]]
 
 
 @pytest.fixture
-async def start(nursery: trio.Nursery) -> AsyncIterator[Start]:
-    handles: list[tuple[ServerHandle, trio.Event]] = []
-
-    async def run(argv: list[str], done: trio.Event, *, task_status: Any) -> None:
-        try:
-            await serve(parse_config(argv, {}), task_status=task_status)
-        finally:
-            done.set()
-
-    async def go(path: Path, *argv: str) -> ServerHandle:
-        done = trio.Event()
-        h: ServerHandle = await nursery.start(run, ["-m", str(path), "--port", "0", "--no-warmup", "-c", str(N_CTX),
-                                                    *argv], done)
-        with trio.fail_after(60):
-            await h.context.loaded.wait()
-        handles.append((h, done))
-        return h
-
-    yield go
-    for h, done in handles:
-        h.shutdown()
-        with trio.fail_after(10):
-            await done.wait()
+def start(serve_argv: ServeFactory) -> Start:
+    """A server of ``path`` with an ``N_CTX`` context (the backend in the flags)."""
+    return lambda path, *argv: serve_argv("-m", path, "-c", N_CTX, *argv)
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,14 @@ token for token (xllamacpp, the same request on the same file)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-import trio
 
+from conftest import ServeFactory
 from llamacpp_ref import Reference
 from trio_llm.engine.reasoning_budget import (
     COUNTING,
@@ -27,7 +26,7 @@ from trio_llm.engine.reasoning_budget import (
 )
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.tokenizer import Tokenizer
-from trio_llm.runtime import ServerHandle, parse_config, serve
+from trio_llm.runtime import ServerHandle
 
 START, END, MSG = (7,), ((8, 9),), (5,)
 
@@ -71,29 +70,9 @@ Start = Callable[..., Awaitable[ServerHandle]]
 
 
 @pytest.fixture
-async def start(nursery: trio.Nursery) -> AsyncIterator[Start]:
-    handles: list[tuple[ServerHandle, trio.Event]] = []
-
-    async def run(argv: list[str], done: trio.Event, *, task_status: Any) -> None:
-        try:
-            await serve(parse_config(argv, {}), task_status=task_status)
-        finally:
-            done.set()
-
-    async def go(path: Path, *argv: str) -> ServerHandle:
-        done = trio.Event()
-        h: ServerHandle = await nursery.start(run, ["-m", str(path), "--port", "0", "--backend", "numpy",
-                                                    "--no-warmup", "-c", "256", *argv], done)
-        with trio.fail_after(60):
-            await h.context.loaded.wait()
-        handles.append((h, done))
-        return h
-
-    yield go
-    for h, done in handles:
-        h.shutdown()
-        with trio.fail_after(10):
-            await done.wait()
+def start(serve_argv: ServeFactory) -> Start:
+    """A numpy server of ``path`` with a 256-position context and more flags."""
+    return lambda path, *argv: serve_argv("-m", path, "--backend", "numpy", "-c", "256", *argv)
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import trio
 
-from trio_llm.runtime import ServerHandle, parse_config, serve
+from conftest import ServeFactory
+from trio_llm.runtime import ServerHandle, parse_config
 from trio_llm.server.flags import UsageError
 from trio_llm.server.slots import Slot, SlotsEngine
 from trio_llm.server.stop import StopScanner
@@ -23,29 +23,9 @@ Start = Callable[..., Awaitable[ServerHandle]]
 
 
 @pytest.fixture
-async def start(tiny_model: Path, nursery: trio.Nursery) -> AsyncIterator[Start]:
-    handles: list[tuple[ServerHandle, trio.Event]] = []
-
-    async def run(argv: list[str], done: trio.Event, *, task_status: Any) -> None:
-        try:
-            await serve(parse_config(argv, {}), task_status=task_status)
-        finally:
-            done.set()
-
-    async def go(*argv: str) -> ServerHandle:
-        done = trio.Event()
-        h: ServerHandle = await nursery.start(run, ["-m", str(tiny_model), "--port", "0", "--backend", "numpy",
-                                                    "--no-warmup", "-c", "512", *argv], done)
-        with trio.fail_after(60):
-            await h.context.loaded.wait()
-        handles.append((h, done))
-        return h
-
-    yield go
-    for h, done in handles:
-        h.shutdown()
-        with trio.fail_after(10):
-            await done.wait()
+def start(serve_argv: ServeFactory, tiny_model: Path) -> Start:
+    """A numpy server of the tiny model with a 512-position context and more flags."""
+    return lambda *argv: serve_argv("-m", tiny_model, "--backend", "numpy", "-c", "512", *argv)
 
 
 async def test_n_cmpl_and_response_fields(start: Start) -> None:
