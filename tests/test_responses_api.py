@@ -17,14 +17,14 @@ import pytest
 import trio
 
 from llamacpp_ref import Reference
-from test_anthropic import THINKING
+from test_anthropic import THINKING, _events, _final, _sse, qwen3  # the same helpers
 from test_server_flags import Start, client, start  # noqa: F401  (the fixture)
 from test_server_tools import qwen_like  # noqa: F401  (the fixture)
 from trio_llm.errors import InvalidRequest
 from trio_llm.model import chat_output as CO
 from trio_llm.runtime import ServerHandle
 from trio_llm.server import responses_api as RA
-from trio_llm.server.tasks import PromptProgress, TaskFinal, TaskPartial, Timings
+from trio_llm.server.tasks import PromptProgress, TaskPartial
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city", "strict": True,
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
@@ -180,22 +180,6 @@ def test_bad_requests_are_refused_by_name(body: Any, why: str) -> None:
 # -- the stream's events, on their own ---------------------------------------------------
 
 
-def _final(content: str, *, stop_type: str = "eos", tail: str = "", n: int = 5) -> TaskFinal:
-    return TaskFinal(1, 0, content, tuple(range(n)), stop_type, "", 20, Timings(8, 1.0, 12, n, 1.0),  # type: ignore[arg-type]
-                     (), tail, 25)
-
-
-def _events(raw: list[bytes]) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for chunk in raw:
-        head, data = chunk.decode().split("\n", 1)
-        assert head.startswith("event: ") and data.startswith("data: ") and data.endswith("\n\n")
-        event = (head[len("event: "):], json.loads(data[len("data: "):]))
-        assert event[1]["type"] == event[0]
-        out.append(event)
-    return out
-
-
 def test_stream_of_reasoning_text_and_a_call() -> None:
     spec = CO.OutputSpec("hermes", "auto", True, ({"type": "function", "function": {"name": "f"}},))
     s = RA.ResponseStream(spec, "resp_1", "m", lambda o: json.dumps(o).encode())
@@ -260,21 +244,8 @@ def test_final_only_stream_and_an_incomplete_answer() -> None:
 # -- a real server ----------------------------------------------------------------------
 
 
-def _sse(text: str) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for chunk in text.split("\n\n"):
-        if chunk.strip():
-            head, data = chunk.split("\n", 1)
-            out.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
-    return out
-
-
 def _streamed_text(events: list[tuple[str, dict[str, Any]]]) -> str:
     return "".join(d["delta"] for n, d in events if n == "response.output_text.delta")
-
-
-async def qwen3(start: Start, path: Path, *argv: str) -> ServerHandle:  # noqa: F811
-    return await start("-m", str(path), *argv)
 
 
 def _oai(h: ServerHandle) -> openai.AsyncOpenAI:
