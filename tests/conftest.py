@@ -3,8 +3,9 @@
 ``model_path(preset, quant)`` writes ``trio-llm make-model``'s output for that preset
 into a session temporary directory the first time a key is asked for and returns the
 cached path after that. The tiny presets take a fraction of a second each.
-``serve_argv(*argv)`` starts a real ``trio-llm serve`` in-process (HTTP on a loopback
-port) from a command line, waits for its model, and shuts it down after the test.
+``serve_config(config)`` / ``serve_argv(*argv)`` start a real ``trio-llm serve``
+in-process (HTTP on a loopback port) from a config or a command line, wait for its
+model, and shut it down after the test.
 """
 
 from __future__ import annotations
@@ -18,27 +19,28 @@ import pytest
 from trio_llm.model.synth import make_model
 
 ModelPathFactory = Callable[..., Path]
-ServeFactory = Callable[..., Awaitable[Any]]  # (*argv) -> trio_llm.runtime.ServerHandle
+ServeFactory = Callable[..., Awaitable[Any]]  # -> trio_llm.runtime.ServerHandle
 
 
 @pytest.fixture
-async def serve_argv(nursery: Any) -> AsyncIterator[ServeFactory]:
-    """Factory: a server from ``argv`` plus ``--port 0 --no-warmup``, once loaded."""
+async def serve_config(nursery: Any) -> AsyncIterator[ServeFactory]:
+    """Factory: a server from a ``ServerConfig``, once its model is loaded; each one is
+    shut down gracefully when the test ends."""
     import trio
 
-    from trio_llm.runtime import parse_config, serve
+    from trio_llm.runtime import serve
 
     running: list[tuple[Any, trio.Event]] = []
 
-    async def run(argv: list[str], done: trio.Event, *, task_status: Any) -> None:
+    async def run(config: Any, done: trio.Event, *, task_status: Any) -> None:
         try:
-            await serve(parse_config(argv, {}), task_status=task_status)
+            await serve(config, task_status=task_status)
         finally:
             done.set()
 
-    async def go(*argv: str) -> Any:
+    async def go(config: Any) -> Any:
         done = trio.Event()
-        handle = await nursery.start(run, ["--port", "0", "--no-warmup", *map(str, argv)], done)
+        handle = await nursery.start(run, config, done)
         with trio.fail_after(60):
             await handle.context.loaded.wait()
         running.append((handle, done))
@@ -49,6 +51,14 @@ async def serve_argv(nursery: Any) -> AsyncIterator[ServeFactory]:
         handle.shutdown()
         with trio.fail_after(10):
             await done.wait()
+
+
+@pytest.fixture
+def serve_argv(serve_config: ServeFactory) -> ServeFactory:
+    """Factory: a server from a command line plus ``--port 0 --no-warmup``."""
+    from trio_llm.runtime import parse_config
+
+    return lambda *argv: serve_config(parse_config(["--port", "0", "--no-warmup", *map(str, argv)], {}))
 
 
 @pytest.fixture(scope="session")

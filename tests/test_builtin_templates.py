@@ -16,7 +16,7 @@ the text is kept as llama.cpp keeps it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +25,12 @@ import pytest
 import trio
 import xllamacpp
 
+from conftest import ServeFactory
 from trio_llm.model.builtin_templates import BUILTIN_TEMPLATES
 from trio_llm.model.chat import ChatTemplate
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.tokenizer import Tokenizer
-from trio_llm.runtime import ServerHandle, parse_config, serve
+from trio_llm.runtime import ServerHandle
 
 #: the names llama.cpp's ``--chat-template`` accepts (the table in src/llama-chat.cpp,
 #: October 2026); the test below also asks xllamacpp for its list
@@ -155,30 +156,9 @@ Start = Callable[..., Awaitable[ServerHandle]]
 
 
 @pytest.fixture
-async def start(spm_model: Path, nursery: trio.Nursery) -> AsyncIterator[Start]:
+def start(serve_argv: ServeFactory, spm_model: Path) -> Start:
     """Factory: our server from a command line (tiny-spm, numpy, port 0), once loaded."""
-    running: list[tuple[ServerHandle, trio.Event]] = []
-
-    async def run(argv: list[str], done: trio.Event, *, task_status: Any) -> None:
-        try:
-            await serve(parse_config(argv, {}), task_status=task_status)
-        finally:
-            done.set()
-
-    async def go(*argv: str) -> ServerHandle:
-        done = trio.Event()
-        base = ["-m", str(spm_model), "--port", "0", "--backend", "numpy", "--no-warmup", "-c", "512"]
-        handle: ServerHandle = await nursery.start(run, [*base, *argv], done)
-        with trio.fail_after(60):
-            await handle.context.loaded.wait()
-        running.append((handle, done))
-        return handle
-
-    yield go
-    for handle, done in running:
-        handle.shutdown()
-        with trio.fail_after(10):
-            await done.wait()
+    return lambda *argv: serve_argv("-m", spm_model, "--backend", "numpy", "-c", "512", *argv)
 
 
 @pytest.fixture

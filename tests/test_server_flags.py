@@ -8,7 +8,7 @@ import os
 import shlex
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,9 @@ import openai
 import pytest
 import trio
 
+from conftest import ServeFactory
 from serve_procs import wait_ready
-from trio_llm.runtime import ServerHandle, backend_takes_cache_types, parse_config, serve
+from trio_llm.runtime import ServerHandle, backend_takes_cache_types, parse_config
 from trio_llm.server.flags import UsageError
 
 SERVE = [sys.executable, "-m", "trio_llm", "serve"]
@@ -122,32 +123,16 @@ Start = Callable[..., Awaitable[ServerHandle]]
 
 
 @pytest.fixture
-async def start(tiny_model: Path, nursery: trio.Nursery) -> AsyncIterator[Start]:
+def start(serve_argv: ServeFactory, tiny_model: Path) -> Start:
     """Factory: a server from a command line (tiny model, numpy, port 0), once loaded."""
-    running: list[tuple[ServerHandle, trio.Event]] = []
 
-    async def run(argv: list[str], done: trio.Event, *, task_status: Any) -> None:
-        try:
-            await serve(parse_config(argv, {}), task_status=task_status)
-        finally:
-            done.set()
-
-    async def go(*argv: str) -> ServerHandle:
-        done = trio.Event()
-        base = ["-m", str(tiny_model), "--port", "0", "--backend", "numpy", "--no-warmup"]
+    def go(*argv: str) -> Awaitable[ServerHandle]:
+        base = ["-m", str(tiny_model), "--backend", "numpy"]
         if "-c" not in argv and "--fit-target" not in argv:
             base += ["-c", "512"]
-        handle: ServerHandle = await nursery.start(run, [*base, *argv], done)
-        with trio.fail_after(60):
-            await handle.context.loaded.wait()
-        running.append((handle, done))
-        return handle
+        return serve_argv(*base, *argv)
 
-    yield go
-    for handle, done in running:
-        handle.shutdown()
-        with trio.fail_after(10):
-            await done.wait()
+    return go
 
 
 def client(handle: ServerHandle, **kw: Any) -> httpx.AsyncClient:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -16,13 +16,14 @@ import openai
 import pytest
 import trio
 
+from conftest import ServeFactory
 from trio_llm.config import ServerConfig
 from trio_llm.engine.generate import generate_tokens
 from trio_llm.engine.reference import NumpyBackend
 from trio_llm.engine.sampling import SamplingParams
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.tokenizer import Tokenizer
-from trio_llm.runtime import ServerHandle, _serve_http, serve
+from trio_llm.runtime import ServerHandle, _serve_http
 from trio_llm.server.context import ServerContext
 from trio_llm.server.http import create_app
 
@@ -32,34 +33,18 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
 @pytest.fixture
-async def start(tiny_model: Path, nursery: trio.Nursery) -> AsyncIterator[Start]:
-    """Factory: start a server (tiny model, numpy, port 0) and wait until it is loaded."""
-    running: list[tuple[ServerHandle, trio.Event]] = []
+def start(serve_config: ServeFactory, tiny_model: Path) -> Start:
+    """Factory: start a server (tiny model, numpy, port 0) and wait until it is loaded;
+    a graceful shutdown at the end ends serve() by itself, well within its grace period."""
 
-    async def run(config: ServerConfig, done: trio.Event, *, task_status: Any) -> None:
-        try:
-            await serve(config, task_status=task_status)
-        finally:
-            done.set()
-
-    async def go(**overrides: Any) -> ServerHandle:
+    def go(**overrides: Any) -> Awaitable[ServerHandle]:
         kw: dict[str, Any] = {
             "model": tiny_model, "port": 0, "backend": "numpy", "ctx_size": 1024,
             "parallel": 2, "shutdown_timeout": 2.0, "temp": 0.0,
         } | overrides
-        done = trio.Event()
-        handle: ServerHandle = await nursery.start(run, ServerConfig(**kw), done)
-        with trio.fail_after(60):
-            await handle.context.loaded.wait()
-        running.append((handle, done))
-        return handle
+        return serve_config(ServerConfig(**kw))
 
-    yield go
-    # a graceful shutdown ends serve() by itself, well within its grace period
-    for handle, done in running:
-        handle.shutdown()
-        with trio.fail_after(10):
-            await done.wait()
+    return go
 
 
 def client(handle: ServerHandle, **kw: Any) -> httpx.AsyncClient:
