@@ -38,10 +38,10 @@ async def serve_config(nursery: Any) -> AsyncIterator[ServeFactory]:
         finally:
             done.set()
 
-    async def go(config: Any) -> Any:
+    async def go(config: Any, load_timeout: float = 60) -> Any:
         done = trio.Event()
         handle = await nursery.start(run, config, done)
-        with trio.fail_after(60):
+        with trio.fail_after(load_timeout):
             await handle.context.loaded.wait()
         running.append((handle, done))
         return handle

@@ -127,22 +127,15 @@ def test_bad_adapters_are_one_line(tmp_path: Path) -> None:
         load_gguf(tmp_path / "moe.gguf", {"lora": [(str(experts), 1.0)]})
 
 
-async def test_the_server_flags_endpoints_and_request_field(tmp_path: Path, nursery: Any) -> None:
+async def test_the_server_flags_endpoints_and_request_field(tmp_path: Path, serve_argv: Any) -> None:
     """--lora-scaled through a real server: its greedy /completion is llama-server's with
     the same adapter; GET /lora-adapters lists it; the same scales (POST, or a request's
     ``lora``) are accepted, other scales are a 400 (they are fixed at start here)."""
     import httpx
-    import trio
-
-    from trio_llm.runtime import parse_config, serve
 
     model = make_model("tiny", "F32", tmp_path / "m.gguf", sharp=True)
     adapter = write_adapter(tmp_path / "a.gguf", model, WEIGHTS, seed=1)
-    config = parse_config(["-m", str(model), "--port", "0", "--backend", "numpy", "--no-warmup", "-c", "256",
-                           "--lora-scaled", f"{adapter}:0.7"], {})
-    handle = await nursery.start(serve, config)
-    with trio.fail_after(60):
-        await handle.context.loaded.wait()
+    handle = await serve_argv("-m", str(model), "--backend", "numpy", "-c", "256", "--lora-scaled", f"{adapter}:0.7")
     tok = Tokenizer.from_metadata(load_gguf(model).metadata)
     plain = [i for i in range(tok.n_vocab) if not tok.is_special(i) and not tok.is_eog(i)]
     body = {"prompt": [int(t) for t in np.random.default_rng(5).choice(plain, 12)], "n_predict": 12,
@@ -160,7 +153,6 @@ async def test_the_server_flags_endpoints_and_request_field(tmp_path: Path, nurs
         listed = (await c.get("/lora-adapters")).json()
         post_same = await c.post("/lora-adapters", json=[{"id": 0, "scale": 0.7}])
         post_other = await c.post("/lora-adapters", json=[{"id": 0, "scale": 0.0}])
-    handle.shutdown()
     assert ours["tokens"] == theirs["tokens"]
     assert same.status_code == 200 and same.json()["tokens"] == ours["tokens"]
     assert other.status_code == 400 and "per-request adapter scales" in other.json()["error"]["message"]

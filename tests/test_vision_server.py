@@ -23,10 +23,11 @@ import trio
 import xllamacpp
 from PIL import Image
 
+from conftest import ServeFactory
 from llamacpp_ref import N_PROBS, TIE_TOL, server_params
 from trio_llm.config import ServerConfig
 from trio_llm.model.gguf import load_gguf
-from trio_llm.runtime import ServerHandle, serve
+from trio_llm.runtime import ServerHandle
 from trio_llm.vision.synth import write_mmproj
 
 Start = Callable[..., Awaitable[ServerHandle]]
@@ -83,25 +84,14 @@ def llamacpp(files: tuple[Path, Path]) -> AsyncIterator[httpx.Client]:
 
 
 @pytest.fixture
-async def start(files: tuple[Path, Path], nursery: trio.Nursery) -> AsyncIterator[Start]:
-    running: list[ServerHandle] = []
-
-    async def run(config: ServerConfig, *, task_status: Any) -> None:
-        await serve(config, task_status=task_status)
-
-    async def go(**overrides: Any) -> ServerHandle:
+def start(files: tuple[Path, Path], serve_config: ServeFactory) -> Start:
+    def go(**overrides: Any) -> Awaitable[ServerHandle]:
         text, mmproj = files
         kw: dict[str, Any] = {"model": text, "mmproj": mmproj, "port": 0, "backend": "numpy", "ctx_size": 512,
                               "parallel": 1, "shutdown_timeout": 2.0, "temp": 0.0} | overrides
-        handle: ServerHandle = await nursery.start(run, ServerConfig(**kw))
-        with trio.fail_after(120):
-            await handle.context.loaded.wait()
-        running.append(handle)
-        return handle
+        return serve_config(ServerConfig(**kw), load_timeout=120)
 
-    yield go
-    for handle in running:
-        handle.shutdown()
+    return go
 
 
 def _steps(out: dict[str, Any]) -> list[tuple[int, dict[int, float] | None]]:
