@@ -61,6 +61,13 @@ def serve_argv(serve_config: ServeFactory) -> ServeFactory:
     return lambda *argv: serve_config(parse_config(["--port", "0", "--no-warmup", *map(str, argv)], {}))
 
 
+@pytest.fixture
+def numpy_server(serve_argv: ServeFactory) -> ServeFactory:
+    """Factory: ``numpy_server(path, *flags)``, a numpy server of ``path`` with a
+    256-position context (llama.cpp's smallest, so a reference sees the same one)."""
+    return lambda path, *argv: serve_argv("-m", path, "--backend", "numpy", "-c", "256", *argv)
+
+
 @pytest.fixture(scope="session")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> ModelPathFactory:
     """Factory: ``model_path("tiny", "Q8_0", seed=0, pure=False, sharp=False) -> Path``
@@ -84,6 +91,13 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> ModelPathFactory:
 def tiny_model(model_path: ModelPathFactory) -> Path:
     """The ``tiny`` llama preset in Q8_0 (gpt2-style vocab, llama3 chat template)."""
     return model_path("tiny", "Q8_0")
+
+
+@pytest.fixture(scope="session")
+def sharp_qwen3_model(model_path: ModelPathFactory) -> Path:
+    """``tiny-qwen3`` in F32 with peaked attention and logits: greedy paths without
+    near-ties, so token-for-token comparisons with llama.cpp hold."""
+    return model_path("tiny-qwen3", "F32", sharp=True)
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,27 @@ LOGPROB_TOL = 0.15
 TIE_TOL = 0.1
 
 
+def plain_tokens(tok: Tokenizer) -> list[int]:
+    """The ordinary token ids: neither special nor end-of-generation."""
+    return [i for i in range(tok.n_vocab) if not tok.is_special(i) and not tok.is_eog(i)]
+
+
+def partial_utf8_tokens(tok: Tokenizer) -> list[int]:
+    """The token ids whose piece alone is not valid UTF-8 (a part of a character)."""
+    out = []
+    for i in range(tok.n_vocab):
+        try:
+            tok.token_to_piece(i).decode("utf-8")
+        except UnicodeDecodeError:
+            out.append(i)
+    return out
+
+
+def plain_prompt(tok: Tokenizer, n: int, seed: int) -> list[int]:
+    """``n`` random ordinary token ids, fixed by the seed."""
+    return [int(t) for t in np.random.default_rng(seed).choice(plain_tokens(tok), n)]
+
+
 @attrs.frozen
 class Step:
     token: int

@@ -10,13 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
 
 from conftest import ServeFactory
-from llamacpp_ref import TIE_TOL, server_params
+from llamacpp_ref import TIE_TOL, plain_prompt, server_params
 from trio_llm.model.gguf import load_gguf
-from trio_llm.model.synth import make_model
 from trio_llm.model.tokenizer import Tokenizer
 from trio_llm.runtime import ServerHandle
 
@@ -28,11 +26,6 @@ Start = Callable[..., Awaitable[ServerHandle]]
 def start(serve_argv: ServeFactory) -> Start:
     """A server of ``path`` with an ``N_CTX`` context (the backend in the flags)."""
     return lambda path, *argv: serve_argv("-m", path, "-c", N_CTX, *argv)
-
-
-@pytest.fixture(scope="module")
-def sharp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model("tiny-qwen3", "F32", tmp_path_factory.mktemp("cs") / "sharp.gguf", sharp=True)
 
 
 def _theirs(path: Path, body: dict[str, Any]) -> dict[str, Any]:
@@ -50,15 +43,16 @@ def _theirs(path: Path, body: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("kind", ["numpy", pytest.param("vulkan", marks=pytest.mark.vulkan)])
 @pytest.mark.parametrize("shift", [{"n_keep": 6}, {"n_keep": -1}, {"n_keep": 3, "n_discard": 10}])
-async def test_shifts_are_llamacpps(start: Start, sharp: Path, kind: str, shift: dict[str, int]) -> None:
-    tok = Tokenizer.from_metadata(load_gguf(sharp).metadata)
-    plain = [i for i in range(tok.n_vocab) if not tok.is_special(i) and not tok.is_eog(i)]
-    prompt = [int(t) for t in np.random.default_rng(8).choice(plain, 20)]
+async def test_shifts_are_llamacpps(
+    start: Start, sharp_qwen3_model: Path, kind: str, shift: dict[str, int],
+) -> None:
+    tok = Tokenizer.from_metadata(load_gguf(sharp_qwen3_model).metadata)
+    prompt = plain_prompt(tok, 20, seed=8)
     bias = [[t, False] for t in sorted(tok.eog_ids)]  # no end token: run through the shifts
     body = {"prompt": prompt, "n_predict": 420, "temperature": 0, "cache_prompt": False, "return_tokens": True,
             "logit_bias": bias, "n_probs": 5, **shift}
-    theirs = _theirs(sharp, body)
-    h = await start(sharp, "--context-shift", "--backend", kind)
+    theirs = _theirs(sharp_qwen3_model, body)
+    h = await start(sharp_qwen3_model, "--context-shift", "--backend", kind)
     async with httpx.AsyncClient(base_url=h.url, timeout=120) as c:
         ours = (await c.post("/completion", json=body)).json()
     # llama-server's documentation says truncated is true once the context was exceeded;
@@ -75,10 +69,10 @@ async def test_shifts_are_llamacpps(start: Start, sharp: Path, kind: str, shift:
         assert mine in top and top[chosen] - top[mine] <= TIE_TOL, (parted, top, mine, chosen)
 
 
-async def test_off_by_default_and_refused_where_it_cannot_shift(start: Start, sharp: Path, model_path: Any,
+async def test_off_by_default_and_refused_where_it_cannot_shift(start: Start, sharp_qwen3_model: Path, model_path: Any,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     body = {"prompt": "hello", "n_predict": 400, "temperature": 0}
-    h = await start(sharp, "--backend", "numpy")
+    h = await start(sharp_qwen3_model, "--backend", "numpy")
     async with httpx.AsyncClient(base_url=h.url, timeout=120) as c:
         r = (await c.post("/completion", json={**body, "logit_bias": [[t, False] for t in range(0)]})).json()
     assert not r["truncated"] and r["tokens_predicted"] <= N_CTX

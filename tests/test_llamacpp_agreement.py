@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llamacpp_ref import Reference, agree, our_greedy, server_piece, stops_on
+from llamacpp_ref import Reference, agree, our_greedy, plain_tokens, server_piece, stops_on
 from trio_llm.engine.reference import NumpyBackend
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.kvtypes import KV_TYPES
@@ -63,7 +63,7 @@ PROMPT_SEEDS = {"numpy": 11, "vulkan": 12}
 def _prompts(tok: Tokenizer, lengths: tuple[int, ...], seed: int = 11) -> list[list[int]]:
     """Random ordinary (non-special) token ids, fixed by the seed."""
     rng = np.random.default_rng(seed)
-    plain = [i for i in range(tok.n_vocab) if not tok.is_special(i) and not tok.is_eog(i)]
+    plain = plain_tokens(tok)
     return [[int(t) for t in rng.choice(plain, n)] for n in lengths]
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import xllamacpp
 
-from llamacpp_ref import Reference, agree, our_greedy, server_piece
+from llamacpp_ref import Reference, agree, our_greedy, plain_prompt, server_piece
 from trio_llm.engine.reference import NumpyBackend
 from trio_llm.errors import ModelLoadError, UnsupportedModelError
 from trio_llm.model.gguf import load_gguf
@@ -82,8 +82,7 @@ def test_adapters_agree_with_llamacpp(tmp_path: Path, preset: str, kind: str) ->
     ours = load_gguf(model, {"lora": [(str(p), s) for p, s in adapters]})
     assert len(ours.config.lora) == 6 and ours.config.lora[0][3] == pytest.approx(0.7 * 8.0 / 4)
     tok = Tokenizer.from_metadata(ours.metadata)
-    plain = [i for i in range(tok.n_vocab) if not tok.is_special(i) and not tok.is_eog(i)]
-    prompt = [int(t) for t in np.random.default_rng(3).choice(plain, 14)]
+    prompt = plain_prompt(tok, 14, seed=3)
     ref = _reference(model, adapters)
     try:
         theirs = ref.greedy(prompt, server_piece(tok))
@@ -137,8 +136,7 @@ async def test_the_server_flags_endpoints_and_request_field(tmp_path: Path, serv
     adapter = write_adapter(tmp_path / "a.gguf", model, WEIGHTS, seed=1)
     handle = await serve_argv("-m", str(model), "--backend", "numpy", "-c", "256", "--lora-scaled", f"{adapter}:0.7")
     tok = Tokenizer.from_metadata(load_gguf(model).metadata)
-    plain = [i for i in range(tok.n_vocab) if not tok.is_special(i) and not tok.is_eog(i)]
-    body = {"prompt": [int(t) for t in np.random.default_rng(5).choice(plain, 12)], "n_predict": 12,
+    body = {"prompt": plain_prompt(tok, 12, seed=5), "n_predict": 12,
             "temperature": 0, "cache_prompt": False, "return_tokens": True}
     ref = _reference(model, [(adapter, 0.7)])
     try:

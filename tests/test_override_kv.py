@@ -7,10 +7,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from llamacpp_ref import Reference, agree, our_greedy, server_piece
+from llamacpp_ref import Reference, agree, our_greedy, plain_prompt, server_piece
 from trio_llm.engine.reference import NumpyBackend
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.synth import make_model
@@ -40,8 +39,7 @@ def test_an_expert_count_override_runs_as_llamacpp_on_that_file(tmp_path: Path) 
     assert (model.config.n_expert_used, load_gguf(original).config.n_expert_used) == (2, 4)
     assert model.overrides == {"kv": {"qwen3moe.expert_used_count": 2}}
     tok = Tokenizer.from_metadata(model.metadata)
-    plain = [i for i in range(tok.n_vocab) if not tok.is_special(i) and not tok.is_eog(i)]
-    prompt = [int(t) for t in np.random.default_rng(4).choice(plain, 20)]
+    prompt = plain_prompt(tok, 20, seed=4)
     ref, backend = Reference(written, n_ctx=64), NumpyBackend(model, n_ctx=64, n_seq=1)
     try:
         ours = our_greedy(backend, prompt, tok.is_eog)

@@ -5,15 +5,12 @@ token for token (xllamacpp, the same request on the same file)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
-import numpy as np
-import pytest
 
 from conftest import ServeFactory
-from llamacpp_ref import Reference
+from llamacpp_ref import Reference, partial_utf8_tokens, plain_prompt
 from trio_llm.engine.reasoning_budget import (
     COUNTING,
     DONE,
@@ -26,7 +23,6 @@ from trio_llm.engine.reasoning_budget import (
 )
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.tokenizer import Tokenizer
-from trio_llm.runtime import ServerHandle
 
 START, END, MSG = (7,), ((8, 9),), (5,)
 
@@ -66,31 +62,16 @@ def test_utf8_completeness_is_llamacpps() -> None:
     assert utf8_complete("a€".encode()) and not utf8_complete(b"\x80\x80\x80\x80") and not utf8_complete(b"\x80")
 
 
-Start = Callable[..., Awaitable[ServerHandle]]
-
-
-@pytest.fixture
-def start(serve_argv: ServeFactory) -> Start:
-    """A numpy server of ``path`` with a 256-position context and more flags."""
-    return lambda path, *argv: serve_argv("-m", path, "--backend", "numpy", "-c", "256", *argv)
-
-
-@pytest.fixture(scope="module")
-def sharp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trio_llm.model.synth import make_model
-
-    return make_model("tiny-qwen3", "F32", tmp_path_factory.mktemp("rb") / "sharp.gguf", sharp=True)
-
-
-async def test_a_budget_of_completion_is_llamacpps_token_for_token(start: Start, sharp: Path) -> None:
+async def test_a_budget_of_completion_is_llamacpps_token_for_token(
+    numpy_server: ServeFactory, sharp_qwen3_model: Path,
+) -> None:
     """/completion names its tags: the start tag is a token the free answer writes, so
     the count starts there; three tokens later the message and the end tag are forced
     and the answer goes on, exactly as llama-server's."""
-    tok = Tokenizer.from_metadata(load_gguf(sharp).metadata)
-    plain = [i for i in range(tok.n_vocab) if not tok.is_special(i) and not tok.is_eog(i)]
-    prompt = [int(t) for t in np.random.default_rng(2).choice(plain, 16)]
+    tok = Tokenizer.from_metadata(load_gguf(sharp_qwen3_model).metadata)
+    prompt = plain_prompt(tok, 16, seed=2)
     body = {"prompt": prompt, "n_predict": 16, "temperature": 0, "cache_prompt": False, "return_tokens": True}
-    h = await start(sharp)
+    h = await numpy_server(sharp_qwen3_model)
     async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
         free = (await c.post("/completion", json=body)).json()["tokens"]
         # a start tag: the first generated token whose text tokenizes back to it alone
@@ -101,7 +82,7 @@ async def test_a_budget_of_completion_is_llamacpps_token_for_token(start: Start,
     forced = tok.encode(" stop", add_special=False) + tok.encode(" zebra", add_special=False)
     assert ours["tokens"][: at + 4] == free[: at + 4]
     assert ours["tokens"][at + 4: at + 4 + len(forced)] == forced
-    ref = Reference(sharp, n_ctx=256)
+    ref = Reference(sharp_qwen3_model, n_ctx=256)
     try:
         theirs = ref._client.post("/completion", json={**body, **budget}).json()
     finally:
@@ -114,23 +95,20 @@ THINKING = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|
             "<|im_start|>assistant\n<think>\n")
 
 
-async def test_a_chat_budget_closes_the_thought(start: Start, sharp: Path, tmp_path: Path) -> None:
+async def test_a_chat_budget_closes_the_thought(
+    numpy_server: ServeFactory, sharp_qwen3_model: Path, tmp_path: Path,
+) -> None:
     """A template whose prompt opens a thought: the budget counts from the first token;
     --reasoning-budget is the default, a request's thinking_budget_tokens over it; the
     forced ``</think>`` ends the reasoning_content and the answer goes on as content."""
     template = tmp_path / "t.jinja"
     template.write_text(THINKING)
-    tok = Tokenizer.from_metadata(load_gguf(sharp).metadata)
-    h = await start(sharp, "--chat-template-file", str(template), "--reasoning-budget", "4",
-                    "--reasoning-budget-message", " (enough)")
+    tok = Tokenizer.from_metadata(load_gguf(sharp_qwen3_model).metadata)
+    h = await numpy_server(sharp_qwen3_model, "--chat-template-file", str(template), "--reasoning-budget", "4",
+                           "--reasoning-budget-message", " (enough)")
     # a random model writes pieces of characters: banned here, else the budget waits
     # for a character to finish (as llama.cpp's does) and the thought never closes
-    broken = []
-    for i in range(tok.n_vocab):
-        try:
-            tok.token_to_piece(i).decode("utf-8")
-        except UnicodeDecodeError:
-            broken.append([i, False])
+    broken = [[i, False] for i in partial_utf8_tokens(tok)]
     body = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 20, "temperature": 0,
             "ignore_eos": True, "logit_bias": broken}
     async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
@@ -150,7 +128,9 @@ async def test_a_chat_budget_closes_the_thought(start: Start, sharp: Path, tmp_p
     assert unset["choices"][0]["message"] == r4["choices"][0]["message"]
 
 
-async def test_reasoning_control_ends_a_thought_at_runtime(start: Start, sharp: Path, tmp_path: Path) -> None:
+async def test_reasoning_control_ends_a_thought_at_runtime(
+    numpy_server: ServeFactory, sharp_qwen3_model: Path, tmp_path: Path,
+) -> None:
     """llama-server's reasoning_control and POST /v1/chat/completions/control: a live,
     streamed completion that asked for it has its thought ended when asked (``</think>``
     forced), and its answer goes on as content; the endpoint's refusals are
@@ -159,14 +139,9 @@ async def test_reasoning_control_ends_a_thought_at_runtime(start: Start, sharp: 
 
     template = tmp_path / "t.jinja"
     template.write_text(THINKING)
-    tok = Tokenizer.from_metadata(load_gguf(sharp).metadata)
-    broken = []
-    for i in range(tok.n_vocab):
-        try:
-            tok.token_to_piece(i).decode("utf-8")
-        except UnicodeDecodeError:
-            broken.append([i, False])
-    h = await start(sharp, "--chat-template-file", str(template))
+    tok = Tokenizer.from_metadata(load_gguf(sharp_qwen3_model).metadata)
+    broken = [[i, False] for i in partial_utf8_tokens(tok)]
+    h = await numpy_server(sharp_qwen3_model, "--chat-template-file", str(template))
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 60, "temperature": 0,
             "ignore_eos": True, "logit_bias": broken, "stream": True, "reasoning_control": True}
     reasoning, content, cmpl_id = "", "", ""
@@ -200,8 +175,10 @@ async def test_reasoning_control_ends_a_thought_at_runtime(start: Start, sharp: 
     assert "unknown control action" in bad[1].json()["error"]["message"]
 
 
-async def test_reasoning_control_needs_a_chat_request(start: Start, sharp: Path) -> None:
-    h = await start(sharp)
+async def test_reasoning_control_needs_a_chat_request(
+    numpy_server: ServeFactory, sharp_qwen3_model: Path,
+) -> None:
+    h = await numpy_server(sharp_qwen3_model)
     async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
         r = await c.post("/completion", json={"prompt": "hi", "n_predict": 1, "reasoning_control": True})
     assert r.status_code == 400 and "'reasoning_control' needs a chat request" in r.json()["error"]["message"]

@@ -210,14 +210,13 @@ async def test_special_writes_control_tokens(start: Start) -> None:
 async def test_an_end_of_generation_token_counts_as_decoded(start: Start, tiny_model: Path) -> None:
     """llama-server counts the end token in tokens_predicted, timings.predicted_n and
     usage.completion_tokens: the same figures here (xllamacpp, the same request)."""
-    from llamacpp_ref import Reference
+    from llamacpp_ref import Reference, plain_tokens
     from trio_llm.model.gguf import load_gguf
     from trio_llm.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_metadata(load_gguf(tiny_model).metadata)
     first = next(iter(sorted(tok.eog_ids)))
-    plain = [i for i in range(tok.n_vocab) if not tok.is_special(i) and not tok.is_eog(i)]
-    body = {"prompt": plain[:5], "n_predict": 6, "temperature": 0, "cache_prompt": False,
+    body = {"prompt": plain_tokens(tok)[:5], "n_predict": 6, "temperature": 0, "cache_prompt": False,
             "logit_bias": [[first, 100.0]]}
     ref = Reference(tiny_model, n_ctx=128)
     try:

@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
-from llamacpp_ref import Reference, agree, our_greedy, server_piece
+from llamacpp_ref import Reference, agree, our_greedy, plain_prompt, server_piece
 from trio_llm.engine.reference import NumpyBackend
 from trio_llm.errors import UnsupportedModelError
 from trio_llm.model.gguf import load_gguf
@@ -55,9 +54,7 @@ def _verdict(theirs: Path, ours: Path, kind: str, *, rope: dict[str, Any] | None
     on ``ours`` (with ``overrides``), one 80-token prompt (past the YaRN file's original
     context): ``llamacpp_ref.agree``'s verdict."""
     tok = Tokenizer.from_metadata(load_gguf(ours).metadata)
-    rng = np.random.default_rng(seed)
-    plain = [i for i in range(tok.n_vocab) if not tok.is_special(i) and not tok.is_eog(i)]
-    prompt = [int(t) for t in rng.choice(plain, 80)]
+    prompt = plain_prompt(tok, 80, seed)
     ref = Reference(theirs, n_ctx=N_CTX, rope=rope)
     backend = _backend(kind, ours, overrides)
     try:

@@ -7,42 +7,22 @@ come from different generators, so only the distribution is compared)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
 
 from conftest import ServeFactory
-from llamacpp_ref import Reference
+from llamacpp_ref import Reference, plain_prompt
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.tokenizer import Tokenizer
-from trio_llm.runtime import ServerHandle
 
 TOL = 0.03  # probabilities: our logits differ from llama.cpp's CPU ones by ~1e-3 nats
 
-Start = Callable[..., Awaitable[ServerHandle]]
-
-
-@pytest.fixture
-def start(serve_argv: ServeFactory) -> Start:
-    """A numpy server of ``path`` with a 256-position context and more flags."""
-    return lambda path, *argv: serve_argv("-m", path, "--backend", "numpy", "-c", "256", *argv)
-
-
-@pytest.fixture(scope="module")
-def sharp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trio_llm.model.synth import make_model
-
-    return make_model("tiny-qwen3", "F32", tmp_path_factory.mktemp("s") / "sharp.gguf", sharp=True)
-
-
 def _prompt(path: Path, n: int = 24, repeat: bool = False) -> list[int]:
     tok = Tokenizer.from_metadata(load_gguf(path).metadata)
-    plain = [i for i in range(tok.n_vocab) if not tok.is_special(i) and not tok.is_eog(i)]
-    ids = [int(t) for t in np.random.default_rng(7).choice(plain, n)]
+    ids = plain_prompt(tok, n, seed=7)
     return ids + ids[: n // 2] if repeat else ids  # a repeat that DRY penalises
 
 
@@ -72,16 +52,18 @@ REQUESTS: dict[str, dict[str, Any]] = {
 
 
 @pytest.mark.parametrize("name", list(REQUESTS))
-async def test_a_requests_samplers_give_llamacpps_candidates(start: Start, sharp: Path, name: str) -> None:
-    prompt = _prompt(sharp, repeat=name == "dry")
+async def test_a_requests_samplers_give_llamacpps_candidates(
+    numpy_server: ServeFactory, sharp_qwen3_model: Path, name: str,
+) -> None:
+    prompt = _prompt(sharp_qwen3_model, repeat=name == "dry")
     body = {"prompt": prompt, "n_predict": 1, "n_probs": 40, "post_sampling_probs": True, "temperature": 1.0,
             "cache_prompt": False, "seed": 3, **REQUESTS[name]}
-    ref = Reference(sharp, n_ctx=256)
+    ref = Reference(sharp_qwen3_model, n_ctx=256)
     try:
         theirs = ref._client.post("/completion", json=body).json()["completion_probabilities"][0]
     finally:
         ref.close()
-    h = await start(sharp)
+    h = await numpy_server(sharp_qwen3_model)
     async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
         r = await c.post("/completion", json=body)
     assert r.status_code == 200, r.text
@@ -97,25 +79,25 @@ async def test_a_requests_samplers_give_llamacpps_candidates(start: Start, sharp
             assert settings[key] == value, key
 
 
-async def test_the_command_line_sets_the_defaults(start: Start, sharp: Path) -> None:
+async def test_the_command_line_sets_the_defaults(numpy_server: ServeFactory, sharp_qwen3_model: Path) -> None:
     """--dry-* / --samplers / --top-n-sigma... are a request's defaults, as llama-server's."""
     args = ["--dry-multiplier", "1.5", "--dry-allowed-length", "1", "--dry-sequence-breaker", "x",
             "--dry-sequence-breaker", "y", "--samplers", "penalties;dry;top_k;temperature", "--top-k", "6",
             "--top-n-sigma", "2.5", "--mirostat-ent", "4", "--xtc-threshold", "0.2"]
-    h = await start(sharp, *args)
+    h = await numpy_server(sharp_qwen3_model, *args)
     cfg = h.context.config
     assert cfg.dry_sequence_breakers == ("x", "y") and cfg.samplers == ("penalties", "dry", "top_k", "temperature")
-    prompt = _prompt(sharp, repeat=True)
+    prompt = _prompt(sharp_qwen3_model, repeat=True)
     # a fixed seed, and no end token drawn: llama-server leaves out the probabilities of an
     # answer that ends at once (a random seed drew one now and then under load)
-    tok = Tokenizer.from_metadata(load_gguf(sharp).metadata)
+    tok = Tokenizer.from_metadata(load_gguf(sharp_qwen3_model).metadata)
     body = {"prompt": prompt, "n_predict": 1, "n_probs": 40, "post_sampling_probs": True, "temperature": 1.0,
             "cache_prompt": False, "seed": 3, "logit_bias": [[t, False] for t in sorted(tok.eog_ids)]}
     async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
         r = await c.post("/completion", json=body)
         props = (await c.get("/props")).json()["default_generation_settings"]["params"]
     assert props["dry_multiplier"] == 1.5 and props["top_n_sigma"] == 2.5 and props["mirostat_tau"] == 4.0
-    ref = Reference(sharp, n_ctx=256)
+    ref = Reference(sharp_qwen3_model, n_ctx=256)
     try:
         theirs = ref._client.post("/completion", json={**body, "dry_multiplier": 1.5, "dry_allowed_length": 1,
                                                        "dry_sequence_breakers": ["x", "y"], "top_k": 6,
@@ -130,8 +112,10 @@ async def test_the_command_line_sets_the_defaults(start: Start, sharp: Path) -> 
                                                ("samplers", 5), ("dry_sequence_breakers", []),
                                                ("xtc_probability", 1.5), ("min_keep", -1),
                                                ("dry_penalty_last_n", -2), ("adaptive_decay", 1.0)])
-async def test_bad_sampler_fields_are_400(start: Start, tiny_model: Path, field: str, value: Any) -> None:
-    h = await start(tiny_model)
+async def test_bad_sampler_fields_are_400(
+    numpy_server: ServeFactory, tiny_model: Path, field: str, value: Any,
+) -> None:
+    h = await numpy_server(tiny_model)
     async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
         r = await c.post("/completion", json={"prompt": "hi", "n_predict": 1, field: value})
         ok = await c.post("/completion", json={"prompt": "hi", "n_predict": 1})

@@ -508,19 +508,14 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(model_path) -> Iterator[World]:  # type: ignore[no-untyped-def]
-    from llamacpp_ref import Reference
+    from llamacpp_ref import Reference, partial_utf8_tokens
     from trio_llm.engine.reference import NumpyBackend
     from trio_llm.model.gguf import load_gguf
     from trio_llm.model.tokenizer import Tokenizer
 
     path = model_path("tiny", "F32", sharp=True)
     tok = Tokenizer.from_metadata(load_gguf(path).metadata)
-    ban = []
-    for i in range(tok.n_vocab):
-        try:
-            tok.token_to_piece(i).decode("utf-8")
-        except UnicodeDecodeError:
-            ban.append(i)
+    ban = partial_utf8_tokens(tok)
     ban += [i for i in range(tok.n_vocab) if tok.is_special(i) or tok.is_eog(i)]
     breakers = (b"\n", b":", b'"', b"*")
     plain = [i for i in range(tok.n_vocab) if i not in set(ban)
