@@ -331,6 +331,22 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
         --backend vulkan --log-dir "$RES/coldmem-logs-$f"
       break
     done ;;
+  ab13)  # issue 13's two pending prefill-product options in one short stage (x16 and dequant at once, for a call
+    # that also runs e2e while CUDA builds): their GPU tests, then pp512 with --pp-breakdown: llama-1b Q8_0 at the
+    # defaults, X16=1 and DEQUANT=Q8_0; llama-8b Q4_K_M at the defaults, DEQUANT=1, X16=1 and both
+    stage verify-ab13 150 $PY -m pytest -q -p no:cacheprovider -rs ${XD[@]+"${XD[@]}"} tests/test_vulkan_nv2_matmul.py \
+      tests/test_vulkan_ops.py tests/test_vulkan_dequant.py -k "(x16 or f16_activations or dequant) and not emulated"
+    [ "$LAST_RC" = 0 ] || say "ab13: tests failed (rc=$LAST_RC); the A/B runs anyway, for the figures only"
+    for e in "base:" "x16:TRIO_LLM_MATMUL_X16=1" "dqq8:TRIO_LLM_MATMUL_DEQUANT=Q8_0"; do
+      stage "ab13-1b-pp512-${e%%:*}" 60 env ${e#*:} $PY bench/decode.py --model "$M1" --backends vulkan \
+        --pp 512 --tg 8 --repeats 3 --pp-breakdown
+    done
+    wait8b
+    for e in "base:" "dq:TRIO_LLM_MATMUL_DEQUANT=1" "x16:TRIO_LLM_MATMUL_X16=1" \
+             "dqx16:TRIO_LLM_MATMUL_DEQUANT=1 TRIO_LLM_MATMUL_X16=1"; do
+      stage "ab13-8b-pp512-${e%%:*}" 75 env ${e#*:} $PY bench/decode.py --model "$M8B" --backends vulkan \
+        --pp 512 --tg 8 --repeats 3 --pp-breakdown
+    done ;;
   x16)  # issue 13: the prefill products on f16 activations (TRIO_LLM_MATMUL_X16=1: to_f16.comp once per product
     # input; matmul_nv2's and matmul_cm2's X_F16 variants read them as they are, as llama.cpp's coopmat2 products do):
     # their GPU tests, then whole pp512s of llama-1b Q8_0 (matmul_nv2) and llama-8b Q4_K_M (K-quants on matmul_cm2,
