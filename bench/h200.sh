@@ -387,12 +387,12 @@ print(sorted(e for e in d.extensions if 'cooperative' in e))" ;;
   ppdepth)  # issue 13: where the last 512-token pass of a long prefill spends its GPU time, kernel by kernel
     # (bench/decode.py --pp-breakdown times a pp above --max-chunk as its last pass, the cache holding the rest):
     # llama-1b at 512 (no depth), 8192 and 32768; llama-8b at 512 and 4096. What grows with depth besides attention
-    for L in ${PD_1B:-512 8192 32768}; do
+    for L in ${PD_1B-512 8192 32768}; do
       stage "ppdepth-1b-$L" 90 $PY bench/decode.py --model "$M1" --backends vulkan --pp "$L" --tg 4 --repeats 1 \
         --warmup 0 --pp-breakdown
     done
     wait8b
-    for L in ${PD_8B:-512 4096}; do
+    for L in ${PD_8B-512 4096}; do
       stage "ppdepth-8b-$L" 90 $PY bench/decode.py --model "$M8B" --backends vulkan --pp "$L" --tg 4 --repeats 1 \
         --warmup 0 --pp-breakdown
     done ;;
