@@ -194,12 +194,13 @@ def test_hf_resolves_the_flat_layout(tmp_path: Path) -> None:
     assert resolve("a/b:Q8_0", env={"HOME": str(home), "XDG_CACHE_HOME": str(xdg)}) == xdg / "llama.cpp" / "a_b_b-Q8_0.gguf"
 
 
-def test_hf_not_cached_is_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hf_offline_not_cached_is_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(NotCached, match="quant Q4_K_M is not in the local cache"):
         resolve("a/b:Q4_K_M", env={"LLAMA_CACHE": str(tmp_path)})
     monkeypatch.setenv("LLAMA_CACHE", str(tmp_path))
-    err = one_line_exit(["-hf", "unsloth/Nope-GGUF:Q4_K_M"], capsys, code=1)
+    # --offline: the cache only (online, the repository is downloaded at startup: test_hf_download.py)
+    err = one_line_exit(["-hf", "unsloth/Nope-GGUF:Q4_K_M", "--offline"], capsys, code=1)
     assert "unsloth/Nope-GGUF:Q4_K_M" in err and "nothing is downloaded" in err
     assert "invalid HF repo" in one_line_exit(["-hf", "just-a-name"], capsys)
 

@@ -109,7 +109,7 @@ class ServerConfig:
     kv_overrides: dict[str, Any] = attrs.field(factory=dict)  # --override-kv: metadata over the file's
     reverse_prompt: tuple[str, ...] = ()  # -r: the stop words of a request without any
     logit_bias: tuple[tuple[int, float], ...] = ()  # -l: the logit bias of a request without one
-    hf_repo: str | None = None  # -hf REPO[:QUANT], resolved into model at parse time
+    hf_repo: str | None = None  # -hf REPO[:QUANT]: model from the cache at parse time, else downloaded at startup
     hf_file: str | None = None  # -hff
     mmproj: Path | None = None  # --mmproj: gemma3's vision projector (with -hf: found beside the model)
     mmproj_auto: bool = True  # --no-mmproj: -hf takes no projector

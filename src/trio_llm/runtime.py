@@ -649,9 +649,28 @@ def fetch_urls(config: ServerConfig) -> None:
             log.warning("--mmproj-url: not downloaded: image input to a %s model is not supported here", arch)
 
 
+def fetch_hf(config: ServerConfig) -> ServerConfig:
+    """Blocking: ``-hf``'s download (``model/hf_download.py``) when parsing found the
+    model missing from the cache; ``config`` with the model (and, as llama-server, the
+    repository's projector unless ``--no-mmproj``, ``--mmproj`` or ``--mmproj-url``)
+    in the cache. A cancelled startup stops a download at its next chunk; the partial
+    file stays for a resume."""
+    from trio_llm.model.hf_download import fetch
+
+    def cancelled(_done: int, _total: int | None) -> None:
+        trio.from_thread.check_cancelled()
+
+    assert config.hf_repo is not None
+    with_mmproj = config.mmproj is None and config.mmproj_auto and not config.mmproj_url
+    got = fetch(config.hf_repo, config.hf_file, mmproj=with_mmproj, token=config.hf_token, progress=cancelled)
+    return attrs.evolve(config, model=got.model, mmproj=got.mmproj if with_mmproj else config.mmproj)
+
+
 async def _run_engine(ctx: ServerContext, stop: trio.Event, http_done: trio.Event, show_progress: bool) -> None:
     """Load the model and run the actors until the HTTP server has shut down."""
     config = ctx.config
+    if config.hf_repo and config.model is None:
+        ctx.config = config = await trio.to_thread.run_sync(fetch_hf, config)
     if config.model_url or config.mmproj_url:
         await trio.to_thread.run_sync(fetch_urls, config)
     share = await trio.to_thread.run_sync(arena_share, config)
@@ -865,7 +884,7 @@ def main(argv: list[str]) -> int:
     except (UsageError, ConfigError) as exc:
         print(f"trio-llm serve: error: {exc}", file=sys.stderr)
         return 2
-    except ModelLoadError as exc:  # -hf: not in the local cache
+    except ModelLoadError as exc:  # -hf --offline: not in the local cache
         print(f"trio-llm serve: error: {exc}", file=sys.stderr)
         return 1
     _setup_logging(config)

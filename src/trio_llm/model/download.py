@@ -153,11 +153,16 @@ def trio_pause(seconds: float) -> None:
 
 def download(url: str, path: Path, *, token: str | None = None, offline: bool = False,
              progress: Progress | None = None, attempts: int = 3, retry_delay: float = 1.0,
-             timeout: float = 30.0, pause: Callable[[float], None] = trio_pause) -> Path:
+             timeout: float = 30.0, pause: Callable[[float], None] = trio_pause,
+             sidecar: bool = True) -> Path:
     """``url``'s file at ``path`` (returned), fetched only if needed: see the module
     docstring. Blocking: run it on a trio worker thread (``pause`` waits between
     attempts, trio's sleep by default). ``timeout`` bounds each network wait
-    (connecting, each read), not the whole download."""
+    (connecting, each read), not the whole download.
+
+    ``sidecar=False`` is for a file whose name says its version (a blob of the Hugging
+    Face hub cache, named by its hash): an existing file is used without asking the
+    server, and no ``.etag`` sidecar is read or written, as llama.cpp's ``skip_etag``."""
     path = Path(path)
     shown = masked_url(url)
     if offline:
@@ -165,6 +170,9 @@ def download(url: str, path: Path, *, token: str | None = None, offline: bool = 
             log.debug("using cached file (offline mode): %s", path)
             return path
         raise DownloadError(path, f"not in the cache, and offline mode forbids downloading {shown}")
+    if not sidecar and path.exists():
+        log.debug("using cached file: %s", path)
+        return path
     if urlsplit(url).scheme not in ("http", "https"):
         raise DownloadError(path, f"{shown}: only http and https URLs can be downloaded")
     import httpx
@@ -194,7 +202,7 @@ def download(url: str, path: Path, *, token: str | None = None, offline: bool = 
                 _wait(pause, retry_delay * 2 ** (attempt - 1), shown, why, attempt, attempts)
             try:
                 version = _pull(client, url, path, partial, ranges=ranges, etag=etag,
-                                head_total=total, progress=progress)
+                                head_total=total, progress=progress, sidecar=sidecar)
             except _Retry as exc:
                 why = str(exc)
                 continue
@@ -202,8 +210,9 @@ def download(url: str, path: Path, *, token: str | None = None, offline: bool = 
                 os.replace(partial, path)
             except OSError as exc:
                 raise DownloadError(path, f"cannot rename {partial.name} onto it: {exc.strerror}") from None
-            _write_etag(path, version)
-            _write_etag(partial, "")
+            if sidecar:
+                _write_etag(path, version)
+                _write_etag(partial, "")
             return path
     raise DownloadError(path, f"{shown}: download failed after {attempts} attempts: {why}")
 
@@ -237,7 +246,7 @@ def _head(client: httpx.Client, url: str, path: Path, attempts: int, retry_delay
 
 
 def _pull(client: httpx.Client, url: str, path: Path, partial: Path, *, ranges: bool,
-          etag: str, head_total: int | None, progress: Progress | None) -> str:
+          etag: str, head_total: int | None, progress: Progress | None, sidecar: bool = True) -> str:
     """One GET into ``partial``, resumed where it can be. Returns, once ``partial`` is
     whole, the ETag of what it holds (the GET's, else the HEAD's); raises ``_Retry``
     for a failure worth another attempt, ``DownloadError`` for one that is not."""
@@ -248,7 +257,7 @@ def _pull(client: httpx.Client, url: str, path: Path, partial: Path, *, ranges: 
         size: int | None = partial.stat().st_size
     except FileNotFoundError:
         size = None
-    offset = resume_offset(size, ranges, head_total, _read_etag(partial), etag)
+    offset = resume_offset(size, ranges, head_total, _read_etag(partial) if sidecar else "", etag)
     headers: dict[str, str] = {}
     if offset:
         headers["Range"] = f"bytes={offset}-"
@@ -283,7 +292,8 @@ def _pull(client: httpx.Client, url: str, path: Path, partial: Path, *, ranges: 
             _log_start(shown, path, offset, total)
             if not offset:  # emptied first: a crash never leaves old bytes under a new ETag
                 partial.unlink(missing_ok=True)
-                _write_etag(partial, version)
+                if sidecar:
+                    _write_etag(partial, version)
             done = _receive(r, partial, offset, total, shown, progress)
     except httpx.HTTPError as exc:
         raise _Retry(_describe(exc, url)) from None

@@ -1,4 +1,5 @@
-"""``-hf REPO[:QUANT]``: find the model in llama.cpp's local cache, never download.
+"""``-hf REPO[:QUANT]``: find the model in llama.cpp's local cache (the download, when
+it is not there, is ``hf_download``'s; this module only reads).
 
 llama.cpp (October 2026, ``common/hf-cache.cpp``) keeps ``-hf`` downloads in the
 Hugging Face hub layout: the cache directory is the first of ``$LLAMA_CACHE``,
@@ -20,8 +21,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Iterable, Mapping
+from pathlib import Path, PurePosixPath
 
 from trio_llm.errors import ModelLoadError
 
@@ -158,40 +159,54 @@ def cached_models(env: Mapping[str, str] | None = None) -> list[str]:
 
 
 def _quant_bits(name: str) -> int | None:
-    """The bit depth of a file name's trailing quant tag (``Q4_K_M`` 4, ``F16`` 16)."""
+    """The bit depth of a file name's trailing quant tag (``Q4_K_M`` 4, ``F16`` 16; a
+    split model's ``-00001-of-00003`` left out)."""
     stem = name.rsplit("/", 1)[-1].removesuffix(".gguf")
+    split = _SPLIT_NAME.match(stem)
+    if split is not None:
+        stem = split.group(1)
     tag = re.split(r"[-.]", stem)[-1]
     m = re.search(r"\d+", tag)
     return int(m.group()) if m else None
 
 
-def find_mmproj(model: Path, spec: str) -> Path | None:
-    """The projector file llama-server's ``-hf`` takes beside ``model`` (a file of the
-    local cache, for ``-hf spec``), or None: among the repository's ``.gguf`` files whose name holds
+def best_mmproj(files: Iterable[str], model: str) -> str | None:
+    """The projector of a repository's ``files`` (relative ``/`` paths) that goes with
+    ``model`` (one of them), or None: among the ``.gguf`` files whose name holds
     ``mmproj``, one in the model's directory or a parent of it, the deepest, then the
     one whose quant bit depth is nearest the model's (llama.cpp's ``find_best_mmproj``
     in ``common/download.cpp``, October 2026)."""
-    snap = next((p for p in model.parents if p.parent.name == "snapshots"), None)
-    if snap is not None:
-        files = [p for p in snap.rglob("*.gguf") if p.is_file()]
-        root = snap
-    else:  # the flat cache: <owner>_<name>_<file>, one directory for every repository
-        root = model.parent
-        prefix = split_repo_tag(spec)[0].replace("/", "_") + "_"
-        files = [p for p in root.iterdir() if p.is_file() and p.name.endswith(".gguf") and p.name.startswith(prefix)]
-    model_dir = model.relative_to(root).parent.parts
-    want = _quant_bits(model.name)
+    model_dir = PurePosixPath(model).parent.parts
+    want = _quant_bits(model)
     best: tuple[int, int] | None = None
     chosen = None
-    for p in sorted(files):
-        if "mmproj" not in p.name.lower() or p == model:
+    for f in sorted(files):
+        p = PurePosixPath(f)
+        if not p.name.endswith(".gguf") or "mmproj" not in p.name.lower() or f == model:
             continue
-        parts = p.relative_to(root).parent.parts
+        parts = p.parent.parts
         if parts != model_dir[: len(parts)]:
             continue
         bits = _quant_bits(p.name)
         distance = abs(bits - want) if bits is not None and want is not None else 1 << 16
         key = (-len(parts), distance)
         if best is None or key < best:
-            best, chosen = key, p
+            best, chosen = key, f
     return chosen
+
+
+def find_mmproj(model: Path, spec: str) -> Path | None:
+    """The projector file llama-server's ``-hf`` takes beside ``model`` (a file of the
+    local cache, for ``-hf spec``), or None: ``best_mmproj`` among the files of the
+    model's snapshot, or of the flat cache's files of the same repository."""
+    snap = next((p for p in model.parents if p.parent.name == "snapshots"), None)
+    if snap is not None:
+        root = snap
+        files = [p.relative_to(snap).as_posix() for p in snap.rglob("*.gguf") if p.is_file()]
+    else:  # the flat cache: <owner>_<name>_<file>, one directory for every repository
+        root = model.parent
+        prefix = split_repo_tag(spec)[0].replace("/", "_") + "_"
+        files = [p.name for p in root.iterdir() if p.is_file() and p.name.endswith(".gguf")
+                 and p.name.startswith(prefix)]
+    chosen = best_mmproj(files, model.relative_to(root).as_posix())
+    return None if chosen is None else root / chosen

@@ -529,19 +529,22 @@ FLAGS: tuple[Flag, ...] = (
       "name) when it is missing or changed (its ETag), as llama-server", value="MODEL_URL",
       env="LLAMA_ARG_MODEL_URL", dest="model_url"),
     R("-dr --docker-repo", _NO_DL, value="[<repo>/]<model>[:quant]", env="LLAMA_ARG_DOCKER_REPO"),
-    W("-hf -hfr --hf-repo", "a model from llama.cpp's local cache ($LLAMA_CACHE, else the Hugging Face hub "
-      "cache, else the flat ~/.cache/llama.cpp layout); nothing is downloaded", value="<user>/<model>[:quant]",
+    W("-hf -hfr --hf-repo", "a model from the Hugging Face hub ($MODEL_ENDPOINT, else $HF_ENDPOINT, else "
+      "huggingface.co): downloaded at startup into llama.cpp's cache ($LLAMA_CACHE, else the Hugging Face hub "
+      "cache) with its split parts and projector, as llama-server, unless the cache already has it (also the "
+      "flat ~/.cache/llama.cpp layout)", value="<user>/<model>[:quant]",
       env="LLAMA_ARG_HF_REPO", dest="hf_repo", conv=_hf_repo),
     W("-hff --hf-file", "the file of --hf-repo to use (instead of the quant tag)", value="FILE",
       env="LLAMA_ARG_HF_FILE", dest="hf_file"),
-    W("-hft --hf-token", "bearer token of the -mu / --mmproj-url downloads (-hf downloads nothing)",
+    W("-hft --hf-token", "Hugging Face access token: bearer token of the -hf, -mu and --mmproj-url downloads",
       value="TOKEN", env="HF_TOKEN", dest="hf_token"),
     W("--log-disable", "log nothing", dest="log_disable"),
     W("--log-file", "log to this file too", value="FNAME", env="LLAMA_ARG_LOG_FILE", dest="log_file", conv=Path),
     N("--log-jsonl", "logs are plain lines", neg="--no-log-jsonl", env="LLAMA_ARG_LOG_JSONL"),
     N("--log-colors", "logs are plain lines", value="[on|off|auto]", env="LLAMA_ARG_LOG_COLORS", conv=_on_off_auto),
     W("-v --verbose --log-verbose", "log everything (debug)", dest="verbose"),
-    W("--offline", "-mu / --mmproj-url use the local file and ask the network nothing", env="LLAMA_ARG_OFFLINE",
+    W("--offline", "-hf, -mu and --mmproj-url use the local cache or file and ask the network nothing",
+      env="LLAMA_ARG_OFFLINE",
       dest="offline"),
     W("-lv --verbosity --log-verbosity", "4 and above: debug logging", value="N",
       env="LLAMA_ARG_LOG_VERBOSITY", dest="verbosity", conv=_int),
@@ -1033,7 +1036,9 @@ def markdown_table() -> str:
 
 def to_config(parsed: Parsed, environ: Mapping[str, str] | None = None) -> Any:
     """A validated ``ServerConfig`` (``ConfigError`` names the flag); ``-hf`` is
-    resolved here from the local cache (``trio_llm.model.hf_cache.NotCached``)."""
+    resolved here from the local cache when it is there (``--offline``: else
+    ``trio_llm.model.hf_cache.NotCached``), else ``model`` stays None for the download
+    at startup."""
     from trio_llm.config import ServerConfig
 
     fields = {f.name for f in attrs.fields(ServerConfig)}
@@ -1050,12 +1055,21 @@ def to_config(parsed: Parsed, environ: Mapping[str, str] | None = None) -> Any:
         values["api_key"] = ",".join(keys)
     if values.get("hf_repo") and values.get("model") is None:
         from trio_llm.model.hf_cache import find_mmproj, resolve
+        from trio_llm.model.hf_download import Fetched, from_cache
 
-        values["model"] = resolve(values["hf_repo"], values.get("hf_file"), environ)
-        values.setdefault("alias", values["hf_repo"])
-        if values.get("mmproj") is None and values.get("mmproj_auto", True) and not values.get("mmproj_url"):
-            # llama-server's -hf takes the repository's projector too (--no-mmproj: not)
-            values["mmproj"] = find_mmproj(values["model"], values["hf_repo"])
+        spec, hf_file = values["hf_repo"], values.get("hf_file")
+        # llama-server's -hf takes the repository's projector too (--no-mmproj: not)
+        with_mmproj = values.get("mmproj") is None and values.get("mmproj_auto", True) and not values.get("mmproj_url")
+        values.setdefault("alias", spec)
+        cached = from_cache(spec, hf_file, os.environ if environ is None else environ, with_mmproj)
+        if cached is None and values.get("offline"):
+            model = resolve(spec, hf_file, environ)  # NotCached when it is not there
+            cached = Fetched(model, find_mmproj(model, spec) if with_mmproj else None)
+        if cached is not None:
+            values["model"] = cached.model
+            if with_mmproj:
+                values["mmproj"] = cached.mmproj
+        # else: not (all) in the cache: downloaded at startup (runtime.fetch_hf)
     # -mu / --mmproj-url: llama-server's local path for a URL when none is given; the
     # download itself runs at startup (runtime.fetch_urls)
     for url_key, path_key in (("model_url", "model"), ("mmproj_url", "mmproj")):
