@@ -228,7 +228,7 @@ async def test_a_restore_failing_midway_at_every_level(
     goes back (another process may use the GPU); the server keeps serving and the
     next request wakes it for real, answering exactly what it answered before."""
     h = await start(parallel=1, sleep_mode=level, vram_arena=tmp_path / "arena")
-    body = {"prompt": "The quick brown fox", "n_predict": 6}
+    body = {"prompt": "The quick brown fox", "n_predict": 6, "return_tokens": True}
     outsider = await open_arbiter(tmp_path / "arena")
     async with client(h) as c:
         before = (await c.post("/completion", json=body)).json()

@@ -218,31 +218,31 @@ async def test_a_hybrid_server_sleeps_at_all_and_continues_its_cached_turn(
     prompt = [int(t) for t in PROMPT]
     try:
         async with httpx.AsyncClient(base_url=h.url, timeout=60) as c:
-            first = (await c.post("/completion", json={"prompt": prompt, "n_predict": 6})).json()
+            first = (await c.post("/completion", json={"prompt": prompt, "n_predict": 6, "return_tokens": True})).json()
             resident = (await c.get("/props")).json()["residency"]["device_bytes_total"]
             assert (await c.post("/sleep?level=all")).json()["is_sleeping"] is True
             cold = (await c.get("/props")).json()["residency"]["device_bytes_total"]
             assert resident > 0 and cold <= 0.05 * resident
-            again = (await c.post("/completion", json={"prompt": prompt, "n_predict": 6})).json()
+            again = (await c.post("/completion", json={"prompt": prompt, "n_predict": 6, "return_tokens": True})).json()
             assert again["tokens"] == first["tokens"]
             # the same prompt after the wake continues from the checkpoint before its last token
             assert again["timings"]["cache_n"] == len(prompt) - 1
             assert (await c.post("/sleep?level=all")).json()["is_sleeping"] is True
             turn = prompt + first["tokens"] + [40, 41, 42]
-            nxt = (await c.post("/completion", json={"prompt": turn, "n_predict": 4})).json()
+            nxt = (await c.post("/completion", json={"prompt": turn, "n_predict": 4, "return_tokens": True})).json()
             assert nxt["timings"]["cache_n"] >= len(prompt) + len(first["tokens"]) - 1
             # a slot file carries the recurrent state with the KV cache: after a restore
             # the slot continues exactly as it would have without the round trip
             saved = (await c.post("/slots/0?action=save", json={"filename": "turn.bin"})).json()
             assert saved["n_saved"] == len(turn) + len(nxt["tokens"]) - 1
             cont = turn + nxt["tokens"] + [43, 44]
-            want = (await c.post("/completion", json={"prompt": cont, "n_predict": 4})).json()
+            want = (await c.post("/completion", json={"prompt": cont, "n_predict": 4, "return_tokens": True})).json()
             assert want["timings"]["cache_n"] == saved["n_saved"]
             other = (await c.post("/completion", json={"prompt": [5, 6, 7], "n_predict": 2})).json()
             assert other["timings"]["cache_n"] == 0  # the slot now holds something else
             restored = (await c.post("/slots/0?action=restore", json={"filename": "turn.bin"})).json()
             assert restored["n_restored"] == saved["n_saved"]
-            got = (await c.post("/completion", json={"prompt": cont, "n_predict": 4})).json()
+            got = (await c.post("/completion", json={"prompt": cont, "n_predict": 4, "return_tokens": True})).json()
             assert got["tokens"] == want["tokens"] and got["timings"]["cache_n"] == saved["n_saved"]
             # a file of this model without the state is refused, by name
             from trio_llm.server import slot_file

@@ -138,7 +138,8 @@ async def test_greedy_completion_equals_the_engine(start: Start, reference: tupl
     expected = generate_tokens(backend, tok, prompt, 12, SamplingParams(temperature=0.0), np.random.default_rng(0))
     h = await start()
     async with client(h) as c:
-        r = await c.post("/completion", json={"prompt": PROMPT, "n_predict": 12, "temperature": 0})
+        r = await c.post("/completion", json={"prompt": PROMPT, "n_predict": 12, "temperature": 0,
+                                               "return_tokens": True})
         body = r.json()
     assert r.status_code == 200
     assert body["tokens"] == expected
@@ -161,12 +162,12 @@ async def test_greedy_completion_equals_the_engine(start: Start, reference: tupl
 async def test_streaming_matches_the_whole_answer_and_token_lists_work(start: Start) -> None:
     h = await start()
     async with client(h) as c:
-        whole = (await c.post("/completion", json={"prompt": PROMPT, "n_predict": 10})).json()
+        whole = (await c.post("/completion", json={"prompt": PROMPT, "n_predict": 10, "return_tokens": True})).json()
         r = await c.post("/completion", json={"prompt": PROMPT, "n_predict": 10, "stream": True, "cache_prompt": False})
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r.text)
         ids = (await c.post("/tokenize", json={"content": PROMPT, "add_special": True})).json()["tokens"]
-        by_ids = (await c.post("/completion", json={"prompt": ids, "n_predict": 10})).json()
+        by_ids = (await c.post("/completion", json={"prompt": ids, "n_predict": 10, "return_tokens": True})).json()
     assert events[-1]["stop"] is True and all(e["stop"] is False for e in events[:-1])
     assert "".join(e["content"] for e in events) == whole["content"]
     assert [e["tokens"][0] for e in events[:-1]] == whole["tokens"]
@@ -178,8 +179,9 @@ async def test_prompt_cache_reuses_the_common_prefix(start: Start) -> None:
     async with client(h) as c:
         first = (await c.post("/completion", json={"prompt": PROMPT, "n_predict": 4})).json()
         longer = PROMPT + " and runs away"
-        second = (await c.post("/completion", json={"prompt": longer, "n_predict": 4})).json()
-        fresh = (await c.post("/completion", json={"prompt": longer, "n_predict": 4, "cache_prompt": False})).json()
+        second = (await c.post("/completion", json={"prompt": longer, "n_predict": 4, "return_tokens": True})).json()
+        fresh = (await c.post("/completion", json={"prompt": longer, "n_predict": 4, "cache_prompt": False,
+                                                    "return_tokens": True})).json()
         again = (await c.post("/completion", json={"prompt": longer, "n_predict": 4})).json()
     n_first = first["tokens_evaluated"]
     assert first["timings"]["cache_n"] == 0
@@ -224,11 +226,13 @@ async def test_more_requests_than_slots_are_queued_not_dropped(start: Start) -> 
     prompts = [f"{PROMPT} number {i}" for i in range(6)]
     results: dict[int, Any] = {}
     async with client(h) as c:
-        alone = [(await c.post("/completion", json={"prompt": p, "n_predict": 6, "cache_prompt": False})).json()
+        alone = [(await c.post("/completion", json={"prompt": p, "n_predict": 6, "cache_prompt": False,
+                                                     "return_tokens": True})).json()
                  for p in prompts[:2]]
 
         async def one(i: int) -> None:
-            r = await c.post("/completion", json={"prompt": prompts[i], "n_predict": 6, "stream": i % 2 == 1})
+            r = await c.post("/completion", json={"prompt": prompts[i], "n_predict": 6, "stream": i % 2 == 1,
+                                                   "return_tokens": True})
             assert r.status_code == 200
             results[i] = r
 
@@ -481,7 +485,8 @@ async def test_bad_input_is_a_400_and_does_not_disturb_other_requests(start: Sta
         good: dict[str, Any] = {}
 
         async def long_request() -> None:
-            good["r"] = await c.post("/completion", json={"prompt": PROMPT, "n_predict": 40, "ignore_eos": True})
+            good["r"] = await c.post("/completion", json={"prompt": PROMPT, "n_predict": 40, "ignore_eos": True,
+                                                           "return_tokens": True})
 
         async with trio.open_nursery() as n:
             n.start_soon(long_request)
@@ -617,8 +622,9 @@ async def test_several_prompts_on_the_native_endpoint(start: Start) -> None:
     h = await start(parallel=2)
     prompts: list[Any] = ["once upon a time", [5, 6, 7, 8, 9]]
     async with client(h) as c:
-        alone = [(await c.post("/completion", json={"prompt": p, "n_predict": 6})).json() for p in prompts]
-        r = await c.post("/completion", json={"prompt": prompts, "n_predict": 6})
+        alone = [(await c.post("/completion", json={"prompt": p, "n_predict": 6, "return_tokens": True})).json()
+                 for p in prompts]
+        r = await c.post("/completion", json={"prompt": prompts, "n_predict": 6, "return_tokens": True})
         assert r.status_code == 200
         both = r.json()
         assert [a["index"] for a in both] == [0, 1]
@@ -639,7 +645,7 @@ async def test_slot_save_erase_restore(start: Start, tmp_path: Path) -> None:
     prompt (cache_n) and answers exactly as before. Bad names, missing or corrupt
     files, unknown actions and slots are 400s; save without --slot-save-path is 501."""
     h = await start(parallel=2, slot_save_path=tmp_path)
-    body = {"prompt": PROMPT, "n_predict": 8, "id_slot": 0}
+    body = {"prompt": PROMPT, "n_predict": 8, "id_slot": 0, "return_tokens": True}
     async with client(h) as c:
         first = (await c.post("/completion", json=body)).json()
         r = await c.post("/slots/0?action=save", json={"filename": "s0.bin"})
@@ -726,7 +732,7 @@ async def test_prompt_cache_across_sleep_levels(start: Start) -> None:
     """A release that keeps the KV cache keeps the prompt cache; an unload destroys
     it, and the slots loop notices (the gate's kv_epoch) instead of reusing garbage."""
     h = await start(parallel=1, sleep_idle_seconds=3600)
-    body = {"prompt": PROMPT, "n_predict": 6}
+    body = {"prompt": PROMPT, "n_predict": 6, "return_tokens": True}
     async with client(h) as c:
         first = (await c.post("/completion", json=body)).json()
         for level, cached in (("weights", True), ("all", True), ("unload", False)):

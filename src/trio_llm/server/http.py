@@ -772,8 +772,10 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             raise ApiError(501, f"Infill is not supported by this model: {missing}", "not_supported_error")
         body = await _body()
         cfg = ctx.config
+        # llama-server sizes the FIM prompt by its -b as given (params.n_batch), not
+        # the pass size -b capped by -ub that config.n_batch is
         tokens = await trio.to_thread.run_sync(lambda: IN.infill_prompt(
-            body, e.tokenizer, fim[0], n_vocab=e.model_config.n_vocab, n_batch=cfg.n_batch,
+            body, e.tokenizer, fim[0], n_vocab=e.model_config.n_vocab, n_batch=cfg.batch_size,
             n_predict=cfg.n_predict, n_ctx=e.n_ctx, spm=cfg.spm_infill))
         return await complete(dict(body, prompt=tokens))
 
@@ -791,7 +793,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         if not P.get_bool(body, "verbose", ctx.config.verbose):
             return {}
         native = R.native_final(finals[0], piece, model=ctx.model_id, settings=req.params.to_json(), stream=False,
-                                n_probs=req.params.sampling.n_probs)
+                                n_probs=req.params.sampling.n_probs, return_tokens=req.params.return_tokens)
         return {"__verbose": native | {"prompt": render_prompt(req.prompt)}}
 
     @app.post("/completion")
@@ -813,7 +815,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         if not req.params.stream:
             finals = await _finals(e, choices, open_requests)
             answers = [R.native_final(f, piece, model=ctx.model_id, settings=settings, stream=False,
-                                      n_probs=n_probs, index=i) for i, f in enumerate(finals)]
+                                      n_probs=n_probs, return_tokens=req.params.return_tokens, index=i) for i, f in enumerate(finals)]
             # llama-server's answer holds the prompt as text (special tokens written out)
             prompts = [p for p, _ in choices]
             texts = await trio.to_thread.run_sync(lambda: [render_prompt(p) for p in prompts])
@@ -827,8 +829,10 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         return _stream(_task_events(
             e, choices,
             lambda i, msg: [_sse(R.native_partial(msg, piece, n_probs=n_probs, index=i))],
+            # the last event holds the prompt as text too, as llama-server's
             lambda i, msg: [_sse(R.native_final(msg, piece, model=ctx.model_id, settings=settings, stream=True,
-                                                n_probs=n_probs, index=i))],
+                                                n_probs=n_probs, return_tokens=req.params.return_tokens,
+                                                index=i) | {"prompt": render_prompt(choices[i][0])})],
             open_requests,
         ))
 
@@ -866,6 +870,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
                 finish_reason=R.FINISH_REASON[msg.stop_type], index=i,
             )
             chunk["timings"] = msg.timings.to_json()
+            # llama-server's last chunk of each choice holds that choice's usage, asked or not
+            chunk["usage"] = R.usage([msg])
             out = [_sse(chunk)]
             done[i] = msg
             if req.include_usage and len(done) == len(choices):

@@ -436,6 +436,7 @@ def _task_params(body: Mapping[str, Any], limits: Limits, tok: Encoder, *, n_pre
         n_indent=get_int(body, "n_indent", 0, 0, (1 << 31) - 1),
         t_max_predict_ms=get_int(body, "t_max_predict_ms", -1, -1, (1 << 62)),
         response_fields=_response_fields(body),
+        return_tokens=get_bool(body, "return_tokens", False),
         n_keep=get_int(body, "n_keep", limits.defaults.n_keep, -1, (1 << 31) - 1),
         n_discard=get_int(body, "n_discard", 0, 0, (1 << 31) - 1),
     )

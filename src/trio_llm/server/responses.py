@@ -93,6 +93,8 @@ def native_partial(msg: TaskPartial, piece: Piece, *, n_probs: int, index: int =
         "tokens": [msg.token] if msg.progress is None else [],  # a progress report has no token
         "stop": False,
         "id_slot": -1,
+        "tokens_predicted": msg.n_decoded,
+        "tokens_evaluated": msg.n_prompt,
     }
     if n_probs and msg.prob is not None:
         out["completion_probabilities"] = native_probs([msg.prob], piece)
@@ -101,12 +103,16 @@ def native_partial(msg: TaskPartial, piece: Piece, *, n_probs: int, index: int =
 
 def native_final(
     final: TaskFinal, piece: Piece, *, model: str, settings: dict[str, Any], stream: bool, n_probs: int,
-    index: int = 0,
+    return_tokens: bool, index: int = 0,
 ) -> dict[str, Any]:
+    """The final answer of /completion (and /infill) in llama-server's native shape.
+    Its "tokens" are the generated ids only with ``return_tokens`` and no streaming:
+    llama-server keeps them only when asked (``process_token``), and a stream's chunks
+    carried them already; else the list is empty, the key still there."""
     out: dict[str, Any] = {
         "index": index,
         "content": final.text_tail if stream else final.content,
-        "tokens": [] if stream else list(final.tokens),
+        "tokens": list(final.tokens) if return_tokens and not stream else [],
         "id_slot": final.id_slot,
         "stop": True,
         "model": model,

@@ -277,7 +277,7 @@ class Slot:
         assert self.task is not None
         report = PromptProgress(self.n_prompt, self.n_cached, self.n_past, int(1e3 * (now - self.t_start)))
         timings = self.timings(now) if self.task.params.timings_per_token else None
-        return TaskPartial(self.task.id_task, -1, "", None, progress=report, timings=timings)
+        return TaskPartial(self.task.id_task, -1, "", None, progress=report, timings=timings, n_prompt=self.n_prompt)
 
     def finish(self, stop_type: StopType, now: float) -> TaskFinal:
         assert self.task is not None
@@ -933,7 +933,9 @@ class SlotsEngine:
             if self.special and slot.text is not None:
                 # --special: the end token's text is the answer's last, as llama-server's
                 text = slot.scanner.feed(slot.text.feed(token))
-                if text and params.stream and not self._send(slot, TaskPartial(slot.task.id_task, token, text, prob)):
+                partial = TaskPartial(slot.task.id_task, token, text, prob, n_decoded=len(slot.generated) + 1,
+                                      n_prompt=slot.n_prompt)
+                if text and params.stream and not self._send(slot, partial):
                     return
             self._finish(slot, "eos", now)
             return
@@ -946,7 +948,8 @@ class SlotsEngine:
         piece = slot.text.feed(token)
         text = slot.scanner.feed(piece)
         timings = slot.timings(now) if params.timings_per_token else None
-        partial = TaskPartial(slot.task.id_task, token, text, prob, timings=timings)
+        partial = TaskPartial(slot.task.id_task, token, text, prob, timings=timings,
+                              n_decoded=len(slot.generated) + slot.n_eog, n_prompt=slot.n_prompt)
         if slot.scanner.stopping_word:
             if text and params.stream and not self._send(slot, partial):
                 return

@@ -54,6 +54,10 @@ class TaskParams:
     t_max_predict_ms: int = -1
     #: /completion: only these fields of the final answer ("a/b": a nested one, keyed so)
     response_fields: tuple[str, ...] = ()
+    #: /completion without streaming: the generated token ids in the answer's "tokens"
+    #: (llama-server's ``return_tokens``; otherwise that list is empty). A streamed
+    #: chunk always carries its token, whatever this says, as llama-server's does.
+    return_tokens: bool = False
     #: --context-shift: the prompt tokens kept at the front (-1: all of them; a BOS is
     #: kept besides), and how many after them go (0: half of the rest)
     n_keep: int = 0
@@ -211,6 +215,11 @@ class TaskPartial:
     prob: TokenProb | None
     progress: PromptProgress | None = None
     timings: Timings | None = None
+    #: the tokens generated so far (this one and an end-of-generation token counted)
+    #: and the prompt's: llama-server's ``tokens_predicted`` / ``tokens_evaluated`` of
+    #: a streamed /completion chunk
+    n_decoded: int = 0
+    n_prompt: int = 0
 
 
 @attrs.frozen
