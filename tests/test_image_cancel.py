@@ -1,16 +1,22 @@
 """A request that is gone stops its image work: the encoder's cancel event
 (``vision.siglip``), the parse thread that sets it when the request's scope is cancelled
-(``server.media.run_sync_cancellable``), and remote images fetched on trio
-(``server.media.fetch_image``).
+(``server.media.run_sync_cancellable``), a parse that waits (for the encoder's turn,
+for another request's encode of the same image) and leaves at once when cancelled
+(``vision.cancel``), and remote images fetched on trio (``server.media.fetch_image``).
 
 Where an encode is, is read from the tensors it reads (``WatchedTensors``), and the
-cancellations are made from there, in the encoding thread, at a chosen point: the
-assertions are on blocks run and names read, not on how fast a loaded machine is.
+cancellations are made from there, in the encoding thread, at a chosen point; a thread
+waiting is seen through the condition it waits on (``WatchedCondition``). The encoding
+thread is held at its point until the other threads have done what the test orders
+(events, with only a long guard against a hang, never a deadline a loaded machine
+could miss): the assertions are on blocks run, names read and counters, not on how
+fast a loaded machine is.
 """
 
 from __future__ import annotations
 
 import io
+import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -27,8 +33,12 @@ from trio_llm.errors import EncodeCancelled
 from trio_llm.server import media as MD
 from trio_llm.vision import Projector, decode_image, load_projector, preprocess, siglip
 from trio_llm.vision import synth as vsynth
+from trio_llm.vision.cancel import CancelEvent, TurnLock
 
 N_LAYER = 6
+#: how long a test thread waits for another to reach its point before the test fails:
+#: a guard against a hang, never reached when the code is right
+GUARD_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +49,40 @@ def projector(tmp_path_factory: pytest.TempPathFactory) -> Projector:
     return load_projector(path)
 
 
-@pytest.fixture(scope="module")
-def png() -> bytes:
-    pixels = np.random.default_rng(11).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+def _png(seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, "PNG")
     return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def png() -> bytes:
+    return _png(11)
+
+
+@pytest.fixture(scope="module")
+def png2() -> bytes:
+    return _png(12)
+
+
+def wait_for(event: threading.Event) -> None:
+    """In a test's thread: wait until another thread has reached its point."""
+    assert event.wait(GUARD_S), "the other thread never got there"
+
+
+class WatchedCondition(threading.Condition):
+    """A condition that calls ``on_wait()`` as a thread starts waiting on it: the thread
+    holds it then and releases it only inside ``wait()``, so whatever the test does from
+    that call on (a notify, a cancel event set) reaches the waiting thread."""
+
+    def __init__(self, on_wait: Callable[[], None]) -> None:
+        super().__init__()
+        self.on_wait = on_wait
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.on_wait()
+        return super().wait(timeout)
 
 
 class WatchedTensors(Mapping[str, Any]):
@@ -154,12 +192,11 @@ async def test_a_cancelled_request_stops_its_encode(projector: Projector, png: b
     np.testing.assert_array_equal(rows, _reference(projector, png))
 
 
-async def test_another_request_for_the_image_keeps_its_encode(projector: Projector, png: bytes) -> None:
-    """Two requests send one image at once: the first's client leaves in block 2; the
-    second, started while the first held the encoder, still gets the image's rows (its
-    own encode, whole)."""
+async def test_two_requests_for_one_new_image_share_its_encode(projector: Projector, png: bytes) -> None:
+    """The second request for an image the first is encoding waits for that encode and
+    takes its rows: one encode (n_encoded 1, n_cached 1), the same rows for both."""
     token = trio.lowlevel.current_trio_token()
-    first = trio.CancelScope()
+    waiting = threading.Event()
     results: list[tuple[int, np.ndarray]] = []
 
     async def second() -> None:
@@ -169,47 +206,170 @@ async def test_another_request_for_the_image_keeps_its_encode(projector: Project
         def on_read(name: str) -> None:
             if name == "v.blk.1.ln1.weight":
                 trio.from_thread.run_sync(nursery.start_soon, second, trio_token=token)
-            elif name == "v.blk.2.ln1.weight":
-                trio.from_thread.run_sync(first.cancel, trio_token=token)
+                wait_for(waiting)  # the second waits for this encode
 
         proj, tensors = _watched(projector, on_read)
         enc = MD.MediaEncoder(proj, tokenizer=None)
-        with first:
-            await MD.run_sync_cancellable(lambda cancel: enc.encode(png, cancel))
-    assert first.cancelled_caught
-    assert tensors.blocks() == [0, 1, 2, *range(N_LAYER)]  # the first stopped, the second whole
-    [(mid, rows)] = results
+        enc._cond = WatchedCondition(waiting.set)
+        mid, rows = await MD.run_sync_cancellable(lambda cancel: enc.encode(png, cancel))
+    assert tensors.blocks() == list(range(N_LAYER))  # one encode
+    [(mid2, rows2)] = results
+    assert mid2 == mid and rows2 is rows
     np.testing.assert_array_equal(rows, _reference(projector, png))
-    assert enc.statistics().n_encoded == 1 and list(enc._cache) == [mid]
+    assert (enc.statistics().n_encoded, enc.statistics().n_cached) == (1, 1)
+    assert list(enc._cache) == [mid] and not enc._encoding and not siglip._ENCODE_LOCK.locked()
 
 
-async def test_a_request_cancelled_while_waiting_leaves_the_other_encoding(projector: Projector, png: bytes) -> None:
-    """The second request's client leaves while the first's encode holds the encoder:
-    the first goes on to the end; the second encodes nothing and is gone once its turn
-    comes."""
+async def test_another_request_for_the_image_takes_over_its_encode(projector: Projector, png: bytes) -> None:
+    """Two requests send one image at once: the second waits for the first's encode;
+    the first's client leaves in block 1; the second takes the encode over and gets the
+    image's rows (its own encode, whole), never an error."""
     token = trio.lowlevel.current_trio_token()
-    second_scope = trio.CancelScope()
+    first = trio.CancelScope()
+    waiting = threading.Event()
     results: list[tuple[int, np.ndarray]] = []
 
     async def second() -> None:
-        with second_scope:
-            results.append(await MD.run_sync_cancellable(lambda cancel: enc.encode(png, cancel)))
+        results.append(await MD.run_sync_cancellable(lambda cancel: enc.encode(png, cancel)))
 
     async with trio.open_nursery() as nursery:
         def on_read(name: str) -> None:
             if name == "v.blk.1.ln1.weight":
                 trio.from_thread.run_sync(nursery.start_soon, second, trio_token=token)
-            elif name == "v.blk.3.ln1.weight":
-                trio.from_thread.run_sync(second_scope.cancel, trio_token=token)
+                wait_for(waiting)
+                trio.from_thread.run_sync(first.cancel, trio_token=token)
 
         proj, tensors = _watched(projector, on_read)
         enc = MD.MediaEncoder(proj, tokenizer=None)
+        enc._cond = WatchedCondition(waiting.set)
+        with first:
+            await MD.run_sync_cancellable(lambda cancel: enc.encode(png, cancel))
+    assert first.cancelled_caught
+    assert tensors.blocks() == [0, 1, *range(N_LAYER)]  # the first stopped, the second whole
+    [(mid, rows)] = results
+    np.testing.assert_array_equal(rows, _reference(projector, png))
+    assert (enc.statistics().n_encoded, enc.statistics().n_cached) == (1, 0)
+    assert list(enc._cache) == [mid] and not enc._encoding and not siglip._ENCODE_LOCK.locked()
+
+
+async def test_of_two_waiters_one_takes_over_the_other_waits_for_it(projector: Projector, png: bytes) -> None:
+    """Three requests for one image: the first is cancelled with two waiting; one of
+    them encodes the image again, the other takes its rows (n_encoded 1, n_cached 1)."""
+    token = trio.lowlevel.current_trio_token()
+    first = trio.CancelScope()
+    waits: queue.Queue[None] = queue.Queue()
+    results: list[tuple[int, np.ndarray]] = []
+
+    async def another() -> None:
+        results.append(await MD.run_sync_cancellable(lambda cancel: enc.encode(png, cancel)))
+
+    async with trio.open_nursery() as nursery:
+        def on_read(name: str) -> None:
+            if name == "v.blk.1.ln1.weight":
+                for _ in range(2):  # one at a time: each waiting before the next starts
+                    trio.from_thread.run_sync(nursery.start_soon, another, trio_token=token)
+                    waits.get(timeout=GUARD_S)
+                trio.from_thread.run_sync(first.cancel, trio_token=token)
+
+        proj, tensors = _watched(projector, on_read)
+        enc = MD.MediaEncoder(proj, tokenizer=None)
+        enc._cond = WatchedCondition(lambda: waits.put(None))
+        with first:
+            await MD.run_sync_cancellable(lambda cancel: enc.encode(png, cancel))
+    assert first.cancelled_caught
+    assert tensors.blocks() == [0, 1, *range(N_LAYER)]
+    [(mid, rows), (mid2, rows2)] = results
+    assert mid2 == mid and rows2 is rows
+    np.testing.assert_array_equal(rows, _reference(projector, png))
+    assert (enc.statistics().n_encoded, enc.statistics().n_cached) == (1, 1)
+    assert not enc._encoding and not siglip._ENCODE_LOCK.locked()
+
+
+@pytest.mark.parametrize("same_image", [True, False], ids=["same-image", "another-image"])
+async def test_a_request_cancelled_while_waiting_leaves_at_once(projector: Projector, png: bytes, png2: bytes,
+                                                               same_image: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second request's client leaves while the first's encode holds the encoder
+    (held still in block 1): the second, waiting for that encode (same image) or for the
+    encoder's turn (another image), is gone before the first's encode goes on; the
+    first goes on to the end; the second encoded nothing, and the lock is free after."""
+    token = trio.lowlevel.current_trio_token()
+    second_scope = trio.CancelScope()
+    waiting = threading.Event()
+    gone = threading.Event()
+    results: list[tuple[int, np.ndarray]] = []
+    image = png if same_image else png2
+
+    async def second() -> None:
+        with second_scope:
+            results.append(await MD.run_sync_cancellable(lambda cancel: enc.encode(image, cancel)))
+        gone.set()
+
+    async with trio.open_nursery() as nursery:
+        def on_read(name: str) -> None:
+            if name == "v.blk.1.ln1.weight":
+                trio.from_thread.run_sync(nursery.start_soon, second, trio_token=token)
+                wait_for(waiting)
+                trio.from_thread.run_sync(second_scope.cancel, trio_token=token)
+                wait_for(gone)  # the second has returned, and this encode is still in block 1
+
+        proj, tensors = _watched(projector, on_read)
+        enc = MD.MediaEncoder(proj, tokenizer=None)
+        lock = TurnLock()
+        if same_image:
+            enc._cond = WatchedCondition(waiting.set)
+        else:
+            lock = TurnLock(cond=WatchedCondition(waiting.set))
+        monkeypatch.setattr(siglip, "_ENCODE_LOCK", lock)
         mid, rows = await MD.run_sync_cancellable(lambda cancel: enc.encode(png, cancel))
     assert second_scope.cancelled_caught and not results
     assert tensors.blocks() == list(range(N_LAYER))  # one encode: the first's, whole
     assert "v.post_ln.weight" in tensors.read
     np.testing.assert_array_equal(rows, _reference(projector, png))
-    assert enc.statistics().n_encoded == 1 and list(enc._cache) == [mid]
+    assert enc.statistics().n_encoded == 1 and list(enc._cache) == [mid] and not enc._encoding
+    assert not lock.locked() and lock.n_waiting == 0
+
+
+def test_turn_lock_cancelled_waiter_leaves_and_the_turn_passes_on() -> None:
+    """Real threads on one ``TurnLock``: while the holder holds it, a waiter whose
+    ``CancelEvent`` is set leaves at once with EncodeCancelled; another waiter (a plain
+    event) gets the turn when the holder lets go (the cancelled one's wake-up took
+    nothing from it); the lock is free at the end."""
+    waits: queue.Queue[None] = queue.Queue()
+    lock = TurnLock(cond=WatchedCondition(lambda: waits.put(None)))
+    held = threading.Event()
+    release = threading.Event()
+    log: list[str] = []
+    cancel = CancelEvent()
+
+    def holder() -> None:
+        with lock.hold():
+            held.set()
+            wait_for(release)
+            log.append("let go")
+
+    def waiter(name: str, cancel: threading.Event) -> None:
+        try:
+            with lock.hold(cancel):
+                log.append(f"{name} got it")
+        except EncodeCancelled:
+            log.append(f"{name} left")
+
+    threads = [threading.Thread(target=holder), threading.Thread(target=waiter, args=("cancelled", cancel)),
+               threading.Thread(target=waiter, args=("plain", threading.Event()))]
+    threads[0].start()
+    wait_for(held)
+    for t in threads[1:]:  # each waiting before the next starts
+        t.start()
+        waits.get(timeout=GUARD_S)
+    cancel.set()
+    threads[1].join(GUARD_S)
+    assert not threads[1].is_alive() and log == ["cancelled left"]  # the holder still holds it
+    assert lock.locked()
+    release.set()
+    for t in threads:
+        t.join(GUARD_S)
+    assert log == ["cancelled left", "let go", "plain got it"]
+    assert not lock.locked() and lock.n_waiting == 0
 
 
 async def test_the_parse_thread_is_waited_for() -> None:

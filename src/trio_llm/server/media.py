@@ -20,11 +20,22 @@ that is never abandoned: the encoder holds its lock and every core. So that a re
 whose client went away does not hold them for the rest of its image (about 30 s for
 gemma-3's on a few cores), ``run_sync_cancellable`` sets the parse's cancel event
 when the request is cancelled, and the encoder stops at its next check, within one
-piece of a transformer block (``vision.siglip``); nothing of it is cached. Encodes are
-not shared between requests (two sending one new image at once each encode it, one
-after the other), so stopping one never stops another's. Remote images are fetched
-on trio before the parse (``fetch_images``), where a cancellation ends the download
-at once.
+piece of a transformer block (``vision.siglip``); nothing of it is cached. A parse
+that is waiting rather than encoding leaves at once: the event is a
+``vision.cancel.CancelEvent``, which wakes the conditions its thread waits on as it
+is set, both for the encoder's turn (``siglip``'s ``TurnLock``, one encode at a time)
+and for another request's encode of the same image (below). Remote images are
+fetched on trio before the parse (``fetch_images``), where a cancellation ends the
+download at once.
+
+Shared encodes. Two requests sending the same new image at once encode it once: the
+first to find it neither cached nor being encoded records an in-flight entry by
+content (the media id) and encodes; one coming while that runs waits on the entry
+(not on the encoder's turn, so a request for another image is not held up by it) and
+takes the rows when they come, as from the cache. If the encoding request is
+cancelled, its entry goes and a waiter takes the encode over, from the start: a
+cancellation never stops another request's image, and a waiter never ends in an
+error or hangs for it.
 """
 
 from __future__ import annotations
@@ -49,6 +60,8 @@ import outcome
 import trio
 
 from trio_llm.errors import ConfigError, EncodeCancelled, InvalidRequest
+from trio_llm.vision.cancel import CancelEvent, woken_by
+from trio_llm.vision.cancel import check as _check
 
 #: libmtmd's default media marker; llama-server uses it only when LLAMA_MEDIA_MARKER
 #: says so (``media_marker``)
@@ -191,14 +204,23 @@ def _local_file(rel: str, media_path: Path | None) -> bytes:
 @attrs.frozen
 class MediaStatistics:
     n_encoded: int  # images run through the encoder
-    n_cached: int  # images found in its cache instead
+    n_cached: int  # images found in its cache, or taken from another request's encode of them
     t_encode: float  # seconds of encoding (worker threads)
+
+
+@attrs.define(eq=False)
+class _Encoding:
+    """An image one request is encoding; requests sending it meanwhile wait for
+    ``rows`` (under the encoder's condition) instead of encoding it again."""
+
+    rows: np.ndarray | None = None  # set once the encode is done; None while it runs, or if given up
 
 
 @attrs.define(eq=False)
 class MediaEncoder:
     """The loaded projector behind the HTTP edge: images to embedding rows (on the
-    CPU, ``trio_llm.vision``), the last ``CACHE_IMAGES`` kept by content. Thread-safe:
+    CPU, ``trio_llm.vision``), the last ``CACHE_IMAGES`` kept by content, an image
+    being encoded shared with the requests that send it meanwhile. Thread-safe:
     requests parse on worker threads."""
 
     projector: Any  # trio_llm.vision.Projector
@@ -208,13 +230,16 @@ class MediaEncoder:
     #: each other), so a larger one is refused, as llama.cpp refuses it
     max_rows: int = 1 << 30
     _cache: OrderedDict[int, np.ndarray] = attrs.field(init=False, factory=OrderedDict)
-    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    #: the images being encoded, by media id: their encoding request's entry
+    _encoding: dict[int, _Encoding] = attrs.field(init=False, factory=dict)
+    #: guards the cache, the entries and the figures; notified when an entry ends
+    _cond: threading.Condition = attrs.field(init=False, factory=threading.Condition)
     n_encoded: int = 0  # images run through the encoder (not found in the cache); not cancelled ones
-    n_cached: int = 0  # images found in the cache
+    n_cached: int = 0  # images found in the cache, or taken from another request's encode
     t_encode: float = 0.0  # seconds spent encoding (images encoded whole)
 
     def statistics(self) -> MediaStatistics:
-        with self._lock:
+        with self._cond:
             return MediaStatistics(self.n_encoded, self.n_cached, self.t_encode)
 
     @property
@@ -223,33 +248,67 @@ class MediaEncoder:
         return int(self.projector.n_tokens)
 
     def encode(self, data: bytes, cancel: threading.Event | None = None) -> tuple[int, np.ndarray]:
-        """(media id, rows ``[n_tokens, n_embd]`` float32) of an image file's bytes.
-        Once ``cancel`` is set it raises ``EncodeCancelled`` at its next check (the
-        encoder's, within one piece of a block) and caches nothing."""
+        """(media id, rows ``[n_tokens, n_embd]`` float32) of an image file's bytes:
+        from the cache; else from another request encoding the same image now (waited
+        for); else encoded here. Once ``cancel`` is set it raises ``EncodeCancelled`` at
+        its next check (the encoder's, within one piece of a block; at once while it
+        waits, for a ``CancelEvent``) and caches nothing."""
         from trio_llm.vision import decode_image, preprocess
 
         _check(cancel)
         pixels = decode_image(data)  # [h, w, 3] uint8
         mid = media_id(pixels)
-        with self._lock:
-            rows = self._cache.get(mid)
-            if rows is not None:
-                self._cache.move_to_end(mid)
-                self.n_cached += 1
-                return mid, rows
-        # a duration measured on a worker thread, where trio's clock cannot be read; it
-        # is only reported (/metrics), nothing waits on it
-        t0 = time.perf_counter()
-        planar = preprocess(pixels, self.projector)  # [3, S, S]
-        rows = np.ascontiguousarray(self.projector.encode(planar, cancel=cancel), dtype=np.float32)
-        rows.setflags(write=False)
-        with self._lock:
-            self.t_encode += time.perf_counter() - t0
-            self.n_encoded += 1
-            self._cache[mid] = rows
-            while len(self._cache) > CACHE_IMAGES:
-                self._cache.popitem(last=False)
+        found = self._cached_or_claim(mid, cancel)
+        if isinstance(found, np.ndarray):
+            return mid, found
+        mine = found
+        rows: np.ndarray | None = None
+        try:
+            # a duration measured on a worker thread, where trio's clock cannot be read; it
+            # is only reported (/metrics), nothing waits on it
+            t0 = time.perf_counter()
+            planar = preprocess(pixels, self.projector)  # [3, S, S]
+            got = np.ascontiguousarray(self.projector.encode(planar, cancel=cancel), dtype=np.float32)
+            got.setflags(write=False)
+            t = time.perf_counter() - t0
+            rows = got  # last: rows set means done, t with it
+        finally:
+            with self._cond:
+                # done or given up: either way the waiters look again (one takes over if given up)
+                del self._encoding[mid]
+                if rows is not None:
+                    mine.rows = rows
+                    self.t_encode += t
+                    self.n_encoded += 1
+                    self._cache[mid] = rows
+                    while len(self._cache) > CACHE_IMAGES:
+                        self._cache.popitem(last=False)
+                self._cond.notify_all()
+        assert rows is not None
         return mid, rows
+
+    def _cached_or_claim(self, mid: int, cancel: threading.Event | None) -> np.ndarray | _Encoding:
+        """Image ``mid``'s rows, from the cache or from another request's encode of it
+        (waited for); else a new in-flight entry, this caller's to encode and end. A
+        waiter whose encoder gives up looks again: it claims the image itself unless
+        another waiter already has (then it waits for that one)."""
+        with self._cond, woken_by(cancel, self._cond):
+            while True:
+                rows = self._cache.get(mid)
+                if rows is not None:
+                    self._cache.move_to_end(mid)
+                    self.n_cached += 1
+                    return rows
+                theirs = self._encoding.get(mid)
+                if theirs is None:
+                    mine = self._encoding[mid] = _Encoding()
+                    return mine
+                while theirs.rows is None and self._encoding.get(mid) is theirs:
+                    _check(cancel)
+                    self._cond.wait()
+                if theirs.rows is not None:  # (it may have left the cache since, to newer images)
+                    self.n_cached += 1
+                    return theirs.rows
 
     def _text(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special=False, parse_special=True))
@@ -323,11 +382,6 @@ def render(prompt: Sequence[int], decode: Any, marker: str = MARKER) -> str:
     return "".join(out)
 
 
-def _check(cancel: threading.Event | None) -> None:
-    if cancel is not None and cancel.is_set():
-        raise EncodeCancelled("the image encode was cancelled")
-
-
 T = TypeVar("T")
 
 
@@ -337,15 +391,17 @@ async def run_sync_cancellable(fn: Callable[[threading.Event], T]) -> T:
     Waited for as ``trio.to_thread.run_sync(abandon_on_cancel=False)`` waits (same
     default thread limiter): the thread is never left running behind the task, since
     an encode holds the encoder's lock and every core. What that call lacks is word of
-    the cancellation while it waits. Here the task's cancellation sets ``cancel`` the
-    moment it is delivered; the encoder stops at its next check with
-    ``EncodeCancelled``, and the caller gets ``trio.Cancelled``. A ``fn`` that ends
-    anyway returns its value (the caller's next checkpoint raises).
+    the cancellation while it waits. Here the task's cancellation sets ``cancel`` (a
+    ``CancelEvent``) the moment it is delivered; the encoder stops at its next check
+    with ``EncodeCancelled``, a parse waiting for the encoder's turn or for another
+    request's encode of its image wakes and leaves the same way, and the caller gets
+    ``trio.Cancelled``. A ``fn`` that ends anyway returns its value (the caller's next
+    checkpoint raises).
 
     Not a watcher task beside ``to_thread.run_sync`` setting the event: its nursery
     would hand every caller the cancellation wrapped in an ExceptionGroup.
     """
-    cancel = threading.Event()
+    cancel = CancelEvent()  # its setting also wakes the parse if it is waiting (vision.cancel)
     task = trio.lowlevel.current_task()
     token = trio.lowlevel.current_trio_token()
     limiter = trio.to_thread.current_default_thread_limiter()

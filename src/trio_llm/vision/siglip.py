@@ -47,7 +47,10 @@ the next check, before a transformer block and before each worker's next piece o
 work (a projection's column slice, an attention task), and raises ``EncodeCancelled``:
 the lock and the cores are free again within one piece of work, not after the whole
 image (seconds a block for gemma-3's tower on a few cores). The server sets it when the
-request is cancelled (``server.media.run_sync_cancellable``).
+request is cancelled (``server.media.run_sync_cancellable``). An encode still waiting
+for its turn leaves the wait as the event is set, when it is a ``cancel.CancelEvent``
+(the server's is): the lock is a ``cancel.TurnLock``, not a ``threading.Lock`` whose
+wait nothing interrupts.
 
 The results match the single-threaded form within float32 rounding (a product's
 columns computed apart can round differently in BLAS's last bits).
@@ -71,19 +74,16 @@ import attrs
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from trio_llm.errors import EncodeCancelled
 from trio_llm.model.gguf import TensorInfo
 from trio_llm.model.quant import dequantize
+from trio_llm.vision.cancel import TurnLock
+from trio_llm.vision.cancel import check as _check
 
 FfnOp = Literal["gelu", "silu", "gelu_quick"]
 
-#: one encode at a time: each takes every core, and the BLAS limit it sets is process-wide
-_ENCODE_LOCK = threading.Lock()
-
-
-def _check(cancel: threading.Event | None) -> None:
-    if cancel is not None and cancel.is_set():
-        raise EncodeCancelled("the image encode was cancelled")
+#: one encode at a time: each takes every core, and the BLAS limit it sets is
+#: process-wide; a waiter whose CancelEvent is set leaves at once
+_ENCODE_LOCK = TurnLock()
 
 
 @attrs.frozen
@@ -373,14 +373,13 @@ def encode(hp: Hparams, tensors: Mapping[str, TensorInfo], pixels: np.ndarray, *
     meanwhile (process-wide: a numpy text backend's products at the same time run on one
     thread too); encodes in several threads take turns. Once ``cancel`` is set it stops
     within one piece of work and raises ``EncodeCancelled``, its threads ended and the
-    lock released; one set while waiting for its turn raises as the turn comes, having
-    encoded nothing (a thread lock's wait cannot be interrupted short of polling)."""
+    lock released; one set while waiting for its turn raises having encoded nothing: at
+    once for a ``CancelEvent``, as the turn comes for a plain ``threading.Event``."""
     s = hp.image_size
     pixels = np.asarray(pixels, dtype=np.float32)
     if pixels.shape != (3, s, s):
         raise ValueError(f"pixels must be [3, {s}, {s}] (planar RGB), got {list(pixels.shape)}")
-    with _ENCODE_LOCK:
-        _check(cancel)  # given up while another image was encoded
+    with _ENCODE_LOCK.hold(cancel):  # raises if given up while another image was encoded
         n = encoder_threads()
         if n == 1:
             return _encode(_Workers(1, None, cancel), hp, tensors, pixels)
