@@ -148,7 +148,7 @@ def test_encode_stops_at_the_next_piece_once_cancelled(projector: Projector, thr
 # ---------------------------------------------------------------- the server's side
 
 
-def _watched(proj: Projector, on_read: Callable[[str], None]) -> tuple[Projector, WatchedTensors]:
+def watched(proj: Projector, on_read: Callable[[str], None]) -> tuple[Projector, WatchedTensors]:
     """The projector, its tensors watched; ``on_read`` is called once a name (the first
     encode to read it: a later one reads the same names again)."""
     seen: set[str] = set()
@@ -178,7 +178,7 @@ async def test_a_cancelled_request_stops_its_encode(projector: Projector, png: b
         if name == "v.blk.2.ln1.weight":
             trio.from_thread.run_sync(scope.cancel, trio_token=token)  # as the client leaves
 
-    proj, tensors = _watched(projector, on_read)
+    proj, tensors = watched(projector, on_read)
     enc = MD.MediaEncoder(proj, tokenizer=None)
     with scope:
         await MD.run_sync_cancellable(lambda cancel: enc.encode(png, cancel))
@@ -208,7 +208,7 @@ async def test_two_requests_for_one_new_image_share_its_encode(projector: Projec
                 trio.from_thread.run_sync(nursery.start_soon, second, trio_token=token)
                 wait_for(waiting)  # the second waits for this encode
 
-        proj, tensors = _watched(projector, on_read)
+        proj, tensors = watched(projector, on_read)
         enc = MD.MediaEncoder(proj, tokenizer=None)
         enc._cond = WatchedCondition(waiting.set)
         mid, rows = await MD.run_sync_cancellable(lambda cancel: enc.encode(png, cancel))
@@ -239,7 +239,7 @@ async def test_another_request_for_the_image_takes_over_its_encode(projector: Pr
                 wait_for(waiting)
                 trio.from_thread.run_sync(first.cancel, trio_token=token)
 
-        proj, tensors = _watched(projector, on_read)
+        proj, tensors = watched(projector, on_read)
         enc = MD.MediaEncoder(proj, tokenizer=None)
         enc._cond = WatchedCondition(waiting.set)
         with first:
@@ -271,7 +271,7 @@ async def test_of_two_waiters_one_takes_over_the_other_waits_for_it(projector: P
                     waits.get(timeout=GUARD_S)
                 trio.from_thread.run_sync(first.cancel, trio_token=token)
 
-        proj, tensors = _watched(projector, on_read)
+        proj, tensors = watched(projector, on_read)
         enc = MD.MediaEncoder(proj, tokenizer=None)
         enc._cond = WatchedCondition(lambda: waits.put(None))
         with first:
@@ -312,7 +312,7 @@ async def test_a_request_cancelled_while_waiting_leaves_at_once(projector: Proje
                 trio.from_thread.run_sync(second_scope.cancel, trio_token=token)
                 wait_for(gone)  # the second has returned, and this encode is still in block 1
 
-        proj, tensors = _watched(projector, on_read)
+        proj, tensors = watched(projector, on_read)
         enc = MD.MediaEncoder(proj, tokenizer=None)
         lock = TurnLock()
         if same_image:

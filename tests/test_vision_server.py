@@ -12,6 +12,7 @@ import io
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,13 @@ from PIL import Image
 
 from conftest import ServeFactory
 from llamacpp_ref import N_PROBS, TIE_TOL, server_params
+from test_image_cancel import WatchedCondition, wait_for, watched
 from trio_llm.config import ServerConfig
 from trio_llm.model.gguf import load_gguf
 from trio_llm.runtime import ServerHandle
+from trio_llm.server import media as MD
+from trio_llm.vision import siglip
+from trio_llm.vision.cancel import CancelEvent, TurnLock
 from trio_llm.vision.synth import write_mmproj
 
 Start = Callable[..., Awaitable[ServerHandle]]
@@ -381,3 +386,153 @@ async def test_media_path_file_urls(start: Start, tmp_path: Path) -> None:
         assert by_file.json()["choices"][0]["message"] == inline.json()["choices"][0]["message"]
         r = await c.post("/v1/chat/completions", json=chat("file://../x.png"))
         assert r.status_code == 400 and "not allowed" in r.text
+
+
+# -- concurrent requests and the encoder (server.media's shared encodes, vision.cancel) --
+# The encode of the first request is held still in block 1 (a hook on the tensors it
+# reads, in its thread) while the test orders the rest through events: a thread waiting
+# is seen on the condition it waits on, a server-side cancellation on the request's
+# cancel event or its parse's trio.Cancelled. Nothing asserted depends on timing.
+
+
+def _held_in_block_1(media: Any, then: Callable[[], None]) -> Any:
+    """``media``'s projector watched: ``then()`` runs in the first encode's thread as it
+    enters block 1, the encode held there until it returns. The watched tensors."""
+    def on_read(name: str) -> None:
+        if name == "v.blk.1.ln1.weight":
+            then()
+
+    media.projector, tensors = watched(media.projector, on_read)
+    return tensors
+
+
+async def test_concurrent_requests_for_one_new_image_encode_it_once(start: Start, llamacpp: httpx.Client) -> None:
+    """Two requests send one new image at once: the second, sent while the first's
+    encode is in block 1, waits for that encode and takes its rows: one encode
+    (n_encoded 1, n_cached 1), and both answer as llama.cpp does."""
+    handle = await start()
+    media = handle.context.engine.media  # type: ignore[union-attr]
+    token = trio.lowlevel.current_trio_token()
+    waiting = threading.Event()
+    media._cond = WatchedCondition(waiting.set)
+    body = completion_body(TURN.format("Look: <__media__> and say"), [png(20)])
+    theirs = await trio.to_thread.run_sync(lambda: llamacpp.post("/completion", json=body).json())
+    answers: list[httpx.Response] = []
+    async with httpx.AsyncClient(base_url=handle.url, timeout=300) as c, trio.open_nursery() as nursery:
+        async def ask() -> None:
+            answers.append(await c.post("/completion", json=body))
+
+        def then() -> None:
+            trio.from_thread.run_sync(nursery.start_soon, ask, trio_token=token)
+            wait_for(waiting)  # the second request waits for this encode
+
+        tensors = _held_in_block_1(media, then)
+        nursery.start_soon(ask)
+    assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+    for r in answers:
+        why = agree(r.json(), theirs)
+        assert not why, why
+    assert tensors.blocks() == [0, 1]  # one encode
+    assert (media.n_encoded, media.n_cached) == (1, 1) and not media._encoding
+
+
+async def test_the_other_request_takes_over_when_the_first_leaves(start: Start, llamacpp: httpx.Client,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests send one new image at once and the first's client disconnects in
+    its encode's block 1, the second waiting for that encode: the second encodes the
+    image itself and answers as llama.cpp does; the first's encode is not counted."""
+    cancels: list[CancelEvent] = []
+
+    class Recorded(CancelEvent):
+        def __init__(self) -> None:
+            super().__init__()
+            cancels.append(self)
+
+    monkeypatch.setattr(MD, "CancelEvent", Recorded)
+    handle = await start()
+    media = handle.context.engine.media  # type: ignore[union-attr]
+    token = trio.lowlevel.current_trio_token()
+    waiting = threading.Event()
+    media._cond = WatchedCondition(waiting.set)
+    body = completion_body(TURN.format("Look: <__media__> and say"), [png(21)])
+    theirs = await trio.to_thread.run_sync(lambda: llamacpp.post("/completion", json=body).json())
+    first_scope = trio.CancelScope()
+    answers: list[httpx.Response] = []
+    async with httpx.AsyncClient(base_url=handle.url, timeout=300) as c, trio.open_nursery() as nursery:
+        async def first() -> None:
+            with first_scope:
+                await c.post("/completion", json=body)
+
+        async def second() -> None:
+            answers.append(await c.post("/completion", json=body))
+
+        def then() -> None:
+            trio.from_thread.run_sync(nursery.start_soon, second, trio_token=token)
+            wait_for(waiting)
+            trio.from_thread.run_sync(first_scope.cancel, trio_token=token)  # the first's client leaves
+            wait_for(cancels[0])  # the server saw it go: the first's parse is cancelled
+
+        tensors = _held_in_block_1(media, then)
+        nursery.start_soon(first)
+    assert first_scope.cancelled_caught
+    [r] = answers
+    assert r.status_code == 200, r.text
+    why = agree(r.json(), theirs)
+    assert not why, why
+    assert tensors.blocks() == [0, 1, 0, 1]  # the first's stopped in block 1, the second's whole
+    assert (media.n_encoded, media.n_cached) == (1, 0) and not media._encoding
+    assert not siglip._ENCODE_LOCK.locked()
+
+
+async def test_a_request_waiting_for_the_encoder_leaves_at_once(start: Start, llamacpp: httpx.Client,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request for another image waits for the encoder's turn while the first's
+    encode holds it (held in block 1); its client disconnects: its parse returns while
+    the first's encode is still held, not when the turn would have come. The first
+    then answers as llama.cpp does, the second's image was never encoded, and the
+    encoder's lock is free with no one waiting."""
+    waiting, gone = threading.Event(), threading.Event()
+    lock = TurnLock(cond=WatchedCondition(waiting.set))
+    monkeypatch.setattr(siglip, "_ENCODE_LOCK", lock)
+    run = MD.run_sync_cancellable
+
+    async def recorded(fn: Callable[[threading.Event], Any]) -> Any:
+        try:
+            return await run(fn)
+        except trio.Cancelled:
+            gone.set()  # the parse's thread has ended (the call waits for it)
+            raise
+
+    monkeypatch.setattr(MD, "run_sync_cancellable", recorded)
+    handle = await start()
+    media = handle.context.engine.media  # type: ignore[union-attr]
+    token = trio.lowlevel.current_trio_token()
+    body = completion_body(TURN.format("Look: <__media__> and say"), [png(22)])
+    other = completion_body(TURN.format("And <__media__>?"), [png(23)])
+    theirs = await trio.to_thread.run_sync(lambda: llamacpp.post("/completion", json=body).json())
+    second_scope = trio.CancelScope()
+    answers: list[httpx.Response] = []
+    async with httpx.AsyncClient(base_url=handle.url, timeout=300) as c, trio.open_nursery() as nursery:
+        async def first() -> None:
+            answers.append(await c.post("/completion", json=body))
+
+        async def second() -> None:
+            with second_scope:
+                await c.post("/completion", json=other)
+
+        def then() -> None:
+            trio.from_thread.run_sync(nursery.start_soon, second, trio_token=token)
+            wait_for(waiting)  # the second waits for the encoder's turn
+            trio.from_thread.run_sync(second_scope.cancel, trio_token=token)  # its client leaves
+            wait_for(gone)  # its parse is over, this encode still in block 1
+
+        tensors = _held_in_block_1(media, then)
+        nursery.start_soon(first)
+    assert second_scope.cancelled_caught
+    [r] = answers
+    assert r.status_code == 200, r.text
+    why = agree(r.json(), theirs)
+    assert not why, why
+    assert tensors.blocks() == [0, 1]  # the first's encode only
+    assert (media.n_encoded, media.n_cached) == (1, 0) and len(media._cache) == 1 and not media._encoding
+    assert not lock.locked() and lock.n_waiting == 0
