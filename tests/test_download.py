@@ -71,8 +71,9 @@ class Served:
         return [r for r in self.requests if r.method == "GET"]
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+class QuietHandler(BaseHTTPRequestHandler):
+    """A test server's handler: no request log; HEAD and GET both go to ``_answer``,
+    which sends the body only for GET (test_hf_download and test_url_flags use it too)."""
 
     def log_message(self, format: str, *args: object) -> None:
         pass
@@ -82,6 +83,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self._answer(body=True)
+
+    def _answer(self, body: bool) -> None:
+        raise NotImplementedError
+
+
+class _Handler(QuietHandler):
+    server: _Server
 
     def _empty(self, status: int, **headers: str) -> None:
         self.send_response(status)

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -38,7 +38,7 @@ import attrs
 import pytest
 import trio
 
-from test_download import Request, _no_proxy  # noqa: F401  (the fixture)
+from test_download import QuietHandler, Request, _no_proxy  # noqa: F401  (the fixture)
 from trio_llm.model.hf_cache import NotCached, find_mmproj, resolve
 from trio_llm.model.hf_download import HubError, fetch, split_info, split_parts, valid_repo_id
 from trio_llm.runtime import parse_config, serve
@@ -83,17 +83,8 @@ class Hub:
         return [p for p in self.paths() if p.startswith("GET /cdn/") or ("/resolve/" in p and p.startswith("GET"))]
 
 
-class _HubHandler(BaseHTTPRequestHandler):
+class _HubHandler(QuietHandler):
     server: _HubServer
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-    def do_HEAD(self) -> None:
-        self._answer(body=False)
-
-    def do_GET(self) -> None:
-        self._answer(body=True)
 
     def _send(self, status: int, data: bytes = b"", body: bool = True, **headers: str) -> None:
         self.send_response(status)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -19,24 +19,16 @@ import httpx
 import pytest
 import trio
 
+from test_download import QuietHandler
 from trio_llm.runtime import parse_config, serve
 from trio_llm.vision.synth import write_mmproj
 
 
-class _Files(BaseHTTPRequestHandler):
+class _Files(QuietHandler):
     root: Path
     log: list[tuple[str, str]]
 
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-    def do_HEAD(self) -> None:
-        self._send(body=False)
-
-    def do_GET(self) -> None:
-        self._send(body=True)
-
-    def _send(self, body: bool) -> None:
+    def _answer(self, body: bool) -> None:
         self.log.append((self.command, self.path.split("?")[0]))
         f = self.root / self.path.split("?")[0].lstrip("/")
         if not f.is_file():
