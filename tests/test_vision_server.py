@@ -406,17 +406,26 @@ def _held_in_block_1(media: Any, then: Callable[[], None]) -> Any:
     return tensors
 
 
+async def _one_image_twice(start: Start, llamacpp: httpx.Client, seed: int) -> tuple[Any, Any, threading.Event,
+                                                                                    dict[str, Any], Any]:
+    """A started server whose encoder's condition sets the returned event when a thread
+    waits on it, one new image's /completion body, and llama.cpp's answer to it:
+    (handle, media, waiting, body, theirs)."""
+    handle = await start()
+    media = handle.context.engine.media  # type: ignore[union-attr]
+    waiting = threading.Event()
+    media._cond = WatchedCondition(waiting.set)
+    body = completion_body(TURN.format("Look: <__media__> and say"), [png(seed)])
+    theirs = await trio.to_thread.run_sync(lambda: llamacpp.post("/completion", json=body).json())
+    return handle, media, waiting, body, theirs
+
+
 async def test_concurrent_requests_for_one_new_image_encode_it_once(start: Start, llamacpp: httpx.Client) -> None:
     """Two requests send one new image at once: the second, sent while the first's
     encode is in block 1, waits for that encode and takes its rows: one encode
     (n_encoded 1, n_cached 1), and both answer as llama.cpp does."""
-    handle = await start()
-    media = handle.context.engine.media  # type: ignore[union-attr]
+    handle, media, waiting, body, theirs = await _one_image_twice(start, llamacpp, 20)
     token = trio.lowlevel.current_trio_token()
-    waiting = threading.Event()
-    media._cond = WatchedCondition(waiting.set)
-    body = completion_body(TURN.format("Look: <__media__> and say"), [png(20)])
-    theirs = await trio.to_thread.run_sync(lambda: llamacpp.post("/completion", json=body).json())
     answers: list[httpx.Response] = []
     async with httpx.AsyncClient(base_url=handle.url, timeout=300) as c, trio.open_nursery() as nursery:
         async def ask() -> None:
@@ -449,13 +458,8 @@ async def test_the_other_request_takes_over_when_the_first_leaves(start: Start, 
             cancels.append(self)
 
     monkeypatch.setattr(MD, "CancelEvent", Recorded)
-    handle = await start()
-    media = handle.context.engine.media  # type: ignore[union-attr]
+    handle, media, waiting, body, theirs = await _one_image_twice(start, llamacpp, 21)
     token = trio.lowlevel.current_trio_token()
-    waiting = threading.Event()
-    media._cond = WatchedCondition(waiting.set)
-    body = completion_body(TURN.format("Look: <__media__> and say"), [png(21)])
-    theirs = await trio.to_thread.run_sync(lambda: llamacpp.post("/completion", json=body).json())
     first_scope = trio.CancelScope()
     answers: list[httpx.Response] = []
     async with httpx.AsyncClient(base_url=handle.url, timeout=300) as c, trio.open_nursery() as nursery:
