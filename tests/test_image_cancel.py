@@ -414,7 +414,10 @@ async def test_a_stalled_download_ends_on_cancel() -> None:
                 self.wfile.flush()
                 trio.from_thread.run_sync(cancel_now, trio_token=token)
                 self.connection.settimeout(MD.REMOTE_TIMEOUT_S)
-                closed.append(self.rfile.read(1) == b"")  # the client hung up
+                try:
+                    closed.append(self.rfile.read(1) == b"")  # the client hung up (FIN)
+                except ConnectionResetError:
+                    closed.append(True)  # ... or reset the connection (RST), as it may under load
             finally:
                 handled.set()
 
