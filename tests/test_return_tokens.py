@@ -82,7 +82,11 @@ async def test_return_tokens_as_llama_server(serve_argv: ServeFactory, sharp_qwe
     params.n_parallel = 2
     ref = xllamacpp.Server(params)
     try:
-        with httpx.Client(base_url=ref.listening_address, timeout=60) as c:
+        # a fresh connection per request: CI once saw the reference close a kept-alive
+        # connection as the next request went out ("Server disconnected without sending a
+        # response"), which says nothing about either server's answers
+        with httpx.Client(base_url=ref.listening_address, timeout=60,
+                          limits=httpx.Limits(max_keepalive_connections=0)) as c:
             theirs = [_answer(c.post(path, json=body), bool(body.get("stream"))) for _, path, body in requests]
     finally:
         del ref
