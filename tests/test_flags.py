@@ -83,7 +83,7 @@ def test_every_accepted_flag_takes_some_value_of_its_kind(tmp_path: Path) -> Non
                 continue
             for sample in [*SAMPLES, 'root ::= "a"', str(a_file), str(json_file), str(tmp_path)]:
                 try:
-                    parse([name, sample], {})
+                    parse([name, *[sample] * flag.n_values], {})
                     break
                 except UsageError:
                     continue

@@ -121,6 +121,8 @@ class ServerConfig:
     api_prefix: str = ""  # --api-prefix: every route under this path
     special: bool = False  # -sp: control tokens' text in the answers
     lora: tuple[tuple[str, float], ...] = ()  # --lora / --lora-scaled: (adapter file, scale)
+    control_vectors: tuple[tuple[str, float], ...] = ()  # --control-vector(-scaled): (file, scale), summed
+    control_vector_layer_range: tuple[int, int] = (-1, -1)  # --control-vector-layer-range (0 or less: 1 / n_layer)
     ctx_shift: bool = False  # --context-shift: a full context drops tokens instead of ending the answer
     n_keep: int = 0  # --keep: the prompt tokens a context shift keeps (-1: all)
     static_path: Path | None = None  # --path: static files served before the routes
@@ -268,7 +270,8 @@ class ServerConfig:
 
     def model_overrides(self) -> dict[str, Any]:
         """What the command line sets over the file (``load_gguf``'s ``overrides``): the
-        --rope-* / --yarn-* values that were given, and --override-kv's keys ("kv")."""
+        --rope-* / --yarn-* values that were given, --override-kv's keys ("kv"), the
+        LoRA adapters ("lora") and the control vectors ("cvec", "cvec_range")."""
         out: dict[str, Any] = {}
         for name in ("rope_scaling", "rope_freq_base", "rope_freq_scale", "yarn_orig_ctx"):
             if getattr(self, name):
@@ -280,6 +283,9 @@ class ServerConfig:
             out["kv"] = dict(self.kv_overrides)
         if self.lora:
             out["lora"] = list(self.lora)
+        if self.control_vectors:
+            out["cvec"] = list(self.control_vectors)
+            out["cvec_range"] = self.control_vector_layer_range
         return out
 
     def slot_ctx(self, n_ctx_train: int) -> int:

@@ -37,6 +37,8 @@ Activation = Literal["silu", "gelu", "sigmoid"]
 #: (llama.cpp's ``t_embd``, pooled by the embeddings edge), or a rank head's scores
 #: (``cls.output.weight`` of those hidden states: llama.cpp's pooling ``rank``)
 Output = Literal["logits", "embd", "rank"]
+#: the tensor holding layer ``il``'s control vector, when the model has one (``model/cvec.py``)
+CVEC = "cvec.{}"
 
 
 @attrs.frozen(eq=False)
@@ -94,6 +96,8 @@ class Graph:
     #: by ``linear``; ``lora_used`` says which ones a build reached
     lora: Mapping[str, tuple[tuple[str, str, float], ...]] = attrs.field(factory=dict)
     lora_used: set[str] = attrs.field(factory=set)
+    #: the layers whose control vector (``model/cvec.py``) ``cvec`` added
+    cvec_used: set[int] = attrs.field(factory=set)
     _ids: int = 0
     _layer: int = -1
 
@@ -170,6 +174,17 @@ class Graph:
         """``a + b``, with ``b`` of ``a``'s shape or one row ``[n]`` (a bias) for every row."""
         self._check(b.shape == a.shape or b.shape == (a.width,), name, f"add of {a!r} and {b!r}: shapes differ")
         return self._node("add", (a, b), a.shape, name)
+
+    def cvec(self, x: Tensor) -> Tensor:
+        """llama.cpp's ``build_cvec``: the current layer's output ``x`` ``[T, n_embd]``
+        (the residual stream after the layer) plus the layer's control vector, when the
+        model has one (the tensor ``cvec.<il>``, ``model/cvec.py``); else ``x`` itself.
+        Every architecture calls it once per layer, on what feeds the next."""
+        name = CVEC.format(self._layer)
+        if self._layer < 0 or not self.has(name):
+            return x
+        self.cvec_used.add(self._layer)
+        return self.add(x, self.weight(name), "l_out_cvec")
 
     def scale(self, x: Tensor, s: float, name: str) -> Tensor:
         return self._node("scale", (x,), x.shape, name, scale=float(s))

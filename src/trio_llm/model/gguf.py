@@ -111,7 +111,9 @@ def load_gguf(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None 
     """Open and validate ``path``; raise ``ModelLoadError`` (or its subclass
     ``UnsupportedModelError``) with one line naming the file and the problem.
     ``overrides``: what the command line sets over the file's hyper-parameters
-    (``trio_llm.models.Meta.over``: llama-server's ``--rope-*`` / ``--yarn-*``)."""
+    (``trio_llm.models.Meta.over``: llama-server's ``--rope-*`` / ``--yarn-*``), its
+    metadata (``kv``), LoRA adapters (``lora``: (path, scale) pairs) and control vectors
+    (``cvec``: (path, scale) pairs; ``cvec_range``: (start, end), ``model/cvec.py``)."""
     path = Path(path)
     metadata, tensors, data = read_gguf(path)
     if overrides and overrides.get("kv"):
@@ -127,8 +129,37 @@ def load_gguf(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None 
         for adapter in adapters:
             tensors.update(adapter.tensors)
         config = attrs.evolve(config, lora=tuple((d.weight, d.a, d.b, d.scale) for d in deltas))
+    if overrides and overrides.get("cvec"):  # --control-vector(-scaled): the sums join the model's tensors
+        from trio_llm.model.cvec import cvec_tensors, load_control_vectors
+
+        vectors = load_control_vectors(overrides["cvec"], config.n_embd, config.n_layer,
+                                       overrides.get("cvec_range", (-1, -1)))
+        tensors = {**tensors, **cvec_tensors(vectors)}
     return GGUFModel(path=path, config=config, metadata=metadata, tensors=tensors, map=data,
                      overrides=dict(overrides or {}), adapters=adapters)
+
+
+def f32_tensors(arrays: Mapping[str, np.ndarray]) -> dict[str, TensorInfo]:
+    """Float32 tensors that join a model's (a LoRA adapter's, the control vectors), as
+    ``TensorInfo`` views of one page-aligned buffer: they are small, and one buffer keeps
+    a Vulkan weight segment inside one allocation, whose host shadow an import can take
+    (``vulkan/weights.py``), like a file's mapping."""
+    values = [np.ascontiguousarray(a, np.float32) for a in arrays.values()]
+    offsets, pos = [], 0
+    for a in values:
+        offsets.append(pos)
+        pos += -(-a.nbytes // 256) * 256
+    page = 4096
+    # room for the page-aligned start and a whole last page: an imported shadow spans
+    # whole pages from the first tensor on, and must not reach past this allocation
+    block = np.zeros(-(-pos // page) * page + 2 * page, np.uint8)
+    start = -int(block.ctypes.data) % page
+    out: dict[str, TensorInfo] = {}
+    for name, a, off in zip(arrays, values, offsets, strict=True):
+        raw = block[start + off: start + off + a.nbytes]
+        raw[:] = a.reshape(-1).view(np.uint8)
+        out[name] = TensorInfo(name, T.F32, tuple(a.shape), raw, a.nbytes, 0)
+    return out
 
 
 def _kv_overridden(path: Path, md: dict[str, Any], kv: Mapping[str, Any]) -> dict[str, Any]:

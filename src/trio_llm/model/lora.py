@@ -57,34 +57,18 @@ RANK_ALIGN = 32
 
 def _padded(pairs: list[tuple[str, Any, int, int]]) -> dict[str, Any]:
     """The tensors ``(name, info, rank, axis)`` as float32, their rank axis (0 for A, 1
-    for B) padded with zeros to ``RANK_ALIGN``, all in one page-aligned buffer (an
-    adapter is small; one buffer keeps a device segment inside one allocation)."""
+    for B) padded with zeros to ``RANK_ALIGN``, all in one page-aligned buffer."""
     import numpy as np
-    from gguf import GGMLQuantizationType as T
 
-    from trio_llm.model.gguf import TensorInfo
+    from trio_llm.model.gguf import f32_tensors
 
-    arrays = []
-    for _name, info, rank, axis in pairs:
+    arrays = {}
+    for name, info, rank, axis in pairs:
         values = np.asarray(info.dequantize(), np.float32)
         widths = [(0, 0), (0, 0)]
         widths[axis] = (0, -rank % RANK_ALIGN)
-        arrays.append(np.pad(values, widths))
-    offsets, pos = [], 0
-    for a in arrays:
-        offsets.append(pos)
-        pos += -(-a.nbytes // 256) * 256
-    page = 4096
-    # room for the page-aligned start and a whole last page: an imported shadow spans
-    # whole pages from the first tensor on, and must not reach past this allocation
-    block = np.zeros(-(-pos // page) * page + 2 * page, np.uint8)
-    start = -int(block.ctypes.data) % page
-    out: dict[str, Any] = {}
-    for (name, _info, _rank, _axis), a, off in zip(pairs, arrays, offsets, strict=True):
-        raw = block[start + off: start + off + a.nbytes]
-        raw[:] = a.reshape(-1).view(np.uint8)
-        out[name] = TensorInfo(name, T.F32, tuple(a.shape), raw, a.nbytes, 0)
-    return out
+        arrays[name] = np.pad(values, widths)
+    return f32_tensors(arrays)
 
 
 def load_adapters(specs: Sequence[tuple[str, float]], arch: str, model_tensors: dict[str, Any]) -> tuple[

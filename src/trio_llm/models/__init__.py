@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from trio_llm.errors import GraphError, ModelLoadError, UnsupportedModelError
-from trio_llm.graph import Graph, Output
+from trio_llm.graph import CVEC, Graph, Output
 from trio_llm.model.config import ModelConfig
 
 
@@ -116,6 +116,8 @@ def build_graph(cfg: ModelConfig, present: Mapping[str, tuple[int, ...]], output
     missed = sorted(set(lora) - g.lora_used)
     if missed:  # a matrix this model reads through another op than linear
         raise GraphError(f"a LoRA on {missed[0]} is not supported for {cfg.arch} (it is not a plain product here)")
+    unread = sorted(il for il in range(cfg.n_layer) if CVEC.format(il) in present and il not in g.cvec_used)
+    assert not unread, f"{cfg.arch}: no control vector added to layer {unread[0]}"  # an architecture without g.cvec
     return g
 
 

@@ -175,5 +175,5 @@ def build(g: Graph, cfg: ModelConfig) -> None:
         x = g.add(x, mla_attention(g, h, il, cfg), "ffn_inp")
         h = norm(g, x, b + "ffn_norm.weight", eps, "ffn_norm")
         out = ffn(g, h, il, "silu") if il < cfg.n_dense_lead else moe_ffn(g, h, il, moe, "silu")
-        x = g.add(x, out, "l_out")
+        x = g.cvec(g.add(x, out, "l_out"))
     head(g, x, eps)

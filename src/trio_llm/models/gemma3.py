@@ -114,5 +114,5 @@ def build(g: Graph, cfg: ModelConfig) -> None:
         x = g.add(x, h, "sa_out")
         h = norm(g, x, b + "ffn_norm.weight", eps, "ffn_norm")
         h = norm(g, ffn(g, h, il, "gelu"), b + "post_ffw_norm.weight", eps, "ffn_post_norm")
-        x = g.add(x, h, "l_out")
+        x = g.cvec(g.add(x, h, "l_out"))
     head(g, x, eps)

@@ -200,5 +200,5 @@ def build(g: Graph, cfg: ModelConfig) -> None:
         h = norm(g, x, f"blk.{il}.attn_norm.weight", eps, "attn_norm")
         x = g.add(x, attention(g, h, il, a, rope), "ffn_inp")
         h = norm(g, x, f"blk.{il}.ffn_norm.weight", eps, "ffn_norm")
-        x = g.add(x, ffn(g, h, il, "silu"), "l_out")
+        x = g.cvec(g.add(x, ffn(g, h, il, "silu"), "l_out"))
     head(g, x, eps)

@@ -189,7 +189,7 @@ def build_layers(g: Graph, cfg: ModelConfig, ffn_block: Any, linear: Any = linea
         mix = linear if cfg.is_recurrent(il) else gated_attention
         x = g.add(x, mix(g, h, il, cfg), "attn_residual")
         h = norm(g, x, b + "post_attention_norm.weight", eps, "attn_post_norm")
-        x = g.add(x, ffn_block(g, h, il), "post_ffn")
+        x = g.cvec(g.add(x, ffn_block(g, h, il), "post_ffn"))
     head(g, x, eps)
 
 

@@ -64,8 +64,10 @@ class Flag:
     neg: tuple[str, ...] = ()  # a switch's negative spellings
     env: str | None = None
     dest: str | None = None  # the ServerConfig field (or a parser key starting "_")
-    conv: Callable[[str], Any] = str
+    conv: Callable[..., Any] = str  # the value's text (each of them, with n_values > 1) -> the value
     refuse: Callable[[Any], str | None] | None = None  # why this value is not served
+    #: the values the flag takes (--control-vector-layer-range START END: 2); no variable
+    n_values: int = 1
 
     @property
     def label(self) -> str:
@@ -166,7 +168,7 @@ def _prefix(text: str) -> str:
     return prefix
 
 
-def _lora_scaled(text: str) -> tuple[tuple[str, float], ...]:
+def _scaled_files(text: str) -> tuple[tuple[str, float], ...]:
     out = []
     for item in text.split(","):
         name, sep, scale = item.rpartition(":")
@@ -177,6 +179,11 @@ def _lora_scaled(text: str) -> tuple[tuple[str, float], ...]:
         if not sep or not name:
             raise FlagValueError(f"invalid value {item!r} (FNAME:SCALE)")
     return tuple(out)
+
+
+def _layer_range(start: str, end: str) -> tuple[int, int]:
+    """--control-vector-layer-range START END, inclusive (0 or less: the first or last)."""
+    return _int(start), _int(end)
 
 
 def _one(text: str) -> tuple[str, ...]:
@@ -519,10 +526,15 @@ FLAGS: tuple[Flag, ...] = (
     W("--lora", "LoRA adapters at scale 1 (comma-separated; repeats add up)", value="FNAME", dest="lora",
       conv=lambda t: tuple((f, 1.0) for f in t.split(",") if f)),
     W("--lora-scaled", "LoRA adapters with their scales (repeats add up); the scales are fixed for the server's "
-      "life", value="FNAME:SCALE,...", dest="lora", conv=_lora_scaled),
-    R("--control-vector", "control vectors are not supported", value="FNAME"),
-    R("--control-vector-scaled", "control vectors are not supported", value="FNAME:SCALE,..."),
-    R("--control-vector-layer-range", "control vectors are not supported", value="START END"),
+      "life", value="FNAME:SCALE,...", dest="lora", conv=_scaled_files),
+    W("--control-vector", "control vectors (GGUF files of direction.N tensors) at scale 1, each layer's summed "
+      "vector added to its output (comma-separated; repeats add up)", value="FNAME", dest="control_vectors",
+      conv=lambda t: tuple((f, 1.0) for f in t.split(",") if f)),
+    W("--control-vector-scaled", "control vectors with their scales, summed with the others (repeats add up)",
+      value="FNAME:SCALE,...", dest="control_vectors", conv=_scaled_files),
+    W("--control-vector-layer-range", "the layers the control vectors are added to, start and end inclusive "
+      "(default: 1 to the last; layer 0 never has one)", value="START END", dest="control_vector_layer_range",
+      conv=_layer_range, n_values=2),
     W("-m --model", "GGUF file (default: the embedded demo model)", value="FNAME", env="LLAMA_ARG_MODEL",
       dest="model", conv=Path),
     W("-mu --model-url", "download the model from this URL to -m's path (else $LLAMA_CACHE's file of the URL's "
@@ -863,6 +875,7 @@ def _index(flags: Sequence[Flag]) -> dict[str, tuple[Flag, bool]]:
     for flag in flags:
         for name in flag.names:
             assert name not in out, f"{name} twice in the flag table"
+            assert flag.n_values == 1 or flag.env is None, f"{name}: a variable holds one value"
             out[name] = (flag, True)
         for name in flag.neg:
             assert name not in out, f"{name} twice in the flag table"
@@ -903,9 +916,9 @@ def _apply(flag: Flag, shown: str, value: Any, values: dict[str, Any]) -> None:
         values[flag.dest] = value
 
 
-def _convert(flag: Flag, shown: str, text: str) -> Any:
+def _convert(flag: Flag, shown: str, *texts: str) -> Any:
     try:
-        return flag.conv(text)
+        return flag.conv(*texts)
     except FlagValueError as exc:
         raise UsageError(f"{shown}: {exc}") from None
 
@@ -959,12 +972,14 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Pars
                 raise UsageError(f"{arg}: takes no value")
             _apply(flag, arg, positive, values)
         else:
-            if inline is None:
+            texts = [] if inline is None else [inline]
+            while len(texts) < flag.n_values:
                 if i >= len(args):
-                    raise UsageError(f"{arg}: expected a value ({flag.value})")
-                inline = args[i]
+                    what = "a value" if flag.n_values == 1 else f"{flag.n_values} values"
+                    raise UsageError(f"{arg}: expected {what} ({flag.value})")
+                texts.append(args[i])
                 i += 1
-            _apply(flag, arg, _convert(flag, arg, inline), values)
+            _apply(flag, arg, _convert(flag, arg, *texts), values)
         if flag.dest:
             explicit.add(flag.dest)
         used.append(arg)
@@ -998,7 +1013,8 @@ def completion_bash() -> str:
     """``--completion-bash``: a script that completes every flag that is not refused, and
     files by kind after -m / --grammar-file / --chat-template-file (llama.cpp's)."""
     names = " ".join(n for f in FLAGS if f.kind != "refused" for n in (*f.names, *f.neg))
-    files = [("--model|-m|--mmproj|-mm|--lora|--lora-scaled", "*.gguf"), ("--grammar-file", "*.gbnf"),
+    gguf = "--model|-m|--mmproj|-mm|--lora|--lora-scaled|--control-vector|--control-vector-scaled"
+    files = [(gguf, "*.gguf"), ("--grammar-file", "*.gbnf"),
              ("--chat-template-file", "*.jinja")]
     cases = "".join(f"        {flags})\n            COMPREPLY=( $(compgen -f -X '!{pattern}' -- \"$cur\") "
                     f"$(compgen -d -- \"$cur\") )\n            return 0\n            ;;\n" for flags, pattern in files)
