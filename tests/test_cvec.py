@@ -344,3 +344,17 @@ def test_vectors_survive_a_release(tmp_path: Path, kind: str) -> None:
         np.testing.assert_allclose(backend.forward([SeqBatch(0, tokens, 0)]), before, rtol=1e-5, atol=1e-5)
     finally:
         backend.close()
+
+
+def test_the_flags_parse_as_llama_servers() -> None:
+    """Comma-separated files, repeats that add up, SCALE after the last colon, a range
+    of two values (also as --name=START END); the range alone changes nothing."""
+    from trio_llm.runtime import parse_config
+
+    c = parse_config(["--control-vector", "a.gguf,b.gguf", "--control-vector-scaled", "c:/d.gguf:-0.5",
+                      "--control-vector", "e.gguf", "--control-vector-layer-range=2", "3"], {})
+    assert c.control_vectors == (("a.gguf", 1.0), ("b.gguf", 1.0), ("c:/d.gguf", -0.5), ("e.gguf", 1.0))
+    assert c.control_vector_layer_range == (2, 3)
+    assert c.model_overrides()["cvec"] == list(c.control_vectors) and c.model_overrides()["cvec_range"] == (2, 3)
+    alone = parse_config(["--control-vector-layer-range", "2", "3"], {})
+    assert "cvec" not in alone.model_overrides() and "cvec_range" not in alone.model_overrides()
