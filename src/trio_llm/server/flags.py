@@ -19,8 +19,8 @@ The parser is llama.cpp's, not argparse: an argument is looked up whole (no pref
 matching, no bundling of short options, so ``-ctk`` is never ``-c tk``); after a
 leading ``--`` underscores read as dashes (``--presence_penalty``); variables are
 read first and a flag on the command line then wins; ``LLAMA_ARG_NO_X`` turns a
-switch with negative spellings off; a repeated flag keeps its last value. One
-extension: ``--name=value`` for a flag that takes a value.
+switch with negative spellings off; a repeated flag keeps its last value (those whose
+help says "repeats add up" append). One extension: ``--name=value`` for a flag that takes a value.
 """
 
 from __future__ import annotations
