@@ -21,6 +21,11 @@ leading ``--`` underscores read as dashes (``--presence_penalty``); variables ar
 read first and a flag on the command line then wins; ``LLAMA_ARG_NO_X`` turns a
 switch with negative spellings off; a repeated flag keeps its last value (those whose
 help says "repeats add up" append). One extension: ``--name=value`` for a flag that takes a value.
+
+A preset (``--fim-qwen-7b-default``...) is llama.cpp's too: a switch whose handler sets
+several values when the parser reaches it, so what it sets replaces a variable or an
+earlier flag, and a later flag replaces it; what it does not set (``-hff`` for the
+presets without a file) is left as it was.
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ class Flag:
     refuse: Callable[[Any], str | None] | None = None  # why this value is not served
     #: the values the flag takes (--control-vector-layer-range START END: 2); no variable
     n_values: int = 1
+    #: a preset switch (--fim-qwen-7b-default...): (dest, value) pairs it sets where it
+    #: stands on the line, as llama.cpp's handler assigns them
+    preset: tuple[tuple[str, Any], ...] = ()
 
     @property
     def label(self) -> str:
@@ -401,6 +409,24 @@ def R(names: str, help: str, **kw: Any) -> Flag:
     return Flag(_names(names), "refused", help, neg=_names(kw.pop("neg", "")), **kw)
 
 
+def P(names: str, model: str, *settings: tuple[str, str, Any], also: str = "") -> Flag:
+    """One of llama-server's preset switches: ``settings`` are (the flag it stands for,
+    its dest, the value) in the handler's order; the help shows them as that line."""
+    line = " ".join(flag if value is True else f"{flag} {value:g}" if isinstance(value, float) else
+                    f"{flag} {value}" for flag, _dest, value in settings)
+    return Flag(_names(names), "works", f"{model}, downloaded as -hf: {line}{also}; " + _PRESET,
+                preset=tuple((dest, value) for _flag, dest, value in settings))
+
+
+_PRESET = "a flag after it overrides what it sets, one before it is overridden (as llama-server)"
+_FIM = (("--port", "port", 8012), ("-ub", "ubatch_size", 1024), ("-b", "batch_size", 1024), ("-c", "ctx_size", 0),
+        ("--cache-reuse", "cache_reuse", 256))
+_GPT_OSS = (("--port", "port", 8013), ("-ub", "ubatch_size", 2048), ("-b", "batch_size", 32768),
+            ("-np", "parallel", 2), ("-c", "ctx_size", 262144), ("--temp", "temp", 1.0), ("--top-p", "top_p", 1.0),
+            ("--top-k", "top_k", 0), ("--min-p", "min_p", 0.01))
+_CTX0 = " (-c 0: the model's context, which --fit may lower, as llama-server's)"
+_JINJA = " --jinja (a no-op: always here)"
+_NO_GPT_OSS = "; gpt-oss is not an architecture this build runs: the start ends after the download, in one line"
 _ONE_DEVICE = "one device runs the whole model"
 _NO_MMAP = "weights are read once into device (or numpy) memory: no mapping or locking to tune"
 _NO_DRAFT = "speculative decoding is not implemented (no draft model)"
@@ -830,18 +856,28 @@ FLAGS: tuple[Flag, ...] = (
     R("--spec-ngram-size-n", "removed from llama-server too", value="N"),
     R("--spec-ngram-size-m", "removed from llama-server too", value="N"),
     R("--spec-ngram-min-hits", "removed from llama-server too", value="N"),
-    R("--embd-gemma-default", "preset models are downloaded; " + _NO_DL),
-    R("--fim-qwen-1.5b-default", "preset models are downloaded; " + _NO_DL),
-    R("--fim-qwen-3b-default", "preset models are downloaded; " + _NO_DL),
-    R("--fim-qwen-7b-default", "preset models are downloaded; " + _NO_DL),
-    R("--fim-qwen-7b-spec", "preset models are downloaded; " + _NO_DL),
-    R("--fim-qwen-14b-spec", "preset models are downloaded; " + _NO_DL),
-    R("--fim-qwen-30b-default", "preset models are downloaded; " + _NO_DL),
-    R("--gpt-oss-20b-default", "preset models are downloaded; " + _NO_DL),
-    R("--gpt-oss-120b-default", "preset models are downloaded; " + _NO_DL),
-    R("--vision-gemma-4b-default", "preset models are downloaded; " + _NO_DL),
-    R("--vision-gemma-12b-default", "preset models are downloaded; " + _NO_DL),
-    R("--spec-default", _NO_DRAFT),
+    P("--embd-gemma-default", "EmbeddingGemma 300M", ("-hf", "hf_repo", "ggml-org/embeddinggemma-300M-qat-q4_0-GGUF"),
+      ("-hff", "hf_file", "embeddinggemma-300M-qat-Q4_0.gguf"), ("--port", "port", 8011),
+      ("-ub", "ubatch_size", 2048), ("-b", "batch_size", 2048), ("-np", "parallel", 32), ("-c", "ctx_size", 65536),
+      ("--embeddings", "embeddings", True),
+      also="; llama-server's verbose_prompt too, which its server does not read either"),
+    *(P(f"--fim-qwen-{size}-default", f"Qwen 2.5 Coder {size.upper()}",
+        ("-hf", "hf_repo", f"ggml-org/Qwen2.5-Coder-{size.upper()}-Q8_0-GGUF"),
+        ("-hff", "hf_file", f"qwen2.5-coder-{size}-q8_0.gguf"), *_FIM, also=_CTX0) for size in ("1.5b", "3b", "7b")),
+    R("--fim-qwen-7b-spec", _NO_DRAFT + ": the preset needs one (llama-server's: Qwen 2.5 Coder 7B + a 0.5B draft)"),
+    R("--fim-qwen-14b-spec", _NO_DRAFT + ": the preset needs one (llama-server's: Qwen 2.5 Coder 14B + a 0.5B draft)"),
+    P("--fim-qwen-30b-default", "Qwen 3 Coder 30B A3B Instruct",
+      ("-hf", "hf_repo", "ggml-org/Qwen3-Coder-30B-A3B-Instruct-Q8_0-GGUF"),
+      ("-hff", "hf_file", "qwen3-coder-30b-a3b-instruct-q8_0.gguf"), *_FIM, also=_CTX0),
+    P("--gpt-oss-20b-default", "gpt-oss-20b", ("-hf", "hf_repo", "ggml-org/gpt-oss-20b-GGUF"),
+      ("-hff", "hf_file", "gpt-oss-20b-mxfp4.gguf"), *_GPT_OSS, also=_JINJA + _NO_GPT_OSS),
+    P("--gpt-oss-120b-default", "gpt-oss-120b", ("-hf", "hf_repo", "ggml-org/gpt-oss-120b-GGUF"), *_GPT_OSS,
+      also=_JINJA + _NO_GPT_OSS),
+    P("--vision-gemma-4b-default", "Gemma 3 4B QAT", ("-hf", "hf_repo", "ggml-org/gemma-3-4b-it-qat-GGUF"),
+      ("--port", "port", 8014), ("-c", "ctx_size", 0), also=_JINJA + "; the repository's projector too" + _CTX0),
+    P("--vision-gemma-12b-default", "Gemma 3 12B QAT", ("-hf", "hf_repo", "ggml-org/gemma-3-12b-it-qat-GGUF"),
+      ("--port", "port", 8014), ("-c", "ctx_size", 0), also=_JINJA + "; the repository's projector too" + _CTX0),
+    R("--spec-default", "speculative decoding is not implemented (the preset turns on ngram-mod drafts)"),
     # -- trio-llm's own ------------------------------------------------------------------
     W("--backend", "compute backend (auto: Vulkan, else numpy)", value="{auto,numpy,vulkan}", dest="backend",
       conv=_choice("auto", "numpy", "vulkan")),
@@ -902,6 +938,7 @@ class Parsed:
 def _apply(flag: Flag, shown: str, value: Any, values: dict[str, Any]) -> None:
     if flag.kind == "refused":
         raise UsageError(f"{shown}: {flag.help}")
+    values.update(flag.preset)  # assigned, as the preset's handler does: never added to
     if flag.refuse is not None and (why := flag.refuse(value)) is not None:
         raise UsageError(f"{shown} {value if flag.value else ''}".rstrip() + f": {why}")
     if flag.dest is not None:
@@ -982,6 +1019,13 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Pars
             _apply(flag, arg, _convert(flag, arg, *texts), values)
         if flag.dest:
             explicit.add(flag.dest)
+        for dest, value in flag.preset:
+            # llama.cpp fits a context of 0 (the model's), whoever set it: a preset's
+            # -c 0 leaves --fit its say (a typed -c 0 here does not, as before)
+            if (dest, value) == ("ctx_size", 0):
+                explicit.discard(dest)
+            else:
+                explicit.add(dest)
         used.append(arg)
     return Parsed(values, frozenset(explicit), tuple(used))
 
