@@ -39,6 +39,8 @@
 // step buffer (its own position for causal rows, its entry's last for the rows of a
 // non-causal entry); the key tiles run to the tile's highest visible position, and a tile
 // is fully visible below the smallest. Without it the source is the plain kernel's.
+// With SYMMETRIC too (gemma-embedding's symmetric window) a token's highest visible
+// position is also at most p + n_swa - 1, so the window hides keys on both sides.
 #extension GL_KHR_shader_subgroup_shuffle : require
 #include "common.glsl"
 
@@ -151,6 +153,11 @@ void main() {
         tseq[tid] = tid < nlive ? STEP_SEQ(t0 + tid) : 0xFFFFFFFFu;
 #ifdef NONCAUSAL
         tvis[tid] = tid < nlive ? STEP_VIS(t0 + tid) : 0u;
+#ifdef SYMMETRIC
+        if (tid < nlive && pc.n_swa > 0u) {
+            tvis[tid] = min(tvis[tid], tpos[tid] + pc.n_swa - 1u);
+        }
+#endif
 #endif
     }
     for (uint i = tid; i < ROWS * HD4; i += WG) {

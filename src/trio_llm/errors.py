@@ -72,6 +72,18 @@ class InvalidRequest(TrioLLMError):
     """A request that is well-formed JSON but asks for something invalid."""
 
 
+class InputTooLarge(TrioLLMError):
+    """A prompt of a model without memory (non-causal attention: gemma-embedding) longer
+    than one forward pass; llama-server's words and status (500): it runs such a
+    prompt in one ubatch."""
+
+    def __init__(self, n_tokens: int, n_batch: int) -> None:
+        self.n_tokens = n_tokens
+        self.n_batch = n_batch
+        super().__init__(f"input ({n_tokens} tokens) is too large to process. increase the physical batch size "
+                         f"(current batch size: {n_batch})")
+
+
 class ArenaUnavailable(TrioLLMError):
     """The VRAM arena directory cannot be opened or written."""
 

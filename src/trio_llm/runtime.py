@@ -221,7 +221,7 @@ def _backend_args(config: ServerConfig, model: Any) -> dict[str, Any]:
     if config.device is not None:
         extra["device"] = config.device
     output = embeddings.backend_output(config.embeddings, embeddings.resolve_pooling(config.pooling, model.metadata),
-                                       model.tensors)
+                                       model.tensors, model.config.causal_attn)
     if output != "logits":
         extra["output"] = output
     return extra
@@ -749,7 +749,8 @@ async def _run_loaded(
                 if config.embeddings:
                     embedder = embeddings.Embedder(
                         client, gate, embeddings.resolve_pooling(config.pooling, model.metadata),
-                        output=loaded.output, arch=model.config.arch, n_seq=backend.n_seq)
+                        output=loaded.output, arch=model.config.arch, n_seq=backend.n_seq,
+                        causal=model.config.causal_attn, n_batch=config.n_batch)
                 media = (MediaEncoder(loaded.projector, tokenizer, max_rows=config.n_batch)
                          if loaded.projector is not None else None)
                 registry = make_registry(

@@ -133,7 +133,8 @@ ATTN_BLOCK_SCORES = 1 << 24
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, window: int = 0,
-           k_pos: np.ndarray | None = None, scale: float | None = None, causal: bool = True) -> np.ndarray:
+           k_pos: np.ndarray | None = None, scale: float | None = None, causal: bool = True,
+           symmetric: bool = False) -> np.ndarray:
     """Causal grouped-query attention of one sequence.
 
     ``q`` [n, n_head, hd] are the queries of positions pos0..pos0+n-1; ``k``/``v``
@@ -142,7 +143,7 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, window: int =
     grouping. ``window`` > 0 hides keys ``window`` or more positions back.
     ``causal=False``: every query also sees the keys after it, up to pos0 + n - 1
     (llama.cpp's mask with causal attention off; the window still hides only keys
-    before the query).
+    before the query, unless ``symmetric``: then also keys ``window`` or more after it).
     """
     n, n_head, hd = q.shape
     t = k.shape[0]
@@ -154,6 +155,8 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, window: int =
         b = min(n, a + rows)
         q_pos = pos0 + a + np.arange(b - a)
         q_hi = q_pos if causal else np.full(b - a, pos0 + n - 1)
+        if symmetric and window:
+            q_hi = np.minimum(q_hi, q_pos + window - 1)
         out[a:b] = _attend_block(q[a:b], k, v, q_pos, q_hi, kp, window, s)
     return out
 
@@ -809,7 +812,8 @@ class NumpyBackend:
             lo = max(lo, end - m.rows)  # what the ring still holds
             kp = np.arange(lo, end)  # [T] key positions
             out[a:b] = attend(q[a:b], k_cache[e.seq_id, kp % m.rows], v_cache[e.seq_id, kp % m.rows],
-                              e.pos0, window, kp, node.attr("scale"), e.causal)  # [n, n_head, hd]
+                              e.pos0, window, kp, node.attr("scale"), e.causal,
+                              bool(node.attrs.get("symmetric")))  # [n, n_head, hd]
         out = out.reshape(n_tok, nh * hd)
         return hadamard(out, vb) if vb else out
 

@@ -223,7 +223,8 @@ class Graph:
                           theta=float(theta), freq_scale=float(freq_scale), **kw)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, name: str, *, n_head: int, n_head_kv: int,
-                  head_dim: int, scale: float, window: int = 0, v_is_k: bool = False, v_dim: int = 0) -> Tensor:
+                  head_dim: int, scale: float, window: int = 0, v_is_k: bool = False, v_dim: int = 0,
+                  symmetric: bool = False) -> Tensor:
         """Store this step's ``k`` and ``v`` in the current layer's cache, then causal
         grouped-query attention of ``q`` over it (a ``causal=False`` entry's rows also see
         the entry's later rows: ``SeqBatch``): ``[T, n_head * head_dim]``. Query head h
@@ -237,7 +238,11 @@ class Graph:
         the K cache; the caller keeps the part of each output head it wants). ``v_dim``
         > 0 says that part is the first ``v_dim`` values of each head (the latent): an
         output head's values past it are then not defined, and a backend may leave them
-        unwritten (Vulkan's flash-decoding reads V as those values of each K row)."""
+        unwritten (Vulkan's flash-decoding reads V as those values of each K row).
+
+        ``symmetric`` (with a ``window``): the window also hides keys ``window`` or more
+        positions *after* the row, which only a non-causal entry's rows see (llama.cpp's
+        ``LLAMA_SWA_TYPE_SYMMETRIC``, EmbeddingGemma's)."""
         self._check(self._layer >= 0, name, "attention outside a layer has no cache")
         self._check(not v_is_k or v is k, name, "v_is_k attention needs v to be k")
         self._check(n_head % n_head_kv == 0, name, f"{n_head} heads do not share {n_head_kv} KV heads evenly")
@@ -248,7 +253,10 @@ class Graph:
         self._check(window >= 0, name, f"negative window {window}")
         self._check(not v_dim or (v_is_k and 0 < v_dim <= head_dim), name,
                     f"v_dim {v_dim} needs v_is_k and at most head_dim {head_dim}")
+        self._check(not symmetric or window > 0, name, "a symmetric window needs a window")
         kw: dict[str, Any] = {"v_is_k": True} if v_is_k else {}
+        if symmetric:
+            kw["symmetric"] = True
         if v_dim:
             kw["v_dim"] = int(v_dim)
         return self._node("attention", (q, k, v), q.shape, name, n_head=n_head, n_head_kv=n_head_kv,

@@ -17,7 +17,8 @@ RopeMode = Literal["normal", "neox"]
 #: ``trio_llm.models``, which builds its graph)
 ARCH_ROPE: dict[str, RopeMode] = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
                                  "qwen3moe": "neox", "qwen35": "neox",
-                                 "qwen35moe": "neox", "qwen3next": "neox", "deepseek2": "normal"}
+                                 "qwen35moe": "neox", "qwen3next": "neox", "deepseek2": "normal",
+                                 "gemma-embedding": "neox"}
 
 
 @attrs.frozen
@@ -77,6 +78,14 @@ class ModelConfig:
     # a rank head (llama.cpp's cls_out, a causal reranker such as Qwen3-Reranker):
     # ``cls.output.weight`` [n_cls_out, n_embd]; 0: none
     n_cls_out: int = 0
+    #: llama.cpp's ``hparams.causal_attn``: False for an encoder (gemma-embedding), whose
+    #: every token sees its whole prompt; such a model has no memory in llama.cpp, so
+    #: it runs a prompt in one pass and does not generate
+    causal_attn: bool = True
+    #: sentence-transformers' dense projections after pooling (gemma-embedding's
+    #: ``dense_2`` [feat, n_embd] then ``dense_3`` [n_embd, feat]): (dense_2's outputs,
+    #: dense_3's inputs); (0, 0): none
+    dense_feat: tuple[int, int] = (0, 0)
     #: LoRA adapters' deltas (``model/lora.py``): (matrix, lora_a, lora_b, scale), each
     #: ``scale * B (A x)`` added to that matrix's product
     lora: tuple[tuple[str, str, str, float], ...] = ()

@@ -102,6 +102,9 @@ class Preset:
     expert_gating: str = "softmax"
     expert_norm: bool = False
     expert_scale: float = 0.0
+    #: sentence-transformers' dense projections (gemma-embedding's dense_2, dense_3):
+    #: their inner width; 0: none
+    dense: int = 0
 
     def config(self) -> ModelConfig:
         extra: dict[str, object]
@@ -110,6 +113,11 @@ class Preset:
 
             extra = gemma3.derived(self.n_layer, self.n_embd, self.n_head, self.head_dim, self.n_swa,
                                    self.rope_linear)
+        elif self.arch == "gemma-embedding":
+            from trio_llm.models import gemma3
+
+            extra = dict(gemma3.derived(self.n_layer, self.n_embd, self.n_head, self.head_dim, self.n_swa,
+                                        self.rope_linear), causal_attn=False, dense_feat=(self.dense, self.dense))
         elif self.arch in ("qwen35", "qwen35moe", "qwen3next"):
             from trio_llm.models.qwen35 import FULL_ATTENTION_INTERVAL
 
@@ -140,7 +148,8 @@ class Preset:
             rope_theta=self.rope_theta,
             rms_eps=self.rms_eps,
             rope_mode=ARCH_ROPE[self.arch],
-            qk_norm=self.arch in ("qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next"),
+            qk_norm=self.arch in ("qwen3", "gemma3", "gemma-embedding", "qwen3moe", "qwen35", "qwen35moe",
+                                  "qwen3next"),
             attn_bias=self.arch == "qwen2",
             tied_embeddings=self.tied,
             n_expert=self.n_expert,
@@ -223,6 +232,12 @@ PRESETS: dict[str, Preset] = {
         # and one global, with gemma-3-4b's RoPE layout
         _preset("tiny-gemma3", "gemma3", (256, 6, 4, 2, 64, 512, 1024), True, 1e6, 4096,
                 ("llama", "gemma"), "trio-llm tiny-gemma3", n_swa=16, rope_linear=8.0),
+        # EmbeddingGemma's layout (gemma-embedding): tiny-gemma3's stack, bidirectional, a
+        # symmetric window of 16 (8 each side, so short prompts cross it), mean pooling and
+        # sentence-transformers' dense projections (4 x n_embd inside, as the 300M's)
+        attrs.evolve(_preset("tiny-gemma-embd", "gemma-embedding", (256, 6, 4, 2, 64, 512, 1024), True, 1e6,
+                             2048, ("llama", "gemma"), "trio-llm tiny-gemma-embd", n_swa=16,
+                             pooling=gguf.PoolingType.MEAN), dense=1024),
         # 16 experts of width 256, 4 chosen per token (moe: experts, used, width)
         _preset("tiny-qwen3moe", "qwen3moe", (256, 2, 4, 2, 64, 512, 1024), False, 1e6, 4096,
                 ("gpt2", "chatml"), "trio-llm tiny-qwen3moe", moe=(16, 4, 256)),
@@ -432,7 +447,7 @@ def plan_tensors(preset: Preset, quant: str, pure: bool = False, sharp: bool = F
         factors = llama3_rope_factors(cfg.head_dim, cfg.rope_theta, *preset.rope_scaling)
         plans.append(TensorPlan("rope_freqs.weight", (len(factors),), T.F32, "const", factors))
     shapes = expected_shapes(cfg)
-    if cfg.arch == "deepseek2":  # and the experts' selection bias, which the loader may go without
+    if cfg.arch == "deepseek2" or preset.dense:  # the experts' selection bias, the dense projections
         from trio_llm.models import optional_shapes
 
         shapes.update(optional_shapes(cfg))
@@ -599,6 +614,11 @@ def _write_metadata(writer: gguf.GGUFWriter, preset: Preset, quant: str) -> None
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
     if preset.n_swa:
         writer.add_sliding_window(preset.n_swa)
+    if cfg.arch == "gemma-embedding":  # as the converter's EmbeddingGemma writes them
+        writer.add_rope_freq_base_swa(cfg.rope_theta_swa)
+        if preset.dense:
+            writer.add_dense_features_dims("dense_2", cfg.n_embd, preset.dense)
+            writer.add_dense_features_dims("dense_3", preset.dense, cfg.n_embd)
     if cfg.recurrent_layers:
         from trio_llm.models.qwen35 import FULL_ATTENTION_INTERVAL
 

@@ -61,9 +61,18 @@ class Meta:
 
 
 def _registry() -> dict[str, ModuleType]:
-    from trio_llm.models import deepseek2, gemma3, llama, qwen3moe, qwen3next, qwen35, qwen35moe
+    from trio_llm.models import (
+        deepseek2,
+        gemma3,
+        gemma_embedding,
+        llama,
+        qwen3moe,
+        qwen3next,
+        qwen35,
+        qwen35moe,
+    )
 
-    return {name: mod for mod in (llama, gemma3, qwen3moe, qwen35, qwen35moe, qwen3next, deepseek2)
+    return {name: mod for mod in (llama, gemma3, gemma_embedding, qwen3moe, qwen35, qwen35moe, qwen3next, deepseek2)
             for name in mod.ARCHS}
 
 

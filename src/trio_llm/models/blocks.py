@@ -35,6 +35,7 @@ class Attn:
     bias: bool = False  # q/k/v biases (qwen2)
     qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (qwen3, gemma3)
     window: int = 0  # sliding window; 0: full causal attention
+    symmetric: bool = False  # the window also hides keys ``window`` or more after (non-causal rows)
 
 
 def attention_tensors(cfg: ModelConfig, il: int, *, qk_norm: bool, bias: bool = False) -> dict[str, tuple[int, ...]]:
@@ -86,7 +87,7 @@ def attention(g: Graph, h: Tensor, il: int, a: Attn, rope: Rope) -> Tensor:
     q = g.rope(q, "Qcur_rope", n_heads=a.n_head, **kw)  # type: ignore[arg-type]
     k = g.rope(k, "Kcur_rope", n_heads=a.n_head_kv, **kw)  # type: ignore[arg-type]
     att = g.attention(q, k, v, "kqv_out", n_head=a.n_head, n_head_kv=a.n_head_kv, head_dim=a.head_dim,
-                      scale=a.scale, window=a.window)  # [T, n_head * hd]
+                      scale=a.scale, window=a.window, symmetric=a.symmetric)  # [T, n_head * hd]
     return g.linear(att, g.weight(b + "attn_output.weight"), "attn_out")  # [T, n_embd]
 
 

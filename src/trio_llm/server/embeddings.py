@@ -36,7 +36,7 @@ import numpy as np
 import trio
 
 from trio_llm.engine.backend import SeqBatch
-from trio_llm.errors import ContextOverflow, InvalidRequest
+from trio_llm.errors import ContextOverflow, InputTooLarge, InvalidRequest
 
 #: llama.cpp's ``enum llama_pooling_type`` values, as GGUF ``<arch>.pooling_type`` stores them
 POOLING_NAMES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
@@ -61,10 +61,15 @@ def resolve_pooling(flag: str, metadata: Mapping[str, Any]) -> str:
     return flag or model_pooling(metadata) or "none"
 
 
-def backend_output(embeddings: bool, pooling: str, tensor_names: Sequence[str] | Mapping[str, Any]) -> str:
+def backend_output(embeddings: bool, pooling: str, tensor_names: Sequence[str] | Mapping[str, Any],
+                   causal: bool = True) -> str:
     """What the backend's graph computes: logits unless ``--embeddings``; the rank head
     for pooling rank when the file has one (without one the server still starts, with
-    hidden states, and ``/rerank`` answers 400 naming the missing head)."""
+    hidden states, and ``/rerank`` answers 400 naming the missing head). A model
+    without causal attention (an encoder: gemma-embedding) has no logits at all, as in
+    llama.cpp, whose graph for it ends at ``t_embd``: its server does not generate."""
+    if not causal:
+        return "embd"
     if not embeddings:
         return "logits"
     if pooling == "rank" and RANK_HEAD in tensor_names:
@@ -324,6 +329,11 @@ class Embedder:
     output: str  # the backend's graph output: "embd" or "rank"
     arch: str
     n_seq: int
+    #: False for a model without causal attention (``ModelConfig.causal_attn``): each
+    #: prompt then runs as one non-causal entry of at most ``n_batch`` tokens (as
+    #: llama.cpp runs a model without memory: one ubatch)
+    causal: bool = True
+    n_batch: int = 0
     _active: int = 0
     _tokens: int = 0
     _seconds: float = 0.0
@@ -358,16 +368,20 @@ class Embedder:
         pooling none. ``last`` runs up to ``n_seq`` prompts in one pass (their last rows
         are what ``forward`` returns); the others one prompt per pass, every row."""
         pooling = self.pooling
+        if not self.causal:
+            for p in prompts:
+                if len(p) > self.n_batch:
+                    raise InputTooLarge(len(p), self.n_batch)
         out: list[Embedded] = []
         if pooling == "last":
             for start in range(0, len(prompts), self.n_seq):
                 group = prompts[start : start + self.n_seq]
-                batch = [SeqBatch(i, np.asarray(p, np.int32), 0) for i, p in enumerate(group)]
+                batch = [SeqBatch(i, np.asarray(p, np.int32), 0, causal=self.causal) for i, p in enumerate(group)]
                 rows = await self._run(lambda b, batch=batch: b.forward(batch), "embed", sum(map(len, group)))
                 out += [Embedded([normalize(rows[i], embd_norm)], len(p)) for i, p in enumerate(group)]
             return out
         for p in prompts:
-            entry = SeqBatch(0, np.asarray(p, np.int32), 0)
+            entry = SeqBatch(0, np.asarray(p, np.int32), 0, causal=self.causal)
             rows = await self._run(lambda b, entry=entry: b.forward_rows(entry), "embed", len(p))
             pooled = pool(rows, pooling)
             if pooling == "none":
@@ -382,7 +396,7 @@ class Embedder:
         scores: list[float] = []
         for start in range(0, len(prompts), self.n_seq):
             group = prompts[start : start + self.n_seq]
-            batch = [SeqBatch(i, np.asarray(p, np.int32), 0) for i, p in enumerate(group)]
+            batch = [SeqBatch(i, np.asarray(p, np.int32), 0, causal=self.causal) for i, p in enumerate(group)]
             rows = await self._run(lambda b, batch=batch: b.forward(batch), "rank", sum(map(len, group)))
             scores += [rank_score(rows[i], self.arch) for i in range(len(group))]
         return scores

@@ -390,6 +390,10 @@ def create_app(ctx: ServerContext) -> QuartTrio:
                 return _error(401, "Invalid API Key", "authentication_error")
         if ctx.engine is None:
             return _error(503, "Loading model", "unavailable_error")
+        if not ctx.engine.model_config.causal_attn and request.path in GENERATION_PATHS:
+            # an encoder (gemma-embedding) has no logits: llama-server's answer for a
+            # model without memory, with --embeddings or without
+            return _error(500, "the current context does not support logits computation. skipping", "server_error")
         if ctx.config.embeddings and request.path in GENERATION_PATHS:
             return _error(501, "This server was started with --embeddings (or --reranking), so its model computes "
                                "embeddings, not tokens: start it without them for generation", "not_supported_error")

@@ -1173,6 +1173,7 @@ class _Lowering:
             if gate is not None or not self.ops.prefill_ok(hd):
                 raise GraphError(f"{node.out.name}: no non-causal attention kernel for this layer")
             d = self.ops.attention_prefill(self.view(q), kc, vc, self.view(node.out), self.st, noncausal=True,
+                                           symmetric=bool(node.attrs.get("symmetric")),
                                            **common)  # type: ignore[arg-type]
             self.emit([d], reads, [self.slot(node.out)])
         elif self.decode_split:

@@ -1451,7 +1451,7 @@ class Ops:
         n_head_kv: int, head_dim: int, n_ctx: int, q_stride: int, o_stride: int, cap: int,
         scale: float | None = None, k_type: str = "f32", v_type: str = "f32", n_swa: int = 0,
         emulate_cm: tuple[int, int] | None = None, part: View | None = None, n_split: int = 1,
-        min_tiles: int = 8, v_dim: int = 0, noncausal: bool = False,
+        min_tiles: int = 8, v_dim: int = 0, noncausal: bool = False, symmetric: bool = False,
     ) -> Dispatch:
         """``attention`` for many tokens (prefill, attn_prefill.comp): a work group per
         tile of consecutive tokens and group of query heads of one KV head
@@ -1483,7 +1483,9 @@ class Ops:
 
         ``noncausal``: each token sees up to the step's ``STEP_VIS`` of it instead of its
         own position (a step with a non-causal entry): attn_prefill.comp's NONCAUSAL form,
-        unsplit, on every device (the cooperative-matrix kernels stay causal)."""
+        unsplit, on every device (the cooperative-matrix kernels stay causal). With
+        ``symmetric`` (its SYMMETRIC form) the window also hides keys ``n_swa`` or more
+        positions after a row (gemma-embedding's symmetric window)."""
         if noncausal:
             assert not v_dim and emulate_cm is None and n_split == 1 and self.prefill_ok(head_dim)
             kt, vt = _kv(k_type), _kv(v_type)
@@ -1492,7 +1494,8 @@ class Ops:
             g, bq = prefill_tile(n_head, n_head_kv, head_dim, rows=self.prefill_rows)
             s = 1.0 / math.sqrt(head_dim) if scale is None else scale
             nk = self.kernels.get("attn_prefill", n_bindings=6, n_push=12, local_size=128,
-                                  defines={**kv_defines(K_TYPE=kt, V_TYPE=vt), "NONCAUSAL": 1},
+                                  defines={**kv_defines(K_TYPE=kt, V_TYPE=vt), "NONCAUSAL": 1,
+                                           **({"SYMMETRIC": 1} if symmetric else {})},
                                   spec={1: g, 2: bq, 3: head_dim})
             push = (n_head, n_head_kv, head_dim, n_ctx, n_head_kv * head_dim, q_stride, o_stride, float(s), n_swa)
             return Dispatch(nk, (q, k_cache, v_cache, o, step, o), (*push, 1, min_tiles, 0),

@@ -709,6 +709,8 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
             yield name, kv_defines(K_TYPE=k, V_TYPE=v)
     for code in KV_CODES:  # steps with a non-causal entry (gemma3's image rows): the scalar prefill kernel
         yield "attn_prefill", {**kv_defines(K_TYPE=code, V_TYPE=code), "NONCAUSAL": 1}
+        # and gemma-embedding's, whose sliding window is symmetric
+        yield "attn_prefill", {**kv_defines(K_TYPE=code, V_TYPE=code), "NONCAUSAL": 1, "SYMMETRIC": 1}
     for code in KV_CODES:  # a latent cache's flash-decoding and prefill (MLA: V is K's first DV values)
         yield "attn_decode", {**kv_defines(K_TYPE=code, V_TYPE=code), "LATENT": 1}
         yield "attn_prefill", {**kv_defines(K_TYPE=code, V_TYPE=code), "LATENT": 1}
