@@ -138,12 +138,13 @@ class PrefillRun:
 def run_prefill(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: list[int], seq: list[int], n_ctx: int,
                 k_type: str = "f16", v_type: str | None = None, n_swa: int = 0, scale: float | None = None,
                 seed: int = 0, cap: int | None = None, emulate: tuple[int, int] | None = None, n_split: int = 1,
-                caches: Callable[[View, View], None] | None = None, vis: list[int] | None = None) -> PrefillRun:
+                caches: Callable[[View, View], None] | None = None, vis: list[int] | None = None,
+                symmetric: bool = False) -> PrefillRun:
     """``ops.attention_prefill`` (then ``attention_combine`` where split) over random q and
     caches (``attention_inputs``; ``caches`` may write into the K and V views first), the
     output and the partials starting as NaN; ``vis``: its NONCAUSAL form, each token's
     highest visible position in the step buffer (``fill_step``'s ``vis``, as the backend
-    writes it)."""
+    writes it); ``symmetric``: that form's SYMMETRIC variant (gemma-embedding's window)."""
     v_type = k_type if v_type is None else v_type
     ntok, n_seq = len(pos), max(seq) + 1
     q, kc, kh, vc, vh = attention_inputs(env, ntok=ntok, n_seq=n_seq, n_ctx=n_ctx, n_head=n_head, n_kv=n_kv,
@@ -162,7 +163,8 @@ def run_prefill(env: Env, ops: Ops, *, hd: int, n_head: int, n_kv: int, pos: lis
     run: list[Op] = [ops.attention_prefill(
         qv, kc, vc, o, st, n_head=n_head, n_head_kv=n_kv, head_dim=hd, n_ctx=n_ctx, q_stride=n_head * hd,
         o_stride=n_head * hd, cap=cap, scale=s, k_type=k_type, v_type=v_type, n_swa=n_swa,
-        emulate_cm=emulate, part=part, n_split=n_split, min_tiles=1, noncausal=vis is not None)]
+        emulate_cm=emulate, part=part, n_split=n_split, min_tiles=1, noncausal=vis is not None,
+        symmetric=symmetric)]
     if n_split > 1:
         run += [Barrier(), ops.attention_combine(part, o, st, n_head=n_head, head_dim=hd, n_split=n_split,
                                                  o_stride=n_head * hd, cap=cap)]
@@ -815,6 +817,29 @@ def test_noncausal_sliding_window(env: Env, name: str) -> None:
                     k_type=name, n_swa=20, scale=scale, seed=12)
     check_noncausal(env, hd=64, n_head=4, n_kv=2, runs=[(0, 130, 40, False)], n_ctx=72, k_type=name, n_swa=33,
                     seed=13)
+
+
+@pytest.mark.parametrize("name", ["f16", "q8_0"])
+def test_noncausal_symmetric_window(env: Env, name: str) -> None:
+    """gemma-embedding's symmetric window (SYMMETRIC): a non-causal row at p sees the keys
+    within ``n_swa - 1`` on both sides (llama.cpp's |p - j| <= n_swa_file / 2, here n_swa
+    9 for a file's 16), two prompts of one step from position 0; numpy's mask (hi clamped
+    to p + n_swa - 1) and the numpy backend's ``attend(symmetric=True)`` agree, and the
+    one-sided window misses by far the rows that lose later keys to it."""
+    runs = ((0, 0, 45, False), (1, 0, 30, False))
+    pos, seq, vis = visible(*runs)
+    n_swa = 9
+    hi = [min(v, p + n_swa - 1) for v, p in zip(vis, pos, strict=True)]
+    r = run_prefill(env, env.ops, hd=64, n_head=4, n_kv=2, pos=pos, seq=seq, n_ctx=64, k_type=name, n_swa=n_swa,
+                    vis=vis, symmetric=True, seed=31)
+    tol = 3e-5 * np.abs(r.vh).max()
+    want = np_attention(r.q, r.kh, r.vh, pos, seq, 2, n_swa, r.scale, hi=hi)
+    np.testing.assert_allclose(r.got, want, atol=tol, rtol=0)
+    nb = attend(r.q[:45], r.kh[0, :45], r.vh[0, :45], 0, window=n_swa, scale=r.scale, causal=False, symmetric=True)
+    np.testing.assert_allclose(nb, want[:45], atol=1e-5, rtol=0)
+    one_sided = np_attention(r.q, r.kh, r.vh, pos, seq, 2, n_swa, r.scale, hi=vis)
+    loses = np.array(hi) < np.array(vis)
+    assert loses.any() and np.abs(r.got - one_sided).max(axis=(1, 2))[loses].min() > 100 * tol
 
 
 def test_noncausal_beside_causal(env: Env) -> None:
