@@ -7,9 +7,11 @@
 - "sandwich" norms: the attention and FFN outputs are normed again
   (``post_attention_norm``, ``post_ffw_norm``) before their residual adds;
 - GeGLU (gelu's tanh form) instead of SwiGLU;
-- five sliding-window layers (``attention.sliding_window`` positions, RoPE base 10000,
-  no scaling) to every global one (the file's RoPE base and linear scaling); the
-  sliding-window layers' caches keep only the positions a window can reach.
+- five sliding-window layers (``attention.sliding_window`` positions, RoPE base
+  ``rope.freq_base_swa`` or 10000, no scaling) to every global one (the file's RoPE base
+  and linear scaling), or the file's ``attention.sliding_window_pattern`` (as llama.cpp's
+  ``load_swa_pattern``); the sliding-window layers' caches keep only the positions a
+  window can reach.
 
 The GGUF converter already adds Gemma's "+1" to the norm weights, so the norms are plain.
 """
@@ -20,7 +22,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from trio_llm.errors import UnsupportedModelError
+from trio_llm.errors import ModelLoadError, UnsupportedModelError
 from trio_llm.graph import Graph
 from trio_llm.model.config import ModelConfig
 from trio_llm.models import Meta
@@ -59,7 +61,28 @@ def hparams(meta: Meta, tensors: Mapping[str, Any]) -> ModelConfig:
         factor = 1.0 / meta.over["rope_freq_scale"]
     if meta.arch_get("final_logit_softcapping", float, 0.0) > 0:
         raise UnsupportedModelError(meta.path, "gemma3 with final_logit_softcapping is not supported")
-    return ModelConfig(**hp, **derived(n_layer, hp["n_embd"], hp["n_head"], hp["head_dim"], n_swa, factor))
+    extra = derived(n_layer, hp["n_embd"], hp["n_head"], hp["head_dim"], n_swa, factor)
+    if n_swa > 0:  # llama.cpp reads these two only for a model with windows
+        extra["swa_layers"] = swa_pattern(meta, n_layer)
+        theta_swa = meta.arch_get("rope.freq_base_swa", float, ROPE_THETA_SWA)
+        if theta_swa <= 0:
+            raise ModelLoadError(meta.path, f"RoPE base {theta_swa} of the sliding-window layers is not positive")
+        extra["rope_theta_swa"] = float(theta_swa)
+    return ModelConfig(**hp, **extra)
+
+
+def swa_pattern(meta: Meta, n_layer: int) -> tuple[bool, ...]:
+    """llama.cpp's ``load_swa_pattern(ml, 6)``: the file's per-layer list, else its
+    period (``il % n < n - 1``; 0: every layer), else one global layer in six."""
+    value = meta.md.get(f"{meta.arch}.attention.sliding_window_pattern", SWA_PATTERN)
+    if isinstance(value, list):
+        if len(value) < n_layer or not all(isinstance(v, bool) for v in value):
+            raise ModelLoadError(meta.path, f"metadata key '{meta.arch}.attention.sliding_window_pattern' "
+                                            f"is not {n_layer} booleans")
+        return tuple(value[:n_layer])
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ModelLoadError(meta.path, f"metadata key '{meta.arch}.attention.sliding_window_pattern' is {value!r}")
+    return tuple(value == 0 or il % value < value - 1 for il in range(n_layer))
 
 
 def derived(n_layer: int, n_embd: int, n_head: int, head_dim: int, n_swa: int, rope_factor: float) -> dict[str, Any]:

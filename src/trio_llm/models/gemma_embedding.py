@@ -35,7 +35,7 @@ from trio_llm.model.config import ModelConfig
 from trio_llm.models import Meta
 from trio_llm.models.blocks import Attn, Rope, attention, ffn, norm
 from trio_llm.models.gemma3 import MIN_BLOCK_TENSORS as MIN_BLOCK_TENSORS
-from trio_llm.models.gemma3 import ROPE_THETA_SWA, SWA_PATTERN
+from trio_llm.models.gemma3 import ROPE_THETA_SWA, swa_pattern
 from trio_llm.models.gemma3 import tensors as gemma3_tensors
 from trio_llm.models.llama import common_hparams, rope_base
 
@@ -77,20 +77,6 @@ def hparams(meta: Meta, tensors: Mapping[str, Any]) -> ModelConfig:
         causal_attn=False,
         dense_feat=(d2_out, d3_in),
     )
-
-
-def swa_pattern(meta: Meta, n_layer: int) -> tuple[bool, ...]:
-    """llama.cpp's ``load_swa_pattern(ml, 6)``: the file's per-layer list, else its
-    period (``il % n < n - 1``; 0: every layer), else one global layer in six."""
-    value = meta.md.get(f"{meta.arch}.attention.sliding_window_pattern", SWA_PATTERN)
-    if isinstance(value, list):
-        if len(value) < n_layer or not all(isinstance(v, bool) for v in value):
-            raise ModelLoadError(meta.path, f"metadata key '{meta.arch}.attention.sliding_window_pattern' "
-                                            f"is not {n_layer} booleans")
-        return tuple(value[:n_layer])
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ModelLoadError(meta.path, f"metadata key '{meta.arch}.attention.sliding_window_pattern' is {value!r}")
-    return tuple(value == 0 or il % value < value - 1 for il in range(n_layer))
 
 
 def tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
