@@ -433,7 +433,6 @@ _NO_DRAFT = "speculative decoding is not implemented (no draft model)"
 _NO_VISION = "no video input: images only (gemma3's projector)"
 _FIXED_SIZE = "gemma3's projector makes a fixed number of tokens an image (as in llama-server, for fixed-size encoders)"
 _LATER = "not implemented yet"
-_NO_DL = "nothing is downloaded here: put the file in place and use -m or -hf"
 
 FLAGS: tuple[Flag, ...] = (
     # -- common ---------------------------------------------------------------------
@@ -566,7 +565,8 @@ FLAGS: tuple[Flag, ...] = (
     W("-mu --model-url", "download the model from this URL to -m's path (else $LLAMA_CACHE's file of the URL's "
       "name) when it is missing or changed (its ETag), as llama-server", value="MODEL_URL",
       env="LLAMA_ARG_MODEL_URL", dest="model_url"),
-    R("-dr --docker-repo", _NO_DL, value="[<repo>/]<model>[:quant]", env="LLAMA_ARG_DOCKER_REPO"),
+    R("-dr --docker-repo", "Docker Hub model downloads are not implemented: use -hf (Hugging Face) or -m",
+      value="[<repo>/]<model>[:quant]", env="LLAMA_ARG_DOCKER_REPO"),
     W("-hf -hfr --hf-repo", "a model from the Hugging Face hub ($MODEL_ENDPOINT, else $HF_ENDPOINT, else "
       "huggingface.co): downloaded at startup into llama.cpp's cache ($LLAMA_CACHE, else the Hugging Face hub "
       "cache) with its split parts and projector, as llama-server, unless the cache already has it (also the "
