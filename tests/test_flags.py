@@ -235,7 +235,7 @@ def test_fit_lowers_an_unset_context_and_keeps_a_set_one() -> None:
     free = (3 << 20) + per * 10_000
     got = fit.choose_ctx(ctx_size=0, ctx_set=False, free=free, **common)
     assert got.changed and got.fits and got.ctx_size == 9728  # a multiple of 256 x 2 slots
-    assert fit.choose_ctx(ctx_size=0, ctx_set=True, free=free, **common).ctx_size == 32768  # -c 0 given
+    assert fit.choose_ctx(ctx_size=0, ctx_set=True, free=free, **common).ctx_size == 32768  # kept when set
     kept = fit.choose_ctx(ctx_size=65536, ctx_set=True, free=free, **common)
     assert (kept.ctx_size, kept.fits, kept.changed) == (65536, False, False)
     small = fit.choose_ctx(ctx_size=4096, ctx_set=False, free=free, **common)

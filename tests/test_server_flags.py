@@ -218,9 +218,12 @@ async def test_builtin_template_alias_keys_and_defaults(start: Start) -> None:
 @pytest.mark.vulkan
 async def test_fit_lowers_the_unset_context_on_the_device(start: Start) -> None:
     """--fit against lavapipe's real free memory: a margin larger than the device
-    leaves only --fit-ctx; a context the user set is kept."""
+    leaves only --fit-ctx; a context the user set is kept, but -c 0 (the model's) is
+    fitted, as llama.cpp fits any context of 0 (common/fit.cpp's n_ctx_auto)."""
     fitted = await start("--backend", "vulkan", "-c", "0", "--fit-target", "999999999", "--fit-ctx", "256")
-    assert fitted.context.engine is not None and fitted.context.engine.n_ctx == 4096  # -c 0 was set: kept
+    assert fitted.context.engine is not None and fitted.context.engine.n_ctx == 256  # -c 0: fitted
+    kept = await start("--backend", "vulkan", "-c", "2048", "--fit-target", "999999999", "--fit-ctx", "256")
+    assert kept.context.engine is not None and kept.context.engine.n_ctx == 2048  # set: kept
     fitted = await start("--backend", "vulkan", "--fit-target", "999999999", "--fit-ctx", "256", "-np", "2")
     assert fitted.context.engine is not None and fitted.context.engine.n_ctx == 128  # 256 over 2 slots
 

@@ -318,7 +318,10 @@ def fit_slot_ctx(config: ServerConfig, model: Any) -> int:
         return config.slot_ctx(model.config.n_ctx_train)
     cfg = model.config
     choice = fit.choose_ctx(
-        ctx_size=config.ctx_size, ctx_set="ctx_size" in config.set_by_user, n_ctx_train=cfg.n_ctx_train,
+        # llama.cpp fits a context of 0 (the model's) whoever set it (common/fit.cpp: n_ctx_auto),
+        # and keeps any other that was set
+        ctx_size=config.ctx_size, ctx_set="ctx_size" in config.set_by_user and config.ctx_size != 0,
+        n_ctx_train=cfg.n_ctx_train,
         parallel=config.parallel, need=device_need(config, model), free=free,
         margin=config.fit_target * fit.MiB, fit_ctx=config.fit_ctx,
     )

@@ -1021,7 +1021,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Pars
             explicit.add(flag.dest)
         for dest, value in flag.preset:
             # llama.cpp fits a context of 0 (the model's), whoever set it: a preset's
-            # -c 0 leaves --fit its say (a typed -c 0 here does not, as before)
+            # -c 0 counts as not set (a typed one is set, and --fit then reads its 0 as llama.cpp)
             if (dest, value) == ("ctx_size", 0):
                 explicit.discard(dest)
             else:
