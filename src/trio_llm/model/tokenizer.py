@@ -15,6 +15,14 @@ module rebuilds from them the pipeline llama.cpp runs, out of ``tokenizers`` par
   space), characters outside the vocabulary fall back to the ``<0xNN>`` byte tokens,
   and nothing is pre-split at spaces. transformers' GGUF loader differs on those two
   points (it uses ``Metaspace``, which prepends only once and never to a space).
+- ``gemma4`` (Gemma 4): BPE over the file's merges on raw UTF-8, not GPT-2's byte
+  alphabet. Each run of text between special tokens has its spaces replaced by ``▁``
+  and nothing prepended, is split only into runs of newlines and runs of anything else,
+  and a run of newlines that is itself a token is that token (llama.cpp's "fix for
+  gemma 4", done after the merges here: see `Tokenizer._join_newline_runs`).
+  Characters the merges cannot reach fall back to ``<0xNN>`` tokens; BOS is always
+  added (llama.cpp overrides ``add_bos_token = false``); ``tokenizer.ggml.pre`` is
+  ignored (llama.cpp sets "gemma4" whatever the file says, and the converter writes none).
 
 Special tokens follow llama.cpp: CONTROL and UNKNOWN tokens are recognised in text
 only with ``parse_special`` (as llama-server does for prompts), USER_DEFINED tokens
@@ -86,6 +94,36 @@ _EOG_TEXTS = frozenset(
     }
 )
 
+#: llama.cpp's full list of token texts that end a generation, applied to gemma4
+#: vocabularies: such a token becomes CONTROL whatever its type in the file (Gemma 4's
+#: ``<|tool_response>`` is USER_DEFINED there)
+_LLAMA_CPP_EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "</s>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "[EOS]",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "<｜end▁of▁sentence｜>",
+        "[e~[",
+    }
+)
+
 #: token types that render as nothing when special tokens are skipped
 _SKIPPABLE = frozenset({CONTROL, UNKNOWN, UNUSED})
 
@@ -94,7 +132,7 @@ _SKIPPABLE = frozenset({CONTROL, UNKNOWN, UNUSED})
 class Tokenizer:
     """Text ↔ token ids for one model. Thread-safe: encode/decode may run in worker threads."""
 
-    model: str  # "gpt2" or "llama"
+    model: str  # "gpt2", "llama" or "gemma4"
     bos_id: int | None
     eos_id: int
     eot_id: int | None
@@ -110,6 +148,9 @@ class Tokenizer:
     _byte_decoder: dict[str, int] = attrs.Factory(dict)
     _pieces: dict[int, bytes] = attrs.Factory(dict)
     _lock: threading.Lock = attrs.Factory(threading.Lock)
+    #: gemma4: the ids a run of newlines can come out of the merges as, and text → id
+    _newline_ids: frozenset[int] = frozenset()
+    _vocab: dict[str, int] = attrs.Factory(dict)
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
@@ -121,6 +162,7 @@ class Tokenizer:
         if n == 0:
             raise TokenizerError("tokenizer.ggml.tokens is empty")
         types = md.int_list("tokenizer.ggml.token_type", n, default=NORMAL)
+        extra: dict[str, Any] = {}
         if kind == "gpt2":
             tk, byte_decoder = _byte_level(md, tokens, types)
             defaults: dict[str, int | None] = {"bos": None, "eos": None, "unk": None}
@@ -129,9 +171,17 @@ class Tokenizer:
             tk, byte_decoder = _sentencepiece(md, tokens, types), {}
             defaults = {"bos": 1, "eos": 2, "unk": 0}
             default_add_bos = True
+        elif kind == "gemma4":
+            types = _gemma4_types(tokens, types)
+            tk, byte_decoder = _gemma4(md, tokens, types), {}
+            defaults = {"bos": None, "eos": None, "unk": None}
+            default_add_bos = True
+            vocab = _first_ids(tokens)
+            extra = {"vocab": vocab, "newline_ids": _newline_ids(tokens, types, vocab)}
         else:
             raise TokenizerError(
-                f"tokenizer.ggml.model {kind!r} is not supported (expected 'gpt2' or 'llama')"
+                f"tokenizer.ggml.model {kind!r} is not supported"
+                " (expected 'gpt2', 'llama' or 'gemma4')"
             )
         bos = md.token_id("tokenizer.ggml.bos_token_id", n, defaults["bos"])
         eos = md.token_id("tokenizer.ggml.eos_token_id", n, defaults["eos"])
@@ -139,10 +189,13 @@ class Tokenizer:
             raise TokenizerError("tokenizer.ggml.eos_token_id is missing")
         eot = md.token_id("tokenizer.ggml.eot_token_id", n, None)
         add_bos = md.bool_("tokenizer.ggml.add_bos_token", default_add_bos)
+        if kind == "gemma4":
+            add_bos = True  # llama.cpp's "workaround for Gemma 4" overrides a false here
         if add_bos and bos is None:
             raise TokenizerError("tokenizer.ggml.add_bos_token is set but there is no BOS token")
         eog = {eos} | ({eot} if eot is not None else set())
-        eog |= {i for i, t in enumerate(tokens) if types[i] == CONTROL and t in _EOG_TEXTS}
+        eog_texts = _LLAMA_CPP_EOG_TEXTS if kind == "gemma4" else _EOG_TEXTS
+        eog |= {i for i, t in enumerate(tokens) if types[i] == CONTROL and t in eog_texts}
         return cls(
             model=kind,
             bos_id=bos,
@@ -157,6 +210,7 @@ class Tokenizer:
             types=types,
             tk=tk,
             byte_decoder=byte_decoder,
+            **extra,
         )
 
     @property
@@ -200,6 +254,8 @@ class Tokenizer:
             # U+FFFD, the character any UTF-8 reader would show for them.
             clean = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
             ids = tk.encode_batch_fast([clean], add_special_tokens=False)[0].ids
+        if self._newline_ids:
+            ids = self._join_newline_runs(ids)
         if add_special and self.add_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         if add_special and self.add_eos:
@@ -217,6 +273,9 @@ class Tokenizer:
             self._check_id(i)
         if skip_special:
             ids = [i for i in ids if self._types[i] not in _SKIPPABLE]
+        if self.model == "gemma4":
+            # as llama-server's /detokenize: the pieces joined, nothing stripped
+            return b"".join(self.token_to_piece(i) for i in ids).decode("utf-8", "replace")
         return str(self._tk.decode(ids, skip_special_tokens=False))
 
     def token_to_piece(self, token_id: int) -> bytes:
@@ -231,8 +290,50 @@ class Tokenizer:
     def stream_decoder(self, *, skip_special: bool = True) -> StreamDecoder:
         return StreamDecoder(self, skip_special=skip_special)
 
+    def _join_newline_runs(self, ids: list[int]) -> list[int]:
+        """llama.cpp's "fix for gemma 4": a run of newlines that is itself a token is
+        that token, not what the merges make of it.
+
+        The pre-tokenizer isolates each run of newlines, and only such a run can give
+        newline-only tokens (no other run holds a newline; special tokens are never in
+        `_newline_ids`), so each maximal stretch of them in the output is one run. This
+        keeps the merges in ``tokenizers``: a ``tokenizers`` BPE can skip the merges for
+        a whole word only for every word at once (``ignore_merges``), which llama.cpp
+        does not do for the other runs.
+        """
+        nl = self._newline_ids
+        if not any(i in nl for i in ids):
+            return ids
+        out: list[int] = []
+        n = len(ids)
+        i = 0
+        while i < n:
+            if ids[i] not in nl:
+                out.append(ids[i])
+                i += 1
+                continue
+            j = i
+            while j < n and ids[j] in nl:
+                j += 1
+            whole = self._vocab.get("\n" * sum(len(self.token_to_piece(t)) for t in ids[i:j]))
+            out += [whole] if whole is not None else ids[i:j]
+            i = j
+        return out
+
     def _piece(self, token_id: int) -> bytes:
         text, kind = self._tokens[token_id], self._types[token_id]
+        if self.model == "gemma4":
+            # llama.cpp's token_to_piece for a BPE vocabulary with escaped whitespace
+            if kind in (CONTROL, UNKNOWN, USER_DEFINED):
+                return text.encode("utf-8")
+            if kind == NORMAL:
+                return text.replace(SPM_SPACE, " ").encode("utf-8")
+            if kind == BYTE:
+                try:
+                    return bytes([int(text[3:5], 16)])
+                except ValueError:
+                    return b""
+            return b""  # UNUSED and unknown types render as nothing
         if self.model == "llama":
             if kind == BYTE and len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
                 return bytes([int(text[3:5], 16)])
@@ -355,6 +456,67 @@ def _sentencepiece(md: _Metadata, tokens: list[str], types: list[int]) -> tokeni
     tk.decoder = decoders.Sequence(steps)
     _add_specials(tk, tokens, types)
     return tk
+
+
+def _gemma4(md: _Metadata, tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
+    """llama.cpp's LLAMA_VOCAB_PRE_TYPE_GEMMA4 pipeline, in ``tokenizers`` parts.
+
+    ``tokenizers``' BPE is llama.cpp's merge loop (lowest rank first, leftmost among
+    equals) when every merge joins two vocabulary pieces into a third, which it checks.
+    Its byte fallback replaces a character outside the vocabulary, llama.cpp's a final
+    symbol outside it; with such merges that symbol can only be a lone character.
+    """
+    vocab = _first_ids(tokens)
+    model = _bpe(vocab, _gemma4_merges(md), byte_fallback=True)
+    tk = tokenizers.Tokenizer(model)
+    # A normalizer runs once per run of text between added tokens, as llama.cpp's
+    # escape_whitespaces does per fragment; nothing is prepended.
+    tk.normalizer = normalizers.Replace(" ", SPM_SPACE)
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("\n+"), behavior="isolated")
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    _add_specials(tk, tokens, types)
+    return tk
+
+
+def _gemma4_merges(md: _Metadata) -> list[tuple[str, str]]:
+    """The merges as llama.cpp reads them: split at the first space after the first
+    character; a pair listed twice keeps its first rank."""
+    merges: list[tuple[str, str]] = []
+    seen: set[tuple[str, str]] = set()
+    for m in md.str_list("tokenizer.ggml.merges"):
+        cut = m.find(" ", 1)
+        if cut < 0 or cut == len(m) - 1:
+            raise TokenizerError(f"tokenizer.ggml.merges: {m!r} is not 'left right'")
+        pair = (m[:cut], m[cut + 1 :])
+        if pair not in seen:
+            seen.add(pair)
+            merges.append(pair)
+    return merges
+
+
+def _gemma4_types(tokens: list[str], types: list[int]) -> list[int]:
+    """llama.cpp's overrides: a token in its end-of-generation list is CONTROL, unless
+    it is ``</s>`` beside ``<|tool_response>`` (then NORMAL and no end)."""
+    types = list(types)
+    present = set(tokens)
+    for i, t in enumerate(tokens):
+        if t == "</s>" and "<|tool_response>" in present:
+            types[i] = NORMAL
+        elif t in _LLAMA_CPP_EOG_TEXTS:
+            types[i] = CONTROL
+    return types
+
+
+def _newline_ids(tokens: list[str], types: list[int], vocab: dict[str, int]) -> frozenset[int]:
+    """The tokens the merges can make of a run of newlines: newline-only NORMAL ones and
+    the byte token ``<0x0A>`` (llama.cpp's fallback for a newline outside the vocabulary)."""
+    ids = {i for i, t in enumerate(tokens) if types[i] == NORMAL and t and not t.strip("\n")}
+    byte = vocab.get("<0x0A>")
+    if byte is not None and types[byte] == BYTE:
+        ids.add(byte)
+    return frozenset(ids)
 
 
 def _merges_from_scores(
