@@ -9,6 +9,8 @@ every string, and so must the chat template's prompt and its token count. The fi
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -192,3 +194,26 @@ async def test_server_same_as_llama_cpp(
         assert (await c.post("/tokenize", json=b)).json() == reference.post(
             "/tokenize", json=b
         ).json()
+
+
+def test_serve_without_merges_says_so_in_one_line(tmp_path: Path) -> None:
+    path = write_gemma4_llama(tmp_path / "m.gguf", merges=False)
+    argv = [
+        sys.executable,
+        "-m",
+        "trio_llm",
+        "serve",
+        "--backend",
+        "numpy",
+        "--port",
+        "0",
+        "-m",
+        str(path),
+    ]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert (
+        r.stderr.strip().splitlines()[-1]
+        == "trio-llm serve: error: tokenizer.ggml.merges is missing"
+    )
+    assert "Traceback" not in r.stderr
