@@ -1,5 +1,6 @@
 #version 450
-// y = x * scale over the live rows (gemma's embedding scaling by sqrt(n_embd)).
+// y = x * scale over the live rows (gemma's embedding scaling by sqrt(n_embd));
+// SOFTCAP: y = scale * tanh(x / scale) (gemma4's final logit softcapping).
 #include "common.glsl"
 
 layout(binding = 0, std430) readonly buffer X { float x[]; };
@@ -20,5 +21,11 @@ void main() {
         return;
     }
     uint k = t * pc.stride + i;
+#ifdef SOFTCAP
+    // clamped: a driver's tanh may be (e^2z - 1) / (e^2z + 1), NaN where e^2z overflows;
+    // tanh(15) is 1 in float
+    y[k] = tanh(clamp(x[k] / pc.scale, -15.0, 15.0)) * pc.scale;
+#else
     y[k] = x[k] * pc.scale;
+#endif
 }

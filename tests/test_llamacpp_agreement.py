@@ -40,10 +40,16 @@ from trio_llm.vulkan.backend import VulkanBackend
 #: then; its Vulkan row (another prompt) agrees. tiny-deepseek2's latent cache (K and V
 #: both the q4_1 latent) on numpy parts at step 4 between tokens 0.11 nats apart, every
 #: logprob within 0.09 until then; its Vulkan row agrees.
-KV_OPEN = {("tiny-qwen2", "q4_1", "numpy"), ("tiny-deepseek2", "q4_1", "numpy")}
+#: tiny-gemma4's first step is a nearly flat distribution (top logprobs about -6; ln 1024
+#: is 6.9): its 4- and 5-bit caches move listed entries of it by 0.16 to 0.24 nats (the
+#: chosen token agrees); the f32, f16, bf16 and q8_0 caches and the other rows agree. Not
+#: a parting between near-ties: an open difference, not yet explained.
+KV_OPEN = {("tiny-qwen2", "q4_1", "numpy"), ("tiny-deepseek2", "q4_1", "numpy"),
+           ("tiny-gemma4", "q4_0", "numpy"), ("tiny-gemma4", "q4_0", "vulkan"), ("tiny-gemma4", "q4_1", "vulkan"),
+           ("tiny-gemma4", "q5_0", "numpy")}
 
 PRESETS = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-spm", "tiny-gemma3", "tiny-qwen3moe", "tiny-qwen35",
-           "tiny-qwen35moe", "tiny-qwen3next", "tiny-deepseek2"]
+           "tiny-qwen35moe", "tiny-qwen3next", "tiny-deepseek2", "tiny-gemma4"]
 #: (preset, type) rows whose agreement is not claimed, run as strict expected failures
 #: (a row that starts to agree fails, so this list cannot go stale): a mixture of experts
 #: turns llama.cpp's 8-bit activation rounding into a different expert where two are
@@ -51,6 +57,9 @@ PRESETS = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-spm", "tiny-gemma3", "tiny-
 #: after) where the router's 4th and 5th logits are 0.001 apart; with the router 30x
 #: instead of 10x (synth.SHARP_SCALES) two other types parted instead.
 MOE_OPEN = {("tiny-qwen35moe", "Q4_K")}  # numpy rows (the Vulkan row's one prompt agrees)
+#: Vulkan rows parting on a near-tie: tiny-gemma4 Q4_K parts at step 4 between tokens
+#: 0.106 nats apart (the bar is 0.1), every logprob within 0.07 until then; its numpy row agrees
+VULKAN_OPEN = {("tiny-gemma4", "Q4_K")}
 N_CTX = 64
 #: prompt lengths: above 8 tokens the Vulkan prefill takes the tiled matmul kernels,
 #: at most 8 the matvec ones with several columns; decode is matvec with one. One
@@ -117,7 +126,9 @@ def test_numpy_agrees_with_llamacpp(llama, request, preset: str, quant: str) -> 
 @pytest.mark.vulkan
 @pytest.mark.parametrize("quant", list(QUANTS))
 @pytest.mark.parametrize("preset", PRESETS)
-def test_vulkan_agrees_with_llamacpp(llama, preset: str, quant: str) -> None:  # type: ignore[no-untyped-def]
+def test_vulkan_agrees_with_llamacpp(llama, request, preset: str, quant: str) -> None:  # type: ignore[no-untyped-def]
+    if (preset, quant) in VULKAN_OPEN:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="near-tie (VULKAN_OPEN)"))
     _check(llama, preset, quant, "vulkan")
 
 
@@ -198,7 +209,7 @@ def test_every_kv_cache_type_agrees_with_llamacpp(llama, request, preset: str, k
     """-ctk/-ctv: each cache type (f16, the default, is in every row above) on one
     weight type, both backends, llama.cpp with the same cache types."""
     if (preset, kv, kind) in KV_OPEN:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="q4_1 near-tie (KV_OPEN)"))
+        request.applymarker(pytest.mark.xfail(strict=True, reason="4- and 5-bit cache differences (KV_OPEN)"))
     _check(llama, preset, "Q8_0", kind, kv)
 
 

@@ -807,3 +807,23 @@ def test_hadamard_rotates_each_block_as_numpy(env: Env, block: int) -> None:
     got = env.get(xv).reshape(8, width)
     np.testing.assert_allclose(got[:ntok], hadamard(x[:ntok], block), atol=1e-5, rtol=0)
     assert np.array_equal(got[ntok:], x[ntok:])
+
+
+def test_scale_and_its_softcap_form_as_numpy(env: Env) -> None:
+    """scale.comp: y = x * s, and (SOFTCAP, gemma4's logit softcapping) y = s * tanh(x / s)
+    as the numpy backend's op, finite where x / s is far beyond tanh's range; only the
+    live rows written."""
+    rng = np.random.default_rng(9)
+    ntok, n, cap = 5, 300, 30.0
+    x = (rng.standard_normal((8, n)) * 40).astype(np.float32)
+    x[0, :4] = [1e4, -1e4, 3e38, -3e38]
+    xv, y, z = env.put(x), env.put(np.full((8, n), 7.0, np.float32)), env.zeros(8 * n)
+    st = env.step([0] * ntok)
+    env.run([env.ops.scale(xv, y, st, n=n, stride=n, cap=8, scale=cap, softcap=True),
+             env.ops.scale(xv, z, st, n=n, stride=n, cap=8, scale=0.5)])
+    got = env.get(y).reshape(8, n)
+    want = np.tanh(x[:ntok] / np.float32(cap)) * np.float32(cap)
+    np.testing.assert_allclose(got[:ntok], want, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(got[0, :4], [cap, -cap, cap, -cap])
+    assert (got[ntok:] == 7.0).all()
+    np.testing.assert_allclose(env.get(z).reshape(8, n)[:ntok], x[:ntok] * 0.5, rtol=1e-6)

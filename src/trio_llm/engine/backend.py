@@ -99,6 +99,14 @@ def check_batch(entries: Sequence[SeqBatch], *, n_seq: int, n_ctx: int, n_vocab:
             raise InvalidRequest(f"token id outside 0..{n_vocab - 1}")
 
 
+def check_uniform_kv(cfg: ModelConfig) -> None:
+    """``read_kv``/``write_kv`` take one ``[n_layer, kv_parts, n, kv_dim]`` array: refuse
+    a model whose caches differ by layer or are shared (gemma4)."""
+    if not cfg.uniform_kv:
+        raise InvalidRequest(f"reading or writing the KV cache of {cfg.arch} (caches of per-layer shapes) "
+                             "is not supported")
+
+
 def check_noncausal(entries: Sequence[SeqBatch], *, max_rows: int, refuse: str = "") -> None:
     """What a backend checks of the ``causal=False`` entries of a batch: each runs in
     one pass of at most ``max_rows`` rows; ``refuse``: why this model runs none."""

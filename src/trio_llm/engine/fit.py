@@ -48,10 +48,13 @@ CTX_STEP = 256
 
 
 def kv_bytes_per_position(cfg: ModelConfig, type_k: str, type_v: str) -> int:
-    """K and V of every layer for one position; K alone for a latent cache (MLA:
-    ``cfg.kv_parts`` 1, whose V is a view of K and takes no bytes, as in llama.cpp)."""
+    """K and V of every layer that owns a cache, each of its own heads (gemma4's differ
+    by layer, and its shared-KV layers have none), for one position; K alone for a
+    latent cache (MLA: ``cfg.kv_parts`` 1, whose V is a view of K and takes no bytes, as
+    in llama.cpp)."""
     v = CACHE_TYPE_BYTES[type_v] if cfg.kv_parts == 2 else 0.0
-    return int(cfg.n_layer * cfg.kv_dim * (CACHE_TYPE_BYTES[type_k] + v))
+    dims = sum(cfg.layer_n_head_kv(il) * cfg.layer_head_dim(il) for il in range(cfg.n_layer) if cfg.has_kv(il))
+    return int(dims * (CACHE_TYPE_BYTES[type_k] + v))
 
 
 #: the most tokens whose logits the reserve counts: a pass reads back only each

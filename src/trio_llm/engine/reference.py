@@ -31,6 +31,7 @@ from trio_llm.engine.backend import (
     SeqBatch,
     check_batch,
     check_noncausal,
+    check_uniform_kv,
 )
 from trio_llm.engine.devsample import DeviceChain, check_decode, decode_steps
 from trio_llm.engine.kvshift import Move, can_shift, k_ropes, rope_factors, shift_k
@@ -306,9 +307,10 @@ class NumpyBackend:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         for what, t in zip("KV", self.cache_types, strict=True):
-            if self.config.head_dim % kv_type(t).block:
-                raise InvalidRequest(f"a {t} {what} cache needs head_dim a multiple of {kv_type(t).block}, "
-                                     f"not {self.config.head_dim}")
+            for hd in sorted({self.config.layer_head_dim(il) for il in range(self.config.n_layer)}):
+                if hd % kv_type(t).block:
+                    raise InvalidRequest(f"a {t} {what} cache needs head_dim a multiple of {kv_type(t).block}, "
+                                         f"not {hd}")
         self._path = Path(model.path)
         self._overrides = dict(model.overrides)
         self._progress = progress
@@ -487,6 +489,7 @@ class NumpyBackend:
         """Positions a layer's cache no longer holds (a sliding window's past) read as 0."""
         if self._kv is None:
             raise BackendError("read_kv while released; restore first")
+        check_uniform_kv(self.config)
         out = np.zeros((self.config.n_layer, self.config.kv_parts, n, self.config.kv_dim),
                        np.float32)  # [L, kv_parts, n, kv_dim]
         for m, (k, v) in zip(self.layers, self._kv, strict=True):
@@ -523,6 +526,7 @@ class NumpyBackend:
     def write_kv(self, seq_id: int, kv: np.ndarray) -> None:
         if self._kv is None:
             raise BackendError("write_kv while released; restore first")
+        check_uniform_kv(self.config)
         n = kv.shape[2]
         for m, (k, v) in zip(self.layers, self._kv, strict=True):
             pos = np.arange(max(0, n - m.rows), n)
@@ -673,9 +677,15 @@ class NumpyBackend:
         if op == "scale":
             return args[0] * np.float32(node.attr("scale"))  # type: ignore[no-any-return]
         if op == "rms_norm":
-            x, g = args
+            x = args[0]
+            g = args[1] if len(args) == 2 else np.ones(node.attr("group"), np.float32)
             n = node.attr("group")
             return rms_norm(x.reshape(x.shape[0], x.shape[1] // n, n), g, node.attr("eps")).reshape(x.shape)
+        if op == "mul":
+            return args[0] * args[1][0]  # type: ignore[no-any-return]
+        if op == "softcap":
+            cap = np.float32(node.attr("cap"))
+            return np.tanh(args[0] / cap) * cap  # type: ignore[no-any-return]
         if op == "rope":
             x = args[0]
             cos, sin = self._rope(node, args[1] if len(args) > 1 else None)
@@ -782,32 +792,36 @@ class NumpyBackend:
                 out[t] = np.einsum("hij,hi->hj", s, qs[t])
         return out.reshape(n, nv * d)
 
-    def _attention(self, node: Node, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, step: Step) -> np.ndarray:
+    def _attention(self, node: Node, q: np.ndarray, k: np.ndarray | None = None, v: np.ndarray | None = None, *,
+                   step: Step) -> np.ndarray:
         assert self._kv is not None
-        m = self._mem[node.layer]
+        m = self._mem[node.attrs.get("kv_layer", node.layer)]  # a shared-KV layer reads an earlier one's
         k_cache, v_cache = self._kv[self.layers.index(m)]
         nh, nkv, hd = node.attr("n_head"), node.attr("n_head_kv"), node.attr("head_dim")
         window = node.attr("window")
         n_tok = len(q)
         # llama.cpp's rotation of quantized caches (none for a latent cache, whose V is K)
         kb, vb = (0, 0) if m.v_is_k else rotation_blocks(*self.cache_types, hd)
+        store = k is not None and v is not None
         if kb:
-            q, k = hadamard(q, kb), hadamard(k, kb)
-        if vb:
+            q = hadamard(q, kb)
+        if kb and k is not None:
+            k = hadamard(k, kb)
+        if vb and v is not None:
             v = hadamard(v, vb)
         # llama.cpp's flash attention converts q to the K cache's dot-product type first
         q = roundtrip(q, Q_TYPE_FOR_K[self.cache_types[0]]).reshape(n_tok, nh, hd)  # [N, n_head, hd]
-        k = k.reshape(n_tok, nkv, hd)  # [N, n_head_kv, hd]
-        v = v.reshape(n_tok, nkv, hd)  # [N, n_head_kv, hd]
         out = np.empty_like(q)  # [N, n_head, hd]
         for i, e in enumerate(step.entries):
             a, b = step.bounds[i], step.bounds[i + 1]
             end = e.pos0 + (b - a)
             rows = np.arange(e.pos0, end) % m.rows
             kt, vt = self.cache_types
-            k_cache[e.seq_id, rows] = roundtrip(k[a:b].reshape(b - a, -1), kt).reshape(k[a:b].shape)
-            if not m.v_is_k:
-                v_cache[e.seq_id, rows] = roundtrip(v[a:b].reshape(b - a, -1), vt).reshape(v[a:b].shape)
+            if store:
+                assert k is not None and v is not None
+                k_cache[e.seq_id, rows] = roundtrip(k[a:b], kt).reshape(b - a, nkv, hd)
+                if not m.v_is_k:
+                    v_cache[e.seq_id, rows] = roundtrip(v[a:b], vt).reshape(b - a, nkv, hd)
             lo = max(0, e.pos0 - window + 1) if window else 0
             lo = max(lo, end - m.rows)  # what the ring still holds
             kp = np.arange(lo, end)  # [T] key positions

@@ -189,13 +189,27 @@ class Graph:
     def scale(self, x: Tensor, s: float, name: str) -> Tensor:
         return self._node("scale", (x,), x.shape, name, scale=float(s))
 
-    def rms_norm(self, x: Tensor, w: Tensor, eps: float, name: str, *, group: int | None = None) -> Tensor:
+    def rms_norm(self, x: Tensor, w: Tensor | None, eps: float, name: str, *, group: int | None = None) -> Tensor:
         """RMSNorm of every ``group`` consecutive values of each row (the whole row when
-        None; a head when QK-norm), scaled by ``w`` ``[group]``."""
+        None; a head when QK-norm), scaled by ``w`` ``[group]``; without ``w`` unscaled
+        (ggml_rms_norm alone: gemma4's V norm)."""
         n = x.width if group is None else group
         self._check(x.width % n == 0, name, f"rms_norm groups of {n} do not tile {x!r}")
+        if w is None:
+            return self._node("rms_norm", (x,), x.shape, name, eps=float(eps), group=n)
         self._check(w.shape == (n,), name, f"rms_norm of {x!r} in groups of {n} needs a weight [{n}], got {w!r}")
         return self._node("rms_norm", (x, w), x.shape, name, eps=float(eps), group=n)
+
+    def mul(self, x: Tensor, w: Tensor, name: str) -> Tensor:
+        """``x`` times the file's one-value tensor ``w`` ``[1]`` (gemma4's
+        ``layer_output_scale``: ggml_mul by a broadcast scalar)."""
+        self._check(w.kind == "weight" and w.shape == (1,), name, f"mul needs a weight [1], got {w!r}")
+        return self._node("mul", (x, w), x.shape, name)
+
+    def softcap(self, x: Tensor, cap: float, name: str) -> Tensor:
+        """``cap * tanh(x / cap)`` (gemma's final logit softcapping)."""
+        self._check(cap > 0, name, f"softcap of {cap}")
+        return self._node("softcap", (x,), x.shape, name, cap=float(cap))
 
     def rope(self, x: Tensor, name: str, *, n_heads: int, head_dim: int, mode: RopeMode, theta: float,
              freq_scale: float = 1.0, factors: Tensor | None = None, n_rot: int = 0,
@@ -222,9 +236,9 @@ class Graph:
         return self._node("rope", inputs, x.shape, name, n_heads=n_heads, head_dim=head_dim, mode=mode,
                           theta=float(theta), freq_scale=float(freq_scale), **kw)
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, name: str, *, n_head: int, n_head_kv: int,
-                  head_dim: int, scale: float, window: int = 0, v_is_k: bool = False, v_dim: int = 0,
-                  symmetric: bool = False) -> Tensor:
+    def attention(self, q: Tensor, k: Tensor | None, v: Tensor | None, name: str, *, n_head: int,
+                  n_head_kv: int, head_dim: int, scale: float, window: int = 0, v_is_k: bool = False,
+                  v_dim: int = 0, symmetric: bool = False, kv_layer: int = -1) -> Tensor:
         """Store this step's ``k`` and ``v`` in the current layer's cache, then causal
         grouped-query attention of ``q`` over it (a ``causal=False`` entry's rows also see
         the entry's later rows: ``SeqBatch``): ``[T, n_head * head_dim]``. Query head h
@@ -242,8 +256,25 @@ class Graph:
 
         ``symmetric`` (with a ``window``): the window also hides keys ``window`` or more
         positions *after* the row, which only a non-causal entry's rows see (llama.cpp's
-        ``LLAMA_SWA_TYPE_SYMMETRIC``, EmbeddingGemma's)."""
+        ``LLAMA_SWA_TYPE_SYMMETRIC``, EmbeddingGemma's).
+
+        ``kv_layer`` >= 0 (``k`` and ``v`` None): the layer has no cache of its own and
+        attends over earlier layer ``kv_layer``'s cache as that layer left it in this step,
+        storing nothing (llama.cpp's shared-KV layers, ``hparams.has_kv(il)`` false:
+        gemma3n, gemma4); the heads and window must be that layer's."""
         self._check(self._layer >= 0, name, "attention outside a layer has no cache")
+        if kv_layer >= 0:
+            src = self.attention_layers().get(kv_layer)
+            self._check(k is None and v is None and src is not None and kv_layer < self._layer, name,
+                        f"attention over layer {kv_layer}'s cache needs no k, v and that earlier layer's cache")
+            assert src is not None
+            self._check((src.attr("n_head_kv"), src.attr("head_dim"), src.attr("window")) == (n_head_kv, head_dim, window)
+                        and not src.attrs.get("v_is_k"), name,
+                        f"layer {kv_layer}'s cache has other heads or window")
+            self._check(q.shape == (TOKENS, n_head * head_dim), name, f"q must be [T, {n_head * head_dim}], got {q!r}")
+            return self._node("attention", (q,), q.shape, name, n_head=n_head, n_head_kv=n_head_kv,
+                              head_dim=head_dim, scale=float(scale), window=int(window), kv_layer=int(kv_layer))
+        assert k is not None and v is not None, "attention without k and v needs a kv_layer"
         self._check(not v_is_k or v is k, name, "v_is_k attention needs v to be k")
         self._check(n_head % n_head_kv == 0, name, f"{n_head} heads do not share {n_head_kv} KV heads evenly")
         self._check(q.shape == (TOKENS, n_head * head_dim), name, f"q must be [T, {n_head * head_dim}], got {q!r}")
@@ -427,8 +458,9 @@ class Graph:
         return next((n.out.width for n in self.nodes if n.op == "embd_rows"), 0)
 
     def attention_layers(self) -> dict[int, Node]:
-        """Each layer's attention node (the layers that have a KV cache)."""
-        return {n.layer: n for n in self.nodes if n.op == "attention"}
+        """Each layer's attention node (the layers that have a KV cache of their own: not
+        those that read another layer's, ``kv_layer``)."""
+        return {n.layer: n for n in self.nodes if n.op == "attention" and "kv_layer" not in n.attrs}
 
 
 def rope_divisors(node: Node, factors: Any = None) -> Any:

@@ -18,7 +18,7 @@ RopeMode = Literal["normal", "neox"]
 ARCH_ROPE: dict[str, RopeMode] = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
                                  "qwen3moe": "neox", "qwen35": "neox",
                                  "qwen35moe": "neox", "qwen3next": "neox", "deepseek2": "normal",
-                                 "gemma-embedding": "neox"}
+                                 "gemma-embedding": "neox", "gemma4": "neox"}
 
 
 @attrs.frozen
@@ -86,6 +86,20 @@ class ModelConfig:
     #: ``dense_2`` [feat, n_embd] then ``dense_3`` [n_embd, feat]): (dense_2's outputs,
     #: dense_3's inputs); (0, 0): none
     dense_feat: tuple[int, int] = (0, 0)
+    #: per-layer shapes (gemma4): the sliding-window layers' head size (0: head_dim) and
+    #: rotated part (0: all of it), each layer's KV heads and FFN width (empty: n_head_kv,
+    #: n_ff everywhere)
+    head_dim_swa: int = 0
+    n_rot_swa: int = 0
+    n_head_kv_layers: tuple[int, ...] = ()
+    n_ff_layers: tuple[int, ...] = ()
+    #: gemma4's per-layer embeddings: values per layer (0: none)
+    n_embd_per_layer: int = 0
+    #: the layers from the start that own a KV cache (llama.cpp's
+    #: ``n_layer_kv_from_start``); the later ones attend over an earlier layer's; 0: all
+    n_layer_kv: int = 0
+    #: ``cap * tanh(logits / cap)`` on the logits; 0: none
+    final_logit_softcap: float = 0.0
     #: LoRA adapters' deltas (``model/lora.py``): (matrix, lora_a, lora_b, scale), each
     #: ``scale * B (A x)`` added to that matrix's product
     lora: tuple[tuple[str, str, str, float], ...] = ()
@@ -95,6 +109,19 @@ class ModelConfig:
 
     def is_swa(self, il: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[il]
+
+    def layer_head_dim(self, il: int) -> int:
+        return self.head_dim_swa if self.head_dim_swa and self.is_swa(il) else self.head_dim
+
+    def layer_n_head_kv(self, il: int) -> int:
+        return self.n_head_kv_layers[il] if self.n_head_kv_layers else self.n_head_kv
+
+    def layer_n_ff(self, il: int) -> int:
+        return self.n_ff_layers[il] if self.n_ff_layers else self.n_ff
+
+    def has_kv(self, il: int) -> bool:
+        """Does layer ``il`` own a KV cache (llama.cpp's ``hparams.has_kv``)?"""
+        return not self.n_layer_kv or il < self.n_layer_kv
 
     @property
     def kq_scale(self) -> float:
@@ -111,6 +138,12 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_head_kv * self.head_dim
+
+    @property
+    def uniform_kv(self) -> bool:
+        """Does every layer own a cache of ``kv_dim`` values per position (the one shape
+        slot files and ``read_kv`` take)? Not gemma4's: per-layer heads, shared caches."""
+        return not (self.n_layer_kv or self.n_head_kv_layers or self.head_dim_swa not in (0, self.head_dim))
 
     @property
     def kv_parts(self) -> int:

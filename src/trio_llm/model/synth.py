@@ -105,6 +105,17 @@ class Preset:
     #: sentence-transformers' dense projections (gemma-embedding's dense_2, dense_3):
     #: their inner width; 0: none
     dense: int = 0
+    #: gemma4 (as its converter writes it): the sliding-window layers' head size, the
+    #: per-layer embeddings' width, the shared-KV layers at the end, the layer pattern
+    #: (True: sliding-window), the logit softcap, the KV heads of a full layer, the
+    #: layers written without attn_v (K is V)
+    head_dim_swa: int = 0
+    n_embd_per_layer: int = 0
+    n_kv_shared: int = 0
+    swa_pattern: tuple[bool, ...] = ()
+    softcap: float = 0.0
+    n_head_kv_full: int = 0
+    no_v_layers: tuple[int, ...] = ()
 
     def config(self) -> ModelConfig:
         extra: dict[str, object]
@@ -118,6 +129,17 @@ class Preset:
 
             extra = dict(gemma3.derived(self.n_layer, self.n_embd, self.n_head, self.head_dim, self.n_swa,
                                         self.rope_linear), causal_attn=False, dense_feat=(self.dense, self.dense))
+        elif self.arch == "gemma4":
+            from trio_llm.models.gemma4 import ROPE_THETA_SWA
+
+            n_kv = self.n_layer - self.n_kv_shared
+            kv_heads = tuple(self.n_head_kv if w else self.n_head_kv_full or self.n_head_kv for w in self.swa_pattern)
+            n_ff = tuple(self.n_ff if il < n_kv else 2 * self.n_ff for il in range(self.n_layer))  # double-wide
+            extra = dict(n_swa=self.n_swa, swa_layers=self.swa_pattern, rope_theta_swa=ROPE_THETA_SWA, attn_scale=1.0,
+                         head_dim_swa=self.head_dim_swa, n_rot_swa=self.head_dim_swa,
+                         n_head_kv_layers=kv_heads if len(set(kv_heads)) > 1 else (),
+                         n_ff_layers=n_ff if len(set(n_ff)) > 1 else (), n_embd_per_layer=self.n_embd_per_layer,
+                         n_layer_kv=n_kv if self.n_kv_shared else 0, final_logit_softcap=self.softcap)
         elif self.arch in ("qwen35", "qwen35moe", "qwen3next"):
             from trio_llm.models.qwen35 import FULL_ATTENTION_INTERVAL
 
@@ -143,12 +165,12 @@ class Preset:
             n_head=self.n_head,
             n_head_kv=self.n_head_kv,
             head_dim=self.head_dim,
-            n_ff=self.n_ff,
+            n_ff=self.n_ff * (2 if self.arch == "gemma4" and self.n_kv_shared else 1),
             n_ctx_train=self.n_ctx,
             rope_theta=self.rope_theta,
             rms_eps=self.rms_eps,
             rope_mode=ARCH_ROPE[self.arch],
-            qk_norm=self.arch in ("qwen3", "gemma3", "gemma-embedding", "qwen3moe", "qwen35", "qwen35moe",
+            qk_norm=self.arch in ("qwen3", "gemma3", "gemma4", "gemma-embedding", "qwen3moe", "qwen35", "qwen35moe",
                                   "qwen3next"),
             attn_bias=self.arch == "qwen2",
             tied_embeddings=self.tied,
@@ -267,6 +289,15 @@ PRESETS: dict[str, Preset] = {
         _preset("qwen3-coder-next", "qwen3next", (2048, 48, 16, 2, 256, 512, 151936), False, 1e7, 262144,
                 ("gpt2", "chatml"), "synthetic Qwen3-Coder-Next shape", moe=(512, 10, 512), ssm=(4, 16, 32, 128),
                 n_rot=64, n_ff_shexp=512),
+        # Gemma 4 E4B's layout, small: sliding-window layers (window 16, heads of 64, two
+        # KV heads) and full ones (heads of 128, one KV head, proportional RoPE over a
+        # quarter of each head), per-layer embeddings, the last two layers sharing the KV
+        # of layers 4 (sliding) and 5 (full, written without attn_v: K is V), double-wide
+        # FFNs there, a logit softcap of 30
+        attrs.evolve(_preset("tiny-gemma4", "gemma4", (256, 8, 4, 2, 128, 256, 1024), True, 1e6, 4096,
+                             ("llama", "gemma"), "trio-llm tiny-gemma4", n_swa=16),
+                     head_dim_swa=64, n_embd_per_layer=32, n_kv_shared=2, softcap=30.0, n_head_kv_full=1,
+                     swa_pattern=(True, True, False, True, True, False, True, False), no_v_layers=(5,)),
         _preset("gemma3-4b", "gemma3", (2560, 34, 8, 4, 256, 10240, 262144), True, 1e6, 131072,
                 ("llama", "gemma"), "synthetic gemma-3-4b shape", n_swa=1024, rope_linear=8.0),
         # multi-head latent attention (head_dim: the latent cache row, kv_lora_rank +
@@ -431,6 +462,10 @@ SHARP_SCALES = {"attn_q.weight": 5.0, "attn_k.weight": 5.0, "ffn_gate_inp.weight
                 "attn_q_b.weight": 5.0, "attn_kv_a_mqa.weight": 5.0, "exp_probs_b.bias": 5.0}
 
 
+#: gemma4's q and k norm weights (see plan_tensors)
+GEMMA4_QK_NORM = 0.35
+
+
 def plan_tensors(preset: Preset, quant: str, pure: bool = False, sharp: bool = False) -> list[TensorPlan]:
     """Every tensor of the file, in file order, with its type (``pure``: every matrix
     the mix's base type, as llama-quantize's ``--pure``).
@@ -446,13 +481,33 @@ def plan_tensors(preset: Preset, quant: str, pure: bool = False, sharp: bool = F
     if preset.rope_scaling is not None:
         factors = llama3_rope_factors(cfg.head_dim, cfg.rope_theta, *preset.rope_scaling)
         plans.append(TensorPlan("rope_freqs.weight", (len(factors),), T.F32, "const", factors))
+    if cfg.arch == "gemma4" and not all(cfg.swa_layers):  # the converter's proportional RoPE: a quarter turns
+        half = cfg.head_dim // 2
+        factors = tuple([1.0] * (half // 4) + [1e30] * (half - half // 4))
+        plans.append(TensorPlan("rope_freqs.weight", (half,), T.F32, "const", factors))
     shapes = expected_shapes(cfg)
+    if cfg.arch == "gemma4":
+        from trio_llm.models import optional_shapes
+
+        shapes.pop("rope_freqs.weight", None)
+        for name, shape in optional_shapes(cfg).items():
+            il = int(name.split(".")[1])
+            if name.endswith("layer_output_scale.weight"):
+                plans.append(TensorPlan(name, shape, T.F32, "const", (0.5 + 0.1 * il,)))
+            elif il not in preset.no_v_layers:
+                shapes[name] = shape
     if cfg.arch == "deepseek2" or preset.dense:  # the experts' selection bias, the dense projections
         from trio_llm.models import optional_shapes
 
         shapes.update(optional_shapes(cfg))
     for name, shape in shapes.items():
         scale = SHARP_SCALES.get(name.split(".", 2)[-1] if name.startswith("blk.") else name, 1.0) if sharp else 1.0
+        if cfg.arch == "gemma4" and name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
+            # gemma4's softmax scale is 1: unit-RMS heads would give scores of std
+            # sqrt(head_dim), an attention so peaked that 8-bit rounding moves it; these
+            # norms bring it to about 1 (0.5 still parted from llama.cpp on 7 of 23
+            # weight types, by 0.11 to 0.20 nats)
+            scale = GEMMA4_QK_NORM
         if name.endswith(("ffn_gate_inp.weight", "ssm_conv1d.weight", "ssm_alpha.weight", "ssm_beta.weight")):
             # the router and the delta-net's small matrices stay F32, as llama.cpp's
             # converter and llama-quantize keep them
@@ -604,9 +659,12 @@ def _write_metadata(writer: gguf.GGUFWriter, preset: Preset, quant: str) -> None
     writer.add_block_count(cfg.n_layer + preset.mtp)
     if preset.mtp:
         writer.add_uint32(f"{preset.arch}.nextn_predict_layers", preset.mtp)
-    writer.add_feed_forward_length(cfg.n_ff)
+    if cfg.arch == "gemma4":  # one per layer where they differ, as its converter writes them
+        writer.add_feed_forward_length(list(cfg.n_ff_layers) or cfg.n_ff)
+    else:
+        writer.add_feed_forward_length(cfg.n_ff)
     writer.add_head_count(cfg.n_head)
-    writer.add_head_count_kv(cfg.n_head_kv)
+    writer.add_head_count_kv(list(cfg.n_head_kv_layers) or cfg.n_head_kv)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.n_lora_kv or cfg.head_dim)  # MLA: V is the latent part of K
     writer.add_rope_dimension_count(cfg.n_rot or cfg.head_dim)
@@ -614,6 +672,15 @@ def _write_metadata(writer: gguf.GGUFWriter, preset: Preset, quant: str) -> None
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
     if preset.n_swa:
         writer.add_sliding_window(preset.n_swa)
+    if cfg.arch == "gemma4":  # conversion/gemma.py's Gemma4Model
+        writer.add_rope_freq_base_swa(cfg.rope_theta_swa)
+        writer.add_shared_kv_layers(preset.n_kv_shared)
+        writer.add_embedding_length_per_layer_input(cfg.n_embd_per_layer)
+        writer.add_sliding_window_pattern(list(cfg.swa_layers))
+        writer.add_key_length_swa(cfg.head_dim_swa)
+        writer.add_value_length_swa(cfg.head_dim_swa)
+        writer.add_rope_dimension_count_swa(cfg.n_rot_swa)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcap)
     if cfg.arch == "gemma-embedding":  # as the converter's EmbeddingGemma writes them
         writer.add_rope_freq_base_swa(cfg.rope_theta_swa)
         if preset.dense:

@@ -64,6 +64,7 @@ def _registry() -> dict[str, ModuleType]:
     from trio_llm.models import (
         deepseek2,
         gemma3,
+        gemma4,
         gemma_embedding,
         llama,
         qwen3moe,
@@ -72,7 +73,7 @@ def _registry() -> dict[str, ModuleType]:
         qwen35moe,
     )
 
-    return {name: mod for mod in (llama, gemma3, gemma_embedding, qwen3moe, qwen35, qwen35moe, qwen3next, deepseek2)
+    return {name: mod for mod in (llama, gemma3, gemma4, gemma_embedding, qwen3moe, qwen35, qwen35moe, qwen3next, deepseek2)
             for name in mod.ARCHS}
 
 

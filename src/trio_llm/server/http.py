@@ -539,6 +539,9 @@ def create_app(ctx: ServerContext) -> QuartTrio:
             folder = ctx.config.slot_save_path
             if folder is None:
                 raise ApiError(501, "slot save and restore need --slot-save-path", "not_supported_error")
+            if not e.model_config.uniform_kv:
+                raise ApiError(501, f"slot save and restore of {e.model_config.arch} (caches of per-layer shapes) "
+                                    "are not supported", "not_supported_error")
             body = await _body()
             name = body.get("filename") if isinstance(body, dict) else None
             if not isinstance(name, str) or not P.valid_filename(name):

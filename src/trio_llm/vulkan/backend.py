@@ -24,6 +24,7 @@ from trio_llm.engine.backend import (
     SeqBatch,
     check_batch,
     check_noncausal,
+    check_uniform_kv,
 )
 from trio_llm.engine.devsample import DeviceChain, check_decode
 from trio_llm.engine.kvshift import Move, can_shift, k_ropes, shift_k
@@ -61,6 +62,7 @@ from trio_llm.vulkan.forward import (
     head_routes,
     missing_ops,
     moe_map_bytes,
+    norm_consts,
     plan_buffers,
     q8_scratch,
     rope_consts,
@@ -211,19 +213,22 @@ class VulkanBackend:
         self._rs.n_seq = self.n_seq
         self._rs.work_sizes = chunk_scratch(self._ir, self._cap) if chunked_prefill(device.device_type) else {}
         kt, vt = self.cache_types
+        # each cache's heads (gemma4's differ by layer; a shared-KV layer reads another's)
+        heads = {(n.attr("n_head"), n.attr("n_head_kv"), n.attr("head_dim"))
+                 for n in self._ir.nodes if n.op == "attention"} or {(cfg.n_head, cfg.n_head_kv, cfg.head_dim)}
         for what, t in (("K", kt), ("V", vt)):
             block = kv_type(t).block
-            if cfg.head_dim % block:
-                raise InvalidRequest(f"a {t} {what} cache needs head_dim a multiple of {block}, "
-                                     f"not {cfg.head_dim}")
+            for _, _, hd in sorted(heads):
+                if hd % block:
+                    raise InvalidRequest(f"a {t} {what} cache needs head_dim a multiple of {block}, not {hd}")
         dec_cap = min(MATVEC_MAX_COLS, self._cap)  # the decode buckets' attention work
         self._kv = KVCache(
             self._alloc, [LayerKV(self.n_seq, m.rows, m.kv_dim, kt, vt, m.v_is_k) for m in self._mem],
             # the decode attention's splits, or (at depth, cooperative matrices) the prefill's
-            part_floats=max(attention_part_floats(dec_cap, cfg.n_head, cfg.head_dim, decode_splits(self.n_ctx)),
-                            self._ops.prefill_part_floats(self.n_ctx, cfg.n_head, cfg.n_head_kv, cfg.head_dim,
-                                                          self._cap)),
-            n_counters=attention_counters(dec_cap, cfg.n_head, cfg.n_head_kv),
+            part_floats=max(max(attention_part_floats(dec_cap, nh, hd, decode_splits(self.n_ctx)),
+                                self._ops.prefill_part_floats(self.n_ctx, nh, nkv, hd, self._cap))
+                            for nh, nkv, hd in heads),
+            n_counters=max(attention_counters(dec_cap, nh, nkv) for nh, nkv, _ in heads),
         )
         if self._kv.largest_buffer > device.limits.max_storage_buffer_range:
             raise BackendError(
@@ -236,6 +241,7 @@ class VulkanBackend:
                                                        and n.inputs[1].name == name for n in self._ir.nodes)}
         self._rope_buf, consts = rope_consts(self._ir, factors)
         consts.update(head_routes(self._ir))
+        consts.update(norm_consts(self._ir))
         # --n-cpu-moe: these expert tensors are read from host-visible memory
         self._weights = WeightStore(self._alloc, model, host_tensors=self._host_tensors,
                                     only=frozenset(self._ir.weights))
@@ -614,12 +620,14 @@ class VulkanBackend:
             self._graph(bucket)
 
     def read_kv(self, seq_id: int, n: int) -> np.ndarray:
+        check_uniform_kv(self.config)
         shape = (self.config.n_layer, self.config.kv_parts, n, self.config.kv_dim)
         out = np.zeros(shape, np.float32)  # [n_layer, kv_parts, n, kv_dim]; layers without a cache stay 0
         self._copy_kv(seq_id, n, out, to_device=False)
         return out
 
     def write_kv(self, seq_id: int, kv: np.ndarray) -> None:
+        check_uniform_kv(self.config)
         data = np.ascontiguousarray(kv, dtype=np.float32)
         n = data.shape[2]
         assert data.shape == (self.config.n_layer, self.config.kv_parts, n, self.config.kv_dim) and n <= self.n_ctx
@@ -858,8 +866,9 @@ def _check_shapes(model: GGUFModel, cfg: ModelConfig) -> None:
     for what, n in dims:
         if n % 32:
             problems.append(f"{what} {n} is not a multiple of 32")
-    if cfg.head_dim % 4 or cfg.head_dim > (768 if cfg.n_lora_kv else 256):  # MLA: latent rows up to 768
-        problems.append(f"head_dim {cfg.head_dim} must be a multiple of 4 and at most 256")
+    for hd in {cfg.head_dim, cfg.layer_head_dim(0) if cfg.head_dim_swa else cfg.head_dim, cfg.head_dim_swa or cfg.head_dim}:
+        if hd % 4 or hd > (768 if cfg.n_lora_kv else 256):  # MLA: latent rows up to 768
+            problems.append(f"head_dim {hd} must be a multiple of 4 and at most 256")
     if cfg.kv_dim % 4:
         problems.append(f"kv_dim {cfg.kv_dim} is not a multiple of 4")
     if problems:

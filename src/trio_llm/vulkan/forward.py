@@ -61,7 +61,7 @@ from trio_llm.vulkan.weights import WeightStore
 MATVEC_MAX_COLS = 8
 
 #: ops whose output may take the buffer of their first input when that input dies there
-_IN_PLACE = {"add", "scale", "rms_norm", "rope", "glu", "embd_rows"}
+_IN_PLACE = {"add", "scale", "mul", "softcap", "rms_norm", "rope", "glu", "embd_rows"}
 
 #: token ids from here on in the step buffer are rows of the ``embd`` upload buffer
 #: (``SeqBatch.embd``): id ``EMBD_ROW0 + i`` is row i, the step's token i; no piece of a
@@ -504,6 +504,12 @@ def head_routes(graph: Graph) -> dict[str, np.ndarray]:
     return out
 
 
+def norm_consts(graph: Graph) -> dict[str, np.ndarray]:
+    """The weight an ``rms_norm`` without one reads: ones of its group, ``ones<n>``."""
+    return {f"ones{n.attr('group')}": np.ones(n.attr("group"), np.float32)
+            for n in graph.nodes if n.op == "rms_norm" and len(n.inputs) == 1}
+
+
 def rope_consts(graph: Graph, factors: dict[str, np.ndarray]) -> tuple[dict[int, str], dict[str, np.ndarray]]:
     """The divisor array each RoPE node reads (the file's factors over ``freq_scale``),
     one buffer per distinct array: rope node id -> buffer name, and the arrays."""
@@ -626,12 +632,18 @@ class _Lowering:
         i, m = self.mem[layer]
         return self.kv.k_view(i), self.kv.v_view(i), m
 
+    @staticmethod
+    def kv_layer(node: Node) -> int:
+        """The layer whose cache an attention reads: its own, or (a shared-KV layer's,
+        ``kv_layer``) the earlier layer's."""
+        return int(node.attrs.get("kv_layer", node.layer))
+
     def rotation(self, node: Node) -> tuple[int, int]:
         """llama.cpp's Hadamard blocks (K, V) around this attention's quantized cache
-        (none for a latent cache, ``v_is_k``)."""
+        (none for a latent cache, ``v_is_k``), each cache's own: its types and heads."""
         if node.attrs.get("v_is_k"):
             return 0, 0
-        return rotation_blocks(*self.types(node.layer), node.attr("head_dim"))
+        return rotation_blocks(*self.types(self.kv_layer(node)), node.attr("head_dim"))
 
     def types(self, layer: int) -> tuple[str, str]:
         """The (K, V) cache types of ``layer``."""
@@ -660,14 +672,14 @@ class _Lowering:
             if node.op == "rope":
                 lin = self.linear_of(node.inputs[0])
                 readers = self._cons.get(node.out.id, [])
-                if len(readers) == 1 and readers[0].op == "attention" and readers[0].inputs[1] is node.out \
+                if len(readers) == 1 and readers[0].op == "attention" and readers[0].inputs[1:2] == (node.out,) \
                         and readers[0].inputs[0] is not node.out and not self.rotation(readers[0])[0]:
                     self._to_cache.add(node.out.id)
                 if (self.decode and pair_rows and node.attr("mode") == "normal" and lin is not None
                         and self.only_reader(lin.out, node) and self.single(lin.inputs[1])):
                     self._rope_out[node.out.id] = lin
                     self._absorbed.add(lin.out.id)
-            elif node.op == "attention":
+            elif node.op == "attention" and len(node.inputs) == 3:  # one that stores its v
                 lin = self.linear_of(node.inputs[2])
                 if (self.decode and pair_rows and lin is not None and self.only_reader(lin.out, node)
                         and self.single(lin.inputs[1]) and lin.inputs[1].shape[0] % 2 == 0
@@ -742,7 +754,7 @@ class _Lowering:
                 rope = nodes[-1]
                 readers = self._cons.get(rope.out.id, [])
                 if ("n_rot" in rope.attrs and len(readers) == 1 and readers[0].op == "attention"
-                        and readers[0].inputs[1] is rope.out and readers[0].inputs[0] is not rope.out
+                        and readers[0].inputs[1:2] == (rope.out,) and readers[0].inputs[0] is not rope.out
                         and not self.rotation(readers[0])[0]):
                     self._to_cache.add(rope.out.id)  # the partial RoPE of k stores it too
             head = nodes[0] if f.early else nodes[-1]
@@ -793,7 +805,7 @@ class _Lowering:
         logits = self.graph.logits
         out: list[tuple[Node, list[Node]]] = []
         for i, node in enumerate(self.graph.nodes):
-            if node.op != "rms_norm" or node.out is logits or node.out.id in self._absorbed:
+            if node.op != "rms_norm" or len(node.inputs) != 2 or node.out is logits or node.out.id in self._absorbed:
                 continue
             x, w = node.inputs
             readers = self._cons.get(node.out.id, [])
@@ -1024,11 +1036,30 @@ class _Lowering:
                            scale=node.attr("scale"), count_sel=sel)
         self.emit([d], [self.slot(x)], [self.slot(node.out)])
 
-    def op_rms_norm(self, node: Node) -> None:
+    def op_mul(self, node: Node) -> None:
+        """``x`` times a one-value weight: read at build time, lowered as ``scale``."""
         x, w = node.inputs
+        s = float(np.asarray(self.weights.model.tensor(w.name).dequantize(), np.float32).reshape(-1)[0])
         sel, cap = self.rows(node.out)
+        n = node.out.width
+        d = self.ops.scale(self.view(x), self.view(node.out), self.st, n=n, stride=n, cap=cap, scale=s, count_sel=sel)
+        self.emit([d], [self.slot(x)], [self.slot(node.out)])
+
+    def op_softcap(self, node: Node) -> None:
+        (x,) = node.inputs
+        sel, cap = self.rows(node.out)
+        n = node.out.width
+        d = self.ops.scale(self.view(x), self.view(node.out), self.st, n=n, stride=n, cap=cap,
+                           scale=node.attr("cap"), count_sel=sel, softcap=True)
+        self.emit([d], [self.slot(x)], [self.slot(node.out)])
+
+    def op_rms_norm(self, node: Node) -> None:
+        x = node.inputs[0]
         n = node.attr("group")
-        d = self.ops.rms_norm(self.view(x), self.view(w), self.view(node.out), self.st, n=n, x_stride=n,
+        # without a weight: a buffer of ones (``norm_consts``)
+        w = self.view(node.inputs[1]) if len(node.inputs) == 2 else self.act.view(f"ones{n}")
+        sel, cap = self.rows(node.out)
+        d = self.ops.rms_norm(self.view(x), w, self.view(node.out), self.st, n=n, x_stride=n,
                               y_stride=n, eps=node.attr("eps"), cap=cap, rows_per_tok=x.width // n, count_sel=sel)
         self.emit([d], [self.slot(x)], [self.slot(node.out)])
 
@@ -1103,14 +1134,18 @@ class _Lowering:
     def op_attention(self, node: Node, out: Tensor | None = None, gate: tuple[Tensor, int, int] | None = None) -> None:
         """The cache writes and the attention; ``out`` and ``gate`` (attn_gate): the
         output gated by the sigmoid of ``gate`` = (the value holding it, its head
-        stride, offset), written as ``out`` (decode buckets' attention_decode only)."""
-        q, k, v = node.inputs
+        stride, offset), written as ``out`` (decode buckets' attention_decode only). A
+        shared-KV layer's (``kv_layer``) stores nothing and reads that layer's cache."""
+        q = node.inputs[0]
+        k, v = node.inputs[1:] if len(node.inputs) == 3 else (None, None)
+        src = self.kv_layer(node)
         o_t = node.out if out is None else out
-        kc, vc, m = self.cache(node.layer)
-        kt, vt = self.types(node.layer)
+        kc, vc, m = self.cache(src)
+        kt, vt = self.types(src)
         nh, nkv, hd = node.attr("n_head"), node.attr("n_head_kv"), node.attr("head_dim")
         window = node.attr("window")
         if node.attrs.get("v_is_k"):  # a latent cache: the values are the cached K rows
+            assert k is not None
             if self.noncausal:
                 raise GraphError(f"{node.out.name}: a latent attention has no non-causal kernel")
             self._store(k, kc, ("k", node.layer), m, nkv, hd, kt)
@@ -1142,6 +1177,24 @@ class _Lowering:
         kb, vb = self.rotation(node)
         if kb:  # q and k rotated in place before k is stored (they are read by this node only)
             self._rotate(q, kb)
+        if k is not None and v is not None:
+            self._store_kv(node, k, v, kb, vb)
+        common = dict(n_head=nh, n_head_kv=nkv, head_dim=hd, n_ctx=m.rows, q_stride=q.width,
+                      o_stride=node.out.width, cap=self.bucket, scale=node.attr("scale"), k_type=kt, v_type=vt,
+                      n_swa=window)
+        reads: list[object] = [self.slot(q), ("k", src), ("v", src)]
+        self._attend(node, q, kc, vc, m, o_t, gate, reads, common)
+        if vb:  # the output rotated back (the matrix is its own inverse)
+            assert gate is None
+            self._rotate(node.out, vb)
+
+    def _store_kv(self, node: Node, k: Tensor, v: Tensor, kb: int, vb: int) -> None:
+        """This step's k (rotated first when the cache is) and v into the layer's cache,
+        unless a projection or rope writes them there itself."""
+        kc, vc, m = self.cache(node.layer)
+        kt, vt = self.types(node.layer)
+        nkv, hd = node.attr("n_head_kv"), node.attr("head_dim")
+        if kb:
             self._rotate(k, kb)
         if vb and node.out.id not in self._v_out:
             self._rotate(v, vb)
@@ -1163,10 +1216,11 @@ class _Lowering:
             self.emit(ds, self.matvec_reads(src, nkw), [("v", node.layer)])
         else:
             self._store(v, vc, ("v", node.layer), m, nkv, hd, vt)
-        common = dict(n_head=nh, n_head_kv=nkv, head_dim=hd, n_ctx=m.rows, q_stride=q.width,
-                      o_stride=node.out.width, cap=self.bucket, scale=node.attr("scale"), k_type=kt, v_type=vt,
-                      n_swa=window)
-        reads = [self.slot(q), ("k", node.layer), ("v", node.layer)]
+
+    def _attend(self, node: Node, q: Tensor, kc: View, vc: View, m: LayerMemory, o_t: Tensor,
+                gate: tuple[Tensor, int, int] | None, reads: list[object], common: dict[str, object]) -> None:
+        """The attention of ``q`` over a cache, by the kernel this bucket and device take."""
+        hd, window = node.attr("head_dim"), node.attr("window")
         if self.noncausal:
             # a step with a non-causal entry: the scalar tiled kernel reading each row's
             # highest visible position from the step buffer, whatever the bucket and device
@@ -1194,9 +1248,6 @@ class _Lowering:
         else:
             d = self.ops.attention(self.view(q), kc, vc, self.view(node.out), self.st, **common)  # type: ignore[arg-type]
             self.emit([d], reads, [self.slot(node.out)])
-        if vb:  # the output rotated back (the matrix is its own inverse)
-            assert gate is None
-            self._rotate(node.out, vb)
 
     def _attend_prefill(self, node: Node, q: Tensor, kc: View, vc: View, reads: Sequence[object],
                         common: dict[str, object]) -> None:

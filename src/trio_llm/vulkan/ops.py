@@ -1644,10 +1644,11 @@ class Ops:
 
     def scale(
         self, x: View, y: View, step: View, *, n: int, stride: int, cap: int, scale: float,
-        count_sel: int = COUNT_TOKENS,
+        count_sel: int = COUNT_TOKENS, softcap: bool = False,
     ) -> Dispatch:
-        """y = x * scale over the live rows."""
-        k = self.kernels.get("scale", n_bindings=3, n_push=4, local_size=self.elem_wg)
+        """y = x * scale over the live rows; ``softcap``: y = scale * tanh(x / scale)."""
+        k = self.kernels.get("scale", n_bindings=3, n_push=4, local_size=self.elem_wg,
+                             defines={"SOFTCAP": 1} if softcap else None)
         return Dispatch(k, (x, y, step), (n, stride, count_sel, float(scale)), (math.ceil(n / self.elem_wg), cap, 1))
 
     def add(

@@ -690,6 +690,7 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
         yield "matvec", {**qtype_defines(q), **GATE_UP}
     for name in PLAIN_SHADERS:
         yield name, {}
+    yield "scale", {"SOFTCAP": 1}
     yield "swiglu", {"GELU": 1}
     yield "swiglu", {"SIGMOID": 1}
     yield "moe_topk", {"SIGMOID": 1}
