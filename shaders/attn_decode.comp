@@ -33,6 +33,10 @@
 // cover DV dims of each head (whose stride in o and part stays head_dim); an output
 // head's values past DV are not written. Without LATENT the source the compiler sees
 // is the plain kernel's, token for token (VD4 / COMBINE_DV expand to hd4 / hd).
+//
+// WIDE: heads of up to 512 values (gemma4's full-attention layers), the queries'
+// shared array sized for them; head_dim / 4 <= WG, so the value loop has one key group
+// of head_dim / 4 lanes or more. Without it the source is the plain kernel's.
 #include "common.glsl"
 
 #ifndef K_TYPE
@@ -120,6 +124,8 @@ layout(constant_id = 2) const uint DV = 512;  // value dims: the first DV of eac
 
 #ifdef LATENT
 const uint MAX_HD4 = 144;  // head_dim <= 576
+#elif defined(WIDE)
+const uint MAX_HD4 = 128;  // head_dim <= 512 (gemma4's full-attention layers; hd4 <= WG)
 #else
 const uint MAX_HD4 = 64;  // head_dim <= 256
 #endif

@@ -3,7 +3,8 @@
 // `block` values of each live row: llama.cpp's rotation of q, k and v around a quantized
 // KV cache (model/kvtypes.py rotation_blocks). One work group per (block, row): the
 // block in shared memory, log2(block) butterfly stages, then the 1/sqrt(block) scale.
-// In place is fine: a work group reads its block whole before it writes.
+// In place is fine: a work group reads its block whole before it writes. A block of up
+// to MAX_BLOCK = 2 WG values: each lane takes values tid and tid + WG of it.
 #include "common.glsl"
 
 layout(binding = 0, std430) readonly buffer X { float x[]; };
@@ -13,11 +14,12 @@ DECLARE_STEP(2)
 layout(push_constant) uniform Push {
     uint width;   // values per row
     uint stride;  // floats between rows
-    uint block;   // a power of two, at most WG
+    uint block;   // a power of two, at most MAX_BLOCK
     uint count_sel;
 } pc;
 
-shared float v[256];
+const uint MAX_BLOCK = 2u * WG;  // 512 with the 256 lanes Ops dispatches
+shared float v[MAX_BLOCK];
 
 void main() {
     uint t = gl_WorkGroupID.y;
@@ -26,28 +28,38 @@ void main() {
     }
     uint tid = gl_LocalInvocationID.x;
     uint base = t * pc.stride + gl_WorkGroupID.x * pc.block;
-    if (tid < pc.block) {
-        v[tid] = x[base + tid];
+    [[unroll]] for (uint e = 0; e < 2u; e++) {
+        uint i = tid + e * WG;
+        if (i < pc.block) {
+            v[i] = x[base + i];
+        }
     }
     barrier();
     for (uint h = 1u; h < pc.block; h *= 2u) {
-        float a = 0.0;
-        float b = 0.0;
-        uint j = 0u;
-        bool lo = false;
-        if (tid < pc.block) {
-            lo = (tid & h) == 0u;
-            j = lo ? tid + h : tid - h;
-            a = v[tid];
-            b = v[j];
+        float r[2];
+        [[unroll]] for (uint e = 0; e < 2u; e++) {
+            uint i = tid + e * WG;
+            r[e] = 0.0;
+            if (i < pc.block) {
+                bool lo = (i & h) == 0u;
+                float a = v[i];
+                float b = v[lo ? i + h : i - h];
+                r[e] = lo ? a + b : b - a;
+            }
         }
         barrier();
-        if (tid < pc.block) {
-            v[tid] = lo ? a + b : b - a;
+        [[unroll]] for (uint e = 0; e < 2u; e++) {
+            uint i = tid + e * WG;
+            if (i < pc.block) {
+                v[i] = r[e];
+            }
         }
         barrier();
     }
-    if (tid < pc.block) {
-        y[base + tid] = v[tid] * inversesqrt(float(pc.block));
+    [[unroll]] for (uint e = 0; e < 2u; e++) {
+        uint i = tid + e * WG;
+        if (i < pc.block) {
+            y[base + i] = v[i] * inversesqrt(float(pc.block));
+        }
     }
 }

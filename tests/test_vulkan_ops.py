@@ -793,13 +793,14 @@ def test_repeated_dispatches_share_one_descriptor_set(env: Env) -> None:
         graph.close()
 
 
-@pytest.mark.parametrize("block", [64, 128, 256])
+@pytest.mark.parametrize("block", [2, 64, 128, 256, 512])
 def test_hadamard_rotates_each_block_as_numpy(env: Env, block: int) -> None:
-    """hadamard.comp against kvtypes.hadamard, in place, only the live rows."""
+    """hadamard.comp against kvtypes.hadamard, in place, only the live rows; 512 (a
+    gemma4 full-attention head's K rotation) is two values per lane of its 256."""
     from trio_llm.model.kvtypes import hadamard
 
     rng = np.random.default_rng(block)
-    width, ntok = 512, 5
+    width, ntok = 1024, 5
     x = rng.standard_normal((8, width)).astype(np.float32)
     xv = env.put(x)
     st = env.step(list(range(ntok)))

@@ -298,6 +298,12 @@ PRESETS: dict[str, Preset] = {
                              ("llama", "gemma"), "trio-llm tiny-gemma4", n_swa=16),
                      head_dim_swa=64, n_embd_per_layer=32, n_kv_shared=2, softcap=30.0, n_head_kv_full=1,
                      swa_pattern=(True, True, False, True, True, False, True, False), no_v_layers=(5,)),
+        # the same with released Gemma 4's head sizes: 512-wide heads in the full layers,
+        # 256 in the sliding-window ones (the Vulkan attention's widest heads)
+        attrs.evolve(_preset("tiny-gemma4-wide", "gemma4", (256, 8, 4, 2, 512, 256, 1024), True, 1e6, 4096,
+                             ("llama", "gemma"), "trio-llm tiny-gemma4-wide", n_swa=16),
+                     head_dim_swa=256, n_embd_per_layer=32, n_kv_shared=2, softcap=30.0, n_head_kv_full=1,
+                     swa_pattern=(True, True, False, True, True, False, True, False), no_v_layers=(5,)),
         _preset("gemma3-4b", "gemma3", (2560, 34, 8, 4, 256, 10240, 262144), True, 1e6, 131072,
                 ("llama", "gemma"), "synthetic gemma-3-4b shape", n_swa=1024, rope_linear=8.0),
         # multi-head latent attention (head_dim: the latent cache row, kv_lora_rank +

@@ -73,6 +73,7 @@ from trio_llm.vulkan.kernels import KernelCache
 from trio_llm.vulkan.kvcache import LayerKV
 from trio_llm.vulkan.memory import Allocator, Buffer, PlanAllocator, allocate_and_copy
 from trio_llm.vulkan.ops import (
+    ATTN_MAX_HEAD,
     Ops,
     attention_counters,
     attention_part_floats,
@@ -867,8 +868,9 @@ def _check_shapes(model: GGUFModel, cfg: ModelConfig) -> None:
         if n % 32:
             problems.append(f"{what} {n} is not a multiple of 32")
     for hd in {cfg.head_dim, cfg.layer_head_dim(0) if cfg.head_dim_swa else cfg.head_dim, cfg.head_dim_swa or cfg.head_dim}:
-        if hd % 4 or hd > (768 if cfg.n_lora_kv else 256):  # MLA: latent rows up to 768
-            problems.append(f"head_dim {hd} must be a multiple of 4 and at most 256")
+        most = 768 if cfg.n_lora_kv else ATTN_MAX_HEAD  # MLA: latent rows up to 768
+        if hd % 4 or hd > most:
+            problems.append(f"head_dim {hd} must be a multiple of 4 and at most {most}")
     if cfg.kv_dim % 4:
         problems.append(f"kv_dim {cfg.kv_dim} is not a multiple of 4")
     if problems:

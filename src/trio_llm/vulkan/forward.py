@@ -465,11 +465,15 @@ class Activations:
         assert step.array is not None
         for name, values in self.consts.items():
             data = values.astype(np.float32).view(np.uint8)
-            # borrow the step buffer as staging: nothing reads it until the next forward
-            step.array[: data.nbytes] = data
-            with device.one_shot(f"upload {name}") as cmd:
-                region = vk.VkBufferCopy(srcOffset=0, dstOffset=0, size=data.nbytes)
-                vk.vkCmdCopyBuffer(cmd, step.handle, self.bufs[name].handle, 1, [region])
+            # borrow the step buffer as staging: nothing reads it until the next forward;
+            # a constant larger than it (a small bucket's step buffer against a 512-wide
+            # head's RoPE factors) goes in pieces
+            for at in range(0, data.nbytes, step.array.size):
+                piece = data[at : at + step.array.size]
+                step.array[: piece.nbytes] = piece
+                with device.one_shot(f"upload {name}") as cmd:
+                    region = vk.VkBufferCopy(srcOffset=0, dstOffset=at, size=piece.nbytes)
+                    vk.vkCmdCopyBuffer(cmd, step.handle, self.bufs[name].handle, 1, [region])
 
     def free(self) -> None:
         for buf in self.bufs.values():

@@ -321,6 +321,21 @@ def prefill_shared(head_dim: int, rows: int, tokens: int) -> int:
     return 4 * rows * head_dim + 4 * rows * 32 + 8 * rows + 8 * tokens
 
 
+#: the widest head the cooperative-matrix prefill kernels (attn_prefill_cm, _cm2, _cm3)
+#: take: a layer with wider heads (gemma4's 512-wide full-attention layers) prefills
+#: through the scalar attn_prefill.comp on every device (``Ops.prefill_cm_head_ok``)
+PREFILL_CM_MAX_HEAD = 256
+
+#: the widest head of a plain (not latent) attention layer the tiled kernels take:
+#: attn_prefill.comp and attn_decode.comp give a head one row group of head_dim / 4
+#: lanes, at most their 128
+ATTN_MAX_HEAD = 512
+
+#: query rows per work group attn_prefill.comp tries for heads wider than 256, the most
+#: first (``Ops.prefill_scalar_tile``): 16 as for 256 where the f32 queries fit (64 KiB,
+#: 35,072 bytes at head_dim 512), 8 in lavapipe's 32 KiB (17,536 bytes), 4 in 16 KiB
+PREFILL_WIDE_ROWS = (16, 8, 4)
+
 #: query rows per work group attn_prefill.comp's LATENT form tries, the most first
 #: (``Ops.prefill_latent_tile``): 16 as for any head_dim above 128; 12 fits GLM's 576-wide
 #: rows in 32 KiB of shared memory (lavapipe's limit, 29,304 bytes), 8 in 16 KiB
@@ -1253,11 +1268,12 @@ class Ops:
         rows of up to 576; only those ``v_dim`` dims of each output head are written
         (attn_decode.comp's LATENT)."""
         wg = self.decode_wg
+        coalesced = not v_dim and self.decode_attn2 and self.decode2_ok(n_head, n_head_kv, head_dim)
         if v_dim:
             assert self.decode_latent_ok(n_head, n_head_kv, head_dim, v_dim) and gate is None
             assert v_cache == k_cache and v_type == k_type
-        else:
-            assert head_dim <= 4 * wg and head_dim <= 256
+        else:  # attn_decode.comp: a lane owns four dims of a head (a key group of head_dim / 4)
+            assert head_dim <= ATTN_MAX_HEAD and (coalesced or head_dim <= 4 * wg)
         assert head_dim % 4 == 0 and n_head % n_head_kv == 0
         assert wg % self.subgroup == 0
         kt, vt = _kv(k_type), _kv(v_type)
@@ -1278,14 +1294,14 @@ class Ops:
         if v_dim:
             k = self.kernels.get("attn_decode", n_bindings=nb, n_push=npush, local_size=wg,
                                  defines={**defines, "LATENT": 1}, spec={1: gw, 2: v_dim})
-        elif self.decode_attn2 and self.decode2_ok(n_head, n_head_kv, head_dim):
+        elif coalesced:
             lanes = self.decode2_lanes or decode2_lanes(head_dim, self.subgroup)
             k = self.kernels.get("attn_decode2", n_bindings=nb, n_push=npush, local_size=wg, defines=defines,
                                  spec={1: gw, 2: lanes, 3: head_dim // (8 * lanes), 4: self.decode2_rows,
                                        5: self.subgroup})
-        else:
-            k = self.kernels.get("attn_decode", n_bindings=nb, n_push=npush, local_size=wg, defines=defines,
-                                 spec={1: gw})
+        else:  # WIDE: the queries' shared array sized for heads of up to 512
+            k = self.kernels.get("attn_decode", n_bindings=nb, n_push=npush, local_size=wg,
+                                 defines={**defines, "WIDE": 1} if head_dim > 256 else defines, spec={1: gw})
         s = 1.0 / math.sqrt(head_dim) if scale is None else scale
         ml_off = cap * n_head * n_split * head_dim
         push: tuple[int | float, ...] = (n_head, n_head_kv, head_dim, n_ctx, n_head_kv * head_dim, q_stride,
@@ -1309,24 +1325,56 @@ class Ops:
     def decode2_ok(self, n_head: int, n_head_kv: int, head_dim: int) -> bool:
         """Whether ``attention_decode`` can take its coalesced form here: the device
         reports subgroup shuffles for compute (the row groups' butterflies), head_dim a
-        multiple of 8 up to 256, lanes per row within the subgroup and dividing it, and
+        multiple of 8 up to 512, lanes per row within the subgroup and dividing it, and
         the shared memory (the device's reported limits)."""
         lim = self.kernels.device.limits
         lanes = self.decode2_lanes or decode2_lanes(head_dim, self.subgroup)
         gw = heads_per_group(n_head, n_head_kv)
-        return (lim.has_subgroup(SUBGROUP_SHUFFLE) and head_dim % 8 == 0 and head_dim <= 256
+        return (lim.has_subgroup(SUBGROUP_SHUFFLE) and head_dim % 8 == 0 and head_dim <= ATTN_MAX_HEAD
                 and lanes & (lanes - 1) == 0 and self.subgroup % lanes == 0 and (head_dim // 8) % lanes == 0
                 and self.decode_wg % self.subgroup == 0 and self.decode2_rows >= 1
                 and decode2_shared(self.decode_wg, gw, lanes, head_dim, self.subgroup) <= lim.max_shared_memory)
 
     def prefill_ok(self, head_dim: int) -> bool:
         """Whether ``attention_prefill`` runs here for ``head_dim``: a multiple of 16 up
-        to 256, subgroups of at least 4 lanes (its quarter-row shuffles) and the shared
-        memory its tile needs (the device's reported limits, not its name)."""
-        if head_dim % 16 or head_dim > 256 or self.subgroup < 4:
+        to 512, subgroups of at least 4 lanes (its quarter-row shuffles) and the shared
+        memory its tile needs (the device's reported limits, not its name; above 256 the
+        fewest rows of ``PREFILL_WIDE_ROWS``, ``prefill_wide_rows``)."""
+        if head_dim % 16 or head_dim > ATTN_MAX_HEAD or self.subgroup < 4:
             return False
+        if head_dim > 256:
+            return self.prefill_wide_rows(head_dim) > 0
         rows = self.prefill_rows or prefill_rows(head_dim)
         return 4 * rows * (head_dim + 32 + 2) + 8 * 32 <= self.kernels.device.limits.max_shared_memory
+
+    def prefill_wide_rows(self, head_dim: int) -> int:
+        """Query rows of an attn_prefill.comp work group for a head wider than 256: the
+        most of ``PREFILL_WIDE_ROWS`` (or ``prefill_rows``, where set) whose shared memory
+        (``prefill_shared``, as many tokens as rows at most) fits the device's reported
+        limit; 0 where none does."""
+        limit = self.kernels.device.limits.max_shared_memory
+        for rows in (self.prefill_rows,) if self.prefill_rows else PREFILL_WIDE_ROWS:
+            if prefill_shared(head_dim, rows, rows) <= limit:
+                return rows
+        return 0
+
+    def prefill_scalar_tile(self, n_head: int, n_head_kv: int, head_dim: int) -> tuple[int, int]:
+        """(query heads, tokens) of an attn_prefill.comp work group (not LATENT):
+        ``prefill_tile`` up to head_dim 256; above, ``prefill_wide_rows`` rows packed as
+        ``prefill_latent_pack`` packs them (a head group that divides the GQA ratio and
+        fits the rows, so fewer rows than heads per group still make a tile)."""
+        if head_dim <= 256:
+            return prefill_tile(n_head, n_head_kv, head_dim, rows=self.prefill_rows)
+        rows = self.prefill_wide_rows(head_dim)
+        assert rows, f"no attn_prefill tile fits head_dim {head_dim} here"
+        return prefill_latent_pack(n_head, n_head_kv, rows)
+
+    def prefill_cm_head_ok(self, head_dim: int) -> bool:
+        """Whether the cooperative-matrix prefill kernels take heads of ``head_dim`` (a
+        multiple of 16 up to ``PREFILL_CM_MAX_HEAD``); a wider layer takes the scalar
+        attn_prefill.comp whatever the device has. A property of the kernels, not of the
+        device: ``prefill_cm_ok``, ``prefill_cm2_plan`` and ``prefill_cm3_plan`` ask it."""
+        return head_dim % 16 == 0 and head_dim <= PREFILL_CM_MAX_HEAD
 
     def prefill_latent_tile(self, n_head: int, n_head_kv: int, head_dim: int, v_dim: int) -> tuple[int, int] | None:
         """(query heads, tokens) of ``attention_prefill``'s latent form (``v_dim`` > 0,
@@ -1353,8 +1401,7 @@ class Ops:
         g = heads_per_group(n_head, n_head_kv)
         hw = self.prefill_cm_emulate or self.prefill_cm and self.coopmat and self.subgroup in (32, 64)
         sub = 32 if self.prefill_cm_emulate else self.subgroup
-        return (hw and g & (g - 1) == 0 and head_dim % 16 == 0
-                and head_dim <= 256
+        return (hw and g & (g - 1) == 0 and self.prefill_cm_head_ok(head_dim)
                 and prefill_cm_shared(head_dim, sub, self.prefill_rows_cm or prefill_rows(head_dim, True))
                 <= self.kernels.device.limits.max_shared_memory)
 
@@ -1370,7 +1417,7 @@ class Ops:
         hw = emu in (32, 64) or (self.prefill_cm2 and self.coopmat and self.subgroup in (32, 64))
         g = heads_per_group(n_head, n_head_kv)
         rows = rows or self.prefill_rows_cm or prefill_rows(head_dim, True)
-        if not hw or g & (g - 1) or head_dim % 16 or head_dim > 256 or rows not in (16, 32, 64):
+        if not hw or g & (g - 1) or not self.prefill_cm_head_ok(head_dim) or rows not in (16, 32, 64):
             return None
         if head_dim > PREFILL_CM2_MAX_HEAD and not emu and not self.prefill_cm2_keys:
             return None  # attn_prefill_cm's (the H200's timing, ``PREFILL_CM2_MAX_HEAD``)
@@ -1396,7 +1443,7 @@ class Ops:
         emu = self.prefill_cm2_emulate
         hw = emu in (32, 64) or (self.prefill_cm2 and self.coopmat and self.subgroup in (32, 64))
         g = heads_per_group(n_head, n_head_kv)
-        if v is None or not hw or g & (g - 1) or head_dim % 16 or head_dim > 256:
+        if v is None or not hw or g & (g - 1) or not self.prefill_cm_head_ok(head_dim):
             return None
         sub = emu or self.subgroup
         got = prefill_cm3_choose(head_dim, v, self.kernels.device.limits.max_shared_memory, sub, bool(emu),
@@ -1491,7 +1538,7 @@ class Ops:
             kt, vt = _kv(k_type), _kv(v_type)
             _check_head(kt, head_dim, "K")
             _check_head(vt, head_dim, "V")
-            g, bq = prefill_tile(n_head, n_head_kv, head_dim, rows=self.prefill_rows)
+            g, bq = self.prefill_scalar_tile(n_head, n_head_kv, head_dim)
             s = 1.0 / math.sqrt(head_dim) if scale is None else scale
             nk = self.kernels.get("attn_prefill", n_bindings=6, n_push=12, local_size=128,
                                   defines={**kv_defines(K_TYPE=kt, V_TYPE=vt), "NONCAUSAL": 1,
@@ -1504,8 +1551,8 @@ class Ops:
         if v_dim:
             assert latent is not None and emulate_cm is None
             assert v_cache == k_cache and v_type == k_type
-        else:
-            assert head_dim <= 256
+        else:  # the cooperative-matrix kernels up to PREFILL_CM_MAX_HEAD, the scalar one to 512
+            assert head_dim <= ATTN_MAX_HEAD and (emulate_cm is None or self.prefill_cm_head_ok(head_dim))
         assert head_dim % 16 == 0 and n_head % n_head_kv == 0
         kt, vt = _kv(k_type), _kv(v_type)
         _check_head(kt, head_dim, "K")
@@ -1569,8 +1616,8 @@ class Ops:
                 return Dispatch(k, (q, k_cache, v_cache, o, step, o if part is None else part),
                                 (*push, n_split, min_tiles, ml_off), (math.ceil(cap / bq), n_head // g, n_split))
         cm = self.prefill_cm_ok(n_head, n_head_kv, head_dim)
-        g, bq = prefill_tile(n_head, n_head_kv, head_dim, coopmat=cm,
-                             rows=self.prefill_rows_cm if cm else self.prefill_rows)
+        g, bq = (prefill_tile(n_head, n_head_kv, head_dim, coopmat=True, rows=self.prefill_rows_cm) if cm
+                 else self.prefill_scalar_tile(n_head, n_head_kv, head_dim))
         if cm and self.prefill_cm_emulate and emulate_cm is None:
             emulate_cm = (g, bq)
         if emulate_cm is not None or cm:
@@ -1637,8 +1684,9 @@ class Ops:
         count_sel: int = COUNT_TOKENS,
     ) -> Dispatch:
         """y = x rotated by the normalised Walsh-Hadamard matrix in blocks of ``block``
-        (a power of two up to 256) along each live row (hadamard.comp)."""
-        assert block & (block - 1) == 0 and 2 <= block <= 256 and width % block == 0
+        (a power of two up to 512, two values per lane) along each live row
+        (hadamard.comp)."""
+        assert block & (block - 1) == 0 and 2 <= block <= 512 and width % block == 0
         k = self.kernels.get("hadamard", n_bindings=3, n_push=4, local_size=256)
         return Dispatch(k, (x, y, step), (width, stride, block, count_sel), (width // block, cap, 1))
 

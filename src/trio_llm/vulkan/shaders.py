@@ -715,6 +715,8 @@ def all_variants() -> Iterable[tuple[str, dict[str, object]]]:
     for code in KV_CODES:  # a latent cache's flash-decoding and prefill (MLA: V is K's first DV values)
         yield "attn_decode", {**kv_defines(K_TYPE=code, V_TYPE=code), "LATENT": 1}
         yield "attn_prefill", {**kv_defines(K_TYPE=code, V_TYPE=code), "LATENT": 1}
+    for code in KV_CODES:  # flash-decoding over heads wider than 256 (gemma4's 512-wide full layers)
+        yield "attn_decode", {**kv_defines(K_TYPE=code, V_TYPE=code), "WIDE": 1}
     for code in (0, 1, 3):  # prefill attention on cooperative matrices (f32, f16, q8_0), and staged
         yield "attn_prefill_cm", kv_defines(K_TYPE=code, V_TYPE=code)
         yield "attn_prefill_cm", {**kv_defines(K_TYPE=code, V_TYPE=code), "CM_STAGE": 1}
