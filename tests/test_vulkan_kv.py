@@ -495,3 +495,35 @@ def test_written_cache_read_by_both_attentions(env: Env, name: str) -> None:
     np.testing.assert_allclose(env.get(o1).reshape(q.shape), want, atol=tol, rtol=0)
     np.testing.assert_allclose(env.get(o2).reshape(q.shape), want, atol=tol, rtol=0)
     assert not env.get(counters, np.uint32).any()
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize(("hd", "heads", "block"), [(512, 2, 512), (512, 2, 64), (256, 2, 256), (128, 4, 128)])
+def test_rotated_cache_write_stores_numpys_bytes(env: Env, hd: int, heads: int, block: int, name: str) -> None:
+    """The writers of a rotated cache as the lowering chains them (hadamard.comp in place,
+    then rope.comp mode none into the typed cache): K in blocks of the head (512:
+    gemma4's full layers, 256 its sliding ones), V in blocks of 64. The rotation is
+    numpy's to the bit and the stored blocks are quantize_rows of numpy's rotation byte
+    for byte, so a whole-model gap at a 4-bit cache is not the writers' (these draws
+    hold no quotient 1 / d within a rounding error of a float midpoint, where kv_div's
+    one-step correction can land an ulp off and flip a level: a q5_0 draw of these
+    shapes does, one byte in 21120)."""
+    from trio_llm.model.kvtypes import hadamard
+
+    rng = np.random.default_rng(hd + block)
+    ntok, n_ctx = 30, 32
+    kvd = heads * hd
+    x = rng.standard_normal((ntok, kvd)).astype(np.float32)
+    x[:, ::37] *= 6  # outliers, as the rotation is for
+    rb = kv_type(name).row_bytes(kvd)
+    xv, ct = env.put(x), env.put(np.full(n_ctx * rb, 0xAB, np.uint8))
+    st = env.step([0] * ntok, np.arange(ntok))
+    env.run([env.ops.hadamard(xv, xv, st, width=kvd, stride=kvd, block=block, cap=32), Barrier(),
+             env.ops.rope(xv, ct, env.put(np.ones(hd // 2, np.float32)), st, n_heads=heads, head_dim=hd,
+                          x_stride=kvd, mode=ROPE_NONE, theta=10000.0, cap=32, to_cache=True, n_ctx=n_ctx,
+                          kv_dim=kvd, kv_type=name)])
+    rot = hadamard(x, block)
+    np.testing.assert_array_equal(env.get(xv).reshape(-1, kvd)[:ntok], rot)
+    got = _cache_rows(env, ct, n_ctx, rb)
+    np.testing.assert_array_equal(got[:ntok], quantize_rows(rot, name))
+    assert (got[ntok:] == 0xAB).all()
