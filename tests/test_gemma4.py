@@ -257,3 +257,24 @@ def test_a_corrupt_file_is_one_line(model_path, tmp_path: Path) -> None:  # type
         load_gguf(bad)
     _one_line_through_serve(bad, message)
     assert gemma4.kv_source(PRESETS[PRESET].config(), 7) == 5
+
+
+@pytest.mark.vulkan
+def test_per_layer_token_embeddings_stay_in_host_memory(path: Path) -> None:
+    """As llama.cpp places them with its input layer: the table (every token's rows for
+    every layer, 2.8 B values in E4B) is read by row lookups only, so the Vulkan backend
+    keeps it in host-visible memory and the device plan (``--fit``) leaves it out, while
+    every other weight is on the device; the outputs stay numpy's (the test above)."""
+    from trio_llm.vulkan.backend import VulkanBackend
+
+    model = load_gguf(path)
+    table_bytes = model.tensors["per_layer_token_embd.weight"].n_bytes
+    be = VulkanBackend(model, n_ctx=64, n_seq=1, plan_only=True)
+    try:
+        host = be._weights.host_bytes()
+        device = be.memory()["weights"]
+        everything = be._weights.total_bytes()
+    finally:
+        be.close()
+    assert device + host == everything
+    assert table_bytes <= host < table_bytes + 65536  # the table alone (and its alignment)

@@ -29,7 +29,7 @@ from trio_llm.engine.backend import (
 from trio_llm.engine.devsample import DeviceChain, check_decode
 from trio_llm.engine.kvshift import Move, can_shift, k_ropes, shift_k
 from trio_llm.engine.memory import plan_memory, plan_recurrent, reusable_prefix, state_layout
-from trio_llm.engine.placement import cpu_moe_tensors
+from trio_llm.engine.placement import cpu_moe_tensors, input_tensors
 from trio_llm.errors import (
     BackendError,
     DeviceLost,
@@ -154,7 +154,7 @@ class VulkanBackend:
         self._before: dict[tuple[str, object], Buffer] = {}  # role -> buffer freed by a release
         self._forwards = self._tokens = self._submits = self._recorded = 0
         self._releases = self._restores = 0
-        self._host_tensors = cpu_moe_tensors(cfg, n_cpu_moe)
+        self._host_tensors = cpu_moe_tensors(cfg, n_cpu_moe) | input_tensors(set(model.tensors))
         self._plan_only = plan_only
         self._device: Device | None = shared_device(device)
         try:
@@ -293,8 +293,8 @@ class VulkanBackend:
             self._kv.bytes_per_token, self._kv.total_bytes >> 20, self._cap,
         )
         if self._host_tensors:
-            log.info("vulkan: --n-cpu-moe keeps %d expert tensors (%d MiB) in host memory",
-                     len(self._host_tensors), self._weights.host_bytes() >> 20)
+            log.info("vulkan: %d tensors (%d MiB) kept in host memory (%s)", len(self._host_tensors),
+                     self._weights.host_bytes() >> 20, ", ".join(sorted(self._host_tensors))[:200])
 
     @classmethod
     def plan(cls, model: GGUFModel, **kwargs: object) -> dict[str, int]:
