@@ -23,6 +23,7 @@ import gguf
 import numpy as np
 import pytest
 
+from gguf_copy import copy_gguf
 from llamacpp_ref import Reference, agree, our_greedy, plain_prompt, server_piece
 from trio_llm.engine.reference import NumpyBackend
 from trio_llm.errors import ModelLoadError
@@ -52,23 +53,10 @@ def write_cvec(path: Path, directions: Mapping[str, np.ndarray], *, layer_count:
 
 def with_down_bias(model: Path, out: Path, biases: Mapping[int, np.ndarray]) -> Path:
     """A copy of the f32 ``model`` with ``blk.N.ffn_down.bias`` = ``biases[N]``."""
-    r = gguf.GGUFReader(model)
-    w = gguf.GGUFWriter(path=None, arch=str(r.fields["general.architecture"].contents()))
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
-    for t in r.tensors:
+    for t in gguf.GGUFReader(model).tensors:
         assert t.tensor_type == gguf.GGMLQuantizationType.F32, t.name
-        w.add_tensor(t.name, np.asarray(t.data))
-    for il, v in sorted(biases.items()):
-        w.add_tensor(f"blk.{il}.ffn_down.bias", np.asarray(v, np.float32))
-    w.write_header_to_file(out)
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return copy_gguf(model, out, extra={f"blk.{il}.ffn_down.bias": np.asarray(v, np.float32)
+                                        for il, v in sorted(biases.items())})
 
 
 def _vec(seed: int, n: int, size: float) -> np.ndarray:

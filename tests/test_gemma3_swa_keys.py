@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 
+from gguf_copy import copy_gguf
 from trio_llm.engine.reference import NumpyBackend
 from trio_llm.model.gguf import load_gguf
 from trio_llm.model.tokenizer import Tokenizer
@@ -23,22 +24,7 @@ from llamacpp_ref import Reference, agree, our_greedy, plain_prompt, server_piec
 
 def _copy(model: Path, out: Path, md: Mapping[str, tuple[Any, gguf.GGUFValueType]]) -> Path:
     """A copy of ``model`` with the metadata ``md`` (key: (value, type)) set over the file's."""
-    r = gguf.GGUFReader(model)
-    w = gguf.GGUFWriter(path=None, arch=str(r.fields["general.architecture"].contents()))
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in md:
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
-    for key, (value, vtype) in md.items():
-        w.add_key_value(key, value, vtype)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file(out)
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return copy_gguf(model, out, kv=md)
 
 
 def test_the_window_keys_are_read_as_llamacpp_reads_them(model_path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import pytest
 
+from gguf_copy import copy_gguf, uint32s
 from trio_llm.engine.backend import SeqBatch
 from trio_llm.engine.fit import kv_bytes_per_position
 from trio_llm.engine.memory import plan_memory
@@ -212,25 +212,7 @@ def test_reading_the_kv_cache_and_slot_files_are_refused_by_name(path: Path) -> 
 
 def _copy(model: Path, out: Path, md: Mapping[str, Any], extra: Mapping[str, np.ndarray] = {}) -> Path:
     """A copy of ``model`` with metadata ``md`` (uint32) set over the file's and tensors added."""
-    r = gguf.GGUFReader(model)
-    w = gguf.GGUFWriter(path=None, arch=str(r.fields["general.architecture"].contents()))
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in md:
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
-    for key, value in md.items():
-        w.add_uint32(key, value)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_shape=tuple(int(d) for d in reversed(t.shape)),
-                     raw_dtype=t.tensor_type)
-    for name, arr in extra.items():
-        w.add_tensor(name, arr)
-    w.write_header_to_file(out)
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return copy_gguf(model, out, kv=uint32s(md), extra=extra)
 
 
 def _one_line_through_serve(bad: Path, message: str) -> None:

@@ -14,11 +14,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import gguf
 import httpx
 import numpy as np
 import pytest
 
+from gguf_copy import copy_gguf, uint32s
 from test_embeddings import QUANT, cosines
 from test_server_flags import client
 from trio_llm.engine.backend import SeqBatch
@@ -233,24 +233,7 @@ async def test_a_prompt_beyond_one_batch_is_llama_servers_500(serve_argv, llama,
 
 def _copy(model: Path, out: Path, md: Mapping[str, Any], drop: tuple[str, ...] = ()) -> Path:
     """A copy of the F32 ``model`` with metadata ``md`` set over the file's (None: removed)."""
-    r = gguf.GGUFReader(model)
-    w = gguf.GGUFWriter(path=None, arch=str(r.fields["general.architecture"].contents()))
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in md:
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
-    for key, value in md.items():
-        if value is not None:
-            w.add_uint32(key, value)
-    for t in r.tensors:
-        if t.name not in drop:
-            w.add_tensor(t.name, np.asarray(t.data))
-    w.write_header_to_file(out)
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return copy_gguf(model, out, kv=uint32s(md), drop=drop)
 
 
 def test_bad_metadata_is_one_error_naming_the_key(path: Path) -> None:
