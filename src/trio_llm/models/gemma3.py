@@ -52,23 +52,34 @@ def hparams(meta: Meta, tensors: Mapping[str, Any]) -> ModelConfig:
     n_swa = meta.arch_get("attention.sliding_window", int, 0)
     if n_swa < 0:
         raise UnsupportedModelError(meta.path, f"negative gemma3.attention.sliding_window {n_swa}")
-    # the global layers' linear scaling (llama.cpp's freq_scale; --rope-scale over it)
-    kind = meta.over.get("rope_scaling") or meta.arch_get("rope.scaling.type", str, "linear")
-    if kind not in ("none", "linear") or any(k.startswith("yarn_") for k in meta.over):
-        raise UnsupportedModelError(meta.path, f"RoPE scaling {kind!r} of gemma3 is not supported (none, linear)")
-    factor = 0.0 if kind == "none" else meta.arch_get("rope.scaling.factor", float, 0.0)
-    if meta.over.get("rope_freq_scale"):
-        factor = 1.0 / meta.over["rope_freq_scale"]
+    factor = linear_rope_factor(meta)
     if meta.arch_get("final_logit_softcapping", float, 0.0) > 0:
         raise UnsupportedModelError(meta.path, "gemma3 with final_logit_softcapping is not supported")
     extra = derived(n_layer, hp["n_embd"], hp["n_head"], hp["head_dim"], n_swa, factor)
     if n_swa > 0:  # llama.cpp reads these two only for a model with windows
         extra["swa_layers"] = swa_pattern(meta, n_layer)
-        theta_swa = meta.arch_get("rope.freq_base_swa", float, ROPE_THETA_SWA)
-        if theta_swa <= 0:
-            raise ModelLoadError(meta.path, f"RoPE base {theta_swa} of the sliding-window layers is not positive")
-        extra["rope_theta_swa"] = float(theta_swa)
+        extra["rope_theta_swa"] = rope_theta_swa(meta)
     return ModelConfig(**hp, **extra)
+
+
+def linear_rope_factor(meta: Meta) -> float:
+    """The global layers' linear RoPE scaling factor (llama.cpp's freq_scale, with
+    --rope-scale over it; 0: none), for gemma3 and its relatives; other kinds refused."""
+    kind = meta.over.get("rope_scaling") or meta.arch_get("rope.scaling.type", str, "linear")
+    if kind not in ("none", "linear") or any(k.startswith("yarn_") for k in meta.over):
+        raise UnsupportedModelError(meta.path, f"RoPE scaling {kind!r} of {meta.arch} is not supported (none, linear)")
+    factor = 0.0 if kind == "none" else meta.arch_get("rope.scaling.factor", float, 0.0)
+    if meta.over.get("rope_freq_scale"):
+        factor = 1.0 / meta.over["rope_freq_scale"]
+    return float(factor)
+
+
+def rope_theta_swa(meta: Meta) -> float:
+    """The sliding-window layers' RoPE base: the file's ``rope.freq_base_swa``, else 10000."""
+    theta = meta.arch_get("rope.freq_base_swa", float, ROPE_THETA_SWA)
+    if theta <= 0:
+        raise ModelLoadError(meta.path, f"RoPE base {theta} of the sliding-window layers is not positive")
+    return float(theta)
 
 
 def swa_pattern(meta: Meta, n_layer: int) -> tuple[bool, ...]:

@@ -38,7 +38,8 @@ from trio_llm.graph import Graph, Tensor
 from trio_llm.model.config import ARCH_ROPE, ModelConfig
 from trio_llm.models import Meta
 from trio_llm.models.blocks import ffn, head_tensors, norm
-from trio_llm.models.llama import rope_base
+from trio_llm.models.gemma3 import linear_rope_factor, rope_theta_swa
+from trio_llm.models.llama import n_vocab_of, rope_base
 
 ARCHS = ("gemma4",)
 MIN_BLOCK_TENSORS = 9
@@ -97,23 +98,10 @@ def hparams(meta: Meta, tensors: Mapping[str, Any]) -> ModelConfig:
     n_rot_swa = meta.positive("rope.dimension_count_swa", n_rot)
     if n_rot_swa > head_dim_swa or n_rot_swa % 2:
         raise ModelLoadError(path, f"rope.dimension_count_swa {n_rot_swa} of a head of {head_dim_swa}")
-    kind = meta.over.get("rope_scaling") or meta.arch_get("rope.scaling.type", str, "linear")
-    if kind not in ("none", "linear") or any(k.startswith("yarn_") for k in meta.over):
-        raise UnsupportedModelError(path, f"RoPE scaling {kind!r} of gemma4 is not supported (none, linear)")
-    factor = 0.0 if kind == "none" else meta.arch_get("rope.scaling.factor", float, 0.0)
-    if meta.over.get("rope_freq_scale"):
-        factor = 1.0 / meta.over["rope_freq_scale"]
-    theta_swa = meta.arch_get("rope.freq_base_swa", float, ROPE_THETA_SWA)
-    if theta_swa <= 0:
-        raise ModelLoadError(path, f"RoPE base {theta_swa} of the sliding-window layers is not positive")
+    factor = linear_rope_factor(meta)
+    theta_swa = rope_theta_swa(meta)
     softcap = meta.arch_get("final_logit_softcapping", float, 0.0)
-    toks = md.get("tokenizer.ggml.tokens")
-    if isinstance(toks, list) and toks:
-        n_vocab = len(toks)
-    elif "token_embd.weight" in tensors:
-        n_vocab = tensors["token_embd.weight"].shape[0]
-    else:
-        raise ModelLoadError(path, "missing tensor 'token_embd.weight'")
+    n_vocab = n_vocab_of(meta, tensors)
     return ModelConfig(
         arch=meta.arch,
         name=str(md.get("general.name", path.stem)),

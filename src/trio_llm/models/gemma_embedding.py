@@ -35,7 +35,7 @@ from trio_llm.model.config import ModelConfig
 from trio_llm.models import Meta
 from trio_llm.models.blocks import Attn, Rope, attention, ffn, norm
 from trio_llm.models.gemma3 import MIN_BLOCK_TENSORS as MIN_BLOCK_TENSORS
-from trio_llm.models.gemma3 import ROPE_THETA_SWA, swa_pattern
+from trio_llm.models.gemma3 import linear_rope_factor, rope_theta_swa, swa_pattern
 from trio_llm.models.gemma3 import tensors as gemma3_tensors
 from trio_llm.models.llama import common_hparams, rope_base
 
@@ -49,15 +49,8 @@ def hparams(meta: Meta, tensors: Mapping[str, Any]) -> ModelConfig:
     n_swa = meta.arch_get("attention.sliding_window", int)  # required, as llama.cpp's get_key
     if n_swa < 0:
         raise UnsupportedModelError(meta.path, f"negative {meta.arch}.attention.sliding_window {n_swa}")
-    kind = meta.over.get("rope_scaling") or meta.arch_get("rope.scaling.type", str, "linear")
-    if kind not in ("none", "linear") or any(k.startswith("yarn_") for k in meta.over):
-        raise UnsupportedModelError(meta.path, f"RoPE scaling {kind!r} of {meta.arch} is not supported (none, linear)")
-    factor = 0.0 if kind == "none" else meta.arch_get("rope.scaling.factor", float, 0.0)
-    if meta.over.get("rope_freq_scale"):
-        factor = 1.0 / meta.over["rope_freq_scale"]
-    theta_swa = meta.arch_get("rope.freq_base_swa", float, ROPE_THETA_SWA)
-    if theta_swa <= 0:
-        raise ModelLoadError(meta.path, f"RoPE base {theta_swa} of the sliding-window layers is not positive")
+    factor = linear_rope_factor(meta)
+    theta_swa = rope_theta_swa(meta)
     # sentence-transformers' dense projections: llama.cpp asserts dense_2 reads and
     # dense_3 writes n_embd values
     d2_in, d2_out = (meta.arch_get(f"dense_2_feat_{k}", int, 0) for k in ("in", "out"))

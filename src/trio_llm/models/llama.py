@@ -30,6 +30,17 @@ ARCHS = ("llama", "qwen2", "qwen3")
 MIN_BLOCK_TENSORS = 9
 
 
+def n_vocab_of(meta: Meta, tensors: Mapping[str, Any]) -> int:
+    """The vocabulary size: the tokenizer's token count, else (no tokenizer section) the
+    embedding's rows; the tokenizer raises its own error if anything needs one."""
+    toks = meta.md.get("tokenizer.ggml.tokens")
+    if isinstance(toks, list) and toks:
+        return len(toks)
+    if "token_embd.weight" in tensors:
+        return int(tensors["token_embd.weight"].shape[0])
+    raise ModelLoadError(meta.path, "missing tensor 'token_embd.weight'")
+
+
 def common_hparams(meta: Meta, tensors: Mapping[str, Any], *, rms_eps_default: float = 1e-5) -> dict[str, Any]:
     """The hyper-parameters every llama-shaped architecture stores under its own name."""
     path, md = meta.path, meta.md
@@ -52,15 +63,7 @@ def common_hparams(meta: Meta, tensors: Mapping[str, Any], *, rms_eps_default: f
                                    f"tensors, the file has {len(tensors)}")
     if n_head % n_head_kv:
         raise ModelLoadError(path, f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
-    toks = md.get("tokenizer.ggml.tokens")
-    if isinstance(toks, list) and toks:
-        n_vocab = len(toks)
-    elif "token_embd.weight" in tensors:
-        # no tokenizer section: the embedding still tells the vocabulary size, and the
-        # tokenizer raises its own error if anything needs one
-        n_vocab = tensors["token_embd.weight"].shape[0]
-    else:
-        raise ModelLoadError(path, "missing tensor 'token_embd.weight'")
+    n_vocab = n_vocab_of(meta, tensors)
     return dict(
         arch=meta.arch,
         name=str(md.get("general.name", path.stem)),
