@@ -98,6 +98,23 @@ def test_a_ring_cache_computes_what_full_caches_do(path: Path) -> None:
     np.testing.assert_allclose(ring.forward_all_logits(TOKENS), full.forward_all_logits(TOKENS), atol=2e-4)
 
 
+def _numpy_and_vulkan(path: Path, cache_k: str, cache_v: str) -> list[np.ndarray]:
+    """Each backend's logits ``[11, n_vocab]`` for a 30-token prompt (past the window)
+    then 10 decode steps: numpy's, then Vulkan's."""
+    from trio_llm.vulkan.backend import VulkanBackend
+
+    got = []
+    for cls in (NumpyBackend, VulkanBackend):
+        be = cls(load_gguf(path), n_ctx=64, n_seq=1, cache_type_k=cache_k, cache_type_v=cache_v)
+        try:
+            rows = [be.forward([SeqBatch(0, TOKENS[:30], 0)])[0]]
+            rows += [be.forward([SeqBatch(0, TOKENS[i : i + 1], i)])[0] for i in range(30, 40)]
+        finally:
+            be.close()
+        got.append(np.array(rows))
+    return got
+
+
 @pytest.mark.vulkan
 @pytest.mark.parametrize("kv", ["f32", "f16", "q8_0"])
 def test_vulkan_runs_a_prompt_past_the_window_as_numpy(path: Path, kv: str) -> None:
@@ -105,18 +122,7 @@ def test_vulkan_runs_a_prompt_past_the_window_as_numpy(path: Path, kv: str) -> N
     decode (flash-decoding) kernels over per-layer heads, the shared layers reading an
     earlier layer's cache, the weightless V norm, the output scales and the softcap;
     q8_0 adds the per-cache Hadamard rotation (64 and 128)."""
-    types = {"cache_type_k": kv, "cache_type_v": kv}
-    from trio_llm.vulkan.backend import VulkanBackend
-
-    got = []
-    for cls in (NumpyBackend, VulkanBackend):
-        be = cls(load_gguf(path), n_ctx=64, n_seq=1, **types)
-        try:
-            rows = [be.forward([SeqBatch(0, TOKENS[:30], 0)])[0]]
-            rows += [be.forward([SeqBatch(0, TOKENS[i : i + 1], i)])[0] for i in range(30, 40)]
-        finally:
-            be.close()
-        got.append(np.array(rows))  # [11, n_vocab]
+    got = _numpy_and_vulkan(path, kv, kv)
     tol = {"f32": 1e-3, "f16": 2e-2, "q8_0": 0.25}[kv]
     assert np.abs(got[0] - got[1]).max() < tol
     assert (got[0].argmax(1) == got[1].argmax(1)).mean() >= 0.9
@@ -134,21 +140,10 @@ def test_vulkan_runs_512_wide_heads_as_numpy(model_path, kv: str) -> None:  # ty
     not do: held without it in test_vulkan_q4_0_cache_parts_from_numpy_by_q_rounding.
     The kernels themselves are held to numpy for every type at 512 in
     tests/test_vulkan_attn_wide.py, the cache writers byte for byte in test_vulkan_kv.py.)"""
-    from trio_llm.vulkan.backend import VulkanBackend
-
     p = model_path("tiny-gemma4-wide", "Q8_0")
     heads = {il: n.attr("head_dim") for il, n in _graph_of("tiny-gemma4-wide").attention_layers().items()}
     assert heads == {0: 256, 1: 256, 2: 512, 3: 256, 4: 256, 5: 512}
-    types = {"cache_type_k": kv, "cache_type_v": kv}
-    got = []
-    for cls in (NumpyBackend, VulkanBackend):
-        be = cls(load_gguf(p), n_ctx=64, n_seq=1, **types)
-        try:
-            rows = [be.forward([SeqBatch(0, TOKENS[:30], 0)])[0]]
-            rows += [be.forward([SeqBatch(0, TOKENS[i : i + 1], i)])[0] for i in range(30, 40)]
-        finally:
-            be.close()
-        got.append(np.array(rows))  # [11, n_vocab]
+    got = _numpy_and_vulkan(p, kv, kv)
     tol = {"f32": 1e-3, "f16": 2e-2, "q8_0": 0.25}[kv]
     assert np.abs(got[0] - got[1]).max() < tol
     assert (got[0].argmax(1) == got[1].argmax(1)).mean() >= 0.9
@@ -171,20 +166,9 @@ def test_vulkan_q4_0_cache_parts_from_numpy_by_q_rounding(model_path, monkeypatc
     parts from its f32 by 1.46, so a third of that is allowed; its logits are flat
     enough that 0.20 swaps the top token at 4 of 11 steps."""
     from trio_llm.engine import reference
-    from trio_llm.vulkan.backend import VulkanBackend
 
     monkeypatch.setitem(reference.Q_TYPE_FOR_K, "q4_0", "f32")
-    p = model_path(preset, "Q8_0")
-    types = {"cache_type_k": "q4_0", "cache_type_v": "q4_0"}
-    got = []
-    for cls in (NumpyBackend, VulkanBackend):
-        be = cls(load_gguf(p), n_ctx=64, n_seq=1, **types)
-        try:
-            rows = [be.forward([SeqBatch(0, TOKENS[:30], 0)])[0]]
-            rows += [be.forward([SeqBatch(0, TOKENS[i : i + 1], i)])[0] for i in range(30, 40)]
-        finally:
-            be.close()
-        got.append(np.array(rows))  # [11, n_vocab]
+    got = _numpy_and_vulkan(model_path(preset, "Q8_0"), "q4_0", "q4_0")
     assert np.abs(got[0] - got[1]).max() < tol
     assert (got[0].argmax(1) == got[1].argmax(1)).mean() >= agree
 
