@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trio_llm.errors import ModelLoadError, UnsupportedModelError
-from trio_llm.graph import Graph
+from trio_llm.graph import Graph, Tensor
 from trio_llm.model.config import ModelConfig
 from trio_llm.models import Meta
 from trio_llm.models.blocks import (
@@ -136,17 +136,24 @@ def build(g: Graph, cfg: ModelConfig) -> None:
     x = g.scale(x, math.sqrt(cfg.n_embd), "inp_scaled")
     x = g.embd_rows(x)  # an image's rows, unscaled (llama.cpp scales only token input)
     for il in range(cfg.n_layer):
-        g.layer(il)
-        b = f"blk.{il}."
         swa = cfg.is_swa(il)
         a = Attn(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim, eps=eps,
                  scale=cfg.kq_scale, qk_norm=True, window=cfg.n_swa if swa else 0)
-        rope = (Rope("neox", cfg.rope_theta_swa) if swa
-                else Rope("neox", cfg.rope_theta, freq_scale=cfg.rope_freq_scale))
-        h = norm(g, x, b + "attn_norm.weight", eps, "attn_norm")
-        h = norm(g, attention(g, h, il, a, rope), b + "post_attention_norm.weight", eps, "attn_post_norm")
-        x = g.add(x, h, "sa_out")
-        h = norm(g, x, b + "ffn_norm.weight", eps, "ffn_norm")
-        h = norm(g, ffn(g, h, il, "gelu"), b + "post_ffw_norm.weight", eps, "ffn_post_norm")
-        x = g.cvec(g.add(x, h, "l_out"))
+        x = block(g, cfg, il, x, a)
     head(g, x, eps)
+
+
+def block(g: Graph, cfg: ModelConfig, il: int, x: Tensor, a: Attn) -> Tensor:
+    """Layer ``il`` over the residual stream ``x``, attending as ``a`` says: the
+    sliding-window layers' RoPE or the global one's, the sandwich norms, GeGLU, the
+    layer's control vector (gemma3 and gemma-embedding share it)."""
+    g.layer(il)
+    b, eps = f"blk.{il}.", cfg.rms_eps
+    rope = (Rope("neox", cfg.rope_theta_swa) if cfg.is_swa(il)
+            else Rope("neox", cfg.rope_theta, freq_scale=cfg.rope_freq_scale))
+    h = norm(g, x, b + "attn_norm.weight", eps, "attn_norm")
+    h = norm(g, attention(g, h, il, a, rope), b + "post_attention_norm.weight", eps, "attn_post_norm")
+    x = g.add(x, h, "sa_out")
+    h = norm(g, x, b + "ffn_norm.weight", eps, "ffn_norm")
+    h = norm(g, ffn(g, h, il, "gelu"), b + "post_ffw_norm.weight", eps, "ffn_post_norm")
+    return g.cvec(g.add(x, h, "l_out"))

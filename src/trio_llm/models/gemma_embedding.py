@@ -33,9 +33,9 @@ from trio_llm.errors import ModelLoadError, UnsupportedModelError
 from trio_llm.graph import Graph
 from trio_llm.model.config import ModelConfig
 from trio_llm.models import Meta
-from trio_llm.models.blocks import Attn, Rope, attention, ffn, norm
+from trio_llm.models.blocks import Attn, norm
 from trio_llm.models.gemma3 import MIN_BLOCK_TENSORS as MIN_BLOCK_TENSORS
-from trio_llm.models.gemma3 import linear_rope_factor, rope_theta_swa, swa_pattern
+from trio_llm.models.gemma3 import block, linear_rope_factor, rope_theta_swa, swa_pattern
 from trio_llm.models.gemma3 import tensors as gemma3_tensors
 from trio_llm.models.llama import common_hparams, rope_base
 
@@ -86,20 +86,11 @@ def build(g: Graph, cfg: ModelConfig) -> None:
     x = g.get_rows(g.weight("token_embd.weight"), g.tokens())  # [T, n_embd]
     x = g.scale(x, math.sqrt(cfg.n_embd), "inp_scaled")
     for il in range(cfg.n_layer):
-        g.layer(il)
-        b = f"blk.{il}."
         swa = cfg.is_swa(il)
         # a symmetric window: |p - j| <= n_swa / 2
         a = Attn(n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=cfg.head_dim, eps=eps,
                  scale=cfg.kq_scale, qk_norm=True, window=cfg.n_swa // 2 + 1 if swa else 0, symmetric=swa)
-        rope = (Rope("neox", cfg.rope_theta_swa) if swa
-                else Rope("neox", cfg.rope_theta, freq_scale=cfg.rope_freq_scale))
-        h = norm(g, x, b + "attn_norm.weight", eps, "attn_norm")
-        h = norm(g, attention(g, h, il, a, rope), b + "post_attention_norm.weight", eps, "attn_post_norm")
-        x = g.add(x, h, "sa_out")
-        h = norm(g, x, b + "ffn_norm.weight", eps, "ffn_norm")
-        h = norm(g, ffn(g, h, il, "gelu"), b + "post_ffw_norm.weight", eps, "ffn_post_norm")
-        x = g.cvec(g.add(x, h, "l_out"))
+        x = block(g, cfg, il, x, a)
     g.layer(-1)
     x = g.outputs(x)  # [O, n_embd]
     x = norm(g, x, "output_norm.weight", eps, "result_norm")  # [O, n_embd]: t_embd
